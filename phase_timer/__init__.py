@@ -1,0 +1,27 @@
+"""phase-timer: where each training step's time goes, on the GPU's own clock, lazily.
+
+``PhaseTimer`` (the Lightning callback) is imported on first use, so
+``import phase_timer`` needs only torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from phase_timer.clock import CudaClock, HostClock, make_clock
+from phase_timer.config import DISABLE_ENV
+from phase_timer.core import TimingCore
+
+if TYPE_CHECKING:
+    from phase_timer.lightning import PhaseTimer
+
+__all__ = ["DISABLE_ENV", "CudaClock", "HostClock", "PhaseTimer", "TimingCore", "make_clock"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PhaseTimer":
+        from phase_timer.lightning import PhaseTimer
+
+        return PhaseTimer
+    raise AttributeError(f"module 'phase_timer' has no attribute {name!r}")

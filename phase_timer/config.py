@@ -1,0 +1,59 @@
+"""Keyword-only configuration shared by both doors, checked when it is built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+#: Set to 1/true/yes/on to turn every phase-timer into a no-op without touching code.
+DISABLE_ENV = "PHASE_TIMER_DISABLE"
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _fail(owner: str, name: str, value: Any, expected: str) -> None:
+    raise ValueError(f"{owner}({name}={value!r}): `{name}` must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(owner, name, value, f"an int >= {minimum}" + (" or None" if optional else ""))
+
+
+def check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(owner, name, value, "True or False")
+
+
+def check_path(owner: str, name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        _fail(owner, name, value, "a path (str or os.PathLike) or None")
+
+
+@dataclass(frozen=True)
+class TimerConfig:
+    """What both doors accept.  ``window=None`` means: the framework's logging interval."""
+
+    window: int | None = None
+    warmup_steps: int = 5
+    max_pending: int = 64
+    per_step: bool = False
+    summary: bool = True
+    log_dir: str | os.PathLike[str] | None = None
+    owner: str = "PhaseTimer"
+    #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
+    window_arg: str = "window"
+
+    def __post_init__(self) -> None:
+        o = self.owner
+        check_int(o, self.window_arg, self.window, 1, optional=True)
+        check_int(o, "warmup_steps", self.warmup_steps, 0)
+        check_int(o, "max_pending", self.max_pending, 1)
+        check_bool(o, "per_step", self.per_step)
+        check_bool(o, "summary", self.summary)
+        check_path(o, "log_dir", self.log_dir)

@@ -1,0 +1,183 @@
+"""The framework-free core: hooks -> marks -> records -> resolver -> stats -> sinks.
+
+Both doors (the Lightning callback and the plain-PyTorch attachment) only turn
+their framework's events into calls on :class:`TimingCore`:
+``begin_step(step, phase)``, ``phase(name)``, ``relabel(name)``,
+``add_host(name, ms)``, ``end_step()``, ``pause()/resume()`` and ``finish()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+
+from phase_timer.clock import Clock
+from phase_timer.metrics import SKIPPED_TAG, format_summary, step_scalars, window_scalars
+from phase_timer.recorder import Recorder
+from phase_timer.resolver import Resolver, StepTimes
+from phase_timer.sinks import GuardedSink, Sink
+from phase_timer.stats import RunTotals, Window
+
+log = logging.getLogger(__name__)
+
+
+class TimingCore:
+    """One run's timing: which steps are recorded, their resolution, statistics and output."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        sinks: Sequence[Sink] = (),
+        *,
+        window: int,
+        warmup_steps: int,
+        max_pending: int,
+        per_step: bool = False,
+    ) -> None:
+        self.clock = clock
+        self._recorder = Recorder(clock)
+        self._resolver = Resolver(clock, max_pending=max_pending)
+        self._sinks = [s if isinstance(s, GuardedSink) else GuardedSink(s, type(s).__name__) for s in sinks]
+        self._window_size = window
+        self._warmup = warmup_steps
+        self._per_step = per_step
+        self._window: Window | None = None
+        self.totals = RunTotals()
+        self.steps_begun = 0
+        self.skipped = 0
+        self.closed = False
+        self._in_step = False
+        self._last_end: int | None = None
+        self._paused_at: int | None = None
+        # The hot path: bound methods, no extra frame.
+        self.phase = self._recorder.switch
+        self.relabel = self._recorder.relabel
+        self.add_host = self._recorder.add_host
+
+    # -- the step ---------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        """A step has begun and not ended (recorded or not: warm-up and skipped steps count)."""
+        return self._in_step
+
+    @property
+    def recording(self) -> bool:
+        return self._recorder.is_open
+
+    @property
+    def current_phase(self) -> str | None:
+        return self._recorder.current
+
+    @property
+    def pending(self) -> int:
+        return len(self._resolver)
+
+    def begin_step(self, step: int, phase: str) -> None:
+        """Open step ``step`` with ``phase`` as its first span (unless warming up or full)."""
+        if self.closed:
+            return
+        self._in_step = True
+        self.steps_begun += 1
+        if self.steps_begun <= self._warmup:
+            return
+        if self._resolver.full:
+            self._consume(self._resolver.poll())
+            if self._resolver.full:
+                self._skip()
+                return
+        self._recorder.open(step, phase)
+
+    def end_step(self) -> None:
+        """Close the step; resolve whatever earlier steps the device has finished."""
+        if not self._in_step:
+            return
+        self._in_step = False
+        now = time.perf_counter_ns()
+        record = self._recorder.close()
+        if record is not None:
+            if self._last_end is not None:
+                record.host_ms["period"] = (now - self._last_end) / 1e6
+            self._resolver.push(record)
+        self._last_end = now
+        self._consume(self._resolver.poll())
+
+    def _skip(self) -> None:
+        self.skipped += 1
+        if self.skipped == 1:
+            msg = (
+                f"phase-timer: {self._resolver.max_pending} steps are still running on the device, the "
+                "`max_pending` bound; steps are left untimed until the device catches up (counted in "
+                f"{SKIPPED_TAG}). Raise `max_pending` to time them all."
+            )
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def pause(self) -> None:
+        """Stop the host clock of ``period`` (validation inside training, epoch ends)."""
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter_ns()
+
+    def resume(self) -> None:
+        if self._paused_at is None:
+            return
+        if self._last_end is not None:
+            self._last_end += time.perf_counter_ns() - self._paused_at
+        self._paused_at = None
+
+    # -- results ----------------------------------------------------------------
+    def _consume(self, results: list[StepTimes]) -> None:
+        for r in results:
+            self.totals.add(r.ms)
+            if self._per_step:
+                self._write(r.step, step_scalars(r.ms))
+            window = self._window
+            key = r.step // self._window_size
+            if window is not None and window.key != key:
+                self._emit(window)
+                window = None
+            if window is None:
+                window = self._window = Window(key)
+            window.add(r.step, r.ms)
+
+    def _emit(self, window: Window) -> None:
+        scalars = window_scalars(window.summary())
+        if self.skipped:
+            scalars[SKIPPED_TAG] = float(self.skipped)
+        self._write(window.last_step, scalars)
+
+    def _write(self, step: int, scalars: dict[str, float]) -> None:
+        for sink in self._sinks:
+            sink.write(step, scalars)
+
+    def poll(self) -> None:
+        """Resolve finished steps now (never waits)."""
+        self._consume(self._resolver.poll())
+
+    def finish(self) -> RunTotals:
+        """End of training: drop a half-done step, wait for the rest, write and close.
+
+        The only place that waits for the device (through ``Resolver.drain``).
+        Safe to call twice; the second call does nothing.
+        """
+        if self.closed:
+            return self.totals
+        self.closed = True
+        self._recorder.discard()  # a step cut off mid-way has no honest total
+        self._in_step = False
+        try:
+            self._consume(self._resolver.drain())
+        except Exception as err:  # noqa: BLE001 - e.g. the device died: keep what was resolved
+            msg = f"phase-timer: could not resolve the last steps ({type(err).__name__}: {err})"
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        if self._window is not None:
+            self._emit(self._window)
+            self._window = None
+        for sink in self._sinks:
+            sink.close()
+        return self.totals
+
+    def summary_table(self, title: str = "phase-timer") -> str:
+        return format_summary(self.totals, clock=self.clock.kind, title=title)

@@ -1,0 +1,99 @@
+"""One record per training step: its boundaries (marks) in order, and what each span was.
+
+Phases are contiguous: N+1 marks give N spans, and the spans add up exactly to
+the step.  A span is labelled with the phase that *starts* at its first mark, so
+a phase that happens several times in a step (forward and backward under
+gradient accumulation, ``optimizer`` with several optimizers) is summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from phase_timer.clock import Clock
+
+
+@dataclass(slots=True)
+class Record:
+    """A closed step waiting to be resolved: ``labels[i]`` names ``marks[i] -> marks[i+1]``."""
+
+    step: int
+    marks: list[Any]
+    labels: list[str]
+    single_stream: bool = True
+    #: Phases measured on the host clock, already in milliseconds (``data_wait``, ``period``).
+    host_ms: dict[str, float] = field(default_factory=dict)
+
+
+class Recorder:
+    """Turns ``open / switch / close`` calls into marks on one clock."""
+
+    __slots__ = ("_clock", "_marks", "_labels", "_current", "_step", "_epoch", "_host")
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._marks: list[Any] | None = None
+        self._labels: list[str] = []
+        self._current = ""
+        self._step = 0
+        self._epoch = 0
+        self._host: dict[str, float] = {}
+
+    @property
+    def is_open(self) -> bool:
+        return self._marks is not None
+
+    @property
+    def current(self) -> str | None:
+        """The phase running now, or ``None`` outside a record."""
+        return self._current if self._marks is not None else None
+
+    def open(self, step: int, phase: str) -> None:
+        """Start a record at ``step`` whose first span is ``phase``."""
+        self._marks = [self._clock.mark()]
+        self._labels = []
+        self._current = phase
+        self._step = step
+        self._epoch = self._clock.stream_epoch
+        self._host = {}
+
+    def switch(self, phase: str) -> None:
+        """End the running span and start ``phase``; free when ``phase`` is already running."""
+        marks = self._marks
+        if marks is None or phase == self._current:
+            return
+        marks.append(self._clock.mark())
+        self._labels.append(self._current)
+        self._current = phase
+
+    def relabel(self, phase: str) -> None:
+        """Rename the running span (no mark): what it turned out to be is known only later."""
+        if self._marks is not None:
+            self._current = phase
+
+    def add_host(self, phase: str, ms: float) -> None:
+        if self._marks is not None:
+            self._host[phase] = self._host.get(phase, 0.0) + ms
+
+    def close(self) -> Record | None:
+        """Take the last mark and hand the record over; ``None`` if none was open."""
+        marks = self._marks
+        if marks is None:
+            return None
+        marks.append(self._clock.mark())
+        self._labels.append(self._current)
+        self._marks = None
+        return Record(
+            step=self._step,
+            marks=marks,
+            labels=self._labels,
+            single_stream=self._clock.stream_epoch == self._epoch,
+            host_ms=self._host,
+        )
+
+    def discard(self) -> None:
+        """Drop an open record, giving its marks back (used when a step is abandoned)."""
+        if self._marks is not None:
+            self._clock.release(self._marks)
+            self._marks = None

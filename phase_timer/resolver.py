@@ -1,0 +1,83 @@
+"""The FIFO of records waiting for the device: resolved lazily, never waited on.
+
+``poll()`` asks each pending record, oldest first, whether its last mark is done
+(``Event.query()``, ~0.7 us) and stops at the first that is not: it never blocks
+and resolves at most ``max_per_poll`` records a call.  ``drain()`` is the one
+place that waits for the device, and only the end of training calls it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from phase_timer.clock import Clock
+from phase_timer.recorder import Record
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """A resolved step: milliseconds per phase, with ``step`` the sum of the device spans."""
+
+    step: int
+    ms: dict[str, float]
+
+
+def resolve(clock: Clock, record: Record) -> StepTimes:
+    """Milliseconds per phase of a record whose marks are all done; its marks go back to the pool."""
+    marks, ms = record.marks, {}
+    total = 0.0
+    elapsed = clock.elapsed_ms
+    for i, label in enumerate(record.labels):
+        span = elapsed(marks[i], marks[i + 1])
+        ms[label] = ms.get(label, 0.0) + span
+        total += span
+    ms["step"] = total
+    ms.update(record.host_ms)
+    clock.release(marks)
+    return StepTimes(record.step, ms)
+
+
+class Resolver:
+    """Pending records in order; bounded by ``max_pending``."""
+
+    def __init__(self, clock: Clock, *, max_pending: int, max_per_poll: int = 4) -> None:
+        self._clock = clock
+        self._pending: deque[Record] = deque()
+        self.max_pending = max_pending
+        self._max_per_poll = max_per_poll
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    @property
+    def full(self) -> bool:
+        return len(self._pending) >= self.max_pending
+
+    def push(self, record: Record) -> None:
+        """Queue a closed record.  Callers check :attr:`full` first (the core skips the step)."""
+        self._pending.append(record)
+
+    def _ready(self, record: Record) -> bool:
+        done = self._clock.done
+        if record.single_stream:  # one stream: events complete in order
+            return done(record.marks[-1])
+        return all(done(m) for m in record.marks)
+
+    def poll(self) -> list[StepTimes]:
+        """Resolve what the device has finished, oldest first, without waiting."""
+        pending, out = self._pending, []
+        while pending and len(out) < self._max_per_poll and self._ready(pending[0]):
+            out.append(resolve(self._clock, pending.popleft()))
+        return out
+
+    def drain(self) -> list[StepTimes]:
+        """Resolve everything, waiting for the device: call once, at the end of training."""
+        out = []
+        while self._pending:
+            record = self._pending.popleft()
+            # HOST-DEVICE SYNC (end of training only): wait for every mark's stream.
+            for mark in record.marks if not record.single_stream else record.marks[-1:]:
+                self._clock.wait(mark)
+            out.append(resolve(self._clock, record))
+        return out

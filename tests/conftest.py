@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_disable_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PHASE_TIMER_DISABLE", raising=False)
+    os.environ.setdefault("PL_DISABLE_FORK", "1")

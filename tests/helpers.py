@@ -1,0 +1,168 @@
+"""Real Lightning pieces for the tests: modules whose phases take known times."""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a run directory, read back with tensorboard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def event_files(log_dir: str) -> list[str]:
+    return glob.glob(os.path.join(log_dir, "**", "events.out.tfevents.*"), recursive=True)
+
+
+def open_files_under(path: str) -> list[str]:
+    """Files under ``path`` that this process still holds open (from /proc)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(os.path.realpath(path)):
+            out.append(target)
+    return out
+
+
+class SleepyData(Dataset):
+    """Random regression data; each item takes ``sleep_s`` to load."""
+
+    def __init__(self, n: int = 4096, sleep_s: float = 0.0) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.sleep_s = sleep_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i], self.y[i]
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes ``sleep_s``: a known amount of backward time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sleep_s: float) -> torch.Tensor:
+        ctx.sleep_s = sleep_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.sleep_s)
+        return grad, None
+
+
+class SlowSGD(torch.optim.SGD):
+    """SGD whose step takes ``sleep_s`` longer."""
+
+    def __init__(self, params: Any, lr: float, sleep_s: float = 0.0) -> None:
+        super().__init__(params, lr=lr)
+        self.sleep_s = sleep_s
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        time.sleep(self.sleep_s)
+        return out
+
+
+def loader(batch_size: int = 8, sleep_s: float = 0.0, n: int = 4096) -> DataLoader:
+    return DataLoader(SleepyData(n, sleep_s), batch_size=batch_size)
+
+
+def module_class(ns: str) -> type:
+    """A LightningModule of namespace ``ns`` with a sleep in each phase."""
+    pl = importlib.import_module(ns)
+
+    class Sleepy(pl.LightningModule):
+        def __init__(
+            self,
+            *,
+            h2d: float = 0.0,
+            forward: float = 0.0,
+            backward: float = 0.0,
+            optimizer: float = 0.0,
+            val: float = 0.0,
+            manual: int = 0,
+            fail_at: int | None = None,
+            fail_with: type[BaseException] = RuntimeError,
+        ) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+            self.sleeps = {"h2d": h2d, "forward": forward, "backward": backward, "optimizer": optimizer, "val": val}
+            self.automatic_optimization = manual == 0
+            self.n_optimizers = max(1, manual)
+            self.fail_at = fail_at
+            self.fail_with = fail_with
+
+        def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+            if self.trainer.training:
+                time.sleep(self.sleeps["h2d"])
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+        def _loss(self, batch: Any) -> torch.Tensor:
+            x, y = batch
+            time.sleep(self.sleeps["forward"])
+            out = _SlowBackward.apply(self.net(x), self.sleeps["backward"])
+            return nn.functional.mse_loss(out, y)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if self.fail_at is not None and self.global_step >= self.fail_at:
+                raise self.fail_with("planted failure")
+            if self.automatic_optimization:
+                loss = self._loss(batch)
+                self.log("train_loss", loss)
+                return loss
+            for opt in self.optimizers() if self.n_optimizers > 1 else [self.optimizers()]:
+                opt.zero_grad()
+                loss = self._loss(batch)
+                self.manual_backward(loss)
+                opt.step()
+            self.log("train_loss", loss)
+            return None
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            time.sleep(self.sleeps["val"])
+            self.log("val_loss", self._loss(batch))
+
+        def configure_optimizers(self) -> Any:
+            opts = [SlowSGD(self.parameters(), lr=0.01, sleep_s=self.sleeps["optimizer"]) for _ in range(self.n_optimizers)]
+            return opts if len(opts) > 1 else opts[0]
+
+    return Sleepy
+
+
+def trainer(ns: str, root: str, callbacks: list, **kwargs: Any) -> Any:
+    pl = importlib.import_module(ns)
+    kwargs.setdefault("logger", pl.loggers.TensorBoardLogger(root, name="logs"))
+    return pl.Trainer(
+        default_root_dir=root,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=kwargs.pop("enable_checkpointing", False),
+        num_sanity_val_steps=kwargs.pop("num_sanity_val_steps", 0),
+        **kwargs,
+    )

@@ -1,0 +1,315 @@
+"""The core on the CPU with a fake clock: recorder, resolver, statistics, sinks."""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+
+import pytest
+
+from phase_timer.core import TimingCore
+from phase_timer.metrics import SKIPPED_TAG, format_summary, window_tag
+from phase_timer.recorder import Recorder
+from phase_timer.resolver import Resolver
+from phase_timer.stats import PhaseTotals, percentile, summarize
+from tests.fakes import FakeClock, ListSink
+
+
+def run_step(core: TimingCore, step: int, phases: list[str]) -> None:
+    core.begin_step(step, phases[0])
+    for p in phases[1:]:
+        core.phase(p)
+    core.end_step()
+
+
+# -- recorder -----------------------------------------------------------------------
+def test_spans_are_contiguous_and_add_up():
+    clock = FakeClock(tick_ms=2.0)
+    rec = Recorder(clock)
+    rec.open(7, "h2d")
+    for p in ("forward", "backward", "optimizer"):
+        rec.switch(p)
+    record = rec.close()
+    assert record.step == 7
+    assert record.labels == ["h2d", "forward", "backward", "optimizer"]
+    assert len(record.marks) == 5
+
+
+def test_switch_to_running_phase_takes_no_mark_and_repeated_phases_sum():
+    clock = FakeClock(tick_ms=1.0)
+    resolver = Resolver(clock, max_pending=8)
+    rec = Recorder(clock)
+    rec.open(0, "forward")
+    rec.switch("forward")  # no-op
+    rec.switch("backward")
+    rec.switch("forward")  # second micro-batch
+    rec.switch("backward")
+    rec.relabel("idle")
+    rec.switch("optimizer")
+    resolver.push(rec.close())
+    (times,) = resolver.poll()
+    assert times.ms["forward"] == 2.0
+    assert times.ms["backward"] == 1.0  # second backward span was relabelled idle
+    assert times.ms["idle"] == 1.0
+    assert times.ms["step"] == pytest.approx(sum(v for k, v in times.ms.items() if k != "step"))
+    assert clock.created == 6  # the no-op switch took no mark
+
+
+def test_calls_outside_a_record_do_nothing():
+    clock = FakeClock()
+    rec = Recorder(clock)
+    rec.switch("forward")
+    rec.relabel("idle")
+    rec.add_host("data_wait", 3.0)
+    assert rec.close() is None
+    assert clock.created == 0
+
+
+# -- resolver -----------------------------------------------------------------------
+def _records(clock: FakeClock, n: int, start: int = 0):
+    rec = Recorder(clock)
+    out = []
+    for s in range(start, start + n):
+        rec.open(s, "forward")
+        rec.switch("backward")
+        out.append(rec.close())
+    return out
+
+
+def test_poll_never_waits_and_resolves_in_fifo_order():
+    clock = FakeClock(lag=3)
+    resolver = Resolver(clock, max_pending=100, max_per_poll=100)
+    for r in _records(clock, 10):
+        resolver.push(r)
+    seen = []
+    for _ in range(50):  # each record needs its 3 unfinished polls, then one more
+        seen += [t.step for t in resolver.poll()]
+    assert clock.waits == 0
+    assert seen == list(range(10))  # in order, none lost, none twice
+    assert len(resolver) == 0
+
+
+def test_poll_stops_at_first_unfinished_record():
+    clock = FakeClock(lag=0)
+    resolver = Resolver(clock, max_pending=10, max_per_poll=10)
+    first, second, third = _records(clock, 3)
+    second.marks[-1].polls_left = 5  # the device has not reached the middle record
+    for r in (first, second, third):
+        resolver.push(r)
+    assert [t.step for t in resolver.poll()] == [0]
+    assert len(resolver) == 2  # the third waits behind the second, even though it is done
+    for _ in range(5):
+        resolver.poll()
+    assert len(resolver) == 0
+
+
+def test_poll_is_bounded_per_call():
+    clock = FakeClock()
+    resolver = Resolver(clock, max_pending=100, max_per_poll=4)
+    for r in _records(clock, 10):
+        resolver.push(r)
+    assert [len(resolver.poll()) for _ in range(4)] == [4, 4, 2, 0]
+
+
+def test_drain_waits_once_per_record_and_resolves_everything():
+    clock = FakeClock(lag=10**6)
+    resolver = Resolver(clock, max_pending=10)
+    for r in _records(clock, 5):
+        resolver.push(r)
+    assert resolver.poll() == []
+    out = resolver.drain()
+    assert [t.step for t in out] == list(range(5))
+    assert clock.waits == 5  # one wait per record: the last mark of one stream
+
+
+def test_multi_stream_record_checks_every_mark():
+    clock = FakeClock()
+    rec = Recorder(clock)
+    rec.open(0, "forward")
+    clock.stream_epoch += 1  # marks went to another stream mid-record
+    rec.switch("backward")
+    record = rec.close()
+    assert not record.single_stream
+    record.marks[0].polls_left = 2  # the first stream lags behind the second
+    resolver = Resolver(clock, max_pending=4)
+    resolver.push(record)
+    assert resolver.poll() == [] and resolver.poll() == []
+    assert len(resolver.poll()) == 1
+
+
+def test_marks_go_back_to_the_pool():
+    clock = FakeClock()
+    resolver = Resolver(clock, max_pending=4)
+    for r in _records(clock, 3):
+        resolver.push(r)
+    resolver.poll()
+    assert clock.live_marks == 0
+
+
+# -- core ---------------------------------------------------------------------------
+PHASES = ["h2d", "forward", "backward", "optimizer"]
+
+
+def test_warmup_steps_are_not_recorded():
+    clock = FakeClock()
+    sink = ListSink()
+    core = TimingCore(clock, [sink], window=10, warmup_steps=3, max_pending=8)
+    for s in range(10):
+        run_step(core, s, PHASES)
+    core.finish()
+    assert core.totals.steps == 7
+    assert clock.created == 7 * 5
+
+
+def test_windows_align_with_the_logging_interval_and_flush_at_the_end():
+    clock = FakeClock(tick_ms=1.0)
+    sink = ListSink()
+    core = TimingCore(clock, [sink], window=5, warmup_steps=0, max_pending=8)
+    for s in range(12):
+        run_step(core, s, PHASES)
+    assert [step for step, _ in sink.writes] == [4, 9]  # as Lightning logs at (s+1) % 5 == 0
+    core.finish()
+    assert [step for step, _ in sink.writes] == [4, 9, 11]  # the last, partial window is flushed
+    scalars = sink.writes[0][1]
+    assert scalars[window_tag("forward", "mean")] == 1.0
+    assert scalars[window_tag("step", "max")] == 4.0
+    assert sink.closed
+
+
+def test_lagging_device_delays_output_but_loses_nothing():
+    clock = FakeClock(lag=7)
+    sink = ListSink()
+    core = TimingCore(clock, [sink], window=1, warmup_steps=0, max_pending=64, per_step=True)
+    for s in range(30):
+        run_step(core, s, PHASES)
+    written_before_end = len(sink.writes)
+    core.finish()
+    steps = [step for step, sc in sink.writes if "phase_time_step/step_ms" in sc]
+    assert written_before_end < 60
+    assert steps == list(range(30))
+    assert clock.waits > 0  # the drain waited, at the end only
+
+
+def test_full_resolver_skips_steps_and_says_so():
+    clock = FakeClock(lag=10**6)  # the device never catches up until the drain
+    sink = ListSink()
+    core = TimingCore(clock, [sink], window=100, warmup_steps=0, max_pending=4)
+    with pytest.warns(RuntimeWarning, match="max_pending"):
+        for s in range(10):
+            run_step(core, s, PHASES)
+    assert core.skipped == 6
+    assert clock.live_marks <= 4 * 5  # bounded
+    core.finish()
+    assert core.totals.steps == 4
+    (_, scalars), = sink.writes
+    assert scalars[SKIPPED_TAG] == 6.0
+
+
+def test_host_phases_and_period():
+    clock = FakeClock()
+    core = TimingCore(clock, [], window=10, warmup_steps=0, max_pending=8, per_step=False)
+    for s in range(3):
+        core.begin_step(s, "forward")
+        core.add_host("data_wait", 2.5)
+        core.end_step()
+    core.finish()
+    assert core.totals.phases["data_wait"].mean == 2.5
+    assert core.totals.phases["period"].count == 2  # the first step has no previous end: absent, not 0
+
+
+def test_pause_removes_time_from_period(monkeypatch):
+    now = [0]
+    monkeypatch.setattr("phase_timer.core.time.perf_counter_ns", lambda: now[0])
+    core = TimingCore(FakeClock(), [], window=10, warmup_steps=0, max_pending=8)
+    run_step(core, 0, PHASES)
+    now[0] += 1_000_000
+    core.pause()
+    now[0] += 50_000_000  # validation
+    core.resume()
+    now[0] += 2_000_000
+    run_step(core, 1, PHASES)
+    core.finish()
+    assert core.totals.phases["period"].mean == pytest.approx(3.0)
+
+
+def test_finish_discards_a_half_step_and_is_idempotent():
+    clock = FakeClock()
+    sink = ListSink()
+    core = TimingCore(clock, [sink], window=10, warmup_steps=0, max_pending=8)
+    run_step(core, 0, PHASES)
+    core.begin_step(1, "h2d")
+    core.phase("forward")  # an exception strikes here
+    core.finish()
+    core.finish()
+    assert core.totals.steps == 1
+    assert len(sink.writes) == 1
+    assert clock.live_marks == 0
+    core.begin_step(2, "h2d")  # after finish: ignored
+    assert not core.recording
+
+
+class Exploding(ListSink):
+    def write(self, step, scalars):
+        raise OSError("disk full")
+
+
+def test_a_failing_sink_warns_once_and_others_still_get_data():
+    good = ListSink()
+    core = TimingCore(FakeClock(), [Exploding(), good], window=1, warmup_steps=0, max_pending=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(5):
+            run_step(core, s, PHASES)
+        core.finish()
+    assert len([w for w in caught if "disk full" in str(w.message)]) == 1
+    assert len(good.writes) == 5
+
+
+# -- statistics ---------------------------------------------------------------------
+def test_window_statistics_match_numpy_definitions():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    values = [rng.lognormvariate(0, 1) for _ in range(101)]
+    s = summarize(values)
+    assert s["mean"] == pytest.approx(np.mean(values))
+    assert s["p50"] == pytest.approx(np.percentile(values, 50))
+    assert s["p90"] == pytest.approx(np.percentile(values, 90))
+    assert s["max"] == max(values)
+    assert percentile([3.0], 90) == 3.0
+
+
+def test_run_totals_percentiles_within_half_a_percent_and_memory_bounded():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(1)
+    totals = PhaseTotals()
+    values = [rng.uniform(0.5, 40.0) for _ in range(50_000)]
+    for v in values:
+        totals.add(v)
+    for q in (50, 90):
+        assert totals.quantile(q) == pytest.approx(np.percentile(values, q), rel=0.006)
+    assert totals.mean == pytest.approx(np.mean(values))
+    assert totals.max == max(values)
+    assert len(totals._buckets) < 500  # ~log(80)/log(1.01) buckets, whatever the step count
+
+
+def test_zero_durations_are_counted():
+    totals = PhaseTotals()
+    for v in (0.0, 0.0, 1.0):
+        totals.add(v)
+    assert totals.quantile(50) == 0.0 and totals.max == 1.0 and math.isclose(totals.mean, 1 / 3)
+
+
+def test_summary_table_lists_phases_in_order_with_shares():
+    core = TimingCore(FakeClock(), [], window=10, warmup_steps=0, max_pending=8)
+    for s in range(4):
+        core.begin_step(s, "h2d")
+        core.add_host("data_wait", 1.0)
+        for p in PHASES[1:]:
+            core.phase(p)
+        core.end_step()
+    core.finish()
+    table = format_summary(core.totals, clock="cuda")
+    lines = [ln.split()[0] for ln in table.splitlines()[4:-2]]
+    assert lines == ["data_wait", "h2d", "forward", "backward", "optimizer", "step", "period"]
+    assert "25.0%" in table  # four equal device phases

@@ -1,0 +1,257 @@
+"""The callback in real Trainers on the CPU, read back from real TensorBoard files."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import warnings
+
+import pytest
+
+from phase_timer import PhaseTimer
+from phase_timer.metrics import window_tag
+from tests.helpers import NAMESPACES, event_files, loader, module_class, open_files_under, read_scalars, trainer
+
+pytestmark = pytest.mark.timeout(300)
+STATS = ("mean", "p50", "p90", "max")
+DEVICE_PHASES = ("h2d", "forward", "backward", "optimizer")
+
+
+def steps_of(scalars, phase="step", stat="mean"):
+    return [s for s, _ in scalars[window_tag(phase, stat)]]
+
+
+def values_of(scalars, phase, stat="mean"):
+    return [v for _, v in scalars[window_tag(phase, stat)]]
+
+
+def assert_increasing_unique(steps):
+    assert steps == sorted(set(steps)), steps
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_every_phase_logged_at_lightnings_steps(ns, tmp_path, capsys):
+    timer = PhaseTimer(warmup_steps=2)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=30, log_every_n_steps=5)
+    t.fit(module_class(ns)(), loader())
+    scalars = read_scalars(t.logger.log_dir)
+    for phase in ("data_wait", *DEVICE_PHASES, "step", "period"):
+        for stat in STATS:
+            assert window_tag(phase, stat) in scalars, (phase, stat)
+            assert steps_of(scalars, phase, stat) == [4, 9, 14, 19, 24, 29]  # one value per window
+    assert [s for s, _ in scalars["train_loss"]] == steps_of(scalars)  # the same x-axis as Lightning's own
+    for phase in DEVICE_PHASES:
+        for lo, hi in (("p50", "p90"), ("p90", "max"), ("mean", "max")):
+            assert all(a <= b + 1e-9 for a, b in zip(values_of(scalars, phase, lo), values_of(scalars, phase, hi)))
+    # device phases add up to the step (window means of a sum are sums of window means)
+    for i, step_mean in enumerate(values_of(scalars, "step")):
+        assert sum(values_of(scalars, p)[i] for p in DEVICE_PHASES) == pytest.approx(step_mean, rel=1e-4)
+    assert "batch_to_device" not in t.strategy.__dict__  # the wrapper is gone
+    assert "forward" in capsys.readouterr().out  # the summary table was printed
+    assert timer.totals.steps == 28
+
+
+def test_custom_scalars_layout_in_the_loggers_run_dir(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    t = trainer("lightning.pytorch", str(tmp_path), [PhaseTimer(warmup_steps=0)], max_steps=6, log_every_n_steps=2)
+    t.fit(module_class("lightning.pytorch")(), loader())
+    acc = EventAccumulator(t.logger.log_dir)
+    acc.Reload()
+    (event,) = acc.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    assert charts["mean per phase (ms)"] == [r"^phase_time/.*_ms/mean$"]
+    assert len(event_files(t.logger.log_dir)) == 1  # same run directory as the logger
+
+
+def test_phases_are_attributed_where_the_time_is_spent(tmp_path):
+    ns = "lightning.pytorch"
+    model = module_class(ns)(h2d=0.004, forward=0.006, backward=0.008, optimizer=0.010)
+    timer = PhaseTimer(warmup_steps=2)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=14, log_every_n_steps=4)
+    t.fit(model, loader(sleep_s=0.0005))
+    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
+    for phase, sleep_ms in {"h2d": 4, "forward": 6, "backward": 8, "optimizer": 10, "data_wait": 4}.items():
+        assert sleep_ms <= p50[phase] < sleep_ms + 6, (phase, p50)
+    assert p50["period"] >= p50["step"] + p50["data_wait"] * 0.9
+
+
+@pytest.mark.parametrize("ns", NAMESPACES)
+def test_gradient_accumulation_one_record_per_optimizer_step(ns, tmp_path):
+    model = module_class(ns)(forward=0.003, backward=0.002)
+    timer = PhaseTimer(warmup_steps=1, per_step=True)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=8, log_every_n_steps=2, accumulate_grad_batches=4)
+    t.fit(model, loader())
+    scalars = read_scalars(t.logger.log_dir)
+    per_step = [s for s, _ in scalars["phase_time_step/step_ms"]]
+    assert per_step == list(range(1, 8))  # optimizer steps 1..7, at Lightning's step index
+    assert steps_of(scalars) == [s for s, _ in scalars["train_loss"]][-len(steps_of(scalars)):]
+    fwd = [v for _, v in scalars["phase_time_step/forward_ms"]]
+    bwd = [v for _, v in scalars["phase_time_step/backward_ms"]]
+    assert min(fwd) >= 4 * 3 and min(bwd) >= 4 * 2  # four micro-batches summed
+    assert "phase_time_step/idle_ms" in scalars  # the device between micro-batches
+    dw = timer.totals.phases["data_wait"]
+    assert dw.count == 7
+
+
+@pytest.mark.parametrize("n_opt", [1, 2])
+def test_manual_optimization_with_one_or_several_optimizers(tmp_path, n_opt):
+    ns = "lightning.pytorch"
+    model = module_class(ns)(manual=n_opt, forward=0.003, optimizer=0.005, backward=0.002)
+    timer = PhaseTimer(warmup_steps=1)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=8 * n_opt, log_every_n_steps=2)
+    t.fit(model, loader())
+    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
+    assert 5 * n_opt <= p50["optimizer"] < 5 * n_opt + 5
+    assert 3 * n_opt <= p50["forward"] < 3 * n_opt + 5
+    assert 2 * n_opt <= p50["backward"] < 2 * n_opt + 5
+    assert timer.totals.steps == 7  # one record per batch, whatever the number of optimizers
+    scalars = read_scalars(t.logger.log_dir)
+    assert_increasing_unique(steps_of(scalars))
+    assert all(opt._optimizer_step_pre_hooks == {} for opt in t.optimizers)  # hooks removed
+
+
+def test_validation_and_sanity_check_are_not_counted(tmp_path):
+    ns = "lightning.pytorch"
+    model = module_class(ns)(val=0.01)
+    timer = PhaseTimer(warmup_steps=1)
+    t = trainer(
+        ns, str(tmp_path), [timer], max_steps=20, log_every_n_steps=5, val_check_interval=5,
+        limit_val_batches=4, num_sanity_val_steps=2,
+    )
+    t.fit(model, loader(), loader())
+    totals = timer.totals.phases
+    assert totals["h2d"].count == 19  # the validation batches' copies are not in
+    assert totals["period"].max < 30  # 4 validation batches of 10 ms would show
+    assert totals["data_wait"].max < 30
+
+
+def test_bf16_mixed_and_gradient_clipping(tmp_path):
+    ns = "lightning.pytorch"
+    timer = PhaseTimer(warmup_steps=1)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=10, log_every_n_steps=3, precision="bf16-mixed",
+                gradient_clip_val=0.5)
+    t.fit(module_class(ns)(optimizer=0.002), loader())
+    scalars = read_scalars(t.logger.log_dir)
+    assert steps_of(scalars) == [2, 5, 8, 9]
+    assert timer.totals.phases["optimizer"].quantile(50) >= 2
+
+
+def _assert_closed_and_flushed(t, timer, tmp_path, expect_steps):
+    assert "batch_to_device" not in t.strategy.__dict__
+    assert timer.core is None
+    assert open_files_under(str(tmp_path / "phase_timer")) == []
+    scalars = read_scalars(timer.log_dir)
+    assert steps_of(scalars)[-1] == expect_steps  # the last, partial window made it to disk
+    assert "interrupted" in timer.last_summary
+
+
+def test_exception_mid_run_flushes_restores_and_closes(tmp_path):
+    ns = "lightning.pytorch"
+    timer = PhaseTimer(warmup_steps=1)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=40, log_every_n_steps=5, logger=False)
+    with pytest.raises(RuntimeError, match="planted"):
+        t.fit(module_class(ns)(fail_at=12), loader())
+    _assert_closed_and_flushed(t, timer, tmp_path, expect_steps=11)
+
+
+def test_keyboard_interrupt_flushes_restores_and_closes(tmp_path):
+    ns = "lightning.pytorch"
+    timer = PhaseTimer(warmup_steps=1)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=40, log_every_n_steps=5, logger=False)
+    try:
+        with pytest.raises(SystemExit):  # Lightning turns Ctrl+C into a graceful exit(1)
+            t.fit(module_class(ns)(fail_at=12, fail_with=KeyboardInterrupt), loader())
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    _assert_closed_and_flushed(t, timer, tmp_path, expect_steps=11)
+
+
+def test_without_a_logger_it_writes_its_own_files(tmp_path):
+    timer = PhaseTimer(warmup_steps=0)
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=6, log_every_n_steps=3, logger=False)
+    t.fit(module_class("lightning.pytorch")(), loader())
+    assert timer.log_dir == str(tmp_path / "phase_timer" / "version_0")
+    assert steps_of(read_scalars(timer.log_dir)) == [2, 5]
+    assert open_files_under(str(tmp_path)) == []
+
+
+def test_fit_twice_with_the_same_callback(tmp_path):
+    ns = "lightning.pytorch"
+    timer = PhaseTimer(warmup_steps=1)
+    for run in ("a", "b"):
+        t = trainer(ns, str(tmp_path / run), [timer], max_steps=10, log_every_n_steps=5)
+        t.fit(module_class(ns)(), loader())
+        assert steps_of(read_scalars(t.logger.log_dir)) == [4, 9]
+        assert "batch_to_device" not in t.strategy.__dict__
+    assert timer.totals.steps == 9  # the second fit started afresh
+
+
+def test_resume_from_checkpoint_continues_steps_without_duplicates(tmp_path):
+    ns = "lightning.pytorch"
+    pl = importlib.import_module(ns)
+    model_cls = module_class(ns)
+    logger = lambda: pl.loggers.TensorBoardLogger(str(tmp_path), name="logs", version=0)  # noqa: E731
+    t1 = trainer(ns, str(tmp_path), [PhaseTimer(warmup_steps=1)], max_steps=20, log_every_n_steps=5,
+                 logger=logger(), enable_checkpointing=True)
+    t1.fit(model_cls(), loader(n=8 * 40))
+    ckpt = t1.checkpoint_callback.best_model_path or t1.checkpoint_callback.last_model_path
+    assert os.path.exists(ckpt)
+    t2 = trainer(ns, str(tmp_path), [PhaseTimer(warmup_steps=1)], max_steps=40, log_every_n_steps=5, logger=logger())
+    t2.fit(model_cls(), loader(n=8 * 40), ckpt_path=ckpt)
+    steps = steps_of(read_scalars(t2.logger.log_dir))
+    assert steps == [4, 9, 14, 19, 24, 29, 34, 39]
+
+
+def test_environment_switch_makes_it_a_no_op(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHASE_TIMER_DISABLE", "1")
+    timer = PhaseTimer()
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=8, log_every_n_steps=2)
+    t.fit(module_class("lightning.pytorch")(), loader())
+    assert not any(tag.startswith("phase_time") for tag in read_scalars(t.logger.log_dir))
+    assert timer.totals is None
+
+
+def test_a_failing_logger_warns_once_and_training_goes_on(tmp_path):
+    pl = importlib.import_module("lightning.pytorch")
+
+    class Broken(pl.loggers.CSVLogger):
+        def log_metrics(self, metrics, step=None):
+            if any(k.startswith("phase_time") for k in metrics):
+                raise ConnectionError("logging service unreachable")
+            super().log_metrics(metrics, step)
+
+    timer = PhaseTimer(warmup_steps=0)
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=20, log_every_n_steps=2,
+                logger=[Broken(str(tmp_path)), pl.loggers.TensorBoardLogger(str(tmp_path), name="tb")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(module_class("lightning.pytorch")(), loader())
+    assert len([w for w in caught if "unreachable" in str(w.message)]) == 1
+    assert t.global_step == 20
+    assert steps_of(read_scalars(t.loggers[1].log_dir)) == [1, 3, 5, 7, 9, 11, 13, 15, 17, 19]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"max_pending": "8"}, "max_pending"),
+        ({"per_step": 1}, "per_step"),
+        ({"summary": None}, "summary"),
+        ({"log_dir": 3}, "log_dir"),
+        ({"enabled": "yes"}, "enabled"),
+    ],
+)
+def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=rf"PhaseTimer\({name}=.*`{name}` must be .*got"):
+        PhaseTimer(**kwargs)
+
+
+def test_positional_arguments_are_refused():
+    with pytest.raises(TypeError):
+        PhaseTimer(10)  # type: ignore[misc]
