@@ -18,7 +18,7 @@ import torch
 
 from phase_timer.clock import CudaClock
 from phase_timer.core import TimingCore
-from phase_timer.sinks import open_summary_writer
+from phase_timer.sinks import BackgroundSink, open_summary_writer
 
 
 def per_call_us(fn, n: int, repeats: int = 7) -> float:
@@ -58,7 +58,7 @@ def core_step(n: int, sink: bool, window: int) -> float:
     sinks = []
     tmp = tempfile.mkdtemp()
     if sink:
-        sinks.append(open_summary_writer(tmp, per_step=False))
+        sinks.append(BackgroundSink(open_summary_writer(tmp, per_step=False), "tensorboard"))  # as the callback does
     core = TimingCore(CudaClock(), sinks, window=window, warmup_steps=0, max_pending=64)
     x = torch.randn(256, 256, device="cuda")
     state = {"i": 0}

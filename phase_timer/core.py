@@ -17,7 +17,7 @@ from phase_timer.clock import Clock
 from phase_timer.metrics import SKIPPED_TAG, format_summary, step_scalars, window_scalars
 from phase_timer.recorder import Recorder
 from phase_timer.resolver import Resolver, StepTimes
-from phase_timer.sinks import GuardedSink, Sink
+from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.stats import RunTotals, Window
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class TimingCore:
         self.clock = clock
         self._recorder = Recorder(clock)
         self._resolver = Resolver(clock, max_pending=max_pending)
-        self._sinks = [s if isinstance(s, GuardedSink) else GuardedSink(s, type(s).__name__) for s in sinks]
+        self._sinks = [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
         self._window_size = window
         self._warmup = warmup_steps
         self._per_step = per_step
@@ -129,7 +129,6 @@ class TimingCore:
     # -- results ----------------------------------------------------------------
     def _consume(self, results: list[StepTimes]) -> None:
         for r in results:
-            self.totals.add(r.ms)
             if self._per_step:
                 self._write(r.step, step_scalars(r.ms))
             window = self._window
@@ -142,6 +141,7 @@ class TimingCore:
             window.add(r.step, r.ms)
 
     def _emit(self, window: Window) -> None:
+        self.totals.add_window(window)
         scalars = window_scalars(window.summary())
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)

@@ -25,7 +25,8 @@ from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
-from phase_timer.sinks import GuardedSink, Sink, SummaryWriterSink, open_summary_writer
+from phase_timer.optim_hooks import StepHooks
+from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, open_summary_writer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -166,25 +167,24 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             max_pending=cfg.max_pending,
             per_step=cfg.per_step,
         )
-        if not pl_module.automatic_optimization:
-            for opt in trainer.optimizers:  # the torch optimizers, under any Lightning wrapper
-                self._hooks.append(opt.register_step_pre_hook(lambda *_: self.core and self.core.phase("optimizer")))
-                self._hooks.append(opt.register_step_post_hook(lambda *_: self.core and self.core.phase("forward")))
+        if not pl_module.automatic_optimization:  # trainer.optimizers: the torch optimizers themselves
+            self._hooks.append(StepHooks(trainer.optimizers, self._manual_step_start, self._manual_step_end))
 
     def _make_sinks(self, trainer: pl.Trainer) -> list[Sink]:
         sinks: list[Sink] = []
         for lg in trainer.loggers:
             if isinstance(lg, _TENSORBOARD_LOGGERS):
                 layout = custom_scalars_layout(self.config.per_step)
-                sink: Sink = SummaryWriterSink(lg.experiment, owned=False, layout=layout)
+                writer = SummaryWriterSink(lg.experiment, owned=False, layout=layout)
+                sink: Sink = BackgroundSink(writer, type(lg).__name__)
                 self.log_dir = lg.log_dir
             else:
-                sink = _LoggerSink(lg)
-            sinks.append(GuardedSink(sink, type(lg).__name__))
+                sink = GuardedSink(_LoggerSink(lg), type(lg).__name__)
+            sinks.append(sink)
         if not sinks:
             own = open_summary_writer(self._own_log_dir(trainer), per_step=self.config.per_step)
             self.log_dir = own.log_dir
-            sinks.append(GuardedSink(own, "SummaryWriter"))
+            sinks.append(BackgroundSink(own, "SummaryWriter"))
         return sinks
 
     def _own_log_dir(self, trainer: pl.Trainer) -> str:
@@ -209,6 +209,14 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             core.begin_step(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step), "h2d")
         core.add_host("data_wait", wait_ms)
         self._global_step_at_batch = trainer.global_step
+
+    def _manual_step_start(self, opt: Any) -> None:
+        if self.core is not None:
+            self.core.phase("optimizer")
+
+    def _manual_step_end(self, opt: Any) -> None:
+        if self.core is not None:
+            self.core.phase("forward")  # back in the user's training_step
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if self.core is not None:

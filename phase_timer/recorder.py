@@ -29,10 +29,11 @@ class Record:
 class Recorder:
     """Turns ``open / switch / close`` calls into marks on one clock."""
 
-    __slots__ = ("_clock", "_marks", "_labels", "_current", "_step", "_epoch", "_host")
+    __slots__ = ("_clock", "_mark", "_marks", "_labels", "_current", "_step", "_epoch", "_host")
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
+        self._mark = clock.mark
         self._marks: list[Any] | None = None
         self._labels: list[str] = []
         self._current = ""
@@ -51,7 +52,7 @@ class Recorder:
 
     def open(self, step: int, phase: str) -> None:
         """Start a record at ``step`` whose first span is ``phase``."""
-        self._marks = [self._clock.mark()]
+        self._marks = [self._mark()]
         self._labels = []
         self._current = phase
         self._step = step
@@ -63,7 +64,7 @@ class Recorder:
         marks = self._marks
         if marks is None or phase == self._current:
             return
-        marks.append(self._clock.mark())
+        marks.append(self._mark())
         self._labels.append(self._current)
         self._current = phase
 
@@ -81,7 +82,7 @@ class Recorder:
         marks = self._marks
         if marks is None:
             return None
-        marks.append(self._clock.mark())
+        marks.append(self._mark())
         self._labels.append(self._current)
         self._marks = None
         return Record(

@@ -25,15 +25,17 @@ class StepTimes:
 
 def resolve(clock: Clock, record: Record) -> StepTimes:
     """Milliseconds per phase of a record whose marks are all done; its marks go back to the pool."""
-    marks, ms = record.marks, {}
-    total = 0.0
+    marks = record.marks
+    ms = record.host_ms  # host phases are in already; device phases join them
     elapsed = clock.elapsed_ms
-    for i, label in enumerate(record.labels):
-        span = elapsed(marks[i], marks[i + 1])
+    total = 0.0
+    start = marks[0]
+    for label, end in zip(record.labels, marks[1:]):
+        span = elapsed(start, end)
         ms[label] = ms.get(label, 0.0) + span
         total += span
+        start = end
     ms["step"] = total
-    ms.update(record.host_ms)
     clock.release(marks)
     return StepTimes(record.step, ms)
 

@@ -2,12 +2,16 @@
 
 Writing to TensorBoard one scalar at a time costs ~50-100 us per scalar (the
 writer's queue and protobuf per call), so :class:`SummaryWriterSink` writes all
-the scalars of a step as one event with many values: one call per window.
+the scalars of a step as one event with many values, and :class:`BackgroundSink`
+does that on a thread of its own: the training thread only puts on a queue
+(the event file writer's lock can otherwise keep it waiting ~100 us a window).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -97,6 +101,51 @@ class GuardedSink:
 
     def close(self) -> None:
         self._call("close")
+
+
+_FLUSH = object()
+_STOP = object()
+
+
+class BackgroundSink:
+    """Hands writes to a daemon thread; ``flush`` and ``close`` wait for it to catch up.
+
+    Only for sinks that are safe to call from another thread (a SummaryWriter is:
+    its event writer takes a lock).  Lightning loggers in general are not, and are
+    written from the training thread.
+    """
+
+    def __init__(self, sink: Sink, name: str, *, timeout_s: float = 60.0) -> None:
+        self.sink = sink if isinstance(sink, GuardedSink) else GuardedSink(sink, name)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._run, name=f"phase-timer-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if isinstance(item, threading.Event):
+                self.sink.flush()
+                item.set()
+            else:
+                self.sink.write(*item)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self._queue.put((step, scalars))
+
+    def flush(self) -> None:
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(self._timeout_s)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(self._timeout_s)
+        self.sink.close()
 
 
 def open_summary_writer(log_dir: str, *, per_step: bool) -> SummaryWriterSink:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 #: Statistics written per phase for each window, in this order.
 WINDOW_STATS = ("mean", "p50", "p90", "max")
@@ -37,10 +36,12 @@ class Window:
     def __init__(self, key: int) -> None:
         self.key = key
         self.last_step = -1
+        self.steps = 0
         self.values: dict[str, list[float]] = {}
 
     def add(self, step: int, ms: dict[str, float]) -> None:
         self.last_step = max(self.last_step, step)
+        self.steps += 1
         values = self.values
         for phase, v in ms.items():
             bucket = values.get(phase)
@@ -56,28 +57,34 @@ class Window:
 # Run-wide percentiles come from a log-bucketed histogram: buckets 1% wide, so a
 # percentile is within 0.5% of the exact one, and memory does not grow with steps.
 _GROWTH = 1.01
-_LOG_GROWTH = math.log(_GROWTH)
+_INV_LOG_GROWTH = 1.0 / math.log(_GROWTH)
+_ZERO = -(10**9)  # the bucket of zero durations
 
 
-@dataclass
 class PhaseTotals:
-    """Streaming count, sum, max and histogram of one phase's milliseconds."""
+    """Streaming count, sum, min, max and histogram of one phase's milliseconds."""
 
-    count: int = 0
-    total: float = 0.0
-    max: float = float("-inf")
-    min: float = float("inf")
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.max = float("-inf")
+        self.min = float("inf")
         self._buckets: dict[int, int] = {}
 
     def add(self, v: float) -> None:
-        self.count += 1
-        self.total += v
-        self.max = v if v > self.max else self.max
-        self.min = v if v < self.min else self.min
-        key = math.floor(math.log(v) / _LOG_GROWTH) if v > 0 else -(10**9)
-        self._buckets[key] = self._buckets.get(key, 0) + 1
+        self.extend([v])
+
+    def extend(self, values: list[float]) -> None:
+        if not values:
+            return
+        self.count += len(values)
+        self.total += sum(values)
+        self.max = max(self.max, max(values))
+        self.min = min(self.min, min(values))
+        buckets, log, floor, inv = self._buckets, math.log, math.floor, _INV_LOG_GROWTH
+        for v in values:
+            key = floor(log(v) * inv) if v > 0 else _ZERO
+            buckets[key] = buckets.get(key, 0) + 1
 
     @property
     def mean(self) -> float:
@@ -90,25 +97,26 @@ class PhaseTotals:
         for key in sorted(self._buckets):
             seen += self._buckets[key]
             if seen > rank:
-                if key == -(10**9):
+                if key == _ZERO:
                     return max(0.0, self.min)
-                mid = _GROWTH ** (key + 0.5)
-                return min(max(mid, self.min), self.max)
+                return min(max(_GROWTH ** (key + 0.5), self.min), self.max)
         return self.max
 
 
 class RunTotals:
-    """Per-phase totals over a whole run, for the end-of-training summary."""
+    """Per-phase totals over a whole run, for the end-of-training summary.
+
+    Fed a window at a time (one call per phase per window, not per step).
+    """
 
     def __init__(self) -> None:
         self.phases: dict[str, PhaseTotals] = {}
         self.steps = 0
 
-    def add(self, ms: dict[str, float]) -> None:
-        self.steps += 1
-        phases = self.phases
-        for phase, v in ms.items():
-            totals = phases.get(phase)
+    def add_window(self, window: Window) -> None:
+        self.steps += window.steps
+        for phase, values in window.values.items():
+            totals = self.phases.get(phase)
             if totals is None:
-                totals = phases[phase] = PhaseTotals()
-            totals.add(v)
+                totals = self.phases[phase] = PhaseTotals()
+            totals.extend(values)

@@ -30,3 +30,11 @@ def test_lightning_quickstart(tmp_path):
     assert "phase-timer: 55 steps timed" in out
     scalars = read_scalars(str(tmp_path / "lightning_logs" / "version_0"))
     assert [s for s, _ in scalars["phase_time/forward_ms/mean"]] == [19, 39, 59]
+
+
+@pytest.mark.timeout(300)
+def test_plain_pytorch(tmp_path):
+    out = run_example("plain_pytorch.py", tmp_path, "--steps", "60")
+    assert "phase-timer: 55 steps timed" in out and "clip" in out
+    scalars = read_scalars(str(tmp_path / "phase_timer_logs" / "version_0"))
+    assert [s for s, _ in scalars["phase_time/clip_ms/mean"]] == [19, 39, 59]
