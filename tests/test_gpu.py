@@ -146,3 +146,111 @@ def test_profiler_sees_no_sync_added_by_the_timer(tmp_path):
     print("syncs without", without, "with", with_timer, "event queries", q0, q1)
     assert with_timer == without
     assert q1 > q0  # the timer did run: it polled its events
+
+
+# -- the plain-PyTorch door ----------------------------------------------------------
+def _plain(device="cuda", width=1024, steps=30, stream=None, scaler=None, per_step=True, tmp=None, prof_step=None):
+    import phase_timer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    timer = phase_timer.attach(model, opt, gpu_data(width=width), copy_to_device=True, scaler=scaler, log_dir=tmp,
+                               warmup_steps=3, per_step=per_step, summary=False)
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx:
+        for i, (x, y) in enumerate(timer.loader):
+            with torch.autocast("cuda", dtype=torch.float16, enabled=scaler is not None):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            if scaler is not None:
+                if i == 6:
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i + 1 == steps:
+                break
+    timer.close()
+    return timer
+
+
+def _assert_sane(timer, steps):
+    phases = timer.totals.phases
+    assert timer.totals.steps == steps
+    for p in ("h2d", "forward", "backward", "optimizer", "step"):
+        assert phases[p].min > 0, p
+    device_sum = sum(phases[p].total for p in ("h2d", "forward", "backward", "optimizer"))
+    assert device_sum == pytest.approx(phases["step"].total, rel=1e-5)
+
+
+def test_plain_loop_on_cuda_without_sync(tmp_path, no_sync_in_timer):
+    _assert_sane(_plain(tmp=tmp_path), 13)  # 16 batches, 3 warm-up
+
+
+def test_plain_loop_on_a_side_stream(tmp_path, no_sync_in_timer):
+    side = torch.cuda.Stream()
+    timer = _plain(stream=side, tmp=tmp_path)
+    _assert_sane(timer, 13)
+
+
+def test_plain_loop_fp16_grad_scaler_on_cuda(tmp_path, no_sync_in_timer):
+    _assert_sane(_plain(scaler=torch.amp.GradScaler("cuda"), tmp=tmp_path), 13)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_plain_loop_on_cuda_1(tmp_path, no_sync_in_timer):
+    timer = _plain(device="cuda:1", tmp=tmp_path)
+    _assert_sane(timer, 13)
+
+
+def test_backward_phase_covers_the_backward_kernels(tmp_path):
+    """One profiled step: the kernels launched inside loss.backward() fit inside phase-timer's backward."""
+    import phase_timer
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    width = 4096
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.GELU())]).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(2048, width, device="cuda")
+    timer = phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=0, per_step=True, summary=False)
+    got = {}
+    timer.core._sinks.append(type("S", (), {"write": lambda s, st, sc: got.setdefault(st, sc), "flush": lambda s: None, "close": lambda s: None})())
+    for i in range(8):
+        if i == 6:
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        out = model(x).square().mean()
+        with record_function("user_backward"):
+            out.backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 6:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+    timer.close()
+    trace = str(tmp_path / "trace.json")
+    prof.export_chrome_trace(trace)
+    bwd = _kernels_launched_in(trace, "user_backward")
+    assert bwd, "no backward kernels found"
+    busy_ms = sum(k["dur"] for k in bwd) / 1e3
+    measured = got[6]["phase_time_step/backward_ms"]
+    print(f"backward: phase-timer {measured:.3f} ms, kernels launched in backward() busy {busy_ms:.3f} ms over {len(bwd)} kernels")
+    assert busy_ms * 0.98 <= measured <= busy_ms * 1.10 + 0.1
+
+
+def _kernels_launched_in(trace: str, annotation: str) -> list[dict]:
+    """GPU ops whose runtime launch (any thread) happened inside the named host range."""
+    import json
+
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    rng = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == annotation)
+    lo, hi = rng["ts"], rng["ts"] + rng["dur"]
+    launched = {e["args"]["correlation"] for e in events
+                if e.get("cat") == "cuda_runtime" and lo <= e["ts"] <= hi and "correlation" in e.get("args", {})}
+    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            and e.get("args", {}).get("correlation") in launched]
