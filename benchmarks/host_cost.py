@@ -53,12 +53,14 @@ def primitives(n: int) -> dict[str, float]:
     return out
 
 
-def core_step(n: int, sink: bool, window: int) -> float:
+def core_step(n: int, sink: str, window: int) -> float:
     """Per step: begin, 4 switches, end (poll + resolve + stats + amortized window write)."""
-    sinks = []
+    sinks: list = []
     tmp = tempfile.mkdtemp()
-    if sink:
-        sinks.append(BackgroundSink(open_summary_writer(tmp, per_step=False), "tensorboard"))  # as the callback does
+    if sink == "tensorboard, writer thread":
+        sinks.append(BackgroundSink(open_summary_writer(tmp, per_step=False), "tensorboard"))
+    elif sink == "tensorboard, training thread":
+        sinks.append(open_summary_writer(tmp, per_step=False))
     core = TimingCore(CudaClock(), sinks, window=window, warmup_steps=0, max_pending=64)
     x = torch.randn(256, 256, device="cuda")
     state = {"i": 0}
@@ -88,10 +90,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = primitives(args.steps)
-    rows["core step, no sink"] = core_step(args.steps, sink=False, window=50)
-    rows["core step, TensorBoard window=50"] = core_step(args.steps, sink=True, window=50)
+    for _ in range(2):  # twice, interleaved: the spread shows the noise
+        for sink in ("none", "tensorboard, writer thread", "tensorboard, training thread"):
+            rows.setdefault(f"core step, {sink} (window 50)", []).append(core_step(args.steps, sink=sink, window=50))
     lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}"]
-    lines += [f"{k:40s} {v:8.2f} us" for k, v in rows.items()]
+    lines += [f"{k:55s} " + " ".join(f"{x:8.2f}" for x in (v if isinstance(v, list) else [v])) + " us" for k, v in rows.items()]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -42,45 +42,66 @@ def say(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- plain-loop variants
-def run_plain(spec: Spec, variant: str, steps: int, warmup: int = 20) -> float:
-    """Seconds per step over ``steps`` (after ``warmup``), for one way of timing."""
-    torch.manual_seed(0)
-    model = make_model(spec, DEV)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    step = plain_step(model, opt, DEV)
-    batches = make_batches(spec)
-    total = warmup + steps
-    timer = None
-    prof = None
-    if variant == "phase-timer":
-        timer = phase_timer.attach(model, opt, Cycle(batches, total), log_dir=tempfile.mkdtemp(), summary=False)
-        loader = timer.loader
-    else:
-        loader = Cycle(batches, total)
-    if variant == "torch.profiler":
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-        prof.__enter__()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    t0 = 0.0
-    for i, batch in enumerate(loader):
-        if i == warmup:
-            torch.cuda.synchronize()  # benchmark boundary, outside the measured steps
-            t0 = time.perf_counter()
-        if variant == "sync-every-batch":  # the common recipe: events + synchronize each step
-            ev[0].record()
-            step(batch)
-            ev[1].record()
-            torch.cuda.synchronize()
-            ev[0].elapsed_time(ev[1])
-        else:
-            step(batch)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
-    if prof is not None:
-        prof.__exit__(None, None, None)
-    if timer is not None:
-        timer.close()
-    return dt
+class PlainBench:
+    """One warm model and optimizer; blocks of steps run with each way of timing in turn."""
+
+    def __init__(self, spec: Spec) -> None:
+        torch.manual_seed(0)
+        self.model = make_model(spec, DEV)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.step = plain_step(self.model, self.opt, DEV)
+        self.batches = make_batches(spec)
+        self.block("none", 30)
+
+    def block(self, variant: str, steps: int) -> float:
+        """Seconds per step over one block of ``steps``."""
+        timer = prof = None
+        loader: Any = Cycle(self.batches, steps)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        torch.cuda.synchronize()  # benchmark boundary, outside the timed block
+        t0 = time.perf_counter()
+        if variant == "phase-timer":
+            timer = phase_timer.attach(self.model, self.opt, loader, log_dir=tempfile.mkdtemp(), summary=False)
+            loader = timer.loader
+        elif variant == "torch.profiler":
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        for batch in loader:
+            if variant == "sync-every-batch":  # the common recipe: events + synchronize each step
+                ev[0].record()
+                self.step(batch)
+                ev[1].record()
+                torch.cuda.synchronize()
+                ev[0].elapsed_time(ev[1])
+            else:
+                self.step(batch)
+        torch.cuda.synchronize()  # benchmark boundary
+        dt = (time.perf_counter() - t0) / steps
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        if timer is not None:
+            timer.close()
+        return dt
+
+
+def interleaved_blocks(spec: Spec, variants: list[str], pairs: int, steps: int) -> dict[str, dict[str, float]]:
+    bench = PlainBench(spec)
+    return _pairs(lambda v: bench.block(v, steps), variants, pairs)
+
+
+def _pairs(run, variants: list[str], pairs: int) -> dict[str, dict[str, float]]:
+    """A B A B ...: per-pair ratio of each variant to the no-timer run just before it."""
+    ratios: dict[str, list[float]] = defaultdict(list)
+    base: list[float] = []
+    for _ in range(pairs):
+        for v in variants:
+            a = run("none")
+            b = run(v)
+            ratios[v].append(b / a)
+            base.append(a)
+    out = {v: {"overhead_pct": 100 * (statistics.median(r) - 1), "spread_pct": 100 * (max(r) - min(r))} for v, r in ratios.items()}
+    out["none"] = {"step_ms": 1e3 * statistics.median(base)}
+    return out
 
 
 # ---------------------------------------------------------------- Lightning variants
@@ -136,19 +157,8 @@ def run_lightning(spec: Spec, variant: str, steps: int, warmup: int = 20) -> flo
     return (Clock.t1 - Clock.t0) / steps
 
 
-def interleaved(run, spec: Spec, variants: list[str], pairs: int, steps: int) -> dict[str, dict[str, float]]:
-    """A B A B ...: per-pair ratio of each variant to the no-timer run just before it."""
-    ratios: dict[str, list[float]] = defaultdict(list)
-    base: list[float] = []
-    for _ in range(pairs):
-        for v in variants:
-            a = run(spec, "none", steps)
-            b = run(spec, v, steps)
-            ratios[v].append(b / a)
-            base.append(a)
-    out = {v: {"overhead_pct": 100 * (statistics.median(r) - 1), "spread_pct": 100 * (max(r) - min(r))} for v, r in ratios.items()}
-    out["none"] = {"step_ms": 1e3 * statistics.median(base)}
-    return out
+def interleaved_trainers(spec: Spec, variants: list[str], pairs: int, steps: int) -> dict[str, dict[str, float]]:
+    return _pairs(lambda v: run_lightning(spec, v, steps), variants, pairs)
 
 
 # ---------------------------------------------------------------- accuracy
@@ -212,7 +222,7 @@ def truth_from_trace(path: str) -> dict[int, dict[str, float]]:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     ranges = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("truth:")]
-    launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     ranges.sort()
     starts = [r[0] for r in ranges]
@@ -318,21 +328,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer pairs and steps (a smoke run)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--only", default="overhead,accuracy,stalls,memory")
+    parser.add_argument("--doors", default="plain,lightning", help="which doors the overhead runs use")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     only = set(args.only.split(","))
-    pairs = 3 if args.quick else 7
+    doors = set(args.doors.split(","))
+    pairs = 3 if args.quick else 9
     say(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d')}")
     table: list[str] = []
     results: dict[str, Any] = {}
     if "overhead" in only:
-        for spec, steps in ((LAUNCH_BOUND, 300), (GPU_BOUND, 60)):
-            plain = interleaved(run_plain, spec, ["phase-timer", "sync-every-batch", "torch.profiler"], pairs, steps)
-            say(f"plain {spec.name}: {plain}")
-            light = interleaved(run_lightning, spec, ["phase-timer", "SimpleProfiler", "torch.profiler"], max(3, pairs - 2), steps)
-            say(f"lightning {spec.name}: {light}")
-            results[f"overhead/{spec.name}"] = {"plain": plain, "lightning": light}
-            for door, res in (("plain", plain), ("lightning", light)):
+        for spec, steps in ((LAUNCH_BOUND, 400), (GPU_BOUND, 100)):
+            res_by_door = {}
+            if "plain" in doors:
+                res_by_door["plain"] = interleaved_blocks(spec, ["phase-timer", "sync-every-batch", "torch.profiler"], pairs, steps)
+            if "lightning" in doors:
+                res_by_door["lightning"] = interleaved_trainers(spec, ["phase-timer", "SimpleProfiler", "torch.profiler"], max(3, pairs - 4), 2 * steps)
+            say(f"{spec.name}: {res_by_door}")
+            results[f"overhead/{spec.name}"] = res_by_door
+            for door, res in res_by_door.items():
                 for v, r in res.items():
                     if v != "none":
                         table.append(f"overhead  {door:9s} {spec.name:12s} {v:18s} {r['overhead_pct']:+7.2f}%  (spread {r['spread_pct']:.2f}%, step {res['none']['step_ms']:.2f} ms)")
@@ -355,9 +369,10 @@ def main() -> None:
         samples = long_run(20_000 if args.quick else 100_000)
         results["memory"] = samples
         table.append("memory    step, RSS MB, live events, pending: " + "; ".join(f"{i}: {r:.0f} {e} {p}" for i, r, e, p in samples))
-    with open(os.path.join(args.out, "suite.json"), "w") as f:
+    tag = "-".join(sorted(only)) + ("" if doors == {"plain", "lightning"} else "-" + "-".join(sorted(doors)))
+    with open(os.path.join(args.out, f"suite-{tag}.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
-    with open(os.path.join(args.out, "suite.txt"), "w") as f:
+    with open(os.path.join(args.out, f"suite-{tag}.txt"), "w") as f:
         f.write("\n".join(LINES + ["", *table]) + "\n")
     print("\n" + "\n".join(table))
 

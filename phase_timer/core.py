@@ -101,7 +101,9 @@ class TimingCore:
                 record.host_ms["period"] = (now - self._last_end) / 1e6
             self._resolver.push(record)
         self._last_end = now
-        self._consume(self._resolver.poll())
+        results = self._resolver.poll()
+        if results:
+            self._consume(results)
 
     def _skip(self) -> None:
         self.skipped += 1

@@ -60,17 +60,20 @@ class Resolver:
         """Queue a closed record.  Callers check :attr:`full` first (the core skips the step)."""
         self._pending.append(record)
 
-    def _ready(self, record: Record) -> bool:
-        done = self._clock.done
-        if record.single_stream:  # one stream: events complete in order
-            return done(record.marks[-1])
-        return all(done(m) for m in record.marks)
-
     def poll(self) -> list[StepTimes]:
         """Resolve what the device has finished, oldest first, without waiting."""
-        pending, out = self._pending, []
-        while pending and len(out) < self._max_per_poll and self._ready(pending[0]):
-            out.append(resolve(self._clock, pending.popleft()))
+        pending = self._pending
+        if not pending:
+            return []
+        out: list[StepTimes] = []
+        done, clock = self._clock.done, self._clock
+        while pending and len(out) < self._max_per_poll:
+            record = pending[0]
+            # One stream: events complete in order, so the last mark done means all are.
+            ready = done(record.marks[-1]) if record.single_stream else all(done(m) for m in record.marks)
+            if not ready:
+                break
+            out.append(resolve(clock, pending.popleft()))
         return out
 
     def drain(self) -> list[StepTimes]:

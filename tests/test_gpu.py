@@ -251,6 +251,6 @@ def _kernels_launched_in(trace: str, annotation: str) -> list[dict]:
     rng = next(e for e in events if e.get("cat") == "user_annotation" and e["name"] == annotation)
     lo, hi = rng["ts"], rng["ts"] + rng["dur"]
     launched = {e["args"]["correlation"] for e in events
-                if e.get("cat") == "cuda_runtime" and lo <= e["ts"] <= hi and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and lo <= e["ts"] <= hi and "correlation" in e.get("args", {})}
     return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
             and e.get("args", {}).get("correlation") in launched]
