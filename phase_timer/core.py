@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 
 from phase_timer.clock import Clock
-from phase_timer.metrics import SKIPPED_TAG, format_summary, step_scalars, window_scalars
+from phase_timer.metrics import SKIPPED_TAG, WINDOW_STEPS_TAG, format_summary, step_scalars, window_scalars
 from phase_timer.recorder import Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
@@ -143,8 +143,10 @@ class TimingCore:
             window.add(r.step, r.ms)
 
     def _emit(self, window: Window) -> None:
-        self.totals.add_window(window)
-        scalars = window_scalars(window.summary())
+        values = window.values
+        self.totals.add_window(window, values)
+        scalars = window_scalars(window.summary(values))
+        scalars[WINDOW_STEPS_TAG] = float(window.steps)
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
         self._write(window.last_step, scalars)

@@ -14,6 +14,7 @@ TOTALS = ("step", "period")
 WINDOW_PREFIX = "phase_time"
 STEP_PREFIX = "phase_time_step"
 SKIPPED_TAG = "phase_timer/skipped_steps"
+WINDOW_STEPS_TAG = "phase_timer/window_steps"
 
 
 def ordered(phases: set[str] | list[str]) -> list[str]:
@@ -55,8 +56,8 @@ def custom_scalars_layout(per_step: bool) -> dict[str, dict[str, list]]:
 def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer") -> str:
     """The end-of-training table: per phase mean, p50, p90, max and share.
 
-    Device phases show their share of ``step``; ``data_wait`` its share of ``period``
-    (both on the host clock).  Percentiles are within 0.5% (1%-wide histogram buckets).
+    Device phases show their share of ``step`` (total over total); ``data_wait`` its
+    share of ``period`` (both on the host clock).  Percentiles are within 0.5% (1%-wide histogram buckets).
     """
     phases = ordered(list(totals.phases))
     if not phases:
@@ -68,7 +69,8 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer")
     for p in phases:
         t = totals.phases[p]
         base = period if p in HOST_PHASES else step
-        share = "" if base is None or p in TOTALS or base.total <= 0 else f"{100 * t.mean / base.mean:5.1f}%"
+        # time-weighted: a phase absent from some steps (idle, a custom phase) is not overstated
+        share = "" if base is None or p in TOTALS or base.total <= 0 else f"{100 * t.total / base.total:5.1f}%"
         if p == "step":
             share = "100.0%"
         row_clock = "host" if p in HOST_PHASES else clock

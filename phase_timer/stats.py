@@ -31,27 +31,40 @@ def summarize(values: Iterable[float]) -> dict[str, float]:
 
 
 class Window:
-    """The steps of one logging window: every value kept, exact statistics."""
+    """The steps of one logging window: every value kept, exact statistics.
+
+    ``add`` only appends the step's dict; the per-phase columns are built once,
+    when the window is written (off the per-step path).
+    """
 
     def __init__(self, key: int) -> None:
         self.key = key
         self.last_step = -1
-        self.steps = 0
-        self.values: dict[str, list[float]] = {}
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def steps(self) -> int:
+        return len(self.rows)
 
     def add(self, step: int, ms: dict[str, float]) -> None:
-        self.last_step = max(self.last_step, step)
-        self.steps += 1
-        values = self.values
-        for phase, v in ms.items():
-            bucket = values.get(phase)
-            if bucket is None:
-                values[phase] = [v]
-            else:
-                bucket.append(v)
+        if step > self.last_step:
+            self.last_step = step
+        self.rows.append(ms)
 
-    def summary(self) -> dict[str, dict[str, float]]:
-        return {phase: summarize(vs) for phase, vs in self.values.items()}
+    @property
+    def values(self) -> dict[str, list[float]]:
+        columns: dict[str, list[float]] = {}
+        for row in self.rows:
+            for phase, v in row.items():
+                column = columns.get(phase)
+                if column is None:
+                    columns[phase] = [v]
+                else:
+                    column.append(v)
+        return columns
+
+    def summary(self, values: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
+        return {phase: summarize(vs) for phase, vs in (values or self.values).items()}
 
 
 # Run-wide percentiles come from a log-bucketed histogram: buckets 1% wide, so a
@@ -113,9 +126,9 @@ class RunTotals:
         self.phases: dict[str, PhaseTotals] = {}
         self.steps = 0
 
-    def add_window(self, window: Window) -> None:
+    def add_window(self, window: Window, values: dict[str, list[float]] | None = None) -> None:
         self.steps += window.steps
-        for phase, values in window.values.items():
+        for phase, values in (values or window.values).items():
             totals = self.phases.get(phase)
             if totals is None:
                 totals = self.phases[phase] = PhaseTotals()

@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from phase_timer.core import TimingCore
-from phase_timer.metrics import SKIPPED_TAG, format_summary, window_tag
+from phase_timer.metrics import SKIPPED_TAG, WINDOW_STEPS_TAG, format_summary, window_tag
 from phase_timer.recorder import Recorder
 from phase_timer.resolver import Resolver
 from phase_timer.stats import PhaseTotals, percentile, summarize
@@ -172,6 +172,7 @@ def test_windows_align_with_the_logging_interval_and_flush_at_the_end():
     core.finish()
     assert [step for step, _ in sink.writes] == [4, 9, 11]  # the last, partial window is flushed
     scalars = sink.writes[0][1]
+    assert scalars[WINDOW_STEPS_TAG] == 5.0 and sink.writes[-1][1][WINDOW_STEPS_TAG] == 2.0
     assert scalars[window_tag("forward", "mean")] == 1.0
     assert scalars[window_tag("step", "max")] == 4.0
     assert sink.closed
@@ -313,3 +314,13 @@ def test_summary_table_lists_phases_in_order_with_shares():
     lines = [ln.split()[0] for ln in table.splitlines()[4:-2]]
     assert lines == ["data_wait", "h2d", "forward", "backward", "optimizer", "step", "period"]
     assert "25.0%" in table  # four equal device phases
+
+
+def test_share_of_a_phase_absent_from_some_steps_is_time_weighted():
+    core = TimingCore(FakeClock(tick_ms=1.0), [], window=10, warmup_steps=0, max_pending=8)
+    run_step(core, 0, ["forward", "idle", "forward", "optimizer"])  # 4 ms, 1 ms idle
+    for s in range(1, 4):
+        run_step(core, s, ["forward", "optimizer"])  # 2 ms each
+    core.finish()
+    idle_row = next(ln for ln in format_summary(core.totals, clock="cuda").splitlines() if ln.startswith("idle"))
+    assert idle_row.endswith("10.0%")  # 1 ms of 10 ms, not its 1 ms mean over a 2.5 ms mean step

@@ -1,0 +1,562 @@
+"""``phase-timer report``: phase-timer's TensorBoard scalars as tables, JSON or a figure.
+
+Usage::
+
+    phase-timer report LOGDIR [LOGDIR ...] [--json] [--png FILE] [--source auto|window|step]
+    python -m phase_timer.report LOGDIR [LOGDIR ...] [...]     # the same, without the word `report`
+
+A LOGDIR is a run directory (event files directly in it) or any directory above
+runs: every directory under it whose event files hold ``phase_time/`` scalars is
+one run.  Files are read with TensorBoard's own ``EventAccumulator``.
+
+Where the numbers come from (``source``):
+
+``step``
+    The run was logged with ``per_step=True``: statistics are exact, over every
+    timed step's ``phase_time_step/<phase>_ms`` value (``auto`` prefers this).
+``window``
+    Only the per-window summaries ``phase_time/<phase>_ms/<stat>`` exist, and a
+    window's step count is not logged, so the columns are summaries of
+    summaries: mean = mean of window means (every window weighs the same),
+    p50 = median of window p50, p90 = max of window p90, max = max of window
+    max.  ``steps`` is then unknown (``null``).
+
+``share`` is a phase's part of the step: device phases of ``step`` (total phase
+time over total step time for ``step``; mean of window means over the same for
+``window``), ``data_wait`` of ``period`` (both host clock), ``step`` 1.0 and
+``period`` ``null``.
+
+``--json`` prints, instead of the tables::
+
+    {"runs": [{"run": "<run directory>",
+               "source": "window" | "step",
+               "steps": <timed steps (int) or null for "window">,
+               "windows": <logging windows (int)>,
+               "skipped_steps": <steps left untimed by max_pending (int)>,
+               "phases": {"<phase>": {"mean_ms": float, "p50_ms": float, "p90_ms": float,
+                                      "max_ms": float, "share": float | null}}}]}
+
+Phases appear in :func:`phase_timer.metrics.ordered` order.  ``--png FILE`` also
+writes a figure: phase shares of the step per run (left) and each phase's window
+mean over the steps (right, one row per run).
+
+Exit status: 0 on success; 2 on a usage error or a log directory that does not
+exist, holds no event files, holds no phase-timer scalars or holds a corrupt
+event file (one line on stderr names the path).  A corrupt file is one whose
+record framing breaks (a record header failing its checksum); a last record cut
+short, as a run still writing leaves it, is not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import re
+import statistics
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phase_timer.metrics import HOST_PHASES, SKIPPED_TAG, STEP_PREFIX, TOTALS, WINDOW_PREFIX, ordered
+from phase_timer.stats import WINDOW_STATS, percentile
+
+EXIT_ERROR = 2
+PROG = "phase-timer"
+_WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
+_STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
+_STAT_KEYS = ("mean_ms", "p50_ms", "p90_ms", "max_ms")
+
+Points = list[tuple[int, float]]
+
+
+class ReportError(Exception):
+    """A problem with the input, reported as one line naming the path; exit status 2."""
+
+
+@dataclass
+class PhaseStats:
+    mean_ms: float | None
+    p50_ms: float | None
+    p90_ms: float | None
+    max_ms: float | None
+    share: float | None = None
+
+
+@dataclass
+class RunReport:
+    run: str
+    source: str  # "window" | "step"
+    steps: int | None
+    windows: int
+    skipped_steps: int
+    phases: dict[str, PhaseStats]
+    #: Window mean of each phase at each window's last step (what the figure draws).
+    timeline: dict[str, Points] = field(default_factory=dict)
+
+
+@dataclass
+class PhaseScalars:
+    """A run's phase-timer scalars: ``window[phase][stat]`` and ``step[phase]`` points."""
+
+    window: dict[str, dict[str, Points]]
+    step: dict[str, Points]
+    skipped: Points
+
+    @property
+    def empty(self) -> bool:
+        return not self.window and not self.step
+
+
+# -- finding and reading runs ---------------------------------------------------------
+def _is_event_file(name: str) -> bool:
+    from tensorboard.backend.event_processing.io_wrapper import IsSummaryEventsFile
+
+    return IsSummaryEventsFile(name)
+
+
+def event_dirs(logdir: str) -> dict[str, list[str]]:
+    """Directories at or under ``logdir`` holding event files, with those files (sorted)."""
+    if not os.path.exists(logdir):
+        raise ReportError(f"{logdir}: no such directory")
+    if not os.path.isdir(logdir):
+        raise ReportError(f"{logdir}: not a directory")
+    found: dict[str, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(logdir, onerror=_raise_walk_error):
+        dirnames.sort()
+        files = sorted(os.path.join(dirpath, f) for f in filenames if _is_event_file(f))
+        if files:
+            found[os.path.normpath(dirpath)] = files
+    if not found:
+        raise ReportError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*) in it or below")
+    return found
+
+
+def _raise_walk_error(err: OSError) -> None:
+    raise ReportError(f"{err.filename}: cannot list ({err.strerror or err})")
+
+
+def check_event_file(path: str) -> None:
+    """Walk the record framing (length, checksum); raise :class:`ReportError` where it breaks.
+
+    Only the 12-byte headers are checked (payload checksums cost a pure-Python CRC
+    over the whole file); a trailing partial record is what a live writer leaves.
+    """
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            offset = 0
+            while offset + 12 <= size:
+                header = f.read(12)
+                (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+                if masked_crc32c(header[:8]) != crc:
+                    raise ReportError(f"{path}: corrupt event file (bad record header at byte {offset})")
+                offset += 12 + length + 4
+                f.seek(offset)
+    except OSError as err:
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
+
+
+def read_phase_scalars(run_dir: str) -> PhaseScalars:
+    """The phase-timer scalars of the event files directly in ``run_dir`` (all points kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    try:
+        acc.Reload()
+    except Exception as err:  # noqa: BLE001 - tensorboard's reader raises its own error types
+        raise ReportError(f"{run_dir}: cannot read event files ({type(err).__name__}: {err})") from err
+    out = PhaseScalars(window={}, step={}, skipped=[])
+    for tag in acc.Tags().get("scalars", []):
+        points = [(e.step, e.value) for e in acc.Scalars(tag)]
+        if m := _WINDOW_RE.match(tag):
+            out.window.setdefault(m.group(1), {})[m.group(2)] = points
+        elif m := _STEP_RE.match(tag):
+            out.step[m.group(1)] = points
+        elif tag == SKIPPED_TAG:
+            out.skipped = points
+    return out
+
+
+def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
+    """One report per phase-timer run found under the log dirs, in the order given."""
+    reports: list[RunReport] = []
+    seen: set[str] = set()
+    for logdir in logdirs:
+        found = 0
+        for run_dir, files in event_dirs(logdir).items():
+            for path in files:
+                check_event_file(path)
+            key = os.path.realpath(run_dir)
+            scalars = read_phase_scalars(run_dir)
+            if scalars.empty:
+                continue
+            found += 1
+            if key not in seen:
+                seen.add(key)
+                reports.append(build_report(run_dir, scalars, source))
+        if not found:
+            raise ReportError(f"{logdir}: event files hold no phase-timer scalars ({WINDOW_PREFIX}/...)")
+    return reports
+
+
+# -- statistics ------------------------------------------------------------------------
+def _values(points: Points | None) -> list[float]:
+    return [v for _, v in points or []]
+
+
+def window_stats(stats: dict[str, Points]) -> PhaseStats:
+    """Summaries of a phase's window summaries (see the module docstring)."""
+    means, p50s, p90s, maxes = (_values(stats.get(s)) for s in WINDOW_STATS)
+    return PhaseStats(
+        mean_ms=statistics.fmean(means) if means else None,
+        p50_ms=statistics.median(p50s) if p50s else None,
+        p90_ms=max(p90s) if p90s else None,
+        max_ms=max(maxes) if maxes else None,
+    )
+
+
+def step_stats(points: Points) -> PhaseStats:
+    """Exact statistics over every step's value."""
+    values = sorted(_values(points))
+    return PhaseStats(
+        mean_ms=statistics.fmean(values),
+        p50_ms=percentile(values, 50),
+        p90_ms=percentile(values, 90),
+        max_ms=values[-1],
+    )
+
+
+def _base(phase: str) -> str | None:
+    """What ``phase`` is a share of."""
+    if phase in TOTALS:
+        return None
+    return "period" if phase in HOST_PHASES else "step"
+
+
+def window_share(phase: str, phases: dict[str, PhaseStats]) -> float | None:
+    if phase == "step":
+        return 1.0
+    base = phases.get(_base(phase) or "")
+    mean = phases[phase].mean_ms
+    if base is None or base.mean_ms is None or mean is None or base.mean_ms <= 0:
+        return None
+    return mean / base.mean_ms
+
+
+def step_share(phase: str, step: dict[str, Points]) -> float | None:
+    """Total time of ``phase`` over total time of its base, over the steps that have the base."""
+    if phase == "step":
+        return 1.0
+    base_name = _base(phase)
+    if base_name is None or base_name not in step:
+        return None
+    base = dict(step[base_name])
+    values = dict(step[phase])
+    total = sum(base.values())
+    if total <= 0:
+        return None
+    return sum(values.get(s, 0.0) for s in base) / total
+
+
+def build_report(run_dir: str, scalars: PhaseScalars, source: str = "auto") -> RunReport:
+    """Pick the source (``auto``: per-step values when there are any) and summarize."""
+    use_step = bool(scalars.step) if source == "auto" else source == "step"
+    if use_step and not scalars.step:
+        raise ReportError(f"{run_dir}: no per-step scalars ({STEP_PREFIX}/...); the run was not logged with per_step=True")
+    if not use_step and not scalars.window:
+        raise ReportError(f"{run_dir}: no window scalars ({WINDOW_PREFIX}/...)")
+    if use_step:
+        phases = {p: step_stats(scalars.step[p]) for p in ordered(list(scalars.step))}
+        for p, st in phases.items():
+            st.share = step_share(p, scalars.step)
+        steps: int | None = len({s for pts in scalars.step.values() for s, _ in pts})
+    else:
+        phases = {p: window_stats(scalars.window[p]) for p in ordered(list(scalars.window))}
+        for p, st in phases.items():
+            st.share = window_share(p, phases)
+        steps = None
+    return RunReport(
+        run=run_dir,
+        source="step" if use_step else "window",
+        steps=steps,
+        windows=_window_count(scalars),
+        skipped_steps=int(max(_values(scalars.skipped), default=0)),
+        phases=phases,
+        timeline=_timeline(scalars),
+    )
+
+
+def _window_count(scalars: PhaseScalars) -> int:
+    return len({s for stats in scalars.window.values() for s, _ in stats.get("mean", [])})
+
+
+def _timeline(scalars: PhaseScalars) -> dict[str, Points]:
+    if scalars.window:
+        return {p: scalars.window[p].get("mean", []) for p in ordered(list(scalars.window))}
+    return {p: scalars.step[p] for p in ordered(list(scalars.step))}
+
+
+# -- output: tables, JSON --------------------------------------------------------------
+_HEADERS = {
+    "step": ("mean ms", "p50 ms", "p90 ms", "max ms"),
+    "window": (
+        "mean ms\n(mean of\nwindow means)",
+        "p50 ms\n(median of\nwindow p50)",
+        "p90 ms\n(max of\nwindow p90)",
+        "max ms\n(max of\nwindow max)",
+    ),
+}
+
+
+def _ms(v: float | None) -> str:
+    return "" if v is None else f"{v:.3f}"
+
+
+def _pct(v: float | None) -> str:
+    return "" if v is None else f"{100 * v:.1f}%"
+
+
+def _describe(report: RunReport) -> str:
+    if report.source == "step":
+        what = f"{report.steps} steps timed; exact statistics over per-step values"
+    else:
+        what = f"{report.windows} logging windows; summaries of the window summaries (per-step values not logged)"
+    if report.skipped_steps:
+        what += f"; {report.skipped_steps} steps skipped (max_pending) and not in these numbers"
+    return f"run: {report.run}\n{what}"
+
+
+def format_run(report: RunReport) -> str:
+    """One run's table: phase, four statistics in ms, share."""
+    from tabulate import tabulate
+
+    rows = [
+        (p, _ms(s.mean_ms), _ms(s.p50_ms), _ms(s.p90_ms), _ms(s.max_ms), _pct(s.share)) for p, s in report.phases.items()
+    ]
+    headers = ("phase", *_HEADERS[report.source], "share")
+    table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * 5)
+    note = "share: device phases of `step`, data_wait of `period` (host clock)"
+    return f"{_describe(report)}\n{table}\n{note}"
+
+
+def run_labels(reports: Sequence[RunReport]) -> list[str]:
+    """Short names: each run's path below the runs' common parent."""
+    paths = [os.path.abspath(r.run) for r in reports]
+    if len(paths) < 2:
+        return [os.path.join(*p.split(os.sep)[-2:]) for p in paths]
+    common = os.path.commonpath(paths)
+    return [os.path.relpath(p, common) if p != common else os.path.basename(p) for p in paths]
+
+
+def _mean_and_share(stats: PhaseStats | None) -> str:
+    if stats is None:
+        return ""
+    return _ms(stats.mean_ms) + ("" if stats.share is None else f" ({_pct(stats.share)})")
+
+
+def format_comparison(reports: Sequence[RunReport]) -> str:
+    """Runs side by side: each phase's mean ms (share) per run."""
+    from tabulate import tabulate
+
+    labels = run_labels(reports)
+    phases = ordered({p for r in reports for p in r.phases})
+    rows = [("source", *(r.source for r in reports))]
+    rows += [(p, *(_mean_and_share(r.phases.get(p)) for r in reports)) for p in phases]
+    align = ("left",) + ("right",) * len(reports)
+    table = tabulate(rows, headers=("mean ms (share)", *labels), disable_numparse=True, colalign=align)
+    return f"side by side ({len(reports)} runs)\n{table}"
+
+
+def format_text(reports: Sequence[RunReport]) -> str:
+    parts = [format_run(r) for r in reports]
+    if len(reports) > 1:
+        parts.append(format_comparison(reports))
+    return "\n\n".join(parts)
+
+
+def _finite(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) else None
+
+
+def to_json(reports: Sequence[RunReport]) -> dict[str, Any]:
+    """The ``--json`` document (schema in the module docstring)."""
+    runs = []
+    for r in reports:
+        phases = {
+            p: {**{k: _finite(getattr(s, k)) for k in _STAT_KEYS}, "share": _finite(s.share)} for p, s in r.phases.items()
+        }
+        runs.append(
+            {
+                "run": r.run,
+                "source": r.source,
+                "steps": r.steps,
+                "windows": r.windows,
+                "skipped_steps": r.skipped_steps,
+                "phases": phases,
+            }
+        )
+    return {"runs": runs}
+
+
+# -- output: figure --------------------------------------------------------------------
+def _phase_colors(phases: list[str]) -> dict[str, Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    colors = {p: cmap(i % 10) for i, p in enumerate(p for p in phases if p not in TOTALS)}
+    colors.update({"step": "black", "period": "grey"})
+    return colors
+
+
+def _device_phases(reports: Sequence[RunReport]) -> list[str]:
+    return [p for p in ordered({q for r in reports for q in r.phases}) if p not in HOST_PHASES and p not in TOTALS]
+
+
+def _draw_shares(ax: Any, reports: Sequence[RunReport], labels: list[str], colors: dict[str, Any]) -> None:
+    """Stacked horizontal bars: each device phase's share of ``step``, one bar per run."""
+    y = list(range(len(reports)))[::-1]  # the first run on top
+    lefts = [0.0] * len(reports)
+    for phase in _device_phases(reports):
+        widths = [100 * (r.phases[phase].share or 0.0) if phase in r.phases else 0.0 for r in reports]
+        bars = ax.barh(y, widths, left=lefts, color=colors[phase], label=phase, height=0.6)
+        ax.bar_label(bars, labels=[f"{w:.0f}%" if w >= 4 else "" for w in widths], label_type="center", fontsize=8, color="white")
+        lefts = [a + w for a, w in zip(lefts, widths)]
+    ticks = []
+    for r, label in zip(reports, labels):
+        dw = r.phases.get("data_wait")
+        ticks.append(label + (f"\ndata_wait: {_pct(dw.share)} of period" if dw is not None and dw.share is not None else ""))
+    ax.set_yticks(y, ticks, fontsize=8)
+    ax.set_ylim(-1, len(reports))  # bars of a sensible thickness for one run or many
+    ax.set_xlim(0, max(100.0, *lefts))
+    ax.set_xlabel("share of step (%)")
+    ax.set_title("where the step goes (device phases)", fontsize=10)
+
+
+def _draw_timeline(ax: Any, report: RunReport, label: str, colors: dict[str, Any]) -> None:
+    for phase, points in report.timeline.items():
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        style = {"linestyle": "--", "linewidth": 1.2} if phase in TOTALS else {"linewidth": 1.6}
+        ax.plot(xs, ys, marker="o", markersize=3, color=colors[phase], label=phase, **style)
+    ax.set_title(f"{label}: window mean per phase" if report.windows else f"{label}: per step", fontsize=10)
+    ax.set_ylabel("ms")
+    ax.grid(True, alpha=0.3)
+    ax.set_ylim(bottom=0)
+
+
+def write_png(reports: Sequence[RunReport], path: str) -> None:
+    """Shares (left) and phase times over steps (right, one row per run) into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = run_labels(reports)
+    colors = _phase_colors(ordered({p for r in reports for p in r.phases}))
+    n = len(reports)
+    fig = plt.figure(figsize=(14, 1.5 + 3.0 * n), layout="constrained")
+    grid = fig.add_gridspec(n, 2, width_ratios=(1, 1.4))
+    _draw_shares(fig.add_subplot(grid[:, 0]), reports, labels, colors)
+    axes = [fig.add_subplot(grid[i, 1]) for i in range(n)]
+    for ax, r, label in zip(axes, reports, labels):
+        _draw_timeline(ax, r, label, colors)
+    axes[-1].set_xlabel("step")
+    handles = {h.get_label(): h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]}
+    names = ordered(list(handles))
+    fig.legend([handles[p] for p in names], names, loc="outside lower center", ncol=min(len(names), 9), frameon=False)
+    fig.suptitle("phase-timer")
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise ReportError(f"{path}: cannot write the figure ({err.strerror or err})") from err
+    finally:
+        plt.close(fig)
+
+
+# -- command line ----------------------------------------------------------------------
+def _add_report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("logdirs", nargs="+", metavar="LOGDIR", help="a run directory, or a directory above runs")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print JSON instead of tables: {"runs": [{"run", "source", "steps", "windows", "skipped_steps", '
+        '"phases": {PHASE: {"mean_ms", "p50_ms", "p90_ms", "max_ms", "share"}}}]}',
+    )
+    parser.add_argument("--png", metavar="FILE", help="also write a figure: phase shares and phase times over steps")
+    parser.add_argument(
+        "--source",
+        choices=("auto", "window", "step"),
+        default="auto",
+        help="statistics from per-step values (exact; needs per_step=True), from the window summaries, "
+        "or auto: per-step when present (default)",
+    )
+
+
+_REPORT_HELP = (
+    "Tables of where each step's time went, per phase: mean, p50, p90, max (ms) and share of the step. "
+    "From per-step values (runs logged with per_step=True) the statistics are exact; from the window summaries "
+    "alone the columns are: mean = mean of window means (every window weighs the same), p50 = median of window p50, "
+    "p90 = max of window p90, max = max of window max.  Share: device phases of `step`, data_wait of `period`."
+)
+
+
+def build_parser(prog: str = PROG, *, subcommand: bool = True) -> argparse.ArgumentParser:
+    """``phase-timer report ...`` (``subcommand``) or the report's arguments alone (``-m``)."""
+    if not subcommand:
+        parser = argparse.ArgumentParser(prog=prog, description=_REPORT_HELP)
+        _add_report_args(parser)
+        return parser
+    parser = argparse.ArgumentParser(prog=prog, description="phase-timer tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_report_args(sub.add_parser("report", help="summarize phase-timer TensorBoard logs", description=_REPORT_HELP))
+    return parser
+
+
+def _require(args: argparse.Namespace) -> None:
+    """The optional packages this invocation needs, or one line saying how to get them."""
+    needed = ["tensorboard"] + ([] if args.json else ["tabulate"]) + (["matplotlib"] if args.png else [])
+    for name in needed:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ReportError(f"{name} is not installed ({err}): pip install 'phase-timer[report]'") from err
+
+
+def run_report(args: argparse.Namespace) -> int:
+    _require(args)
+    reports = load_runs(args.logdirs, args.source)
+    if args.png:
+        write_png(reports, args.png)
+    if args.json:
+        print(json.dumps(to_json(reports), indent=2))
+    else:
+        print(format_text(reports))
+    if args.png:
+        print(f"{PROG} report: wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, *, subcommand: bool = True) -> int:
+    """The ``phase-timer`` console script: ``phase-timer report LOGDIR ...``.  Returns the exit status."""
+    prog = PROG if subcommand else "python -m phase_timer.report"
+    args = build_parser(prog, subcommand=subcommand).parse_args(argv)
+    try:
+        return run_report(args)
+    except ReportError as err:
+        print(f"{PROG} report: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # `phase-timer report ... | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(subcommand=False))

@@ -1,0 +1,270 @@
+"""``phase-timer report`` on real runs: tables, JSON, figure, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from phase_timer.metrics import ordered
+from phase_timer.report import main
+from phase_timer.stats import summarize
+from tests.helpers import event_files, loader, module_class, read_scalars, trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+NS = "lightning.pytorch"
+STEPS = 40
+WINDOW = 5
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two real Lightning runs under one root: window summaries only, and with per-step values."""
+    from phase_timer import PhaseTimer
+
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    root = tmp_path_factory.mktemp("report")
+    for per_step in (False, True):
+        timer = PhaseTimer(warmup_steps=1, per_step=per_step, summary=False)
+        t = trainer(NS, str(root), [timer], max_steps=STEPS, log_every_n_steps=WINDOW)
+        t.fit(module_class(NS)(), loader())
+    return {"root": root, "window": root / "logs" / "version_0", "step": root / "logs" / "version_1"}
+
+
+def report(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main(["report", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def report_json(capsys: pytest.CaptureFixture[str], *args: str | Path) -> dict:
+    code, out, err = report(capsys, "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def phases_of(scalars: dict, prefix: str) -> list[str]:
+    return ordered({t[len(prefix) :].split("/")[0].removesuffix("_ms") for t in scalars if t.startswith(prefix)})
+
+
+def window_expected(scalars: dict, phase: str) -> dict[str, float]:
+    """What the report should say from window summaries, computed here from EventAccumulator's values."""
+    vals = {s: [v for _, v in scalars[f"phase_time/{phase}_ms/{s}"]] for s in ("mean", "p50", "p90", "max")}
+    return {
+        "mean_ms": statistics.fmean(vals["mean"]),
+        "p50_ms": statistics.median(vals["p50"]),
+        "p90_ms": max(vals["p90"]),
+        "max_ms": max(vals["max"]),
+    }
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    phases = {"data_wait", "h2d", "forward", "backward", "optimizer", "idle", "step", "period"}
+    return {cells[0]: cells[1:] for line in out.splitlines() if (cells := line.split()) and cells[0] in phases}
+
+
+# -- tables ------------------------------------------------------------------------------
+def test_table_names_every_phase_with_event_accumulator_numbers(runs, capsys):
+    code, out, err = report(capsys, runs["window"])
+    assert code == 0, err
+    scalars = read_scalars(str(runs["window"]))
+    phases = phases_of(scalars, "phase_time/")
+    assert phases == ["data_wait", "h2d", "forward", "backward", "optimizer", "step", "period"]
+    rows = table_rows(out)
+    assert list(rows) == phases  # every phase, in the library's order
+    for phase in phases:
+        exp = window_expected(scalars, phase)
+        assert rows[phase][:4] == [f"{exp[k]:.3f}" for k in ("mean_ms", "p50_ms", "p90_ms", "max_ms")], phase
+    assert rows["step"][4] == "100.0%" and len(rows["period"]) == 4  # period: no share
+    dw = window_expected(scalars, "data_wait")["mean_ms"] / window_expected(scalars, "period")["mean_ms"]
+    assert rows["data_wait"][4] == f"{100 * dw:.1f}%"
+    # Columns say what they are.
+    assert "mean of" in out and "window means" in out and "median of" in out and "max of" in out
+    assert f"run: {runs['window']}" in out and "8 logging windows" in out
+
+
+def test_table_from_per_step_values_is_exact(runs, capsys):
+    code, out, err = report(capsys, runs["step"])
+    assert code == 0, err
+    scalars = read_scalars(str(runs["step"]))
+    rows = table_rows(out)
+    for phase in phases_of(scalars, "phase_time_step/"):
+        exp = summarize(v for _, v in scalars[f"phase_time_step/{phase}_ms"])
+        assert rows[phase][:4] == [f"{exp[s]:.3f}" for s in ("mean", "p50", "p90", "max")], phase
+    assert f"{STEPS - 1} steps timed" in out and "exact statistics over per-step values" in out
+    assert "window means" not in out
+
+
+# -- JSON --------------------------------------------------------------------------------
+def test_json_schema_and_values_from_windows(runs, capsys):
+    doc = report_json(capsys, runs["window"])
+    assert list(doc) == ["runs"] and len(doc["runs"]) == 1
+    run = doc["runs"][0]
+    assert run["run"] == str(runs["window"])
+    assert run["source"] == "window" and run["steps"] is None
+    assert run["windows"] == STEPS // WINDOW and run["skipped_steps"] == 0
+    scalars = read_scalars(str(runs["window"]))
+    assert list(run["phases"]) == phases_of(scalars, "phase_time/")
+    for phase, stats in run["phases"].items():
+        assert set(stats) == {"mean_ms", "p50_ms", "p90_ms", "max_ms", "share"}
+        for key, value in window_expected(scalars, phase).items():
+            assert stats[key] == pytest.approx(value, rel=1e-12), (phase, key)
+    p = run["phases"]
+    assert p["step"]["share"] == 1.0 and p["period"]["share"] is None
+    assert p["forward"]["share"] == pytest.approx(p["forward"]["mean_ms"] / p["step"]["mean_ms"])
+    assert p["data_wait"]["share"] == pytest.approx(p["data_wait"]["mean_ms"] / p["period"]["mean_ms"])
+    device = ("h2d", "forward", "backward", "optimizer")
+    assert sum(p[d]["share"] for d in device) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_json_from_per_step_values(runs, capsys):
+    run = report_json(capsys, runs["step"])["runs"][0]
+    scalars = read_scalars(str(runs["step"]))
+    assert run["source"] == "step" and run["steps"] == STEPS - 1  # step 0 was warm-up
+    for phase, stats in run["phases"].items():
+        values = [v for _, v in scalars[f"phase_time_step/{phase}_ms"]]
+        assert len(values) == STEPS - 1
+        exp = summarize(values)
+        assert [stats[k] for k in ("mean_ms", "p50_ms", "p90_ms", "max_ms")] == pytest.approx(
+            [exp[s] for s in ("mean", "p50", "p90", "max")], rel=1e-12
+        )
+    total = lambda phase: sum(v for _, v in scalars[f"phase_time_step/{phase}_ms"])  # noqa: E731
+    assert run["phases"]["backward"]["share"] == pytest.approx(total("backward") / total("step"))
+    assert run["phases"]["data_wait"]["share"] == pytest.approx(total("data_wait") / total("period"))
+
+
+def test_source_can_be_forced(runs, capsys):
+    assert report_json(capsys, "--source", "window", runs["step"])["runs"][0]["source"] == "window"
+    code, _, err = report(capsys, "--source", "step", runs["window"])
+    assert code == 2 and str(runs["window"]) in err and "per_step=True" in err
+
+
+# -- several runs ----------------------------------------------------------------------------
+def test_two_runs_side_by_side(runs, capsys):
+    code, out, err = report(capsys, runs["root"])  # a parent dir: both runs found
+    assert code == 0, err
+    assert f"run: {runs['window']}" in out and f"run: {runs['step']}" in out
+    side = out[out.index("side by side (2 runs)") :]
+    assert "version_0" in side and "version_1" in side
+    forward = next(line for line in side.splitlines() if line.startswith("forward")).split()
+    assert len(forward) == 5  # phase, then "mean (share)" for each run
+    doc = report_json(capsys, runs["step"], runs["window"])  # the order given is kept
+    assert [r["run"] for r in doc["runs"]] == [str(runs["step"]), str(runs["window"])]
+    assert [r["source"] for r in doc["runs"]] == ["step", "window"]
+
+
+def test_same_run_twice_is_reported_once(runs, capsys):
+    doc = report_json(capsys, runs["window"], runs["window"].parent)
+    assert [r["run"] for r in doc["runs"]] == [str(runs["window"]), str(runs["step"])]
+
+
+def test_truncated_last_record_is_tolerated(runs, tmp_path, capsys):
+    """A run still being written ends in a partial record: TensorBoard reads up to it, so do we."""
+    run = tmp_path / "live"
+    shutil.copytree(runs["window"], run)
+    (path,) = event_files(str(run))
+    os.truncate(path, os.path.getsize(path) - 5)
+    doc = report_json(capsys, run)
+    assert doc["runs"][0]["windows"] >= STEPS // WINDOW - 1
+
+
+# -- figure ------------------------------------------------------------------------------
+def test_png_is_written(runs, tmp_path, capsys):
+    png = tmp_path / "phases.png"
+    code, out, err = report(capsys, runs["window"], runs["step"], "--png", png)
+    assert code == 0, err
+    data = png.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 20_000
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(str(png)).shape
+    assert width > 1000 and height > 500
+    assert "forward" in out and str(png) in err  # tables still printed; the note goes to stderr
+
+
+def test_png_with_json_keeps_stdout_json(runs, tmp_path, capsys):
+    png = tmp_path / "one.png"
+    doc = report_json(capsys, runs["window"], "--png", png)
+    assert doc["runs"][0]["source"] == "window" and png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_png_unwritable(runs, tmp_path, capsys):
+    target = tmp_path / "no" / "such" / "dir" / "x.png"
+    code, _, err = report(capsys, runs["window"], "--png", target)
+    assert code == 2 and str(target) in err and "Traceback" not in err
+
+
+# -- errors ---------------------------------------------------------------------------------
+def _non_phase_timer_run(path: Path) -> Path:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(path)) as w:
+        for step in range(3):
+            w.add_scalar("loss", 1.0 / (step + 1), step)
+    return path
+
+
+def _corrupt_run(path: Path) -> Path:
+    path.mkdir()
+    (path / "events.out.tfevents.1700000000.host.123.0").write_bytes(os.urandom(4096))
+    return path
+
+
+BAD_DIRS = {
+    "missing": (lambda p: p / "nope", "no such directory"),
+    "a file": (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "not a directory"),
+    "empty": (lambda p: (p / "empty").mkdir() or p / "empty", "no TensorBoard event files"),
+    "not phase-timer": (lambda p: _non_phase_timer_run(p / "other"), "no phase-timer scalars"),
+    "corrupt": (lambda p: _corrupt_run(p / "corrupt"), "corrupt event file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_DIRS))
+def test_bad_log_dir(kind, tmp_path, capsys):
+    make, message = BAD_DIRS[kind]
+    bad = make(tmp_path)
+    code, out, err = report(capsys, bad)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert str(bad) in err and message in err
+
+
+def test_one_bad_dir_among_good_ones_fails(runs, tmp_path, capsys):
+    bad = _corrupt_run(tmp_path / "corrupt")
+    code, out, err = report(capsys, runs["window"], bad)
+    assert code == 2 and out == "" and str(bad) in err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["report"])
+    assert exc.value.code == 2
+
+
+def test_help_says_how_window_columns_are_made(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exc.value.code == 0
+    for phrase in ("mean of window means", "median of window p50", "max of window p90", "max of window max"):
+        assert phrase in out
+
+
+# -- the command, as a user runs it ------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_module_command(runs, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "phase_timer.report", str(runs["root"]), "--json"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["source"] for r in json.loads(proc.stdout)["runs"]] == ["window", "step"]
