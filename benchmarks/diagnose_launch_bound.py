@@ -1,0 +1,97 @@
+"""Where phase-timer's overhead goes on the launch-bound model: one piece at a time.
+
+    PYTHONPATH=. python benchmarks/diagnose_launch_bound.py [--pairs 7] [--steps 400]
+
+Blocks of steps on one warm model, each variant right after a plain block; prints
+the median per-pair ratio and the per-step p50/p90 of each variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import os
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import phase_timer  # noqa: E402
+from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model, plain_step  # noqa: E402
+from phase_timer.clock import CudaClock  # noqa: E402
+from phase_timer.core import TimingCore  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=400)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = make_model(LAUNCH_BOUND, DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step = plain_step(model, opt, DEV)
+    batches = make_batches(LAUNCH_BOUND)
+
+    def block(variant: str) -> list[float]:
+        timer = core = None
+        loader = Cycle(batches, args.steps)
+        if variant.startswith("attach"):
+            timer = phase_timer.attach(model, opt, loader, log_dir=tempfile.mkdtemp(), summary=False)
+            loader = timer.loader
+            if variant == "attach, no sink":
+                timer.core._sinks = []
+            elif variant == "attach, sink on training thread":
+                timer.core._sinks = [s.sink for s in timer.core._sinks]
+        elif variant == "core only, 5 marks":
+            core = TimingCore(CudaClock(), [], window=50, warmup_steps=5, max_pending=64)
+        gc_was = gc.isenabled()
+        if variant == "attach, gc off":
+            gc.disable()
+        times = []
+        torch.cuda.synchronize()
+        for i, batch in enumerate(loader):
+            t = time.perf_counter_ns()
+            if core is not None:
+                core.begin_step(i, "h2d")
+                core.phase("forward")
+                core.phase("backward")
+                core.phase("optimizer")
+            step(batch)
+            if core is not None:
+                core.end_step()
+            times.append(time.perf_counter_ns() - t)
+        torch.cuda.synchronize()
+        if gc_was:
+            gc.enable()
+        if timer is not None:
+            timer.close()
+        if core is not None:
+            core.finish()
+        return times
+
+    variants = ["attach", "attach, no sink", "attach, sink on training thread", "attach, gc off", "core only, 5 marks"]
+    block("none")
+    ratios, pcts = defaultdict(list), defaultdict(list)
+    for _ in range(args.pairs):
+        for v in variants:
+            a, b = block("none"), block(v)
+            ratios[v].append(sum(b) / sum(a))
+            pcts[v].append((statistics.median(b) / 1e3, sorted(b)[int(0.9 * len(b))] / 1e3, max(b) / 1e3))
+            pcts["none"].append((statistics.median(a) / 1e3, sorted(a)[int(0.9 * len(a))] / 1e3, max(a) / 1e3))
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}; host us per step: p50 p90 max (median over blocks)")
+    for v in ["none", *variants]:
+        p = [statistics.median(x[i] for x in pcts[v]) for i in range(3)]
+        r = f"{100 * (statistics.median(ratios[v]) - 1):+6.2f}% (spread {100 * (max(ratios[v]) - min(ratios[v])):.1f}%)" if v in ratios else ""
+        print(f"{v:34s} p50 {p[0]:8.1f}  p90 {p[1]:8.1f}  max {p[2]:9.1f}   {r}")
+
+
+if __name__ == "__main__":
+    main()
