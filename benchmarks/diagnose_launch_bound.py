@@ -31,8 +31,8 @@ DEV = torch.device("cuda")
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--pairs", type=int, default=25)
+    ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
     torch.manual_seed(0)
     model = make_model(LAUNCH_BOUND, DEV)
@@ -47,11 +47,17 @@ def main() -> None:
             timer = phase_timer.attach(model, opt, loader, log_dir=tempfile.mkdtemp(), summary=False)
             loader = timer.loader
             if variant == "attach, no sink":
+                for sink in timer.core._sinks:
+                    sink.close()
                 timer.core._sinks = []
             elif variant == "attach, sink on training thread":
                 timer.core._sinks = [s.sink for s in timer.core._sinks]
-        elif variant == "core only, 5 marks":
-            core = TimingCore(CudaClock(), [], window=50, warmup_steps=5, max_pending=64)
+        elif variant.startswith("core only, 5 marks"):
+            lag = int(variant.rsplit(" ", 1)[-1])
+            core = TimingCore(CudaClock(), [], window=50, warmup_steps=5, max_pending=64, poll_lag=lag)
+        elif variant == "5 raw event records, no query":
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
+            stream = torch.cuda.current_stream()
         gc_was = gc.isenabled()
         if variant == "attach, gc off":
             gc.disable()
@@ -59,6 +65,9 @@ def main() -> None:
         torch.cuda.synchronize()
         for i, batch in enumerate(loader):
             t = time.perf_counter_ns()
+            if variant == "5 raw event records, no query":
+                for ev in events[:4]:
+                    ev.record(stream)
             if core is not None:
                 core.begin_step(i, "h2d")
                 core.phase("forward")
@@ -67,6 +76,8 @@ def main() -> None:
             step(batch)
             if core is not None:
                 core.end_step()
+            if variant == "5 raw event records, no query":
+                events[4].record(stream)
             times.append(time.perf_counter_ns() - t)
         torch.cuda.synchronize()
         if gc_was:
@@ -77,7 +88,7 @@ def main() -> None:
             core.finish()
         return times
 
-    variants = ["attach", "attach, no sink", "attach, sink on training thread", "attach, gc off", "core only, 5 marks"]
+    variants = ["attach", "attach, no sink", "5 raw event records, no query", "core only, 5 marks, poll lag 2"]
     block("none")
     ratios, pcts = defaultdict(list), defaultdict(list)
     for _ in range(args.pairs):

@@ -35,10 +35,11 @@ class TimingCore:
         warmup_steps: int,
         max_pending: int,
         per_step: bool = False,
+        poll_lag: int = 2,
     ) -> None:
         self.clock = clock
         self._recorder = Recorder(clock)
-        self._resolver = Resolver(clock, max_pending=max_pending)
+        self._resolver = Resolver(clock, max_pending=max_pending, lag=poll_lag)
         self._sinks = [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
         self._window_size = window
         self._warmup = warmup_steps

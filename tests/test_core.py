@@ -38,7 +38,7 @@ def test_spans_are_contiguous_and_add_up():
 
 def test_switch_to_running_phase_takes_no_mark_and_repeated_phases_sum():
     clock = FakeClock(tick_ms=1.0)
-    resolver = Resolver(clock, max_pending=8)
+    resolver = Resolver(clock, lag=0, max_pending=8)
     rec = Recorder(clock)
     rec.open(0, "forward")
     rec.switch("forward")  # no-op
@@ -79,7 +79,7 @@ def _records(clock: FakeClock, n: int, start: int = 0):
 
 def test_poll_never_waits_and_resolves_in_fifo_order():
     clock = FakeClock(lag=3)
-    resolver = Resolver(clock, max_pending=100, max_per_poll=100)
+    resolver = Resolver(clock, lag=0, max_pending=100, max_per_poll=100)
     for r in _records(clock, 10):
         resolver.push(r)
     seen = []
@@ -92,7 +92,7 @@ def test_poll_never_waits_and_resolves_in_fifo_order():
 
 def test_poll_stops_at_first_unfinished_record():
     clock = FakeClock(lag=0)
-    resolver = Resolver(clock, max_pending=10, max_per_poll=10)
+    resolver = Resolver(clock, lag=0, max_pending=10, max_per_poll=10)
     first, second, third = _records(clock, 3)
     second.marks[-1].polls_left = 5  # the device has not reached the middle record
     for r in (first, second, third):
@@ -104,9 +104,23 @@ def test_poll_stops_at_first_unfinished_record():
     assert len(resolver) == 0
 
 
+def test_the_newest_records_are_never_queried():
+    # Querying an event just recorded makes the driver flush its batched launches:
+    # the resolver leaves the newest `lag` records alone until more arrive.
+    clock = FakeClock()
+    resolver = Resolver(clock, lag=2, max_pending=100, max_per_poll=100)
+    records = _records(clock, 3)
+    for r in records[:2]:
+        resolver.push(r)
+    assert resolver.poll() == [] and clock.queries == 0
+    resolver.push(records[2])
+    assert [t.step for t in resolver.poll()] == [0]
+    assert [t.step for t in resolver.drain()] == [1, 2]
+
+
 def test_poll_is_bounded_per_call():
     clock = FakeClock()
-    resolver = Resolver(clock, max_pending=100, max_per_poll=4)
+    resolver = Resolver(clock, lag=0, max_pending=100, max_per_poll=4)
     for r in _records(clock, 10):
         resolver.push(r)
     assert [len(resolver.poll()) for _ in range(4)] == [4, 4, 2, 0]
@@ -114,7 +128,7 @@ def test_poll_is_bounded_per_call():
 
 def test_drain_waits_once_per_record_and_resolves_everything():
     clock = FakeClock(lag=10**6)
-    resolver = Resolver(clock, max_pending=10)
+    resolver = Resolver(clock, lag=0, max_pending=10)
     for r in _records(clock, 5):
         resolver.push(r)
     assert resolver.poll() == []
@@ -132,7 +146,7 @@ def test_multi_stream_record_checks_every_mark():
     record = rec.close()
     assert not record.single_stream
     record.marks[0].polls_left = 2  # the first stream lags behind the second
-    resolver = Resolver(clock, max_pending=4)
+    resolver = Resolver(clock, lag=0, max_pending=4)
     resolver.push(record)
     assert resolver.poll() == [] and resolver.poll() == []
     assert len(resolver.poll()) == 1
@@ -140,7 +154,7 @@ def test_multi_stream_record_checks_every_mark():
 
 def test_marks_go_back_to_the_pool():
     clock = FakeClock()
-    resolver = Resolver(clock, max_pending=4)
+    resolver = Resolver(clock, lag=0, max_pending=4)
     for r in _records(clock, 3):
         resolver.push(r)
     resolver.poll()
@@ -165,7 +179,7 @@ def test_warmup_steps_are_not_recorded():
 def test_windows_align_with_the_logging_interval_and_flush_at_the_end():
     clock = FakeClock(tick_ms=1.0)
     sink = ListSink()
-    core = TimingCore(clock, [sink], window=5, warmup_steps=0, max_pending=8)
+    core = TimingCore(clock, [sink], window=5, warmup_steps=0, max_pending=8, poll_lag=0)
     for s in range(12):
         run_step(core, s, PHASES)
     assert [step for step, _ in sink.writes] == [4, 9]  # as Lightning logs at (s+1) % 5 == 0
