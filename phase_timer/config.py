@@ -45,6 +45,7 @@ class TimerConfig:
     per_step: bool = False
     summary: bool = True
     log_dir: str | os.PathLike[str] | None = None
+    nvtx: bool = False
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -56,4 +57,5 @@ class TimerConfig:
         check_int(o, "max_pending", self.max_pending, 1)
         check_bool(o, "per_step", self.per_step)
         check_bool(o, "summary", self.summary)
+        check_bool(o, "nvtx", self.nvtx)
         check_path(o, "log_dir", self.log_dir)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from phase_timer.clock import Clock
 from phase_timer.metrics import SKIPPED_TAG, WINDOW_STEPS_TAG, format_summary, step_scalars, window_scalars
-from phase_timer.recorder import Recorder
+from phase_timer.recorder import NvtxRecorder, Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.stats import RunTotals, Window
@@ -36,9 +36,10 @@ class TimingCore:
         max_pending: int,
         per_step: bool = False,
         poll_lag: int = 2,
+        nvtx: bool = False,
     ) -> None:
         self.clock = clock
-        self._recorder = Recorder(clock)
+        self._recorder = NvtxRecorder(clock) if nvtx else Recorder(clock)
         self._resolver = Resolver(clock, max_pending=max_pending, lag=poll_lag)
         self._sinks = [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
         self._window_size = window

@@ -85,6 +85,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         summary: print the table at the end of ``fit`` (rank zero).
         log_dir: where to write TensorBoard files when the Trainer has no logger
             (default ``<default_root_dir>/phase_timer/version_N``).
+        nvtx: also push each phase as an NVTX range (Nsight Systems); off by default.
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.
     """
 
@@ -97,6 +98,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         per_step: bool = False,
         summary: bool = True,
         log_dir: str | os.PathLike[str] | None = None,
+        nvtx: bool = False,
         enabled: bool = True,
     ) -> None:
         super().__init__()
@@ -107,6 +109,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             per_step=per_step,
             summary=summary,
             log_dir=log_dir,
+            nvtx=nvtx,
             owner="PhaseTimer",
             window_arg="log_every_n_steps",
         )
@@ -166,6 +169,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             warmup_steps=cfg.warmup_steps,
             max_pending=cfg.max_pending,
             per_step=cfg.per_step,
+            nvtx=cfg.nvtx,
         )
         if not pl_module.automatic_optimization:  # trainer.optimizers: the torch optimizers themselves
             self._hooks.append(StepHooks(trainer.optimizers, self._manual_step_start, self._manual_step_end))

@@ -138,6 +138,7 @@ class LoopTimer:
             self.core = TimingCore(
                 make_clock(self.device), self._make_sinks(writer), window=config.window or 50,
                 warmup_steps=config.warmup_steps, max_pending=config.max_pending, per_step=config.per_step,
+                nvtx=config.nvtx,
             )
             self._install()
 
@@ -363,6 +364,7 @@ def attach(
     summary: bool = True,
     end_step: str = "optimizer",
     scaler: Any = None,
+    nvtx: bool = False,
     enabled: bool = True,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
@@ -378,11 +380,12 @@ def attach(
         window, warmup_steps, max_pending, per_step, summary: as for ``PhaseTimer``.
         end_step: ``"optimizer"`` or ``"manual"`` (call ``timer.end_step()``).
         scaler: a GradScaler: the step then ends at ``scaler.update()``, skipped steps included.
+        nvtx: also push each phase as an NVTX range (Nsight Systems); off by default.
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.
     """
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
-        summary=summary, log_dir=log_dir, owner="attach",
+        summary=summary, log_dir=log_dir, nvtx=nvtx, owner="attach",
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,

@@ -98,3 +98,49 @@ class Recorder:
         if self._marks is not None:
             self._clock.release(self._marks)
             self._marks = None
+
+
+class NvtxRecorder(Recorder):
+    """A Recorder that also pushes each span as an NVTX range, for Nsight Systems.
+
+    Chosen only when asked for (``nvtx=True``), so the default path pays nothing.
+    The ranges are host ranges with the phases' names; relabelled spans are
+    re-pushed under their final name.
+    """
+
+    __slots__ = ("_push", "_pop")
+
+    def __init__(self, clock: Clock, push: Any = None, pop: Any = None) -> None:
+        super().__init__(clock)
+        if push is None or pop is None:
+            import torch.cuda.nvtx as nvtx
+
+            push, pop = nvtx.range_push, nvtx.range_pop
+        self._push, self._pop = push, pop
+
+    def open(self, step: int, phase: str) -> None:
+        super().open(step, phase)
+        self._push(phase)
+
+    def switch(self, phase: str) -> None:
+        if self._marks is None or phase == self._current:
+            return
+        super().switch(phase)
+        self._pop()
+        self._push(phase)
+
+    def relabel(self, phase: str) -> None:
+        if self._marks is not None and phase != self._current:
+            self._pop()
+            self._push(phase)
+        super().relabel(phase)
+
+    def close(self) -> Record | None:
+        if self._marks is not None:
+            self._pop()
+        return super().close()
+
+    def discard(self) -> None:
+        if self._marks is not None:
+            self._pop()
+        super().discard()

@@ -338,3 +338,26 @@ def test_share_of_a_phase_absent_from_some_steps_is_time_weighted():
     core.finish()
     idle_row = next(ln for ln in format_summary(core.totals, clock="cuda").splitlines() if ln.startswith("idle"))
     assert idle_row.endswith("10.0%")  # 1 ms of 10 ms, not its 1 ms mean over a 2.5 ms mean step
+
+
+def test_nvtx_ranges_mirror_the_spans():
+    from phase_timer.recorder import NvtxRecorder
+
+    calls = []
+    clock = FakeClock()
+    rec = NvtxRecorder(clock, push=lambda name: calls.append(("push", name)), pop=lambda: calls.append(("pop",)))
+    rec.open(0, "h2d")
+    rec.switch("forward")
+    rec.switch("forward")  # no new span, no new range
+    rec.relabel("idle")
+    rec.close()
+    rec.switch("backward")  # outside a record: nothing
+    assert calls == [("push", "h2d"), ("pop",), ("push", "forward"), ("pop",), ("push", "idle"), ("pop",)]
+
+
+def test_nvtx_off_by_default_costs_nothing():
+    from phase_timer.recorder import NvtxRecorder
+
+    core = TimingCore(FakeClock(), [], window=10, warmup_steps=0, max_pending=8)
+    assert not isinstance(core._recorder, NvtxRecorder)
+    assert core.phase == core._recorder.switch  # the bound method itself: no wrapper frame

@@ -149,14 +149,14 @@ def test_profiler_sees_no_sync_added_by_the_timer(tmp_path):
 
 
 # -- the plain-PyTorch door ----------------------------------------------------------
-def _plain(device="cuda", width=1024, steps=30, stream=None, scaler=None, per_step=True, tmp=None, prof_step=None):
+def _plain(device="cuda", width=1024, steps=30, stream=None, scaler=None, per_step=True, tmp=None, nvtx=False):
     import phase_timer
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timer = phase_timer.attach(model, opt, gpu_data(width=width), copy_to_device=True, scaler=scaler, log_dir=tmp,
-                               warmup_steps=3, per_step=per_step, summary=False)
+                               warmup_steps=3, per_step=per_step, summary=False, nvtx=nvtx)
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with ctx:
         for i, (x, y) in enumerate(timer.loader):
@@ -189,6 +189,10 @@ def _assert_sane(timer, steps):
 
 def test_plain_loop_on_cuda_without_sync(tmp_path, no_sync_in_timer):
     _assert_sane(_plain(tmp=tmp_path), 13)  # 16 batches, 3 warm-up
+
+
+def test_plain_loop_with_nvtx_ranges(tmp_path, no_sync_in_timer):
+    _assert_sane(_plain(tmp=tmp_path, nvtx=True), 13)
 
 
 def test_plain_loop_on_a_side_stream(tmp_path, no_sync_in_timer):
