@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from phase_timer.trace import TraceWriter
+
 #: Set to 1/true/yes/on to turn every phase-timer into a no-op without touching code.
 DISABLE_ENV = "PHASE_TIMER_DISABLE"
 
@@ -46,6 +48,8 @@ class TimerConfig:
     summary: bool = True
     log_dir: str | os.PathLike[str] | None = None
     nvtx: bool = False
+    trace_steps: tuple[int, int] | None = None
+    trace_path: str | os.PathLike[str] | None = None
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -59,3 +63,17 @@ class TimerConfig:
         check_bool(o, "summary", self.summary)
         check_bool(o, "nvtx", self.nvtx)
         check_path(o, "log_dir", self.log_dir)
+        check_path(o, "trace_path", self.trace_path)
+        ts = self.trace_steps
+        if ts is not None and not (
+            isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)
+            and 0 <= ts[0] < ts[1]
+        ):
+            _fail(o, "trace_steps", ts, "a tuple (first, stop) of ints with 0 <= first < stop, or None")
+
+    def make_trace(self, log_dir: str | None, clock: str) -> TraceWriter | None:
+        """The trace writer for ``trace_steps`` (default file: ``<log_dir>/phase_trace.json``)."""
+        if self.trace_steps is None:
+            return None
+        path = self.trace_path or os.path.join(log_dir or ".", "phase_trace.json")
+        return TraceWriter(path, *self.trace_steps, clock=clock)

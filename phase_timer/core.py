@@ -19,6 +19,7 @@ from phase_timer.recorder import NvtxRecorder, Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.stats import RunTotals, Window
+from phase_timer.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ class TimingCore:
         per_step: bool = False,
         poll_lag: int = 2,
         nvtx: bool = False,
+        trace: TraceWriter | None = None,
     ) -> None:
         self.clock = clock
+        self.trace = trace
         self._recorder = NvtxRecorder(clock) if nvtx else Recorder(clock)
         self._resolver = Resolver(clock, max_pending=max_pending, lag=poll_lag)
         self._sinks = [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
@@ -89,7 +92,14 @@ class TimingCore:
             if self._resolver.full:
                 self._skip()
                 return
-        self._recorder.open(step, phase)
+        trace = self.trace
+        if trace is not None and trace.wants(step):
+            if trace.ref is None:  # the one reference every traced mark is measured against
+                trace.ref_host_ns = time.perf_counter_ns()
+                trace.ref = self.clock.mark()
+            self._recorder.open(step, phase, trace.ref)
+        else:
+            self._recorder.open(step, phase)
 
     def end_step(self) -> None:
         """Close the step; resolve whatever earlier steps the device has finished."""
@@ -133,6 +143,8 @@ class TimingCore:
     # -- results ----------------------------------------------------------------
     def _consume(self, results: list[StepTimes]) -> None:
         for r in results:
+            if r.device_spans is not None and self.trace is not None:
+                self.trace.add(r)
             if self._per_step:
                 self._write(r.step, step_scalars(r.ms))
             window = self._window
@@ -183,7 +195,19 @@ class TimingCore:
             self._window = None
         for sink in self._sinks:
             sink.close()
+        self._write_trace()
         return self.totals
+
+    def _write_trace(self) -> None:
+        if self.trace is None or self.trace.ref is None:
+            return
+        try:
+            path = self.trace.write()
+            log.info("phase-timer: trace of steps %d..%d in %s", self.trace.first, self.trace.stop - 1, path)
+        except OSError as err:
+            msg = f"phase-timer: could not write the trace ({err})"
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def summary_table(self, title: str = "phase-timer") -> str:
         return format_summary(self.totals, clock=self.clock.kind, title=title)

@@ -86,6 +86,9 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         log_dir: where to write TensorBoard files when the Trainer has no logger
             (default ``<default_root_dir>/phase_timer/version_N``).
         nvtx: also push each phase as an NVTX range (Nsight Systems); off by default.
+        trace_steps: ``(first, stop)``: write a Chrome/Perfetto trace of these steps'
+            phases on the device's timeline (``trace_path``, default
+            ``<log_dir>/phase_trace.json``), at the end of ``fit``.
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.
     """
 
@@ -99,6 +102,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         summary: bool = True,
         log_dir: str | os.PathLike[str] | None = None,
         nvtx: bool = False,
+        trace_steps: tuple[int, int] | None = None,
+        trace_path: str | os.PathLike[str] | None = None,
         enabled: bool = True,
     ) -> None:
         super().__init__()
@@ -110,6 +115,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             summary=summary,
             log_dir=log_dir,
             nvtx=nvtx,
+            trace_steps=trace_steps,
+            trace_path=trace_path,
             owner="PhaseTimer",
             window_arg="log_every_n_steps",
         )
@@ -162,14 +169,17 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         if not self.enabled or self._original is None:
             return
         cfg = self.config
+        clock = make_clock(trainer.strategy.root_device)
+        sinks = self._make_sinks(trainer) if trainer.is_global_zero else []
         self.core = TimingCore(
-            make_clock(trainer.strategy.root_device),
-            self._make_sinks(trainer) if trainer.is_global_zero else [],
+            clock,
+            sinks,
             window=cfg.window or max(1, trainer.log_every_n_steps or 50),
             warmup_steps=cfg.warmup_steps,
             max_pending=cfg.max_pending,
             per_step=cfg.per_step,
             nvtx=cfg.nvtx,
+            trace=cfg.make_trace(self.log_dir or trainer.default_root_dir, clock.kind) if trainer.is_global_zero else None,
         )
         if not pl_module.automatic_optimization:  # trainer.optimizers: the torch optimizers themselves
             self._hooks.append(StepHooks(trainer.optimizers, self._manual_step_start, self._manual_step_end))

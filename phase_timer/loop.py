@@ -135,10 +135,12 @@ class LoopTimer:
         self.core: TimingCore | None = None
         self.loader = _TimedLoader(self, loader) if loader is not None and self.enabled else loader
         if self.enabled:
+            clock = make_clock(self.device)
+            sinks = self._make_sinks(writer)
             self.core = TimingCore(
-                make_clock(self.device), self._make_sinks(writer), window=config.window or 50,
+                clock, sinks, window=config.window or 50,
                 warmup_steps=config.warmup_steps, max_pending=config.max_pending, per_step=config.per_step,
-                nvtx=config.nvtx,
+                nvtx=config.nvtx, trace=config.make_trace(self.log_dir, clock.kind),
             )
             self._install()
 
@@ -365,6 +367,8 @@ def attach(
     end_step: str = "optimizer",
     scaler: Any = None,
     nvtx: bool = False,
+    trace_steps: tuple[int, int] | None = None,
+    trace_path: str | os.PathLike[str] | None = None,
     enabled: bool = True,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
@@ -381,11 +385,13 @@ def attach(
         end_step: ``"optimizer"`` or ``"manual"`` (call ``timer.end_step()``).
         scaler: a GradScaler: the step then ends at ``scaler.update()``, skipped steps included.
         nvtx: also push each phase as an NVTX range (Nsight Systems); off by default.
+        trace_steps, trace_path: write a Chrome/Perfetto trace of steps ``first..stop-1``
+            on the device's timeline (default ``<log_dir>/phase_trace.json``), on close.
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.
     """
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
-        summary=summary, log_dir=log_dir, nvtx=nvtx, owner="attach",
+        summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path, owner="attach",
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,

@@ -8,6 +8,7 @@ gradient accumulation, ``optimizer`` with several optimizers) is summed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,12 +25,15 @@ class Record:
     single_stream: bool = True
     #: Phases measured on the host clock, already in milliseconds (``data_wait``, ``period``).
     host_ms: dict[str, float] = field(default_factory=dict)
+    #: Traced steps only: the host time of each mark (ns), and the trace's reference mark.
+    host_ns: list[int] | None = None
+    ref: Any = None
 
 
 class Recorder:
     """Turns ``open / switch / close`` calls into marks on one clock."""
 
-    __slots__ = ("_clock", "_mark", "_marks", "_labels", "_current", "_step", "_epoch", "_host")
+    __slots__ = ("_clock", "_mark", "_marks", "_labels", "_current", "_step", "_epoch", "_host", "_host_ns", "_ref")
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
@@ -40,6 +44,8 @@ class Recorder:
         self._step = 0
         self._epoch = 0
         self._host: dict[str, float] = {}
+        self._host_ns: list[int] | None = None
+        self._ref: Any = None
 
     @property
     def is_open(self) -> bool:
@@ -50,8 +56,16 @@ class Recorder:
         """The phase running now, or ``None`` outside a record."""
         return self._current if self._marks is not None else None
 
-    def open(self, step: int, phase: str) -> None:
-        """Start a record at ``step`` whose first span is ``phase``."""
+    def open(self, step: int, phase: str, trace_ref: Any = None) -> None:
+        """Start a record at ``step`` whose first span is ``phase``.
+
+        With ``trace_ref`` (a mark), the host time of every mark is kept too, and the
+        record is resolved against that reference for the timeline trace.
+        """
+        self._ref = trace_ref
+        self._host_ns = [] if trace_ref is not None else None
+        if self._host_ns is not None:
+            self._host_ns.append(time.perf_counter_ns())
         self._marks = [self._mark()]
         self._labels = []
         self._current = phase
@@ -64,6 +78,8 @@ class Recorder:
         marks = self._marks
         if marks is None or phase == self._current:
             return
+        if self._host_ns is not None:
+            self._host_ns.append(time.perf_counter_ns())
         marks.append(self._mark())
         self._labels.append(self._current)
         self._current = phase
@@ -82,6 +98,8 @@ class Recorder:
         marks = self._marks
         if marks is None:
             return None
+        if self._host_ns is not None:
+            self._host_ns.append(time.perf_counter_ns())
         marks.append(self._mark())
         self._labels.append(self._current)
         self._marks = None
@@ -91,6 +109,8 @@ class Recorder:
             labels=self._labels,
             single_stream=self._clock.stream_epoch == self._epoch,
             host_ms=self._host,
+            host_ns=self._host_ns,
+            ref=self._ref,
         )
 
     def discard(self) -> None:
@@ -118,8 +138,8 @@ class NvtxRecorder(Recorder):
             push, pop = nvtx.range_push, nvtx.range_pop
         self._push, self._pop = push, pop
 
-    def open(self, step: int, phase: str) -> None:
-        super().open(step, phase)
+    def open(self, step: int, phase: str, trace_ref: Any = None) -> None:
+        super().open(step, phase, trace_ref)
         self._push(phase)
 
     def switch(self, phase: str) -> None:

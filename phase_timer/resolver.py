@@ -22,6 +22,10 @@ class StepTimes:
 
     step: int
     ms: dict[str, float]
+    #: Traced steps only: (phase, start, end) per span, device ms from the trace's
+    #: reference mark, and the host ns of each boundary.
+    device_spans: list[tuple[str, float, float]] | None = None
+    host_ns: list[int] | None = None
 
 
 def resolve(clock: Clock, record: Record) -> StepTimes:
@@ -37,8 +41,12 @@ def resolve(clock: Clock, record: Record) -> StepTimes:
         total += span
         start = end
     ms["step"] = total
+    spans = None
+    if record.ref is not None:  # traced: every mark against the one reference, on the device clock
+        offsets = [elapsed(record.ref, m) for m in marks]
+        spans = [(label, offsets[i], offsets[i + 1]) for i, label in enumerate(record.labels)]
     clock.release(marks)
-    return StepTimes(record.step, ms)
+    return StepTimes(record.step, ms, spans, record.host_ns)
 
 
 class Resolver:

@@ -258,3 +258,41 @@ def _kernels_launched_in(trace: str, annotation: str) -> list[dict]:
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and lo <= e["ts"] <= hi and "correlation" in e.get("args", {})}
     return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
             and e.get("args", {}).get("correlation") in launched]
+
+
+def test_trace_boxes_line_up_with_the_profilers_kernels(tmp_path):
+    """Traced steps' device boxes end where the profiler saw each step's last kernel end."""
+    import json
+
+    import phase_timer
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    width = 4096
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.GELU())]).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(2048, width, device="cuda")
+    timer = phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=0, trace_steps=(6, 10), summary=False)
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    for i in range(12):
+        if i == 6:
+            torch.cuda.synchronize()
+            prof.__enter__()
+        with record_function(f"step:{i}"):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if i == 9:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+    timer.close()
+    with open(tmp_path / "phase_trace.json") as f:
+        device = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    trace_end = {s: max(e["ts"] + e["dur"] for e in device if e["args"]["step"] == s) for s in range(6, 10)}
+    prof_path = str(tmp_path / "prof.json")
+    prof.export_chrome_trace(prof_path)
+    prof_end = {s: max(k["ts"] + k["dur"] for k in _kernels_launched_in(prof_path, f"step:{s}")) for s in range(6, 10)}
+    for s in range(7, 10):
+        want = prof_end[s] - prof_end[6]
+        got = trace_end[s] - trace_end[6]
+        print(f"step {s}: profiler {want / 1e3:.3f} ms after step 6's end, trace {got / 1e3:.3f} ms")
+        assert got == pytest.approx(want, rel=0.01, abs=50)  # us
