@@ -6,6 +6,7 @@ Run with ``pytest -m gpu``; skipped without CUDA.
 from __future__ import annotations
 
 import contextlib
+import os
 import functools
 
 import pytest
@@ -285,7 +286,7 @@ def test_trace_boxes_line_up_with_the_profilers_kernels(tmp_path):
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
     timer.close()
-    with open(tmp_path / "phase_trace.json") as f:
+    with open(os.path.join(timer.log_dir, "phase_trace.json")) as f:
         device = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
     trace_end = {s: max(e["ts"] + e["dur"] for e in device if e["args"]["step"] == s) for s in range(6, 10)}
     prof_path = str(tmp_path / "prof.json")
