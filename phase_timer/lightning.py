@@ -26,7 +26,7 @@ from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
-from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, open_summary_writer
+from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, next_version_dir, open_summary_writer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -204,11 +204,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
     def _own_log_dir(self, trainer: pl.Trainer) -> str:
         if self.config.log_dir is not None:
             return os.fspath(self.config.log_dir)
-        root = os.path.join(trainer.default_root_dir, "phase_timer")
-        n = 0
-        while os.path.exists(os.path.join(root, f"version_{n}")):
-            n += 1
-        return os.path.join(root, f"version_{n}")
+        return next_version_dir(os.path.join(trainer.default_root_dir, "phase_timer"))
 
     # -- the step -----------------------------------------------------------------
     def _before_transfer(self, trainer: pl.Trainer) -> None:

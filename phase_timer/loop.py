@@ -36,7 +36,7 @@ from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.metrics import HOST_PHASES, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
-from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, open_summary_writer
+from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_summary_writer
 from phase_timer.stats import RunTotals
 
 if TYPE_CHECKING:
@@ -155,11 +155,7 @@ class LoopTimer:
         if writer is not None:
             self.log_dir = writer.log_dir
             return [BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), "SummaryWriter")]
-        root = os.fspath(self.config.log_dir or "phase_timer_logs")
-        n = 0
-        while os.path.exists(os.path.join(root, f"version_{n}")):
-            n += 1
-        own = open_summary_writer(os.path.join(root, f"version_{n}"), per_step=self.config.per_step)
+        own = open_summary_writer(next_version_dir(self.config.log_dir or "phase_timer_logs"), per_step=self.config.per_step)
         self.log_dir = own.log_dir
         return [BackgroundSink(own, "SummaryWriter")]
 

@@ -10,6 +10,7 @@ does that on a thread of its own: the training thread only puts on a queue
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import warnings
@@ -146,6 +147,14 @@ class BackgroundSink:
             self._queue.put(_STOP)
             self._thread.join(self._timeout_s)
         self.sink.close()
+
+
+def next_version_dir(root: str | os.PathLike[str]) -> str:
+    """``root/version_N`` for the first N not taken (as Lightning names its runs)."""
+    n = 0
+    while os.path.exists(os.path.join(root, f"version_{n}")):
+        n += 1
+    return os.path.join(root, f"version_{n}")
 
 
 def open_summary_writer(log_dir: str, *, per_step: bool) -> SummaryWriterSink:

@@ -75,7 +75,7 @@ def test_phases_are_attributed_where_the_time_is_spent(tmp_path):
     t.fit(model, loader(sleep_s=0.0005))
     p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
     for phase, sleep_ms in {"h2d": 4, "forward": 6, "backward": 8, "optimizer": 10, "data_wait": 4}.items():
-        assert sleep_ms <= p50[phase] < 2 * sleep_ms + 10, (phase, p50)  # the lower bound proves attribution
+        assert sleep_ms <= p50[phase] < 3 * sleep_ms + 25, (phase, p50)  # the lower bound proves attribution
     assert p50["period"] >= p50["step"] + p50["data_wait"] * 0.9
 
 
@@ -105,9 +105,9 @@ def test_manual_optimization_with_one_or_several_optimizers(tmp_path, n_opt):
     t = trainer(ns, str(tmp_path), [timer], max_steps=8 * n_opt, log_every_n_steps=2)
     t.fit(model, loader())
     p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
-    assert 5 * n_opt <= p50["optimizer"] < 10 * n_opt + 10
-    assert 3 * n_opt <= p50["forward"] < 6 * n_opt + 10
-    assert 2 * n_opt <= p50["backward"] < 4 * n_opt + 10
+    assert 5 * n_opt <= p50["optimizer"] < 15 * n_opt + 25
+    assert 3 * n_opt <= p50["forward"] < 9 * n_opt + 25
+    assert 2 * n_opt <= p50["backward"] < 6 * n_opt + 25
     assert timer.totals.steps == 7  # one record per batch, whatever the number of optimizers
     scalars = read_scalars(t.logger.log_dir)
     assert_increasing_unique(steps_of(scalars))
@@ -116,7 +116,7 @@ def test_manual_optimization_with_one_or_several_optimizers(tmp_path, n_opt):
 
 def test_validation_and_sanity_check_are_not_counted(tmp_path):
     ns = "lightning.pytorch"
-    model = module_class(ns)(val=0.01)
+    model = module_class(ns)(val=0.03)
     timer = PhaseTimer(warmup_steps=1)
     t = trainer(
         ns, str(tmp_path), [timer], max_steps=20, log_every_n_steps=5, val_check_interval=5,
@@ -125,9 +125,9 @@ def test_validation_and_sanity_check_are_not_counted(tmp_path):
     t.fit(model, loader(), loader())
     totals = timer.totals.phases
     assert totals["h2d"].count == 19  # the validation batches' copies are not in
-    # validation (4 batches of 10 ms) follows 3 of 19 steps: counted, it would set the p90
-    assert totals["period"].quantile(90) < 30
-    assert totals["data_wait"].quantile(90) < 30
+    # validation (4 batches of 30 ms) follows 3 of 19 steps: counted, it would set the p90
+    assert totals["period"].quantile(90) < 80
+    assert totals["data_wait"].quantile(90) < 80
 
 
 def test_bf16_mixed_and_gradient_clipping(tmp_path):
