@@ -32,6 +32,11 @@ def check_bool(owner: str, name: str, value: Any) -> None:
         _fail(owner, name, value, "True or False")
 
 
+def check_seconds(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        _fail(owner, name, value, "a finite number of seconds > 0")
+
+
 def check_path(owner: str, name: str, value: Any) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         _fail(owner, name, value, "a path (str or os.PathLike) or None")
@@ -50,6 +55,7 @@ class TimerConfig:
     nvtx: bool = False
     trace_steps: tuple[int, int] | None = None
     trace_path: str | os.PathLike[str] | None = None
+    rank_timeout_s: float = 30.0
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -64,6 +70,7 @@ class TimerConfig:
         check_bool(o, "nvtx", self.nvtx)
         check_path(o, "log_dir", self.log_dir)
         check_path(o, "trace_path", self.trace_path)
+        check_seconds(o, "rank_timeout_s", self.rank_timeout_s)
         ts = self.trace_steps
         if ts is not None and not (
             isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)

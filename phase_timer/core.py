@@ -14,7 +14,16 @@ import warnings
 from collections.abc import Sequence
 
 from phase_timer.clock import Clock
-from phase_timer.metrics import SKIPPED_TAG, WINDOW_STEPS_TAG, format_summary, step_scalars, window_scalars
+from phase_timer.metrics import (
+    SKIPPED_TAG,
+    WINDOW_STEPS_TAG,
+    format_rank_table,
+    format_summary,
+    rank_scalars,
+    step_scalars,
+    window_scalars,
+)
+from phase_timer.ranks import RankExchange, RankWindow
 from phase_timer.recorder import NvtxRecorder, Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
@@ -39,6 +48,7 @@ class TimingCore:
         poll_lag: int = 2,
         nvtx: bool = False,
         trace: TraceWriter | None = None,
+        ranks: RankExchange | None = None,
     ) -> None:
         self.clock = clock
         self.trace = trace
@@ -51,6 +61,8 @@ class TimingCore:
         self._window: Window | None = None
         self.totals = RunTotals()
         self.steps_begun = 0
+        self.steps_ended = 0
+        self.ranks = ranks
         self.skipped = 0
         self.closed = False
         self._in_step = False
@@ -116,6 +128,10 @@ class TimingCore:
         results = self._resolver.poll()
         if results:
             self._consume(results)
+        self.steps_ended += 1
+        # Every rank ends the same steps, so every rank reports at the same ones.
+        if self.ranks is not None and self.steps_ended % self._window_size == 0:
+            self._write_ranks(self.ranks.exchange())
 
     def _skip(self) -> None:
         self.skipped += 1
@@ -159,11 +175,17 @@ class TimingCore:
     def _emit(self, window: Window) -> None:
         values = window.values
         self.totals.add_window(window, values)
+        if self.ranks is not None:
+            self.ranks.add(window.key, window.last_step, window.steps, {p: (sum(vs), len(vs)) for p, vs in values.items()})
         scalars = window_scalars(window.summary(values))
         scalars[WINDOW_STEPS_TAG] = float(window.steps)
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
         self._write(window.last_step, scalars)
+
+    def _write_ranks(self, windows: list[RankWindow]) -> None:
+        for w in windows:
+            self._write(w.step, rank_scalars(w))
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
         for sink in self._sinks:
@@ -173,10 +195,11 @@ class TimingCore:
         """Resolve finished steps now (never waits)."""
         self._consume(self._resolver.poll())
 
-    def finish(self) -> RunTotals:
+    def finish(self, rank_timeout_s: float = 30.0) -> RunTotals:
         """End of training: drop a half-done step, wait for the rest, write and close.
 
-        The only place that waits for the device (through ``Resolver.drain``).
+        The only place that waits for the device (through ``Resolver.drain``), and,
+        when distributed, for the other ranks' last reports (at most ``rank_timeout_s``).
         Safe to call twice; the second call does nothing.
         """
         if self.closed:
@@ -193,6 +216,8 @@ class TimingCore:
         if self._window is not None:
             self._emit(self._window)
             self._window = None
+        if self.ranks is not None:
+            self._write_ranks(self.ranks.finish(rank_timeout_s))
         for sink in self._sinks:
             sink.close()
         self._write_trace()
@@ -210,4 +235,9 @@ class TimingCore:
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     def summary_table(self, title: str = "phase-timer") -> str:
-        return format_summary(self.totals, clock=self.clock.kind, title=title)
+        if self.ranks is None:
+            return format_summary(self.totals, clock=self.clock.kind, title=title)
+        table = format_summary(self.totals, clock=self.clock.kind, title=f"{title} (rank {self.ranks.rank})")
+        if self.ranks.totals is not None:
+            table += "\n\n" + format_rank_table(self.ranks.totals, title=title)
+        return table

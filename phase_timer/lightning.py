@@ -26,6 +26,7 @@ from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
+from phase_timer.ranks import RankExchange
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, next_version_dir, open_summary_writer
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         trace_steps: ``(first, stop)``: write a Chrome/Perfetto trace of these steps'
             phases on the device's timeline (``trace_path``, default
             ``<log_dir>/phase_trace.json``), at the end of ``fit``.
+        rank_timeout_s: distributed runs: how long rank zero waits, at the end of ``fit``,
+            for the other ranks' last reports (5 s at most after an exception).
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.
     """
 
@@ -104,6 +107,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         nvtx: bool = False,
         trace_steps: tuple[int, int] | None = None,
         trace_path: str | os.PathLike[str] | None = None,
+        rank_timeout_s: float = 30.0,
         enabled: bool = True,
     ) -> None:
         super().__init__()
@@ -117,6 +121,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             nvtx=nvtx,
             trace_steps=trace_steps,
             trace_path=trace_path,
+            rank_timeout_s=rank_timeout_s,
             owner="PhaseTimer",
             window_arg="log_every_n_steps",
         )
@@ -127,7 +132,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         self.last_summary: str | None = None
         self.log_dir: str | None = None
         self._trainer: pl.Trainer | None = None
-        self._original: tuple[Any, bool] | None = None
+        self._originals: list[tuple[Any, str, Any, bool]] = []
+        self._sync_wait_ns = 0
         self._hooks: list[Any] = []
         self._last_batch_end = 0
         self._paused_at = 0
@@ -139,9 +145,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         if not self.enabled or stage != "fit":
             return
         self._trainer = trainer
-        strategy = trainer.strategy
-        self._original = (strategy.__dict__.get("batch_to_device"), "batch_to_device" in strategy.__dict__)
-        original = strategy.batch_to_device
+        original = trainer.strategy.batch_to_device
 
         def batch_to_device(batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
             if self.core is None or not trainer.training:
@@ -151,26 +155,46 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             self.core.phase("forward")
             return out
 
-        strategy.batch_to_device = batch_to_device  # type: ignore[method-assign]
+        self._patch(trainer.strategy, "batch_to_device", batch_to_device)
+        # Lightning >= 2.5 broadcasts a SIGTERM flag before every batch when distributed and
+        # reads it back with `.item()`: the host waits there for the device and the other
+        # ranks.  That wait is timed as `sync_wait`, so that it is not counted as data_wait.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        broadcast = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
+        if callable(broadcast):
+
+            def timed_broadcast(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter_ns()
+                try:
+                    return broadcast(*args, **kwargs)
+                finally:
+                    self._sync_wait_ns += time.perf_counter_ns() - t0
+
+            self._patch(epoch_loop, "_broadcast_sigterm_tensor", timed_broadcast)
+
+    def _patch(self, obj: Any, name: str, replacement: Any) -> None:
+        """Replace ``obj.name`` on the instance; :meth:`_restore` puts back what was there."""
+        self._originals.append((obj, name, obj.__dict__.get(name), name in obj.__dict__))
+        setattr(obj, name, replacement)
 
     def _restore(self) -> None:
-        if self._trainer is not None and self._original is not None:
-            previous, had_attr = self._original
+        for obj, name, previous, had_attr in reversed(self._originals):
             if had_attr:
-                self._trainer.strategy.batch_to_device = previous  # type: ignore[method-assign]
+                setattr(obj, name, previous)
             else:
-                self._trainer.strategy.__dict__.pop("batch_to_device", None)
-        self._original = None
+                obj.__dict__.pop(name, None)
+        self._originals = []
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.enabled or self._original is None:
+        if not self.enabled or not self._originals:
             return
         cfg = self.config
         clock = make_clock(trainer.strategy.root_device)
-        sinks = self._make_sinks(trainer) if trainer.is_global_zero else []
+        ranks = RankExchange.create()  # None unless distributed; a collective: every rank is here
+        sinks = self._make_sinks(trainer, ranks is not None) if trainer.is_global_zero else []
         self.core = TimingCore(
             clock,
             sinks,
@@ -180,15 +204,16 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             per_step=cfg.per_step,
             nvtx=cfg.nvtx,
             trace=cfg.make_trace(self.log_dir or trainer.default_root_dir, clock.kind) if trainer.is_global_zero else None,
+            ranks=ranks,
         )
         if not pl_module.automatic_optimization:  # trainer.optimizers: the torch optimizers themselves
             self._hooks.append(StepHooks(trainer.optimizers, self._manual_step_start, self._manual_step_end))
 
-    def _make_sinks(self, trainer: pl.Trainer) -> list[Sink]:
+    def _make_sinks(self, trainer: pl.Trainer, ranks: bool) -> list[Sink]:
         sinks: list[Sink] = []
         for lg in trainer.loggers:
             if isinstance(lg, _TENSORBOARD_LOGGERS):
-                layout = custom_scalars_layout(self.config.per_step)
+                layout = custom_scalars_layout(self.config.per_step, ranks)
                 writer = SummaryWriterSink(lg.experiment, owned=False, layout=layout)
                 sink: Sink = BackgroundSink(writer, type(lg).__name__)
                 self.log_dir = lg.log_dir
@@ -196,7 +221,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
                 sink = GuardedSink(_LoggerSink(lg), type(lg).__name__)
             sinks.append(sink)
         if not sinks:
-            own = open_summary_writer(self._own_log_dir(trainer), per_step=self.config.per_step)
+            own = open_summary_writer(self._own_log_dir(trainer), per_step=self.config.per_step, ranks=ranks)
             self.log_dir = own.log_dir
             sinks.append(BackgroundSink(own, "SummaryWriter"))
         return sinks
@@ -210,7 +235,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
     def _before_transfer(self, trainer: pl.Trainer) -> None:
         core = self.core
         assert core is not None
-        wait_ms = (time.perf_counter_ns() - self._last_batch_end) / 1e6
+        sync_ns, self._sync_wait_ns = self._sync_wait_ns, 0
+        wait_ms = (time.perf_counter_ns() - self._last_batch_end - sync_ns) / 1e6
         if core.in_step:  # next micro-batch of an accumulated step
             core.phase("h2d")
         else:
@@ -218,6 +244,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             # The step Lightning logs this batch's metrics at.
             core.begin_step(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step), "h2d")
         core.add_host("data_wait", wait_ms)
+        if sync_ns:
+            core.add_host("sync_wait", sync_ns / 1e6)
         self._global_step_at_batch = trainer.global_step
 
     def _manual_step_start(self, opt: Any) -> None:
@@ -275,7 +303,10 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         core, self.core = self.core, None
         if core is None:
             return
-        core.finish()  # the one blocking wait: pending steps are resolved and written
+        # The one blocking wait: pending steps are resolved and written (and the other
+        # ranks' last reports awaited, briefly when the run failed: a rank may be gone).
+        timeout = self.config.rank_timeout_s
+        core.finish(rank_timeout_s=min(timeout, 5.0) if interrupted else timeout)
         if self.config.summary or interrupted:
             self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
             if trainer.is_global_zero and self.config.summary:

@@ -36,6 +36,7 @@ from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.metrics import HOST_PHASES, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
+from phase_timer.ranks import RankExchange
 from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_summary_writer
 from phase_timer.stats import RunTotals
 
@@ -136,11 +137,16 @@ class LoopTimer:
         self.loader = _TimedLoader(self, loader) if loader is not None and self.enabled else loader
         if self.enabled:
             clock = make_clock(self.device)
-            sinks = self._make_sinks(writer)
+            # Under torch.distributed every rank times itself and reports to rank zero,
+            # which alone writes (a collective: every rank attaches at the same point).
+            ranks = RankExchange.create()
+            self.is_rank_zero = ranks is None or ranks.rank == 0
+            sinks = self._make_sinks(writer, ranks is not None) if self.is_rank_zero else []
             self.core = TimingCore(
                 clock, sinks, window=config.window or 50,
                 warmup_steps=config.warmup_steps, max_pending=config.max_pending, per_step=config.per_step,
-                nvtx=config.nvtx, trace=config.make_trace(self.log_dir, clock.kind),
+                nvtx=config.nvtx, trace=config.make_trace(self.log_dir, clock.kind) if self.is_rank_zero else None,
+                ranks=ranks,
             )
             self._install()
 
@@ -150,12 +156,14 @@ class LoopTimer:
                 return p.device
         return torch.device("cpu")
 
-    def _make_sinks(self, writer: SummaryWriter | None) -> list[Sink]:
-        layout = custom_scalars_layout(self.config.per_step)
+    def _make_sinks(self, writer: SummaryWriter | None, ranks: bool) -> list[Sink]:
+        layout = custom_scalars_layout(self.config.per_step, ranks)
         if writer is not None:
             self.log_dir = writer.log_dir
             return [BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), "SummaryWriter")]
-        own = open_summary_writer(next_version_dir(self.config.log_dir or "phase_timer_logs"), per_step=self.config.per_step)
+        own = open_summary_writer(
+            next_version_dir(self.config.log_dir or "phase_timer_logs"), per_step=self.config.per_step, ranks=ranks
+        )
         self.log_dir = own.log_dir
         return [BackgroundSink(own, "SummaryWriter")]
 
@@ -225,8 +233,14 @@ class LoopTimer:
             self._set("backward")
             # The engine runs this when the whole pass is done, on whichever thread
             # finished it, with the caller's streams current.
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward_callbacks)
         return None
+
+    def _after_backward_callbacks(self) -> None:
+        # DDP and FSDP queue their own end-of-backward callbacks (waiting for the last
+        # all-reduce / reduce-scatter) after ours; a callback queued from a callback
+        # runs after all of them, so backward includes what it could not overlap.
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         self._in_backward = False
@@ -297,14 +311,15 @@ class LoopTimer:
         core, self.core = self.core, None
         if core is None:
             return self.totals
-        self.totals = core.finish()
+        self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s)
         self.last_summary = core.summary_table()
-        if self.config.summary:
+        if self.config.summary and self.is_rank_zero:
             print(self.last_summary, flush=True)
         return self.totals
 
     totals: RunTotals | None = None
     last_summary: str | None = None
+    is_rank_zero: bool = True
 
     def __enter__(self) -> LoopTimer:
         return self
@@ -365,6 +380,7 @@ def attach(
     nvtx: bool = False,
     trace_steps: tuple[int, int] | None = None,
     trace_path: str | os.PathLike[str] | None = None,
+    rank_timeout_s: float = 30.0,
     enabled: bool = True,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
@@ -383,11 +399,14 @@ def attach(
         nvtx: also push each phase as an NVTX range (Nsight Systems); off by default.
         trace_steps, trace_path: write a Chrome/Perfetto trace of steps ``first..stop-1``
             on the device's timeline (default ``<log_dir>/phase_trace.json``), on close.
+        rank_timeout_s: under torch.distributed, how long ``close()`` waits for the other
+            ranks' last reports.
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.
     """
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
-        summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path, owner="attach",
+        summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
+        rank_timeout_s=rank_timeout_s, owner="attach",
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,

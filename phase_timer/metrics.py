@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from phase_timer.stats import WINDOW_STATS, RunTotals
 
+if TYPE_CHECKING:
+    from phase_timer.ranks import RankTotals, RankWindow
+
 #: Built-in phases in display order.  Custom phases (plain-PyTorch door) go after them.
-PHASE_ORDER = ("data_wait", "h2d", "forward", "backward", "optimizer", "idle")
+PHASE_ORDER = ("data_wait", "sync_wait", "h2d", "forward", "backward", "optimizer", "idle")
 #: Phases read on the host clock whatever the device.
-HOST_PHASES = frozenset({"data_wait", "period"})
+HOST_PHASES = frozenset({"data_wait", "sync_wait", "period"})
 #: Totals, shown last.
 TOTALS = ("step", "period")
 
 WINDOW_PREFIX = "phase_time"
 STEP_PREFIX = "phase_time_step"
+RANKS_PREFIX = "phase_time_ranks"
+#: Across ranks, per phase, each rank's window mean: these, and which rank had the largest.
+RANK_STATS = ("min", "median", "max", "slowest_rank")
+RANKS_TAG = "phase_timer/ranks_reporting"
 SKIPPED_TAG = "phase_timer/skipped_steps"
 WINDOW_STEPS_TAG = "phase_timer/window_steps"
 
@@ -39,18 +48,36 @@ def window_scalars(summary: dict[str, dict[str, float]]) -> dict[str, float]:
     return {window_tag(p, s): summary[p][s] for p in ordered(list(summary)) for s in WINDOW_STATS}
 
 
+def rank_tag(phase: str, stat: str) -> str:
+    return f"{RANKS_PREFIX}/{phase}_ms/{stat}"
+
+
+def rank_scalars(window: RankWindow) -> dict[str, float]:
+    """One window across ranks as ``{tag: value}``."""
+    out = {rank_tag(p, s): v for p in ordered(list(window.means)) for s, v in window.stats(p).items()}
+    out[RANKS_TAG] = float(window.ranks)
+    return out
+
+
 def step_scalars(ms: dict[str, float]) -> dict[str, float]:
     return {step_tag(p): ms[p] for p in ordered(list(ms))}
 
 
-def custom_scalars_layout(per_step: bool) -> dict[str, dict[str, list]]:
+def custom_scalars_layout(per_step: bool, ranks: bool = False) -> dict[str, dict[str, list]]:
     """A TensorBoard custom-scalars layout: every phase of one statistic in one chart."""
     charts: dict[str, list] = {
         f"{stat} per phase (ms)": ["Multiline", [rf"^{WINDOW_PREFIX}/.*_ms/{stat}$"]] for stat in WINDOW_STATS
     }
     if per_step:
         charts["every step (ms)"] = ["Multiline", [rf"^{STEP_PREFIX}/.*_ms$"]]
-    return {"phase-timer": charts}
+    layout = {"phase-timer": charts}
+    if ranks:  # one chart per built-in phase: its min, median and max across ranks
+        layout["phase-timer across ranks"] = {
+            f"{phase} across ranks (ms)": ["Multiline", [rf"^{RANKS_PREFIX}/{phase}_ms/(min|median|max)$"]]
+            for phase in (*PHASE_ORDER, *TOTALS)
+        }
+        layout["phase-timer across ranks"]["slowest rank per phase"] = ["Multiline", [rf"^{RANKS_PREFIX}/.*_ms/slowest_rank$"]]
+    return layout
 
 
 def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer") -> str:
@@ -79,5 +106,36 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer")
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     rule = "-" * len(line(head))
     body = "\n".join(line(r) for r in rows)
-    note = "share: device phases of `step`, data_wait of `period` (host)"
+    note = "share: device phases of `step`, host phases (data_wait, sync_wait) of `period`"
     return f"{title}: {totals.steps} steps timed\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{note}"
+
+
+def format_rank_table(totals: RankTotals, title: str = "phase-timer") -> str:
+    """Per rank, each phase's mean ms over the run, and the rank with the largest mean."""
+    ranks = sorted(totals.steps)
+    phases = ordered({p for r in ranks for p in totals.sums.get(r, {})})
+    if not ranks or not phases:
+        return f"{title}: no window was reported by the ranks"
+    head = ["rank", *phases, "steps"]
+    rows = []
+    for r in ranks:
+        means = [totals.mean(r, p) for p in phases]
+        rows.append([str(r), *("" if m is None else f"{m:.3f}" for m in means), str(totals.steps[r])])
+    slowest = ["slowest"]
+    for p in phases:
+        by_rank = {r: m for r in ranks if (m := totals.mean(r, p)) is not None}
+        slowest.append(str(max(by_rank, key=lambda r: (by_rank[r], -r))) if by_rank else "")
+    rows.append([*slowest, ""])
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
+    rule = "-" * len(line(head))
+    missing = sorted(set(range(totals.world_size)) - set(ranks))
+    note = (
+        "mean ms per step.  A slow rank is slowest in the phase where it loses time; the ranks\n"
+        "that wait for it show the wait in backward (the gradient all-reduce) and, under\n"
+        "Lightning, in sync_wait (its per-batch broadcast)."
+    )
+    if missing:
+        note += f"\nno report from rank(s) {missing}"
+    body = "\n".join(line(r) for r in rows[:-1])
+    return f"{title}: per rank ({len(ranks)} of {totals.world_size})\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{line(rows[-1])}\n{rule}\n{note}"

@@ -342,7 +342,7 @@ def format_run(report: RunReport) -> str:
     ]
     headers = ("phase", *_HEADERS[report.source], "share")
     table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * 5)
-    note = "share: device phases of `step`, data_wait of `period` (host clock)"
+    note = "share: device phases of `step`, host phases (data_wait, sync_wait) of `period` (host clock)"
     return f"{_describe(report)}\n{table}\n{note}"
 
 
@@ -504,7 +504,7 @@ _REPORT_HELP = (
     "Tables of where each step's time went, per phase: mean, p50, p90, max (ms) and share of the step. "
     "From per-step values (runs logged with per_step=True) the statistics are exact; from the window summaries "
     "alone the columns are: mean = mean of window means (every window weighs the same), p50 = median of window p50, "
-    "p90 = max of window p90, max = max of window max.  Share: device phases of `step`, data_wait of `period`."
+    "p90 = max of window p90, max = max of window max.  Share: device phases of `step`, host phases of `period`."
 )
 
 

@@ -157,11 +157,11 @@ def next_version_dir(root: str | os.PathLike[str]) -> str:
     return os.path.join(root, f"version_{n}")
 
 
-def open_summary_writer(log_dir: str, *, per_step: bool) -> SummaryWriterSink:
+def open_summary_writer(log_dir: str, *, per_step: bool, ranks: bool = False) -> SummaryWriterSink:
     """A SummaryWriter of our own under ``log_dir``, with the custom-scalars layout."""
     require_tensorboard()
     from torch.utils.tensorboard import SummaryWriter
 
     from phase_timer.metrics import custom_scalars_layout
 
-    return SummaryWriterSink(SummaryWriter(log_dir=log_dir), owned=True, layout=custom_scalars_layout(per_step))
+    return SummaryWriterSink(SummaryWriter(log_dir=log_dir), owned=True, layout=custom_scalars_layout(per_step, ranks))

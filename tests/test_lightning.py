@@ -48,6 +48,8 @@ def test_every_phase_logged_at_lightnings_steps(ns, tmp_path, capsys):
     for i, step_mean in enumerate(values_of(scalars, "step")):
         assert sum(values_of(scalars, p)[i] for p in DEVICE_PHASES) == pytest.approx(step_mean, rel=1e-4)
     assert "batch_to_device" not in t.strategy.__dict__  # the wrapper is gone
+    assert "_broadcast_sigterm_tensor" not in t.fit_loop.epoch_loop.__dict__
+    assert "sync_wait" not in timer.totals.phases  # one process: Lightning broadcasts nothing
     assert "forward" in capsys.readouterr().out  # the summary table was printed
     assert timer.totals.steps == 28
 

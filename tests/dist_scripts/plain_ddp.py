@@ -1,0 +1,147 @@
+"""A plain DDP loop under torchrun, with phase-timer attached; used by the distributed tests.
+
+    torchrun --standalone --nproc_per_node 2 tests/dist_scripts/plain_ddp.py --log-dir DIR
+
+One rank can be slowed on purpose (a sleep in its forward or its data loading);
+``--no-ddp`` trains independent models so the ranks may run different numbers of
+steps (``--extra-steps``) without DDP itself hanging.  Rank zero prints the
+summary and a last line ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import phase_timer
+
+
+class Data(Dataset):
+    def __init__(self, n: int, sleep_s: float) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 32, generator=g), torch.randn(n, 1, generator=g)
+        self.sleep_s = sleep_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i], self.y[i]
+
+
+class Net(nn.Module):
+    def __init__(self, width: int, forward_sleep_s: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+        self.forward_sleep_s = forward_sleep_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)  # on CUDA: the GPU idles inside forward, as a slow host would make it
+        return self.body(x)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--log-dir", required=True)
+    p.add_argument("--steps", type=int, default=23)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--slow-rank", type=int, default=1)
+    p.add_argument("--slow-forward", type=float, default=0.0, help="seconds of sleep in the slow rank's forward")
+    p.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per item in the slow rank's loader")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--extra-steps", type=int, default=0, help="steps rank 0 runs beyond --steps (with --no-ddp)")
+    p.add_argument("--rank-timeout", type=float, default=30.0)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--profile-syncs", action="store_true", help="CUDA: count sync calls in the profiler's trace")
+    p.add_argument("--no-timer", action="store_true")
+    args = p.parse_args()
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    slow = rank == args.slow_rank
+    torch.manual_seed(0)
+    model = Net(args.width, args.slow_forward if slow else 0.0).to(device)
+    ddp = model if args.no_ddp else DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    data = Data(8192, args.slow_data if slow else 0.0)
+    loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=True), pin_memory=cuda)
+    steps = args.steps + (args.extra_steps if rank == 0 else 0)
+
+    timer = phase_timer.attach(
+        ddp, opt, loader, copy_to_device=True, log_dir=args.log_dir, window=args.window, warmup_steps=2,
+        rank_timeout_s=args.rank_timeout, enabled=not args.no_timer,
+    )
+    prof = None
+    if args.profile_syncs:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    done = 0
+    micro = 0
+    epoch = 0
+    t_start = time.perf_counter()
+    with timer:
+        while done < steps:
+            loader.sampler.set_epoch(epoch)
+            epoch += 1
+            for x, y in timer.loader:
+                if prof is not None and done == 10 and micro == 0:
+                    prof.start()
+                micro += 1
+                last = micro % args.accumulate == 0
+                # no_sync: the micro-batches before the last keep their gradients local
+                ctx = ddp.no_sync() if (not last and not args.no_ddp) else contextlib.nullcontext()
+                with ctx:
+                    loss = nn.functional.mse_loss(ddp(x), y) / args.accumulate
+                    loss.backward()
+                if not last:
+                    continue
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                done += 1
+                if prof is not None and done == steps - 3:
+                    prof.stop()
+                    prof = _count_syncs(prof)
+                if done == steps:
+                    break
+    wall = time.perf_counter() - t_start
+    if rank == 0:
+        result = {"log_dir": timer.log_dir, "summary": timer.last_summary, "wall_s": wall, "steps": done}
+        if isinstance(prof, dict):
+            result["syncs"] = prof
+        print("RESULT " + json.dumps(result), flush=True)
+    elif isinstance(prof, dict):
+        print(f"RANK{rank}SYNCS " + json.dumps(prof), flush=True)
+    dist.destroy_process_group()
+
+
+def _count_syncs(prof: object) -> dict[str, int]:
+    names = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+    counts = dict.fromkeys(names, 0)
+    for e in prof.events():  # type: ignore[attr-defined]
+        if e.name in counts:
+            counts[e.name] += 1
+    return counts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Real 2-process runs on the CPU (gloo): every rank timed, the slow rank named, nothing hangs.
+
+Each run is a separate ``torchrun`` (plain loop) or Lightning-launched job with a
+timeout: a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import read_scalars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
+TIMEOUT_S = 240
+
+
+def _run(args: list[str]) -> tuple[subprocess.CompletedProcess[str], dict]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("PL_DISABLE_FORK", None)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, proc.stdout[-3000:]
+    return proc, results[-1]
+
+
+def torchrun(*args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return _run([*cmd, os.path.join(SCRIPTS, "plain_ddp.py"), *args])
+
+
+def lightning(*args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    return _run([sys.executable, os.path.join(SCRIPTS, "lightning_ddp.py"), *args])
+
+
+def values(scalars: dict, tag: str) -> list[float]:
+    assert tag in scalars, sorted(t for t in scalars if "ranks" in t)
+    return [v for _, v in scalars[tag]]
+
+
+def test_plain_torchrun_names_the_slow_rank_and_backward_holds_the_all_reduce(tmp_path: pytest.TempPathFactory) -> None:
+    # Rank 1 sleeps 30 ms in every forward; 23 steps in windows of 5 end mid-window.
+    proc, result = torchrun("--log-dir", str(tmp_path), "--slow-forward", "0.03", "--steps", "23", "--window", "5")
+    assert os.listdir(tmp_path) == ["version_0"], "only rank zero writes"
+    s = read_scalars(result["log_dir"])
+    # every window across ranks, the last (partial) one included
+    assert [step for step, _ in s["phase_time_ranks/forward_ms/slowest_rank"]] == [4, 9, 14, 19, 22]
+    assert values(s, "phase_timer/ranks_reporting") == [2.0] * 5
+    assert values(s, "phase_time_ranks/forward_ms/slowest_rank") == [1.0] * 5
+    assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 30.0
+    assert max(values(s, "phase_time_ranks/forward_ms/min")) < 15.0
+    # Rank 0 waits for rank 1 in DDP's all-reduce: its backward holds the wait (the
+    # end of backward comes after DDP's own end-of-backward callback).
+    assert values(s, "phase_time_ranks/backward_ms/slowest_rank") == [0.0] * 5
+    assert min(values(s, "phase_time_ranks/backward_ms/max")) >= 20.0
+    for stat in ("min", "median", "max"):
+        assert f"phase_time_ranks/step_ms/{stat}" in s
+    # the end-of-run table, per rank
+    summary = result["summary"]
+    assert "phase-timer (rank 0): 21 steps timed" in summary
+    assert "per rank (2 of 2)" in summary
+    table = summary.split("per rank")[1].splitlines()
+    head = table[2].split()
+    slowest = next(line for line in table if line.startswith("slowest")).split()
+    assert slowest[head.index("forward")] == "1" and slowest[head.index("backward")] == "0"
+    assert proc.stdout.count("per rank (2 of 2)") == 2  # printed once (rank 0), plus its RESULT copy
+
+
+def test_plain_accumulation_with_no_sync_counts_optimizer_steps(tmp_path: pytest.TempPathFactory) -> None:
+    # Two micro-batches per step, the first under no_sync; rank 1's loader is slow.
+    _, result = torchrun(
+        "--log-dir", str(tmp_path), "--accumulate", "2", "--slow-data", "0.004", "--batch", "4", "--steps", "17", "--window", "5"
+    )
+    s = read_scalars(result["log_dir"])
+    assert sum(values(s, "phase_timer/window_steps")) == 15  # 17 optimizer steps, 2 warm-up
+    assert values(s, "phase_time_ranks/data_wait_ms/slowest_rank") == [1.0] * 4
+    assert min(values(s, "phase_time_ranks/data_wait_ms/max")) >= 2 * 4 * 4.0  # 2 micro-batches x 4 items x 4 ms
+    assert "phase_time_ranks/idle_ms/max" in s  # the gap between micro-batches
+    assert values(s, "phase_timer/ranks_reporting") == [2.0] * 4
+
+
+def test_ranks_that_run_different_numbers_of_steps_finish_without_hanging(tmp_path: pytest.TempPathFactory) -> None:
+    # No DDP: rank 0 runs 7 more steps than rank 1, so it reports more often; the
+    # reports rank 1 never answers cost at most rank_timeout_s and a warning.
+    proc, result = torchrun(
+        "--log-dir", str(tmp_path), "--no-ddp", "--steps", "20", "--extra-steps", "7", "--window", "5", "--rank-timeout", "3"
+    )
+    # rank 1 has left: the unanswered report times out, or fails when its connection closes
+    assert "the exchange between ranks stopped" in proc.stderr
+    assert result["steps"] == 27
+    s = read_scalars(result["log_dir"])
+    assert s["phase_time/step_ms/mean"][-1][0] == 26  # rank 0's own last window is written
+    reporting = dict(s["phase_timer/ranks_reporting"])
+    assert reporting[4] == 2.0 and reporting[19] == 2.0  # while both ran
+    assert reporting[26] == 1.0  # rank 0 alone at the end
+    assert "per rank (2 of 2)" in result["summary"]
+
+
+def test_lightning_ddp_names_the_rank_with_slow_data(tmp_path: pytest.TempPathFactory) -> None:
+    proc, result = lightning("--root", str(tmp_path), "--strategy", "ddp", "--slow-data", "0.004", "--steps", "13")
+    assert result["steps"] == 13
+    s = read_scalars(result["log_dir"])
+    assert values(s, "phase_time_ranks/data_wait_ms/slowest_rank") == [1.0] * 3
+    assert min(values(s, "phase_time_ranks/data_wait_ms/max")) >= 4 * 4.0
+    # rank 0 waits for it in the all-reduce, and not in its own data loading
+    assert max(values(s, "phase_time_ranks/data_wait_ms/min")) < 8.0
+    assert values(s, "phase_time_ranks/backward_ms/slowest_rank") == [0.0] * 3
+    assert "phase_time_ranks/sync_wait_ms/max" in s  # Lightning's per-batch broadcast, timed apart
+    assert "per rank (2 of 2)" in result["summary"]
+    assert proc.stdout.count("phase-timer (rank 0)") == 2  # the table once, plus its RESULT copy
+
+
+def test_lightning_ddp_spawn_with_accumulation(tmp_path: pytest.TempPathFactory) -> None:
+    _, result = lightning(
+        "--root", str(tmp_path), "--strategy", "ddp_spawn", "--accumulate", "2", "--slow-forward", "0.02", "--steps", "12"
+    )
+    assert result["runs"] == ["version_0"]
+    s = read_scalars(result["log_dir"])
+    assert sum(values(s, "phase_timer/window_steps")) == 10  # 12 optimizer steps, 2 warm-up
+    assert values(s, "phase_time_ranks/forward_ms/slowest_rank") == [1.0] * 3
+    # Between micro-batches (no all-reduce under no_sync) rank 0 waits for rank 1 in
+    # Lightning's per-batch broadcast: sync_wait, not data_wait.
+    assert values(s, "phase_time_ranks/sync_wait_ms/slowest_rank") == [0.0] * 3
+    assert min(values(s, "phase_time_ranks/sync_wait_ms/max")) >= 15.0
+    assert max(values(s, "phase_time_ranks/data_wait_ms/max")) < 10.0
+    assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 2 * 20.0  # two micro-batches a step
+    assert values(s, "phase_timer/ranks_reporting") == [2.0] * 3
