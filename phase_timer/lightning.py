@@ -156,7 +156,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             return out
 
         self._patch(trainer.strategy, "batch_to_device", batch_to_device)
-        # Lightning >= 2.5 broadcasts a SIGTERM flag before every batch when distributed and
+        # Lightning 2.6 broadcasts a SIGTERM flag before every batch when distributed and
         # reads it back with `.item()`: the host waits there for the device and the other
         # ranks.  That wait is timed as `sync_wait`, so that it is not counted as data_wait.
         epoch_loop = trainer.fit_loop.epoch_loop

@@ -134,7 +134,8 @@ class LoopTimer:
         self._step = 0
         self.log_dir: str | None = None
         self.core: TimingCore | None = None
-        self.loader = _TimedLoader(self, loader) if loader is not None and self.enabled else loader
+        # Disabled, the wrapper still copies when asked to: the loop relies on it.
+        self.loader = _TimedLoader(self, loader) if loader is not None and (self.enabled or copy_to_device) else loader
         if self.enabled:
             clock = make_clock(self.device)
             # Under torch.distributed every rank times itself and reports to rank zero,

@@ -266,6 +266,24 @@ def test_environment_switch_attaches_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_disabled_timer_still_copies_batches_when_asked(tmp_path, monkeypatch, how):
+    # A loop written against copy_to_device=True must keep training when the timer is off.
+    if how == "env":
+        monkeypatch.setenv("PHASE_TIMER_DISABLE", "1")
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = hook_state(model, [opt])
+    timer = phase_timer.attach(
+        model, opt, loader(n=32), device="meta", copy_to_device=True, log_dir=tmp_path, enabled=how != "argument"
+    )
+    batches = list(timer.loader)
+    assert len(batches) == 4 and all(t.device.type == "meta" for b in batches for t in b)
+    assert hook_state(model, [opt]) == before and timer.core is None
+    assert timer.close() is None
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [

@@ -41,9 +41,10 @@ class Data(Dataset):
 
 
 class Net(nn.Module):
-    def __init__(self, width: int, forward_sleep_s: float) -> None:
+    def __init__(self, width: int, forward_sleep_s: float, depth: int = 1) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
+        hidden = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
+        self.body = nn.Sequential(nn.Linear(32, width), nn.ReLU(), *hidden, nn.Linear(width, 1))
         self.forward_sleep_s = forward_sleep_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +66,12 @@ def main() -> None:
     p.add_argument("--extra-steps", type=int, default=0, help="steps rank 0 runs beyond --steps (with --no-ddp)")
     p.add_argument("--rank-timeout", type=float, default=30.0)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--depth", type=int, default=1)
+    p.add_argument("--fsdp", action="store_true", help="FullyShardedDataParallel instead of DDP")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--profile-syncs", action="store_true", help="CUDA: count sync calls in the profiler's trace")
     p.add_argument("--no-timer", action="store_true")
+    p.add_argument("--bench-from", type=int, default=0, help="report ms per step from this step to the end")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -79,11 +83,18 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     slow = rank == args.slow_rank
     torch.manual_seed(0)
-    model = Net(args.width, args.slow_forward if slow else 0.0).to(device)
-    ddp = model if args.no_ddp else DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+    model = Net(args.width, args.slow_forward if slow else 0.0, args.depth).to(device)
+    if args.no_ddp:
+        ddp = model
+    elif args.fsdp:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        ddp = FullyShardedDataParallel(model, device_id=device if cuda else None)
+    else:
+        ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = Data(8192, args.slow_data if slow else 0.0)
-    loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=True), pin_memory=cuda)
+    loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=True), pin_memory=cuda, drop_last=True)
     steps = args.steps + (args.extra_steps if rank == 0 else 0)
 
     timer = phase_timer.attach(
@@ -97,6 +108,7 @@ def main() -> None:
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     done = 0
     micro = 0
+    profiling = False
     epoch = 0
     t_start = time.perf_counter()
     with timer:
@@ -104,7 +116,8 @@ def main() -> None:
             loader.sampler.set_epoch(epoch)
             epoch += 1
             for x, y in timer.loader:
-                if prof is not None and done == 10 and micro == 0:
+                if prof is not None and done == 10 and not profiling:
+                    profiling = True
                     prof.start()
                 micro += 1
                 last = micro % args.accumulate == 0
@@ -118,20 +131,33 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 done += 1
-                if prof is not None and done == steps - 3:
+                if args.bench_from and done == args.bench_from:
+                    _device_sync(cuda)
+                    t_bench = time.perf_counter()
+                if profiling and done == steps - 3:
+                    profiling = False
                     prof.stop()
                     prof = _count_syncs(prof)
                 if done == steps:
                     break
-    wall = time.perf_counter() - t_start
+    _device_sync(cuda)
+    t_end = time.perf_counter()
+    wall = t_end - t_start
     if rank == 0:
         result = {"log_dir": timer.log_dir, "summary": timer.last_summary, "wall_s": wall, "steps": done}
+        if args.bench_from:
+            result["step_ms"] = (t_end - t_bench) * 1e3 / (done - args.bench_from)
         if isinstance(prof, dict):
             result["syncs"] = prof
         print("RESULT " + json.dumps(result), flush=True)
     elif isinstance(prof, dict):
         print(f"RANK{rank}SYNCS " + json.dumps(prof), flush=True)
     dist.destroy_process_group()
+
+
+def _device_sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()  # the benchmark's own clock edges, outside the timed steps
 
 
 def _count_syncs(prof: object) -> dict[str, int]:
