@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 #: Statistics written per phase for each window, in this order.
@@ -53,15 +54,9 @@ class Window:
 
     @property
     def values(self) -> dict[str, list[float]]:
-        columns: dict[str, list[float]] = {}
-        for row in self.rows:
-            for phase, v in row.items():
-                column = columns.get(phase)
-                if column is None:
-                    columns[phase] = [v]
-                else:
-                    column.append(v)
-        return columns
+        rows = self.rows
+        phases = dict.fromkeys(p for row in rows for p in row)  # first-seen order
+        return {p: [row[p] for row in rows if p in row] for p in phases}
 
     def summary(self, values: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
         return {phase: summarize(vs) for phase, vs in (values or self.values).items()}
@@ -82,7 +77,7 @@ class PhaseTotals:
         self.total = 0.0
         self.max = float("-inf")
         self.min = float("inf")
-        self._buckets: dict[int, int] = {}
+        self._buckets: Counter[int] = Counter()
 
     def add(self, v: float) -> None:
         self.extend([v])
@@ -94,10 +89,11 @@ class PhaseTotals:
         self.total += sum(values)
         self.max = max(self.max, max(values))
         self.min = min(self.min, min(values))
-        buckets, log, floor, inv = self._buckets, math.log, math.floor, _INV_LOG_GROWTH
-        for v in values:
-            key = floor(log(v) * inv) if v > 0 else _ZERO
-            buckets[key] = buckets.get(key, 0) + 1
+        positive = [v for v in values if v > 0]
+        if len(positive) < len(values):
+            self._buckets[_ZERO] += len(values) - len(positive)
+        # bucket = floor(log(v) / log(1.01)), counted in C (Counter.update over map)
+        self._buckets.update(map(math.floor, map(_INV_LOG_GROWTH.__mul__, map(math.log, positive))))
 
     @property
     def mean(self) -> float:
