@@ -195,7 +195,7 @@ class TimingCore:
         """Resolve finished steps now (never waits)."""
         self._consume(self._resolver.poll())
 
-    def finish(self, rank_timeout_s: float = 30.0) -> RunTotals:
+    def finish(self, rank_timeout_s: float = 30.0, *, interrupted: bool = False) -> RunTotals:
         """End of training: drop a half-done step, wait for the rest, write and close.
 
         The only place that waits for the device (through ``Resolver.drain``), and,
@@ -217,7 +217,7 @@ class TimingCore:
             self._emit(self._window)
             self._window = None
         if self.ranks is not None:
-            self._write_ranks(self.ranks.finish(rank_timeout_s))
+            self._write_ranks(self.ranks.finish(rank_timeout_s, interrupted=interrupted))
         for sink in self._sinks:
             sink.close()
         self._write_trace()

@@ -91,8 +91,10 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             phases on the device's timeline (``trace_path``, default
             ``<log_dir>/phase_trace.json``), at the end of ``fit``.
         rank_timeout_s: distributed runs: how long rank zero waits, at the end of ``fit``,
-            for the other ranks' last reports (5 s at most after an exception).
-        enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.
+            for the other ranks' last reports (after an exception: no wait at all).
+        enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
+            torch.distributed it must be the same on every rank (setting up creates a
+            process group, a collective); only rank zero writes anyway.
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         if not self.enabled or stage != "fit":
             return
         self._trainer = trainer
+        self._sync_wait_ns = 0
         original = trainer.strategy.batch_to_device
 
         def batch_to_device(batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
@@ -236,7 +239,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         core = self.core
         assert core is not None
         sync_ns, self._sync_wait_ns = self._sync_wait_ns, 0
-        wait_ms = (time.perf_counter_ns() - self._last_batch_end - sync_ns) / 1e6
+        wait_ms = max(0.0, (time.perf_counter_ns() - self._last_batch_end - sync_ns) / 1e6)
         if core.in_step:  # next micro-batch of an accumulated step
             core.phase("h2d")
         else:
@@ -277,6 +280,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         self._last_batch_end = time.perf_counter_ns()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync_wait_ns = 0  # a broadcast before the last epoch's end belongs to no batch
         if self.core is not None:
             self.core.resume()
         self._last_batch_end = time.perf_counter_ns()
@@ -305,8 +309,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             return
         # The one blocking wait: pending steps are resolved and written (and the other
         # ranks' last reports awaited, briefly when the run failed: a rank may be gone).
-        timeout = self.config.rank_timeout_s
-        core.finish(rank_timeout_s=min(timeout, 5.0) if interrupted else timeout)
+        core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
         if self.config.summary or interrupted:
             self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
             if trainer.is_global_zero and self.config.summary:

@@ -306,13 +306,17 @@ class LoopTimer:
                 self._scaler.update = self._scaler_update
             self._scaler = None
 
-    def close(self) -> RunTotals | None:
-        """Detach, resolve what is pending (the one wait for the device), write, print the summary."""
+    def close(self, *, interrupted: bool = False) -> RunTotals | None:
+        """Detach, resolve what is pending (the one wait for the device), write, print the summary.
+
+        ``interrupted`` (set when the ``with`` block raises): under torch.distributed,
+        send no last report and wait for no other rank.
+        """
         self.detach()
         core, self.core = self.core, None
         if core is None:
             return self.totals
-        self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s)
+        self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
         self.last_summary = core.summary_table()
         if self.config.summary and self.is_rank_zero:
             print(self.last_summary, flush=True)
@@ -325,8 +329,9 @@ class LoopTimer:
     def __enter__(self) -> LoopTimer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # Leaving by an exception: under torch.distributed, wait for no other rank.
+        self.close(interrupted=exc_type is not None)
 
 
 class _PhaseContext(contextlib.ContextDecorator):
@@ -401,8 +406,10 @@ def attach(
         trace_steps, trace_path: write a Chrome/Perfetto trace of steps ``first..stop-1``
             on the device's timeline (default ``<log_dir>/phase_trace.json``), on close.
         rank_timeout_s: under torch.distributed, how long ``close()`` waits for the other
-            ranks' last reports.
-        enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.
+            ranks' last reports (not at all when the ``with`` block raised).
+        enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
+            torch.distributed it must be the same on every rank (attaching creates a
+            process group, a collective); only rank zero writes anyway.
     """
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,

@@ -81,9 +81,16 @@ class RankTotals:
         return acc[0] / acc[1] if acc and acc[1] else None
 
 
-def encode(windows: list[list[Any]]) -> torch.Tensor:
-    """A report as a ``CAPACITY``-byte tensor: length, then JSON."""
-    data = json.dumps(windows, separators=(",", ":")).encode()
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def encode(windows: list[bytes], *, final: bool = False) -> torch.Tensor:
+    """A report as a ``CAPACITY``-byte tensor: length, then JSON ``{"final": .., "windows": [..]}``.
+
+    ``windows`` are already JSON-encoded (each once, when it was added).
+    """
+    data = b'{"final":' + (b"true" if final else b"false") + b',"windows":[' + b",".join(windows) + b"]}"
     out = torch.zeros(CAPACITY, dtype=torch.uint8)
     out[: _HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(data))), dtype=torch.uint8)
     if data:
@@ -91,14 +98,14 @@ def encode(windows: list[list[Any]]) -> torch.Tensor:
     return out
 
 
-def decode(buf: torch.Tensor) -> list[list[Any]]:
+def decode(buf: torch.Tensor) -> dict[str, Any]:
     raw = buf.numpy().tobytes()
     (n,) = _HEADER.unpack_from(raw)
-    return json.loads(raw[_HEADER.size : _HEADER.size + n]) if n else []
+    return json.loads(raw[_HEADER.size : _HEADER.size + n]) if n else {"final": False, "windows": []}
 
 
-def _fits(windows: list[list[Any]]) -> bool:
-    return len(json.dumps(windows, separators=(",", ":"))) + _HEADER.size <= CAPACITY
+#: Bytes of a report besides its windows (header, braces, the final flag, commas).
+_OVERHEAD = _HEADER.size + 64
 
 
 class RankExchange:
@@ -110,7 +117,8 @@ class RankExchange:
         self.world_size = world_size
         self.totals = RankTotals(world_size) if rank == 0 else None
         self.broken = False
-        self._outbox: list[list[Any]] = []
+        self._outbox: list[bytes] = []  # windows not sent yet, JSON-encoded
+        self.finished: set[int] = set()  # ranks whose final report arrived (rank zero)
         self._in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
         self._reports: dict[int, dict[int, list[Any]]] = {}  # key -> rank -> [key, step, steps, sums]
         self._latest: dict[int, int] = {}  # rank -> newest key it reported
@@ -138,11 +146,13 @@ class RankExchange:
     # -- the training thread, once a window -------------------------------------------
     def add(self, key: int, last_step: int, steps: int, sums: PhaseSums) -> None:
         """A window this rank has written; it goes out with the next report (rank zero keeps its own)."""
+        if self.broken:
+            return  # the exchange stopped: keep nothing (memory stays flat)
         report = [key, last_step, steps, {p: [s, c] for p, (s, c) in sums.items()}]
         if self.rank == 0:
             self._receive(0, report)
         else:
-            self._outbox.append(report)
+            self._outbox.append(_json(report))
 
     def exchange(self) -> list[RankWindow]:
         """Read the reports that have arrived, send a new one; never waits."""
@@ -159,14 +169,17 @@ class RankExchange:
             self._give_up(f"{type(err).__name__}: {err}")
             return []
 
-    def finish(self, timeout_s: float) -> list[RankWindow]:
+    def finish(self, timeout_s: float, *, interrupted: bool = False) -> list[RankWindow]:
         """Send the last windows, wait up to ``timeout_s`` for the reports in flight, write the rest.
 
         A wait on the other ranks (not on the device), at the end of training only.
+        ``interrupted`` (an exception): send nothing more and wait for nothing, since a
+        rank that raised must not leave a collective behind that its peers, stuck in the
+        run's own collectives, can never answer; what has arrived is written.
         """
         out: list[RankWindow] = []
         try:
-            if not self.broken:
+            if not self.broken and not interrupted:
                 self._send(final=True)
                 out = self._collect(block_until=time.monotonic() + timeout_s)
                 if self._in_flight and not self.broken:
@@ -174,6 +187,13 @@ class RankExchange:
                         f"{len(self._in_flight)} report(s) did not arrive within {timeout_s:g} s "
                         "(did the ranks run different numbers of steps?)"
                     )
+            elif not self.broken:
+                out = self._collect(block_until=None)
+            if self.rank == 0:
+                self.finished.add(0)
+                late = sorted(set(range(self.world_size)) - self.finished)
+                if late and not interrupted:
+                    self._warn(f"rank(s) {late} had not finished when rank 0 did: their last windows are missing")
             out += self._ready(final=True)
         except Exception as err:  # noqa: BLE001
             self._give_up(f"{type(err).__name__}: {err}")
@@ -183,13 +203,17 @@ class RankExchange:
     def _send(self, *, final: bool) -> None:
         import torch.distributed as dist
 
-        batch: list[list[Any]] = []
-        while self._outbox and _fits([*batch, self._outbox[0]]):
-            batch.append(self._outbox.pop(0))
+        size, n = _OVERHEAD, 0
+        for window in self._outbox:
+            if size + len(window) + 1 > CAPACITY:
+                break
+            size += len(window) + 1
+            n += 1
+        batch, self._outbox = self._outbox[:n], self._outbox[n:]
         if final and self._outbox:
             self._warn(f"{len(self._outbox)} window(s) of rank {self.rank} did not fit the last report")
             self._outbox = []
-        payload = encode(batch)
+        payload = encode(batch, final=final)
         gather_list = [torch.empty_like(payload) for _ in range(self.world_size)] if self.rank == 0 else None
         try:
             work = dist.gather(payload, gather_list, dst=dist.get_global_rank(self.group, 0), group=self.group, async_op=True)
@@ -215,8 +239,11 @@ class RankExchange:
             self._in_flight.pop(0)
             if gather_list is not None:
                 for rank, buf in enumerate(gather_list):
-                    for report in decode(buf):
-                        self._receive(rank, report)
+                    report = decode(buf)
+                    for window in report["windows"]:
+                        self._receive(rank, window)
+                    if report["final"]:
+                        self.finished.add(rank)
         return self._ready(final=False)
 
     def _receive(self, rank: int, report: list[Any]) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -100,6 +101,39 @@ def test_ranks_that_run_different_numbers_of_steps_finish_without_hanging(tmp_pa
     assert reporting[4] == 2.0 and reporting[19] == 2.0  # while both ran
     assert reporting[26] == 1.0  # rank 0 alone at the end
     assert "per rank (2 of 2)" in result["summary"]
+
+
+def test_a_rank_that_ran_more_steps_is_reported_missing(tmp_path: pytest.TempPathFactory) -> None:
+    # Rank 1 runs 7 more steps: rank 0's last gather is answered by one of rank 1's
+    # periodic reports, so rank 0 must say that rank 1's last windows are missing.
+    proc, result = torchrun(
+        "--log-dir", str(tmp_path), "--no-ddp", "--steps", "20", "--extra-steps", "7", "--extra-rank", "1",
+        "--window", "5", "--rank-timeout", "3",
+    )
+    assert "rank(s) [1] had not finished when rank 0 did" in proc.stderr
+
+
+def _fails_fast(args: list[str], limit_s: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "planted failure on rank 1" in proc.stderr + proc.stdout
+    assert elapsed < limit_s, f"the failed job took {elapsed:.0f} s to end"
+    return proc
+
+
+def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging(tmp_path: pytest.TempPathFactory) -> None:
+    # Rank 1 raises mid-run while rank 0 waits in DDP's all-reduce: rank 1 must not
+    # leave a last report behind that keeps its process (and the job) alive.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    _fails_fast([*cmd, os.path.join(SCRIPTS, "plain_ddp.py"), "--log-dir", str(tmp_path), "--fail-at", "7"], limit_s=60)
+
+
+def test_an_exception_on_one_lightning_rank_ends_the_job(tmp_path: pytest.TempPathFactory) -> None:
+    script = os.path.join(SCRIPTS, "lightning_ddp.py")
+    _fails_fast([sys.executable, script, "--root", str(tmp_path), "--strategy", "ddp", "--fail-at", "7"], limit_s=60)
 
 
 def test_lightning_ddp_names_the_rank_with_slow_data(tmp_path: pytest.TempPathFactory) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,11 +16,20 @@ def sums(**ms: float) -> dict[str, tuple[float, int]]:
 
 
 def test_report_round_trips_through_a_byte_tensor() -> None:
-    windows = [[3, 19, 5, {"forward": [10.5, 5], "step": [50.25, 5]}]]
-    buf = encode(windows)
+    windows = [[3, 19, 5, {"forward": [10.5, 5], "step": [50.25, 5]}], [4, 24, 5, {"forward": [1.0, 5]}]]
+    buf = encode([json.dumps(w).encode() for w in windows], final=True)
     assert buf.dtype == torch.uint8 and buf.numel() == CAPACITY
-    assert decode(buf) == windows
-    assert decode(encode([])) == []
+    assert decode(buf) == {"final": True, "windows": windows}
+    assert decode(encode([])) == {"final": False, "windows": []}
+
+
+def test_after_the_exchange_stops_nothing_more_is_kept() -> None:
+    ex = RankExchange(group=None, rank=1, world_size=2)
+    with pytest.warns(RuntimeWarning, match="stopped"):
+        ex._give_up("test")
+    for key in range(100):
+        ex.add(key, key * 5 + 4, 5, sums(forward=1.0))
+    assert ex._outbox == [] and ex.exchange() == []
 
 
 def test_a_window_is_written_once_every_rank_reported_it_or_moved_past() -> None:

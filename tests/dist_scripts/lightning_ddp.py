@@ -48,12 +48,15 @@ class Data(Dataset):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, width: int, slow_rank: int, forward_sleep_s: float) -> None:
+    def __init__(self, width: int, slow_rank: int, forward_sleep_s: float, fail_at: int = 0) -> None:
         super().__init__()
+        self.fail_at = fail_at
         self.net = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
         self.slow_rank, self.forward_sleep_s = slow_rank, forward_sleep_s
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail_at and self.global_step == self.fail_at and self.global_rank == self.slow_rank:
+            raise RuntimeError(f"planted failure on rank {self.global_rank}")
         if self.forward_sleep_s and self.global_rank == self.slow_rank:
             time.sleep(self.forward_sleep_s)
         x, y = batch
@@ -74,6 +77,7 @@ def main() -> None:
     p.add_argument("--slow-data", type=float, default=0.0)
     p.add_argument("--slow-forward", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--fail-at", type=int, default=0, help="the slow rank raises at this step")
     p.add_argument("--batch", type=int, default=4)
     args = p.parse_args()
 
@@ -95,7 +99,7 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     data = Data(4096, args.slow_rank, args.slow_data)
-    model = Model(args.width, args.slow_rank, args.slow_forward)
+    model = Model(args.width, args.slow_rank, args.slow_forward, args.fail_at)
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     if trainer.is_global_zero and args.strategy != "ddp_spawn":
         print("RESULT " + json.dumps({"log_dir": timer.log_dir, "summary": timer.last_summary, "steps": trainer.global_step}), flush=True)

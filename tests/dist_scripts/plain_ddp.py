@@ -63,7 +63,9 @@ def main() -> None:
     p.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per item in the slow rank's loader")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--no-ddp", action="store_true")
-    p.add_argument("--extra-steps", type=int, default=0, help="steps rank 0 runs beyond --steps (with --no-ddp)")
+    p.add_argument("--extra-steps", type=int, default=0, help="steps --extra-rank runs beyond --steps (with --no-ddp)")
+    p.add_argument("--extra-rank", type=int, default=0)
+    p.add_argument("--fail-at", type=int, default=0, help="the slow rank raises in this step's forward")
     p.add_argument("--rank-timeout", type=float, default=30.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=1)
@@ -95,7 +97,7 @@ def main() -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = Data(8192, args.slow_data if slow else 0.0)
     loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=True), pin_memory=cuda, drop_last=True)
-    steps = args.steps + (args.extra_steps if rank == 0 else 0)
+    steps = args.steps + (args.extra_steps if rank == args.extra_rank else 0)
 
     timer = phase_timer.attach(
         ddp, opt, loader, copy_to_device=True, log_dir=args.log_dir, window=args.window, warmup_steps=2,
@@ -123,6 +125,8 @@ def main() -> None:
                 last = micro % args.accumulate == 0
                 # no_sync: the micro-batches before the last keep their gradients local
                 ctx = ddp.no_sync() if (not last and not args.no_ddp) else contextlib.nullcontext()
+                if args.fail_at and slow and done == args.fail_at:
+                    raise RuntimeError(f"planted failure on rank {rank}")
                 with ctx:
                     loss = nn.functional.mse_loss(ddp(x), y) / args.accumulate
                     loss.backward()
