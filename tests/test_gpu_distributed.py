@@ -1,10 +1,12 @@
 """On 2 CUDA devices (NCCL): every rank timed, the slowed rank named, for DDP and FSDP, both doors.
 
 Run with ``pytest -m gpu``; skipped without 2 GPUs.  The sync-count and overhead
-figures come from ``benchmarks/distributed.py``.
+figures come from ``benchmarks/distributed.py``; the sync check is also a test here.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -42,3 +44,14 @@ def test_lightning_on_two_gpus_names_the_slow_rank(tmp_path, strategy: str) -> N
     assert values(s, "phase_time_ranks/forward_ms/slowest_rank") == [1.0] * 5
     assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 20.0
     assert "per rank (2 of 2)" in result["summary"]
+
+
+def test_no_sync_added_on_either_rank(tmp_path) -> None:
+    # The profiler's runtime-API trace over steady-state steps, both ranks, with and without the timer.
+    counts = {}
+    for label, extra in (("off", ["--no-timer"]), ("on", [])):
+        proc, result = torchrun("--log-dir", str(tmp_path / label), "--steps", "40", "--profile-syncs", "--width", "1024", *extra)
+        rank1 = [line for line in proc.stdout.splitlines() if line.startswith("RANK1SYNCS ")]
+        assert rank1, proc.stdout[-2000:]
+        counts[label] = (result["syncs"], json.loads(rank1[-1][len("RANK1SYNCS "):]))
+    assert counts["on"] == counts["off"], counts
