@@ -128,10 +128,11 @@ class TimingCore:
         results = self._resolver.poll()
         if results:
             self._consume(results)
-        self.steps_ended += 1
-        # Every rank ends the same steps, so every rank reports at the same ones.
-        if self.ranks is not None and self.steps_ended % self._window_size == 0:
-            self._write_ranks(self.ranks.exchange())
+        if self.ranks is not None:
+            # Every rank ends the same steps, so every rank reports at the same ones.
+            self.steps_ended += 1
+            if self.steps_ended % self._window_size == 0:
+                self._write_ranks(self.ranks.exchange())
 
     def _skip(self) -> None:
         self.skipped += 1
@@ -176,7 +177,7 @@ class TimingCore:
         values = window.values
         self.totals.add_window(window, values)
         if self.ranks is not None:
-            self.ranks.add(window.key, window.last_step, window.steps, {p: (sum(vs), len(vs)) for p, vs in values.items()})
+            self.ranks.add(window.key, window.last_step, window.steps, values)
         scalars = window_scalars(window.summary(values))
         scalars[WINDOW_STEPS_TAG] = float(window.steps)
         if self.skipped:

@@ -40,10 +40,6 @@ CAPACITY = 16384
 MAX_IN_FLIGHT = 16
 _HEADER = struct.Struct("<I")
 
-#: {phase: (sum_ms, count)} for one window of one rank.
-PhaseSums = dict[str, tuple[float, int]]
-
-
 @dataclass
 class RankWindow:
     """One window across ranks: each rank's mean ms per phase (only ranks that reported)."""
@@ -68,7 +64,8 @@ class RankTotals:
     sums: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # rank -> phase -> [sum, count]
     steps: dict[int, int] = field(default_factory=dict)
 
-    def add(self, rank: int, steps: int, sums: PhaseSums) -> None:
+    def add(self, rank: int, steps: int, sums: dict[str, list[float]]) -> None:
+        """One window of ``rank``: ``sums`` is ``{phase: [sum_ms, count]}``."""
         self.steps[rank] = self.steps.get(rank, 0) + steps
         mine = self.sums.setdefault(rank, {})
         for phase, (total, count) in sums.items():
@@ -144,11 +141,14 @@ class RankExchange:
         return cls(group, dist.get_rank(), dist.get_world_size())
 
     # -- the training thread, once a window -------------------------------------------
-    def add(self, key: int, last_step: int, steps: int, sums: PhaseSums) -> None:
-        """A window this rank has written; it goes out with the next report (rank zero keeps its own)."""
+    def add(self, key: int, last_step: int, steps: int, values: dict[str, list[float]]) -> None:
+        """A window this rank has written (its ms per phase); it goes out with the next report.
+
+        Rank zero keeps its own.
+        """
         if self.broken:
             return  # the exchange stopped: keep nothing (memory stays flat)
-        report = [key, last_step, steps, {p: [s, c] for p, (s, c) in sums.items()}]
+        report = [key, last_step, steps, {p: [sum(vs), len(vs)] for p, vs in values.items()}]
         if self.rank == 0:
             self._receive(0, report)
         else:
@@ -267,7 +267,7 @@ class RankExchange:
             means: dict[str, dict[int, float]] = {}
             for rank, (_, _, steps, sums) in reports.items():
                 assert self.totals is not None
-                self.totals.add(rank, steps, {p: (s, c) for p, (s, c) in sums.items()})
+                self.totals.add(rank, steps, sums)
                 for phase, (s, c) in sums.items():
                     if c:
                         means.setdefault(phase, {})[rank] = s / c

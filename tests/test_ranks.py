@@ -11,8 +11,9 @@ from phase_timer.metrics import RANKS_TAG, format_rank_table, rank_scalars
 from phase_timer.ranks import CAPACITY, RankExchange, RankWindow, decode, encode
 
 
-def sums(**ms: float) -> dict[str, tuple[float, int]]:
-    return {p: (v * 5, 5) for p, v in ms.items()}
+def sums(**ms: float) -> dict[str, list[float]]:
+    """A window of 5 steps whose every value of a phase is ``ms[phase]``."""
+    return {p: [v] * 5 for p, v in ms.items()}
 
 
 def test_report_round_trips_through_a_byte_tensor() -> None:
