@@ -15,6 +15,7 @@ import sys
 import os
 import tempfile
 import time
+import timeit
 from collections import defaultdict
 
 import torch
@@ -23,10 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model, plain_step  # noqa: E402
-from phase_timer.clock import CudaClock  # noqa: E402
+from phase_timer.clock import make_clock  # noqa: E402
 from phase_timer.core import TimingCore  # noqa: E402
 
 DEV = torch.device("cuda")
+_KEYS = [f"k{i}" for i in range(8)]
 
 
 def main() -> None:
@@ -44,7 +46,10 @@ def main() -> None:
         timer = core = None
         loader = Cycle(batches, args.steps)
         if variant.startswith("attach"):
+            if variant == "attach, torch events":
+                os.environ["PHASE_TIMER_NATIVE"] = "0"
             timer = phase_timer.attach(model, opt, loader, log_dir=tempfile.mkdtemp(), summary=False)
+            os.environ.pop("PHASE_TIMER_NATIVE", None)
             loader = timer.loader
             if variant == "attach, no sink":
                 for sink in timer.core._sinks:
@@ -54,10 +59,13 @@ def main() -> None:
                 timer.core._sinks = [s.sink for s in timer.core._sinks]
         elif variant.startswith("core only, 5 marks"):
             lag = int(variant.rsplit(" ", 1)[-1])
-            core = TimingCore(CudaClock(), [], window=50, warmup_steps=5, max_pending=64, poll_lag=lag)
+            core = TimingCore(make_clock(DEV), [], window=50, warmup_steps=5, max_pending=64, poll_lag=lag)
         elif variant == "5 raw event records, no query":
             events = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
             stream = torch.cuda.current_stream()
+        elif variant == "torch hooks only (no-op bodies)":
+            handles = [model.register_forward_pre_hook(lambda m, a: None), model.register_forward_hook(lambda m, a, o: None),
+                       opt.register_step_pre_hook(lambda o, a, k: None), opt.register_step_post_hook(lambda o, a, k: None)]
         gc_was = gc.isenabled()
         if variant == "attach, gc off":
             gc.disable()
@@ -73,6 +81,8 @@ def main() -> None:
                 core.phase("forward")
                 core.phase("backward")
                 core.phase("optimizer")
+            if variant.startswith("python burn"):
+                burn()
             step(batch)
             if core is not None:
                 core.end_step()
@@ -86,22 +96,45 @@ def main() -> None:
             timer.close()
         if core is not None:
             core.finish()
+        if variant == "torch hooks only (no-op bodies)":
+            for h in handles:
+                h.remove()
         return times
 
-    variants = ["attach", "attach, no sink", "5 raw event records, no query", "core only, 5 marks, poll lag 2"]
+    def burn() -> None:
+        """Plain Python work, ~20 us when run hot in a loop (calibrated below)."""
+        d: dict[str, float] = {}
+        for i in range(burn_n):
+            d[_KEYS[i % 8]] = d.get(_KEYS[i % 8], 0.0) + i
+
+    burn_n = 200
+    hot_us = min(timeit.repeat(burn, number=2000, repeat=5)) / 2000 * 1e6
+    burn_n = max(1, int(burn_n * 20.0 / hot_us))
+    hot_us = min(timeit.repeat(burn, number=2000, repeat=5)) / 2000 * 1e6
+    burn_label = f"python burn {hot_us:.1f} us hot"
+
+    variants = ["attach", "attach, torch events", "5 raw event records, no query", "core only, 5 marks, poll lag 2",
+                "torch hooks only (no-op bodies)", burn_label]
     block("none")
-    ratios, pcts = defaultdict(list), defaultdict(list)
+    ratios, mratios, pcts = defaultdict(list), defaultdict(list), defaultdict(list)
     for _ in range(args.pairs):
         for v in variants:
             a, b = block("none"), block(v)
             ratios[v].append(sum(b) / sum(a))
+            mratios[v].append(statistics.median(b) / statistics.median(a))
             pcts[v].append((statistics.median(b) / 1e3, sorted(b)[int(0.9 * len(b))] / 1e3, max(b) / 1e3))
             pcts["none"].append((statistics.median(a) / 1e3, sorted(a)[int(0.9 * len(a))] / 1e3, max(a) / 1e3))
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}; host us per step: p50 p90 max (median over blocks)")
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}; {args.pairs} pairs of {args.steps} steps; "
+          "host us per step: p50 p90 max (median over blocks); overhead: median over pairs of the ratio of "
+          "block time (throughput) [interquartile range], and of the per-step medians")
     for v in ["none", *variants]:
         p = [statistics.median(x[i] for x in pcts[v]) for i in range(3)]
-        r = f"{100 * (statistics.median(ratios[v]) - 1):+6.2f}% (spread {100 * (max(ratios[v]) - min(ratios[v])):.1f}%)" if v in ratios else ""
-        print(f"{v:34s} p50 {p[0]:8.1f}  p90 {p[1]:8.1f}  max {p[2]:9.1f}   {r}")
+        r = ""
+        if v in ratios:
+            q = statistics.quantiles(ratios[v], n=4)
+            r = (f"{100 * (statistics.median(ratios[v]) - 1):+6.2f}% [{100 * (q[0] - 1):+.2f}, {100 * (q[2] - 1):+.2f}]"
+                 f"  p50 ratio {100 * (statistics.median(mratios[v]) - 1):+6.2f}%")
+        print(f"{v:34.34s} p50 {p[0]:8.1f}  p90 {p[1]:8.1f}  max {p[2]:9.1f}   {r}")
 
 
 if __name__ == "__main__":

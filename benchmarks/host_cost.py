@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from phase_timer.clock import CudaClock
+from phase_timer.clock import CudaClock, NativeCudaClock
 from phase_timer.core import TimingCore
-from phase_timer.sinks import BackgroundSink, open_summary_writer
+from phase_timer.sinks import BackgroundSink, SummaryWriterSink, open_event_file
 
 
 def per_call_us(fn, n: int, repeats: int = 7) -> float:
@@ -39,29 +39,42 @@ def primitives(n: int) -> dict[str, float]:
     ev2.record(stream)
     torch.cuda.synchronize()
     raw = torch._C._cuda_getCurrentRawStream
-    clock = CudaClock()
     out = {
         "Event.record() no stream": per_call_us(lambda: ev.record(), n),
         "Event.record(stream)": per_call_us(lambda: ev.record(stream), n),
         "torch.cuda.current_stream()": per_call_us(torch.cuda.current_stream, n),
         "_cuda_getCurrentRawStream(i)": per_call_us(lambda: raw(0), n),
-        "CudaClock.mark() + release": per_call_us(lambda: clock.release([clock.mark()]), n),
     }
     torch.cuda.synchronize()
     out["Event.query() (done)"] = per_call_us(ev.query, n)
     out["Event.elapsed_time()"] = per_call_us(lambda: ev.elapsed_time(ev2), n)
+    for clock in clocks():
+        name = type(clock).__name__
+        mark = clock.mark
+        out[f"{name}.mark() + release"] = per_call_us(lambda: clock.release([mark()]), n)
+        marks = [mark() for _ in range(5)]
+        torch.cuda.synchronize()
+        out[f"{name}.done()"] = per_call_us(lambda: clock.done(marks[-1]), n)
+        out[f"{name}.spans(5 marks)"] = per_call_us(lambda: clock.spans(marks), n)
     return out
 
 
-def core_step(n: int, sink: str, window: int) -> float:
+def clocks() -> list:
+    """The clocks to compare: the native one (if built) and torch's events."""
+    return ([NativeCudaClock()] if NativeCudaClock is not None else []) + [CudaClock()]
+
+
+def core_step(n: int, sink: str, window: int, clock_type: type) -> float:
     """Per step: begin, 4 switches, end (poll + resolve + stats + amortized window write)."""
     sinks: list = []
     tmp = tempfile.mkdtemp()
-    if sink == "tensorboard, writer thread":
-        sinks.append(BackgroundSink(open_summary_writer(tmp, per_step=False), "tensorboard"))
-    elif sink == "tensorboard, training thread":
-        sinks.append(open_summary_writer(tmp, per_step=False))
-    core = TimingCore(CudaClock(), sinks, window=window, warmup_steps=0, max_pending=64)
+    if sink == "event file (default)":
+        sinks.append(open_event_file(tmp, per_step=False))
+    elif sink == "user's SummaryWriter":
+        from torch.utils.tensorboard import SummaryWriter
+
+        sinks.append(BackgroundSink(SummaryWriterSink(SummaryWriter(tmp), owned=True), "tensorboard"))
+    core = TimingCore(clock_type(), sinks, window=window, warmup_steps=0, max_pending=64)
     x = torch.randn(256, 256, device="cuda")
     state = {"i": 0}
 
@@ -91,8 +104,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = primitives(args.steps)
     for _ in range(2):  # twice, interleaved: the spread shows the noise
-        for sink in ("none", "tensorboard, writer thread", "tensorboard, training thread"):
-            rows.setdefault(f"core step, {sink} (window 50)", []).append(core_step(args.steps, sink=sink, window=50))
+        for clock_type in [type(c) for c in clocks()]:
+            for sink in ("none", "event file (default)", "user's SummaryWriter"):
+                key = f"core step, {clock_type.__name__}, {sink} (window 50)"
+                rows.setdefault(key, []).append(core_step(args.steps, sink=sink, window=50, clock_type=clock_type))
     lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}"]
     lines += [f"{k:55s} " + " ".join(f"{x:8.2f}" for x in (v if isinstance(v, list) else [v])) + " us" for k, v in rows.items()]
     text = "\n".join(lines)

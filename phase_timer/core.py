@@ -174,11 +174,11 @@ class TimingCore:
             window.add(r.step, r.ms)
 
     def _emit(self, window: Window) -> None:
-        values = window.values
-        self.totals.add_window(window, values)
+        columns = window.columns()  # sorted once, for the statistics and the run totals
+        self.totals.add_window(window, columns)
         if self.ranks is not None:
-            self.ranks.add(window.key, window.last_step, window.steps, values)
-        scalars = window_scalars(window.summary(values))
+            self.ranks.add(window.key, window.last_step, window.steps, columns)
+        scalars = window_scalars(window.summary(columns))
         scalars[WINDOW_STEPS_TAG] = float(window.steps)
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)

@@ -27,7 +27,7 @@ from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.ranks import RankExchange
-from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, next_version_dir, open_summary_writer
+from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -224,9 +224,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
                 sink = GuardedSink(_LoggerSink(lg), type(lg).__name__)
             sinks.append(sink)
         if not sinks:
-            own = open_summary_writer(self._own_log_dir(trainer), per_step=self.config.per_step, ranks=ranks)
-            self.log_dir = own.log_dir
-            sinks.append(BackgroundSink(own, "SummaryWriter"))
+            self.log_dir = self._own_log_dir(trainer)
+            sinks.append(open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks))
         return sinks
 
     def _own_log_dir(self, trainer: pl.Trainer) -> str:

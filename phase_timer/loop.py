@@ -37,7 +37,7 @@ from phase_timer.core import TimingCore
 from phase_timer.metrics import HOST_PHASES, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.ranks import RankExchange
-from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_summary_writer
+from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
 from phase_timer.stats import RunTotals
 
 if TYPE_CHECKING:
@@ -162,11 +162,8 @@ class LoopTimer:
         if writer is not None:
             self.log_dir = writer.log_dir
             return [BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), "SummaryWriter")]
-        own = open_summary_writer(
-            next_version_dir(self.config.log_dir or "phase_timer_logs"), per_step=self.config.per_step, ranks=ranks
-        )
-        self.log_dir = own.log_dir
-        return [BackgroundSink(own, "SummaryWriter")]
+        self.log_dir = next_version_dir(self.config.log_dir or "phase_timer_logs")
+        return [open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks)]
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:

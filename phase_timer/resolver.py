@@ -32,17 +32,14 @@ def resolve(clock: Clock, record: Record) -> StepTimes:
     """Milliseconds per phase of a record whose marks are all done; its marks go back to the pool."""
     marks = record.marks
     ms = record.host_ms  # host phases are in already; device phases join them
-    elapsed = clock.elapsed_ms
-    total = 0.0
-    start = marks[0]
-    for label, end in zip(record.labels, marks[1:]):
-        span = elapsed(start, end)
-        ms[label] = ms.get(label, 0.0) + span
-        total += span
-        start = end
-    ms["step"] = total
+    durations = clock.spans(marks)  # one call: len(marks) - 1 elapsed times
+    get = ms.get
+    for label, span in zip(record.labels, durations):
+        ms[label] = get(label, 0.0) + span
+    ms["step"] = sum(durations)
     spans = None
     if record.ref is not None:  # traced: every mark against the one reference, on the device clock
+        elapsed = clock.elapsed_ms
         offsets = [elapsed(record.ref, m) for m in marks]
         spans = [(label, offsets[i], offsets[i + 1]) for i, label in enumerate(record.labels)]
     clock.release(marks)

@@ -9,10 +9,14 @@ does that on a thread of its own: the training thread only puts on a queue
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
+import socket
+import struct
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -157,11 +161,85 @@ def next_version_dir(root: str | os.PathLike[str]) -> str:
     return os.path.join(root, f"version_{n}")
 
 
-def open_summary_writer(log_dir: str, *, per_step: bool, ranks: bool = False) -> SummaryWriterSink:
-    """A SummaryWriter of our own under ``log_dir``, with the custom-scalars layout."""
-    require_tensorboard()
-    from torch.utils.tensorboard import SummaryWriter
+class EventFileSink:
+    """A TensorBoard event file of our own, written directly: one record per write.
 
+    The same records a ``SummaryWriter`` writes (TFRecord framing around ``Event``
+    protos, read by TensorBoard and its ``EventAccumulator``), without its queue and
+    writer thread, and with the record checksum from ``_native`` in C (~1 us)
+    instead of tensorboard's pure-Python CRC (~80 us per 1 KB record), so a window
+    costs ~10x less host time.  Buffered; flushed at most every ``flush_s`` and on
+    close.
+    """
+
+    def __init__(self, log_dir: str, *, layout: dict[str, Any] | None = None, flush_s: float = 2.0,
+                 crc: Any = None) -> None:
+        require_tensorboard()
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._event, self._summary, self._value = Event, Summary, Summary.Value
+        self._crc = crc or masked_crc32c()
+        self.log_dir = log_dir
+        os.makedirs(log_dir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
+        self.path = os.path.join(log_dir, name)
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._flush_s = flush_s
+        self._record(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if layout is not None:
+            from torch.utils.tensorboard.summary import custom_scalars
+
+            self._record(Event(wall_time=time.time(), summary=custom_scalars(layout)))
+        self.flush()
+
+    def _record(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = _U64.pack(len(data))
+        crc = self._crc
+        self._file.write(header + _U32.pack(crc(header)) + data + _U32.pack(crc(data)))
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        value = self._value
+        summary = self._summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars.items()])
+        self._record(self._event(wall_time=time.time(), step=step, summary=summary))
+        if time.monotonic() >= self._next_flush:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._next_flush = time.monotonic() + self._flush_s
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+_FILE_IDS = itertools.count()
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+
+
+def masked_crc32c() -> Any:
+    """The record checksum: ours in C when built, else tensorboard's (pure Python)."""
+    try:
+        from phase_timer._native import masked_crc32c as crc
+    except ImportError:  # pragma: no cover - depends on the build
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as crc
+    return crc
+
+
+def open_event_file(log_dir: str, *, per_step: bool, ranks: bool = False) -> Sink:
+    """An event file of our own under ``log_dir``, with the custom-scalars layout.
+
+    With the C checksum a window is cheap and is written on the training thread;
+    with tensorboard's pure-Python one it goes to a writer thread.
+    """
     from phase_timer.metrics import custom_scalars_layout
 
-    return SummaryWriterSink(SummaryWriter(log_dir=log_dir), owned=True, layout=custom_scalars_layout(per_step, ranks))
+    sink = EventFileSink(log_dir, layout=custom_scalars_layout(per_step, ranks))
+    try:
+        import phase_timer._native  # noqa: F401
+    except ImportError:  # pragma: no cover - depends on the build
+        return BackgroundSink(sink, "tensorboard")
+    return GuardedSink(sink, "tensorboard")

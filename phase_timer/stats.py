@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 
 #: Statistics written per phase for each window, in this order.
 WINDOW_STATS = ("mean", "p50", "p90", "max")
@@ -20,9 +22,9 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def summarize(values: Iterable[float]) -> dict[str, float]:
+def summarize(values: Iterable[float], *, presorted: bool = False) -> dict[str, float]:
     """Mean, p50, p90 and max of some values (exact)."""
-    ordered = sorted(values)
+    ordered = values if presorted and isinstance(values, list) else sorted(values)
     return {
         "mean": sum(ordered) / len(ordered),
         "p50": percentile(ordered, 50),
@@ -54,12 +56,27 @@ class Window:
 
     @property
     def values(self) -> dict[str, list[float]]:
+        """Each phase's values, in step order."""
         rows = self.rows
+        if rows and len(set(map(len, rows))) == 1:
+            # The usual window: every step has the same phases; columns built in C.
+            try:
+                return {p: list(map(itemgetter(p), rows)) for p in rows[0]}
+            except KeyError:
+                pass
         phases = dict.fromkeys(p for row in rows for p in row)  # first-seen order
         return {p: [row[p] for row in rows if p in row] for p in phases}
 
-    def summary(self, values: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
-        return {phase: summarize(vs) for phase, vs in (values or self.values).items()}
+    def columns(self) -> dict[str, list[float]]:
+        """Each phase's values, sorted: what the statistics and the run totals take."""
+        columns = self.values
+        for vs in columns.values():
+            vs.sort()
+        return columns
+
+    def summary(self, columns: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
+        """Statistics per phase; ``columns`` as :meth:`columns` returns them (sorted)."""
+        return {phase: summarize(vs, presorted=columns is not None) for phase, vs in (columns or self.columns()).items()}
 
 
 # Run-wide percentiles come from a log-bucketed histogram: buckets 1% wide, so a
@@ -82,18 +99,28 @@ class PhaseTotals:
     def add(self, v: float) -> None:
         self.extend([v])
 
-    def extend(self, values: list[float]) -> None:
+    def extend(self, values: list[float], *, presorted: bool = False) -> None:
+        """Count some values; ``presorted`` says they are in ascending order already."""
         if not values:
             return
-        self.count += len(values)
-        self.total += sum(values)
-        self.max = max(self.max, max(values))
-        self.min = min(self.min, min(values))
-        positive = [v for v in values if v > 0]
-        if len(positive) < len(values):
-            self._buckets[_ZERO] += len(values) - len(positive)
-        # bucket = floor(log(v) / log(1.01)), counted in C (Counter.update over map)
-        self._buckets.update(map(math.floor, map(_INV_LOG_GROWTH.__mul__, map(math.log, positive))))
+        ordered = values if presorted else sorted(values)
+        n = len(ordered)
+        self.count += n
+        self.total += sum(ordered)
+        self.max = max(self.max, ordered[-1])
+        self.min = min(self.min, ordered[0])
+        buckets = self._buckets
+        i = bisect_right(ordered, 0.0)
+        if i:
+            buckets[_ZERO] += i
+        # Sorted, a bucket is a run: one log and one bisect per bucket the window
+        # touches (a few for steady steps), not one log per value.
+        while i < n:
+            key = math.floor(math.log(ordered[i]) * _INV_LOG_GROWTH)
+            j = bisect_left(ordered, _GROWTH ** (key + 1), i)
+            j = max(j, i + 1)  # a value on a bucket's edge (rounding): counted where its log put it
+            buckets[key] += j - i
+            i = j
 
     @property
     def mean(self) -> float:
@@ -122,10 +149,11 @@ class RunTotals:
         self.phases: dict[str, PhaseTotals] = {}
         self.steps = 0
 
-    def add_window(self, window: Window, values: dict[str, list[float]] | None = None) -> None:
+    def add_window(self, window: Window, columns: dict[str, list[float]] | None = None) -> None:
+        """``columns`` as :meth:`Window.columns` returns them (sorted)."""
         self.steps += window.steps
-        for phase, values in (values or window.values).items():
+        for phase, values in (columns or window.columns()).items():
             totals = self.phases.get(phase)
             if totals is None:
                 totals = self.phases[phase] = PhaseTotals()
-            totals.extend(values)
+            totals.extend(values, presorted=True)

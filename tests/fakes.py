@@ -70,6 +70,9 @@ class FakeClock:
         assert start.polls_left == 0 and end.polls_left == 0, "elapsed_ms on an event that is not done"
         return end.time_ms - start.time_ms
 
+    def spans(self, marks: list[FakeEvent]) -> list[float]:
+        return [self.elapsed_ms(a, b) for a, b in zip(marks, marks[1:])]
+
     def release(self, marks: list[FakeEvent]) -> None:
         self.released.extend(marks)
 

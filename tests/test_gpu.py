@@ -16,7 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
-SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+# Runtime API (torch's events) and driver API (the native clock) names of a wait.
+SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+              "cuEventSynchronize", "cuStreamSynchronize", "cuCtxSynchronize")
+QUERY_CALLS = ("cudaEventQuery", "cuEventQuery")
 
 
 def gpu_data(n: int = 2048, width: int = 1024) -> DataLoader:
@@ -82,10 +85,11 @@ def _strict(fn):
 @pytest.fixture
 def no_sync_in_timer(monkeypatch):
     """Every call into the clock and the core's step path raises on a host-device sync."""
-    from phase_timer.clock import CudaClock
+    from phase_timer.clock import CudaClock, NativeCudaClock
     from phase_timer.core import TimingCore
 
-    for cls, names in ((CudaClock, ("mark", "done", "elapsed_ms")), (TimingCore, ("begin_step", "end_step", "poll"))):
+    clocks = [c for c in (CudaClock, NativeCudaClock) if c is not None]
+    for cls, names in [*((c, ("mark", "done", "elapsed_ms", "spans")) for c in clocks), (TimingCore, ("begin_step", "end_step", "poll"))]:
         for name in names:
             monkeypatch.setattr(cls, name, _strict(getattr(cls, name)))
 
@@ -136,17 +140,139 @@ def _count_syncs(tmp_path, callbacks, steps=(10, 40)) -> tuple[dict[str, int], i
     t = gpu_trainer(tmp_path, [*callbacks, win], max_steps=steps[1] + 5, log_every_n_steps=10)
     t.fit(gpu_module(), gpu_data())
     names = [e.name for e in win.prof.events()]
-    return {n: names.count(n) for n in SYNC_CALLS}, names.count("cudaEventQuery")
+    return {n: names.count(n) for n in SYNC_CALLS}, sum(names.count(n) for n in QUERY_CALLS)
 
 
-def test_profiler_sees_no_sync_added_by_the_timer(tmp_path):
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_profiler_sees_no_sync_added_by_the_timer(tmp_path, monkeypatch, native):
+    """The profiler's runtime-API trace: the same sync calls with and without the timer.
+
+    torch.profiler (CUPTI) records runtime-API calls, not driver-API ones, so the
+    native clock's own calls are invisible here: for it this shows that it adds no
+    runtime sync, and test_native_clock_never_waits_for_the_device that it never waits.
+    """
     from phase_timer import PhaseTimer
+    from phase_timer.clock import make_clock
 
+    monkeypatch.setenv("PHASE_TIMER_NATIVE", native)
+    timer = PhaseTimer(warmup_steps=3)
     without, q0 = _count_syncs(tmp_path / "a", [])
-    with_timer, q1 = _count_syncs(tmp_path / "b", [PhaseTimer(warmup_steps=3)])
-    print("syncs without", without, "with", with_timer, "event queries", q0, q1)
+    with_timer, q1 = _count_syncs(tmp_path / "b", [timer])
+    clock = type(make_clock("cuda")).__name__  # what the timer took, under the same setting
+    print("syncs without", without, "with", with_timer, "event queries", q0, q1, "clock", clock)
     assert with_timer == without
-    assert q1 > q0  # the timer did run: it polled its events
+    assert timer.totals.steps > 30  # the timer did run
+    assert clock == ("CudaClock" if native == "0" else "NativeCudaClock")
+    if native == "0":
+        assert q1 > q0  # torch's events: its polls are in the runtime-API trace
+
+
+# -- the native (driver-API) clock -------------------------------------------------
+needs_native = pytest.mark.skipif(
+    __import__("phase_timer.clock", fromlist=["NativeCudaClock"]).NativeCudaClock is None, reason="_native not built"
+)
+
+
+@needs_native
+def test_the_doors_use_the_native_clock_by_default(monkeypatch):
+    from phase_timer.clock import CudaClock, NativeCudaClock, make_clock
+
+    assert type(make_clock("cuda")) is NativeCudaClock
+    monkeypatch.setenv("PHASE_TIMER_NATIVE", "0")
+    assert type(make_clock("cuda")) is CudaClock
+
+
+@needs_native
+def test_native_clock_agrees_with_torch_events():
+    """The same boundaries marked by both clocks: every span equal within 0.01 ms."""
+    from phase_timer.clock import CudaClock, NativeCudaClock
+
+    native, torch_clock = NativeCudaClock(), CudaClock()
+    a = torch.randn(4096, 4096, device="cuda")
+    a = torch.tanh(a @ a * 1e-3)  # warm-up: cuBLAS set up before anything is timed
+    torch.cuda.synchronize()
+    got_n, got_t = [], []
+    for rep in range(5):
+        # The GPU kept busy, so the host is always ahead and each pair of marks is
+        # processed back to back: any difference is the clocks', not the host's.
+        torch.cuda._sleep(20_000_000)
+        marks_n, marks_t = [native.mark()], [torch_clock.mark()]
+        for k in range(1, 5):
+            for _ in range(k):
+                a = torch.tanh(a @ a * 1e-3)
+            marks_n.append(native.mark())
+            marks_t.append(torch_clock.mark())
+        torch.cuda.synchronize()
+        got_n.append(native.spans(marks_n))
+        got_t.append(torch_clock.spans(marks_t))
+        native.release(marks_n)
+        torch_clock.release(marks_t)
+    print("native", got_n[-1], "torch", got_t[-1])
+    for n_spans, t_spans in zip(got_n, got_t):
+        assert len(n_spans) == 4 and min(n_spans) > 0
+        assert n_spans == pytest.approx(t_spans, abs=0.01)
+    assert got_n[-1][3] > got_n[-1][0] * 2  # 4 products take longer than 1: the spans are the work's
+    assert native.live_marks == 0 and native.created == 5  # pooled: 5 events served every rep
+
+
+@needs_native
+def test_native_clock_never_waits_for_the_device():
+    """With the GPU busy ~0.5 s, mark/done/spans return at once; only wait() blocks."""
+    import time
+
+    from phase_timer.clock import NativeCudaClock
+
+    clock = NativeCudaClock()
+    start = clock.mark()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of spinning at ~2 GHz
+    t0 = time.perf_counter()
+    end = clock.mark()
+    done = clock.done(end)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    assert done is False
+    assert clock.done(start) in (True, False)
+    with pytest.raises(RuntimeError, match="NOT_READY"):
+        clock.spans([start, end])  # an unfinished span is an error, never a wait
+    assert host_ms < 50, host_ms
+    t0 = time.perf_counter()
+    clock.wait(end)  # the one waiting call
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    assert clock.done(end) is True
+    assert waited_ms > 100, waited_ms
+    assert clock.spans([start, end])[0] > 100
+
+
+@needs_native
+def test_native_clock_from_a_thread_that_never_used_cuda():
+    """Marks from a fresh thread (no current context) land on the device's default stream."""
+    import threading
+
+    from phase_timer.clock import NativeCudaClock
+
+    clock = NativeCudaClock()
+    first = clock.mark()
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(clock.mark()))
+    t.start()
+    t.join()
+    torch.cuda.synchronize()
+    assert clock.done(out[0]) and clock.spans([first, out[0]])[0] >= 0
+
+
+@needs_native
+def test_native_clock_notices_a_stream_switch():
+    from phase_timer.clock import NativeCudaClock
+
+    clock = NativeCudaClock()
+    clock.mark()
+    epoch = clock.stream_epoch
+    with torch.cuda.stream(torch.cuda.Stream()):
+        m = clock.mark()
+    assert clock.stream_epoch == epoch + 1
+    clock.mark()
+    assert clock.stream_epoch == epoch + 2
+    torch.cuda.synchronize()
+    assert clock.done(m)
 
 
 # -- the plain-PyTorch door ----------------------------------------------------------

@@ -1,0 +1,148 @@
+"""The C pieces (phase_timer/_native.c) and what stands in for them, on the CPU.
+
+The native clock itself needs a GPU (tests/test_gpu.py); here: the build, the
+record checksum, the own event file read back by tensorboard, the fallbacks, and
+the window statistics the speed-ups rewrote.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import struct
+from collections import Counter
+
+import pytest
+import torch
+
+from phase_timer import clock as clock_mod
+from phase_timer.sinks import EventFileSink, open_event_file
+from phase_timer.stats import _INV_LOG_GROWTH, _ZERO, PhaseTotals, Window
+
+native = pytest.importorskip("phase_timer._native", reason="the C extension is not built here")
+
+
+def test_masked_crc32c_matches_tensorboards():
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    rng = random.Random(0)
+    for n in (0, 1, 3, 8, 12, 255, 961, 4096):
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        assert native.masked_crc32c(data) == reference(data), n
+    assert native.masked_crc32c(memoryview(b"abc")) == reference(b"abc")
+    with pytest.raises(TypeError):
+        native.masked_crc32c("not bytes")
+
+
+def _records(path: str) -> list[bytes]:
+    """TFRecord framing, every checksum checked with tensorboard's own (pure-Python) CRC."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    out = []
+    with open(path, "rb") as f:
+        blob = f.read()
+    pos = 0
+    while pos < len(blob):
+        header = blob[pos : pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        assert struct.unpack("<I", blob[pos + 8 : pos + 12])[0] == reference(header)
+        data = blob[pos + 12 : pos + 12 + length]
+        assert struct.unpack("<I", blob[pos + 12 + length : pos + 16 + length])[0] == reference(data)
+        out.append(data)
+        pos += 16 + length
+    return out
+
+
+def test_event_file_is_read_back_by_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    sink = EventFileSink(str(tmp_path), layout={"phase-timer": {}}, flush_s=3600)
+    sink.write(10, {"phase_time/forward_ms/mean": 1.5, "phase_time/step_ms/mean": 4.25})
+    sink.write(20, {"phase_time/forward_ms/mean": 2.5})
+    sink.close()
+    records = [Event.FromString(r) for r in _records(sink.path)]
+    assert records[0].file_version == "brain.Event:2"
+    assert [r.step for r in records[2:]] == [10, 20]
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("phase_time/forward_ms/mean")] == [(10, 1.5), (20, 2.5)]
+    assert [e.value for e in acc.Scalars("phase_time/step_ms/mean")] == [4.25]
+
+
+def test_event_file_flushes_by_time_and_on_close(tmp_path):
+    sink = EventFileSink(str(tmp_path), flush_s=3600)
+    size0 = os.path.getsize(sink.path)
+    sink.write(1, {"a": 1.0})
+    assert os.path.getsize(sink.path) == size0  # buffered: no write per window
+    sink._next_flush = 0.0  # the flush interval is over
+    sink.write(2, {"a": 2.0})
+    size2 = os.path.getsize(sink.path)
+    assert size2 > size0
+    sink.write(3, {"a": 3.0})
+    sink.close()
+    assert os.path.getsize(sink.path) > size2 and len(_records(sink.path)) == 4
+    sink.close()  # twice is fine
+
+
+def test_the_default_event_file_is_written_on_the_training_thread(tmp_path):
+    from phase_timer.sinks import BackgroundSink
+
+    sink = open_event_file(str(tmp_path), per_step=False)
+    assert not isinstance(sink, BackgroundSink)  # the C checksum makes a window cheap
+    sink.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the failure without a GPU")
+def test_native_clock_without_a_driver_fails_clearly():
+    with pytest.raises((OSError, RuntimeError), match="libcuda|cuInit|cuDevice"):
+        native.Clock(0, lambda index: 0)
+
+
+def test_make_clock_falls_back_to_torch_events(monkeypatch, caplog):
+    class Broken:
+        def __init__(self, device):
+            raise OSError("libcuda.so.1 has no cuEventRecord")
+
+    class TorchEvents:
+        def __init__(self, device):
+            self.device = device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(clock_mod, "NativeCudaClock", Broken)
+    monkeypatch.setattr(clock_mod, "CudaClock", TorchEvents)
+    with caplog.at_level("INFO", logger="phase_timer.clock"):
+        assert isinstance(clock_mod.make_clock("cuda:0"), TorchEvents)
+    assert "cuEventRecord" in caplog.text
+    monkeypatch.setenv("PHASE_TIMER_NATIVE", "0")
+    assert not clock_mod.native_wanted()
+
+
+def test_histogram_by_runs_equals_one_log_per_value():
+    rng = random.Random(1)
+    values = [rng.lognormvariate(1.0, 0.05) for _ in range(3000)] + [rng.uniform(0.001, 80) for _ in range(3000)]
+    values += [0.0] * 7 + [1.01**k for k in range(-50, 400, 7)]  # zeros and bucket edges
+    totals = PhaseTotals()
+    for i in range(0, len(values), 50):  # a window at a time, as the core feeds it
+        totals.extend(values[i : i + 50])
+    want = Counter(math.floor(math.log(v) * _INV_LOG_GROWTH) if v > 0 else _ZERO for v in values)
+    got = totals._buckets
+    assert +got == +want  # the same buckets, the edges included
+    assert totals.count == len(values) and totals.min == 0.0 and totals.max == max(values)
+    assert totals.total == pytest.approx(sum(values))
+
+
+def test_window_columns_with_and_without_the_same_phases():
+    w = Window(0)
+    for s in range(5):
+        w.add(s, {"forward": 5.0 - s, "step": 10.0 + s})
+    assert w.values == {"forward": [5.0, 4.0, 3.0, 2.0, 1.0], "step": [10.0, 11.0, 12.0, 13.0, 14.0]}
+    assert w.columns()["forward"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    mixed = Window(0)
+    mixed.add(0, {"forward": 1.0, "step": 2.0})
+    mixed.add(1, {"forward": 3.0, "clip": 0.5})  # same size, other phases
+    mixed.add(2, {"forward": 2.0, "step": 4.0, "clip": 0.25})
+    assert mixed.values == {"forward": [1.0, 3.0, 2.0], "step": [2.0, 4.0], "clip": [0.5, 0.25]}
+    summary = mixed.summary()
+    assert summary["clip"]["max"] == 0.5 and summary["forward"]["p50"] == 2.0
