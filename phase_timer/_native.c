@@ -111,6 +111,7 @@ typedef struct {
     Py_ssize_t n_events, cap;
     Py_ssize_t *free;       /* slots of events back in the pool */
     Py_ssize_t n_free;
+    unsigned char *pooled;  /* per slot: 1 while in the pool (catches a double release) */
     PyObject *raw_stream;   /* torch._C._cuda_getCurrentRawStream */
     PyObject *index;        /* its argument: the device index */
     uintptr_t stream;       /* the stream the last mark went to */
@@ -182,6 +183,7 @@ static void Clock_dealloc(Clock *self) {
     if (self->has_ctx) cu.PrimaryCtxRelease(self->device);
     PyMem_Free(self->events);
     PyMem_Free(self->free);
+    PyMem_Free(self->pooled);
     Py_XDECREF(self->raw_stream);
     Py_XDECREF(self->index);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -196,6 +198,9 @@ static Py_ssize_t new_event(Clock *self) {
         Py_ssize_t *free_ = PyMem_Realloc(self->free, cap * sizeof(Py_ssize_t));
         if (free_ == NULL) { PyErr_NoMemory(); return -1; }
         self->free = free_;
+        unsigned char *pooled = PyMem_Realloc(self->pooled, cap);
+        if (pooled == NULL) { PyErr_NoMemory(); return -1; }
+        self->pooled = pooled;
         self->cap = cap;
     }
     int pushed;
@@ -203,6 +208,7 @@ static Py_ssize_t new_event(Clock *self) {
     CUresult r = cu.EventCreate(&self->events[self->n_events], CU_EVENT_DEFAULT);
     pop_ctx(pushed);
     if (r != CUDA_SUCCESS) { cuda_error(r, "cuEventCreate"); return -1; }
+    self->pooled[self->n_events] = 0;
     return self->n_events++;
 }
 
@@ -217,9 +223,17 @@ static int slot_of(Clock *self, PyObject *mark, Py_ssize_t *slot) {
     return 0;
 }
 
+static void put_back(Clock *self, Py_ssize_t slot) {
+    self->pooled[slot] = 1;
+    self->free[self->n_free++] = slot;
+}
+
 /* mark() -> int: an event recorded now on the device's current stream. */
 static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
-    if (!self->has_ctx) { PyErr_SetString(PyExc_RuntimeError, "Clock not initialized"); return NULL; }
+    if (!self->has_ctx || self->raw_stream == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Clock not initialized");
+        return NULL;
+    }
     PyObject *h = PyObject_CallOneArg(self->raw_stream, self->index);  /* ~0.1 us: an int, no stream object */
     if (h == NULL) return NULL;
     uintptr_t stream = (uintptr_t)PyLong_AsVoidPtr(h);
@@ -229,17 +243,27 @@ static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
         self->stream = stream;
         self->stream_epoch++;
     }
-    Py_ssize_t slot = self->n_free > 0 ? self->free[--self->n_free] : new_event(self);
-    if (slot < 0) return NULL;
-    /* The GIL is kept: cuEventRecord only writes a command for the device. The
-     * stream handle 0 (torch's default stream) means the current context's
-     * legacy stream, hence the context check. */
+    Py_ssize_t slot;
+    if (self->n_free > 0) {
+        slot = self->free[--self->n_free];
+        self->pooled[slot] = 0;
+    } else if ((slot = new_event(self)) < 0) {
+        return NULL;
+    }
+    CUevent ev = self->events[slot];  /* read under the GIL: another thread may grow the array */
+    /* The stream handle 0 (torch's default stream) means the current context's
+     * legacy stream, hence the context check.  The GIL is released around the
+     * record, as torch does: it only writes a command for the device, but it can
+     * block while the driver's command queue is full. */
     int pushed;
-    if (push_ctx(self, &pushed) < 0) { self->free[self->n_free++] = slot; return NULL; }
-    CUresult r = cu.EventRecord(self->events[slot], (CUstream)stream);
+    if (push_ctx(self, &pushed) < 0) { put_back(self, slot); return NULL; }
+    CUresult r;
+    Py_BEGIN_ALLOW_THREADS
+    r = cu.EventRecord(ev, (CUstream)stream);
+    Py_END_ALLOW_THREADS
     pop_ctx(pushed);
     if (r != CUDA_SUCCESS) {
-        self->free[self->n_free++] = slot;
+        put_back(self, slot);
         return cuda_error(r, "cuEventRecord");
     }
     return PyLong_FromSsize_t(slot);
@@ -248,8 +272,10 @@ static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
 /* done(mark) -> bool, never waits. */
 static PyObject *Clock_done(Clock *self, PyObject *mark) {
     Py_ssize_t slot;
-    if (slot_of(self, mark, &slot) < 0) return NULL;
+    int pushed;
+    if (slot_of(self, mark, &slot) < 0 || push_ctx(self, &pushed) < 0) return NULL;
     CUresult r = cu.EventQuery(self->events[slot]);
+    pop_ctx(pushed);
     if (r == CUDA_SUCCESS) Py_RETURN_TRUE;
     if (r == CUDA_ERROR_NOT_READY) Py_RETURN_FALSE;
     return cuda_error(r, "cuEventQuery");
@@ -258,11 +284,14 @@ static PyObject *Clock_done(Clock *self, PyObject *mark) {
 /* wait(mark): HOST-DEVICE SYNC.  Only Resolver.drain() calls it, at the end of training. */
 static PyObject *Clock_wait(Clock *self, PyObject *mark) {
     Py_ssize_t slot;
-    if (slot_of(self, mark, &slot) < 0) return NULL;
+    int pushed;
+    if (slot_of(self, mark, &slot) < 0 || push_ctx(self, &pushed) < 0) return NULL;
+    CUevent ev = self->events[slot];  /* read under the GIL */
     CUresult r;
     Py_BEGIN_ALLOW_THREADS
-    r = cu.EventSynchronize(self->events[slot]);
+    r = cu.EventSynchronize(ev);
     Py_END_ALLOW_THREADS
+    pop_ctx(pushed);
     if (r != CUDA_SUCCESS) return cuda_error(r, "cuEventSynchronize");
     Py_RETURN_NONE;
 }
@@ -278,8 +307,11 @@ static PyObject *Clock_elapsed_ms(Clock *self, PyObject *const *args, Py_ssize_t
     if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "elapsed_ms(start, end)"); return NULL; }
     Py_ssize_t a, b;
     float ms;
-    if (slot_of(self, args[0], &a) < 0 || slot_of(self, args[1], &b) < 0 || elapsed(self, a, b, &ms) < 0) return NULL;
-    return PyFloat_FromDouble(ms);
+    int pushed, bad;
+    if (slot_of(self, args[0], &a) < 0 || slot_of(self, args[1], &b) < 0 || push_ctx(self, &pushed) < 0) return NULL;
+    bad = elapsed(self, a, b, &ms) < 0;
+    pop_ctx(pushed);
+    return bad ? NULL : PyFloat_FromDouble(ms);
 }
 
 /* spans(marks) -> list of floats: marks[i] -> marks[i+1], in one call. */
@@ -290,7 +322,8 @@ static PyObject *Clock_spans(Clock *self, PyObject *marks) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     PyObject *out = PyList_New(n > 0 ? n - 1 : 0);
     Py_ssize_t prev, cur;
-    if (out == NULL || (n > 0 && slot_of(self, items[0], &prev) < 0)) goto fail;
+    int pushed = 0;
+    if (out == NULL || (n > 0 && slot_of(self, items[0], &prev) < 0) || push_ctx(self, &pushed) < 0) goto fail;
     for (Py_ssize_t i = 1; i < n; i++) {
         float ms;
         if (slot_of(self, items[i], &cur) < 0 || elapsed(self, prev, cur, &ms) < 0) goto fail;
@@ -299,32 +332,45 @@ static PyObject *Clock_spans(Clock *self, PyObject *marks) {
         PyList_SET_ITEM(out, i - 1, f);
         prev = cur;
     }
+    pop_ctx(pushed);
     Py_DECREF(seq);
     return out;
 fail:
+    pop_ctx(pushed);
     Py_XDECREF(out);
     Py_DECREF(seq);
     return NULL;
 }
 
-/* release(marks): their events go back to the pool. */
+/* release(marks): their events go back to the pool.  All are checked first:
+ * an error (a foreign or twice-released mark) releases none. */
 static PyObject *Clock_release(Clock *self, PyObject *marks) {
     PyObject *seq = PySequence_Fast(marks, "release() takes a list of marks");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t slot;
-        if (slot_of(self, items[i], &slot) < 0) { Py_DECREF(seq); return NULL; }
-        if (self->n_free >= self->n_events) {
-            Py_DECREF(seq);
-            PyErr_SetString(PyExc_ValueError, "a mark was released twice");
-            return NULL;
+    Py_ssize_t i, slot;
+    for (i = 0; i < n; i++) {
+        if (slot_of(self, items[i], &slot) < 0) goto fail;
+        if (self->pooled[slot] == 2 || self->pooled[slot] == 1) {
+            PyErr_Format(PyExc_ValueError, "mark %zd was released twice", slot);
+            goto fail;
         }
-        self->free[self->n_free++] = slot;
+        self->pooled[slot] = 2;  /* seen in this list */
+    }
+    for (i = 0; i < n; i++) {
+        slot = PyLong_AsSsize_t(items[i]);
+        put_back(self, slot);
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;
+fail:
+    for (Py_ssize_t k = 0; k < i; k++) {  /* undo the marks of this list */
+        Py_ssize_t s2 = PyLong_AsSsize_t(items[k]);
+        if (self->pooled[s2] == 2) self->pooled[s2] = 0;
+    }
+    Py_DECREF(seq);
+    return NULL;
 }
 
 static PyObject *Clock_live_marks(Clock *self, void *closure) {

@@ -169,7 +169,7 @@ class EventFileSink:
     writer thread, and with the record checksum from ``_native`` in C (~1 us)
     instead of tensorboard's pure-Python CRC (~80 us per 1 KB record), so a window
     costs ~10x less host time.  Buffered; flushed at most every ``flush_s`` and on
-    close.
+    close.  Not thread-safe: one writer (the core's, through a BackgroundSink).
     """
 
     def __init__(self, log_dir: str, *, layout: dict[str, Any] | None = None, flush_s: float = 2.0,
@@ -232,14 +232,9 @@ def masked_crc32c() -> Any:
 def open_event_file(log_dir: str, *, per_step: bool, ranks: bool = False) -> Sink:
     """An event file of our own under ``log_dir``, with the custom-scalars layout.
 
-    With the C checksum a window is cheap and is written on the training thread;
-    with tensorboard's pure-Python one it goes to a writer thread.
+    Written on a thread of its own, so that a slow file system (a network mount)
+    never holds a training step: the training thread only puts on a queue.
     """
     from phase_timer.metrics import custom_scalars_layout
 
-    sink = EventFileSink(log_dir, layout=custom_scalars_layout(per_step, ranks))
-    try:
-        import phase_timer._native  # noqa: F401
-    except ImportError:  # pragma: no cover - depends on the build
-        return BackgroundSink(sink, "tensorboard")
-    return GuardedSink(sink, "tensorboard")
+    return BackgroundSink(EventFileSink(log_dir, layout=custom_scalars_layout(per_step, ranks)), "tensorboard")

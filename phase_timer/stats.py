@@ -22,9 +22,9 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def summarize(values: Iterable[float], *, presorted: bool = False) -> dict[str, float]:
-    """Mean, p50, p90 and max of some values (exact)."""
-    ordered = values if presorted and isinstance(values, list) else sorted(values)
+def summarize(values: Iterable[float]) -> dict[str, float]:
+    """Mean, p50, p90 and max of some values (exact; sorting sorted values is linear)."""
+    ordered = sorted(values)
     return {
         "mean": sum(ordered) / len(ordered),
         "p50": percentile(ordered, 50),
@@ -75,8 +75,8 @@ class Window:
         return columns
 
     def summary(self, columns: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
-        """Statistics per phase; ``columns`` as :meth:`columns` returns them (sorted)."""
-        return {phase: summarize(vs, presorted=columns is not None) for phase, vs in (columns or self.columns()).items()}
+        """Statistics per phase; ``columns`` as :meth:`columns` returns them (any order is right)."""
+        return {phase: summarize(vs) for phase, vs in (columns or self.columns()).items()}
 
 
 # Run-wide percentiles come from a log-bucketed histogram: buckets 1% wide, so a
@@ -84,6 +84,11 @@ class Window:
 _GROWTH = 1.01
 _INV_LOG_GROWTH = 1.0 / math.log(_GROWTH)
 _ZERO = -(10**9)  # the bucket of zero durations
+
+
+def _bucket(v: float) -> int:
+    """floor(log(v) / log(1.01)): the bucket of a positive value."""
+    return math.floor(math.log(v) * _INV_LOG_GROWTH)
 
 
 class PhaseTotals:
@@ -99,11 +104,11 @@ class PhaseTotals:
     def add(self, v: float) -> None:
         self.extend([v])
 
-    def extend(self, values: list[float], *, presorted: bool = False) -> None:
-        """Count some values; ``presorted`` says they are in ascending order already."""
+    def extend(self, values: list[float]) -> None:
+        """Count some values (a sorted copy; linear when they are sorted already, as windows' columns are)."""
         if not values:
             return
-        ordered = values if presorted else sorted(values)
+        ordered = sorted(values)
         n = len(ordered)
         self.count += n
         self.total += sum(ordered)
@@ -113,12 +118,12 @@ class PhaseTotals:
         i = bisect_right(ordered, 0.0)
         if i:
             buckets[_ZERO] += i
-        # Sorted, a bucket is a run: one log and one bisect per bucket the window
-        # touches (a few for steady steps), not one log per value.
+        # Sorted, a bucket is a run: found by bisecting on the bucket function itself
+        # (monotone), so a few logs per bucket the window touches, not one per value,
+        # and every value lands exactly where its own log puts it.
         while i < n:
-            key = math.floor(math.log(ordered[i]) * _INV_LOG_GROWTH)
-            j = bisect_left(ordered, _GROWTH ** (key + 1), i)
-            j = max(j, i + 1)  # a value on a bucket's edge (rounding): counted where its log put it
+            key = _bucket(ordered[i])
+            j = bisect_left(ordered, key + 1, i + 1, n, key=_bucket)
             buckets[key] += j - i
             i = j
 
@@ -150,10 +155,10 @@ class RunTotals:
         self.steps = 0
 
     def add_window(self, window: Window, columns: dict[str, list[float]] | None = None) -> None:
-        """``columns`` as :meth:`Window.columns` returns them (sorted)."""
+        """``columns``: per-phase values, as :meth:`Window.columns` returns them (any order is right)."""
         self.steps += window.steps
         for phase, values in (columns or window.columns()).items():
             totals = self.phases.get(phase)
             if totals is None:
                 totals = self.phases[phase] = PhaseTotals()
-            totals.extend(values, presorted=True)
+            totals.extend(values)
