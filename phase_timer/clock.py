@@ -9,13 +9,15 @@ so everything above them is written once.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Protocol
 
 import torch
 
+from phase_timer._env import env_flag
+
 log = logging.getLogger(__name__)
+
 
 class Clock(Protocol):
     """What the recorder and the resolver need from a clock."""
@@ -161,8 +163,9 @@ if _DriverClock is not None:
         """The same clock as :class:`CudaClock`, on the CUDA driver API in C (``_native.c``).
 
         A mark is a small int naming a pooled ``CUevent``; ``mark()`` is one C call
-        (~0.3 us against ~2.5 us for torch's ``Event.record`` and its Python), and
-        ``spans()`` resolves a step's marks in one call.  The events live in the
+        (1.3 us with its release on an H200 host, against 1.6-1.9 us for torch's
+        ``Event.record`` and its Python), and ``spans()`` resolves a step's marks in
+        one call (1.0 us against 2.5-3.1 us for 4 ``elapsed_time``).  The events live in the
         device's primary context, the one torch's CUDA runtime uses, so they are
         recorded on torch's streams as they are.  Nothing here waits for the device
         except :meth:`wait`, which only the final drain calls.
@@ -180,7 +183,7 @@ else:  # pragma: no cover - depends on the build
 
 
 def native_wanted() -> bool:
-    return os.environ.get(NATIVE_ENV, "").strip().lower() not in {"0", "false", "no", "off"}
+    return env_flag(NATIVE_ENV, default=True)
 
 
 def make_clock(device: torch.device | str | int | None) -> HostClock | CudaClock:

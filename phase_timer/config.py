@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from phase_timer._env import env_flag
 from phase_timer.trace import TraceWriter
 
 #: Set to 1/true/yes/on to turn every phase-timer into a no-op without touching code.
@@ -13,7 +14,7 @@ DISABLE_ENV = "PHASE_TIMER_DISABLE"
 
 
 def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+    return env_flag(DISABLE_ENV, default=False)
 
 
 def _fail(owner: str, name: str, value: Any, expected: str) -> None:

@@ -1,10 +1,11 @@
 """Where numbers go.  A sink takes ``{tag: value}`` at a step; a failing sink warns once.
 
 Writing to TensorBoard one scalar at a time costs ~50-100 us per scalar (the
-writer's queue and protobuf per call), so :class:`SummaryWriterSink` writes all
-the scalars of a step as one event with many values, and :class:`BackgroundSink`
-does that on a thread of its own: the training thread only puts on a queue
-(the event file writer's lock can otherwise keep it waiting ~100 us a window).
+writer's queue and protobuf per call), so every sink here writes all the scalars
+of a step as one event with many values: :class:`EventFileSink` into an event
+file of our own, :class:`SummaryWriterSink` into a user's ``SummaryWriter``.
+:class:`BackgroundSink` runs either on a thread of its own: the training thread
+only puts on a queue.
 """
 
 from __future__ import annotations
@@ -166,20 +167,19 @@ class EventFileSink:
 
     The same records a ``SummaryWriter`` writes (TFRecord framing around ``Event``
     protos, read by TensorBoard and its ``EventAccumulator``), without its queue and
-    writer thread, and with the record checksum from ``_native`` in C (~1 us)
+    second thread, and with the record checksum from ``_native`` in C (~1 us)
     instead of tensorboard's pure-Python CRC (~80 us per 1 KB record), so a window
     costs ~10x less host time.  Buffered; flushed at most every ``flush_s`` and on
     close.  Not thread-safe: one writer (the core's, through a BackgroundSink).
     """
 
-    def __init__(self, log_dir: str, *, layout: dict[str, Any] | None = None, flush_s: float = 2.0,
-                 crc: Any = None) -> None:
+    def __init__(self, log_dir: str, *, layout: dict[str, Any] | None = None, flush_s: float = 2.0) -> None:
         require_tensorboard()
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         self._event, self._summary, self._value = Event, Summary, Summary.Value
-        self._crc = crc or masked_crc32c()
+        self._crc = _record_crc()
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
@@ -220,7 +220,7 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
 
-def masked_crc32c() -> Any:
+def _record_crc() -> Any:
     """The record checksum: ours in C when built, else tensorboard's (pure Python)."""
     try:
         from phase_timer._native import masked_crc32c as crc

@@ -42,11 +42,11 @@ def open_files_under(path: str) -> list[str]:
 
 
 class SleepyData(Dataset):
-    """Random regression data; each item takes ``sleep_s`` to load."""
+    """Random regression data, ``width`` features; each item takes ``sleep_s`` to load."""
 
-    def __init__(self, n: int = 4096, sleep_s: float = 0.0) -> None:
+    def __init__(self, n: int = 4096, sleep_s: float = 0.0, width: int = 16) -> None:
         g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 16, generator=g)
+        self.x = torch.randn(n, width, generator=g)
         self.y = torch.randn(n, 1, generator=g)
         self.sleep_s = sleep_s
 

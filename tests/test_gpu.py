@@ -11,6 +11,8 @@ import functools
 
 import pytest
 import torch
+
+import phase_timer.clock
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -168,9 +170,7 @@ def test_profiler_sees_no_sync_added_by_the_timer(tmp_path, monkeypatch, native)
 
 
 # -- the native (driver-API) clock -------------------------------------------------
-needs_native = pytest.mark.skipif(
-    __import__("phase_timer.clock", fromlist=["NativeCudaClock"]).NativeCudaClock is None, reason="_native not built"
-)
+needs_native = pytest.mark.skipif(phase_timer.clock.NativeCudaClock is None, reason="_native not built")
 
 
 @needs_native

@@ -14,30 +14,19 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 import phase_timer
 
-
-class Data(Dataset):
-    def __init__(self, n: int, sleep_s: float) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(n, 32, generator=g), torch.randn(n, 1, generator=g)
-        self.sleep_s = sleep_s
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-        return self.x[i], self.y[i]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, run by torchrun
+from helpers import SleepyData  # noqa: E402
 
 
 class Net(nn.Module):
@@ -95,7 +84,7 @@ def main() -> None:
     else:
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    data = Data(8192, args.slow_data if slow else 0.0)
+    data = SleepyData(8192, args.slow_data if slow else 0.0, width=32)
     loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=True), pin_memory=cuda, drop_last=True)
     steps = args.steps + (args.extra_steps if rank == args.extra_rank else 0)
 
