@@ -2,7 +2,8 @@
 
 Times, on the CUDA device, the primitives (DESIGN.md's table) and the core's whole
 per-step path: begin + 4 phase switches + end (which polls and resolves the step
-that finished), plus the amortized cost of writing a window to TensorBoard.
+that finished), plus the amortized cost of writing a window to TensorBoard; with
+the C engine (the default) and the Python one, on the native clock and torch's events.
 
     python benchmarks/host_cost.py [--steps 20000] [--out FILE]
 """
@@ -14,11 +15,22 @@ import statistics
 import tempfile
 import time
 
+import contextlib
+
 import torch
 
+import phase_timer.engine
 from phase_timer.clock import CudaClock, NativeCudaClock
 from phase_timer.core import TimingCore
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, open_event_file
+
+
+def print_and_save(text: str, path: str | None) -> None:
+    """Print a benchmark's table; also write it to ``path`` (a small text file for results/)."""
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 def per_call_us(fn, n: int, repeats: int = 7) -> float:
@@ -52,6 +64,7 @@ def primitives(n: int) -> dict[str, float]:
         name = type(clock).__name__
         mark = clock.mark
         out[f"{name}.mark() + release"] = per_call_us(lambda: clock.release([mark()]), n)
+        out[f"{name}: 5 marks + release, per mark"] = per_call_us(lambda: clock.release([mark(), mark(), mark(), mark(), mark()]), n) / 5
         marks = [mark() for _ in range(5)]
         torch.cuda.synchronize()
         out[f"{name}.done()"] = per_call_us(lambda: clock.done(marks[-1]), n)
@@ -64,7 +77,51 @@ def clocks() -> list:
     return ([NativeCudaClock()] if NativeCudaClock is not None else []) + [CudaClock()]
 
 
-def core_step(n: int, sink: str, window: int, clock_type: type) -> float:
+@contextlib.contextmanager
+def python_engine():
+    """The Python engine even where the C one would be chosen (what the previous release ran)."""
+    steps = phase_timer.engine.Steps
+    phase_timer.engine.Steps = None
+    try:
+        yield
+    finally:
+        phase_timer.engine.Steps = steps
+
+
+def engine_calls(n: int) -> dict[str, float]:
+    """The C engine's calls one by one, on the native clock and on the host clock (no CUDA)."""
+    from phase_timer.clock import HostClock
+    from phase_timer.engine import Steps
+
+    out: dict[str, float] = {}
+    if Steps is None or NativeCudaClock is None:
+        return out
+    for name, clock in (("native clock", NativeCudaClock()), ("host clock", HostClock())):
+        eng = Steps(clock if name == "native clock" else time.perf_counter_ns, 50, 64, 2, 4, False)
+
+        def open_close() -> None:
+            eng.open(0, "h2d")
+            eng.close(-1.0)
+            eng.poll()
+
+        def five() -> None:
+            eng.open(0, "h2d")
+            eng.switch("forward")
+            eng.switch("backward")
+            eng.switch("optimizer")
+            eng.close(-1.0)
+            eng.poll()
+
+        for _ in range(200):
+            five()
+        torch.cuda.synchronize()
+        out[f"Steps ({name}): open + close + poll"] = per_call_us(open_close, n)
+        out[f"Steps ({name}): open + 3 switches + close + poll"] = per_call_us(five, n)
+        eng.drain()
+    return out
+
+
+def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C") -> float:
     """Per step: begin, 4 switches, end (poll + resolve + stats + amortized window write)."""
     sinks: list = []
     tmp = tempfile.mkdtemp()
@@ -74,7 +131,9 @@ def core_step(n: int, sink: str, window: int, clock_type: type) -> float:
         from torch.utils.tensorboard import SummaryWriter
 
         sinks.append(BackgroundSink(SummaryWriterSink(SummaryWriter(tmp), owned=True), "tensorboard"))
-    core = TimingCore(clock_type(), sinks, window=window, warmup_steps=0, max_pending=64)
+    with python_engine() if engine == "Python" else contextlib.nullcontext():
+        core = TimingCore(clock_type(), sinks, window=window, warmup_steps=0, max_pending=64)
+    assert (type(core._engine).__name__ == "PyEngine") == (engine == "Python" or clock_type is CudaClock)
     x = torch.randn(256, 256, device="cuda")
     state = {"i": 0}
 
@@ -103,18 +162,22 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = primitives(args.steps)
+    rows.update(engine_calls(args.steps))
+    from phase_timer.clock import HostClock
+
+    rows["core step, C engine, HostClock, none"] = [core_step(args.steps, "none", 50, HostClock, "C")]
+    combos = [("C", NativeCudaClock)] if NativeCudaClock is not None else []
+    combos += [("Python", NativeCudaClock)] if NativeCudaClock is not None else []
+    combos += [("Python", CudaClock)]
     for _ in range(2):  # twice, interleaved: the spread shows the noise
-        for clock_type in [type(c) for c in clocks()]:
+        for engine, clock_type in combos:
             for sink in ("none", "event file (default)", "user's SummaryWriter"):
-                key = f"core step, {clock_type.__name__}, {sink} (window 50)"
-                rows.setdefault(key, []).append(core_step(args.steps, sink=sink, window=50, clock_type=clock_type))
+                key = f"core step, {engine} engine, {clock_type.__name__}, {sink}"
+                rows.setdefault(key, []).append(core_step(args.steps, sink, 50, clock_type, engine))
     lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}"]
-    lines += [f"{k:55s} " + " ".join(f"{x:8.2f}" for x in (v if isinstance(v, list) else [v])) + " us" for k, v in rows.items()]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    lines.append("core step: begin + add_host + 3 switches + end, window 50; two runs, interleaved")
+    lines += [f"{k:72s} " + " ".join(f"{x:8.2f}" for x in (v if isinstance(v, list) else [v])) + " us" for k, v in rows.items()]
+    print_and_save("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,8 @@ def make_model(spec: Spec, device: torch.device) -> nn.Module:
 def make_batches(spec: Spec, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random pinned host batches (never zeros), cycled by the loops."""
     g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(spec.batch, spec.width, generator=g).pin_memory(), torch.randn(spec.batch, 1, generator=g).pin_memory())
-        for _ in range(n)
-    ]
+    pin = (lambda t: t.pin_memory()) if torch.cuda.is_available() else (lambda t: t)  # CPU: smoke runs
+    return [(pin(torch.randn(spec.batch, spec.width, generator=g)), pin(torch.randn(spec.batch, 1, generator=g))) for _ in range(n)]
 
 
 class Cycle:

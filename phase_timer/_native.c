@@ -228,17 +228,17 @@ static void put_back(Clock *self, Py_ssize_t slot) {
     self->free[self->n_free++] = slot;
 }
 
-/* mark() -> int: an event recorded now on the device's current stream. */
-static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
+/* An event recorded now on the device's current stream: its slot, or -1 with an exception set. */
+static Py_ssize_t mark_slot(Clock *self) {
     if (!self->has_ctx || self->raw_stream == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Clock not initialized");
-        return NULL;
+        return -1;
     }
     PyObject *h = PyObject_CallOneArg(self->raw_stream, self->index);  /* ~0.1 us: an int, no stream object */
-    if (h == NULL) return NULL;
+    if (h == NULL) return -1;
     uintptr_t stream = (uintptr_t)PyLong_AsVoidPtr(h);
     Py_DECREF(h);
-    if (stream == 0 && PyErr_Occurred()) return NULL;
+    if (stream == 0 && PyErr_Occurred()) return -1;
     if (stream != self->stream) {
         self->stream = stream;
         self->stream_epoch++;
@@ -248,7 +248,7 @@ static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
         slot = self->free[--self->n_free];
         self->pooled[slot] = 0;
     } else if ((slot = new_event(self)) < 0) {
-        return NULL;
+        return -1;
     }
     CUevent ev = self->events[slot];  /* read under the GIL: another thread may grow the array */
     /* The stream handle 0 (torch's default stream) means the current context's
@@ -256,7 +256,7 @@ static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
      * record, as torch does: it only writes a command for the device, but it can
      * block while the driver's command queue is full. */
     int pushed;
-    if (push_ctx(self, &pushed) < 0) { put_back(self, slot); return NULL; }
+    if (push_ctx(self, &pushed) < 0) { put_back(self, slot); return -1; }
     CUresult r;
     Py_BEGIN_ALLOW_THREADS
     r = cu.EventRecord(ev, (CUstream)stream);
@@ -264,35 +264,58 @@ static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
     pop_ctx(pushed);
     if (r != CUDA_SUCCESS) {
         put_back(self, slot);
-        return cuda_error(r, "cuEventRecord");
+        cuda_error(r, "cuEventRecord");
+        return -1;
     }
-    return PyLong_FromSsize_t(slot);
+    return slot;
+}
+
+/* mark() -> int: an event recorded now on the device's current stream. */
+static PyObject *Clock_mark(Clock *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t slot = mark_slot(self);
+    return slot < 0 ? NULL : PyLong_FromSsize_t(slot);
+}
+
+/* 1 when the device has passed the slot's event, 0 when not yet, -1 on an error.  Never waits. */
+static int query_slot(Clock *self, Py_ssize_t slot) {
+    int pushed;
+    if (push_ctx(self, &pushed) < 0) return -1;
+    CUresult r = cu.EventQuery(self->events[slot]);
+    pop_ctx(pushed);
+    if (r == CUDA_SUCCESS) return 1;
+    if (r == CUDA_ERROR_NOT_READY) return 0;
+    cuda_error(r, "cuEventQuery");
+    return -1;
 }
 
 /* done(mark) -> bool, never waits. */
 static PyObject *Clock_done(Clock *self, PyObject *mark) {
     Py_ssize_t slot;
-    int pushed;
-    if (slot_of(self, mark, &slot) < 0 || push_ctx(self, &pushed) < 0) return NULL;
-    CUresult r = cu.EventQuery(self->events[slot]);
-    pop_ctx(pushed);
-    if (r == CUDA_SUCCESS) Py_RETURN_TRUE;
-    if (r == CUDA_ERROR_NOT_READY) Py_RETURN_FALSE;
-    return cuda_error(r, "cuEventQuery");
+    if (slot_of(self, mark, &slot) < 0) return NULL;
+    int done = query_slot(self, slot);
+    if (done < 0) return NULL;
+    return PyBool_FromLong(done);
 }
 
-/* wait(mark): HOST-DEVICE SYNC.  Only Resolver.drain() calls it, at the end of training. */
-static PyObject *Clock_wait(Clock *self, PyObject *mark) {
-    Py_ssize_t slot;
+/* HOST-DEVICE SYNC: blocks until the device reaches the slot's event.  Only the
+ * end-of-training drain calls it (Resolver.drain / Steps.drain). */
+static int wait_slot(Clock *self, Py_ssize_t slot) {
     int pushed;
-    if (slot_of(self, mark, &slot) < 0 || push_ctx(self, &pushed) < 0) return NULL;
+    if (push_ctx(self, &pushed) < 0) return -1;
     CUevent ev = self->events[slot];  /* read under the GIL */
     CUresult r;
     Py_BEGIN_ALLOW_THREADS
     r = cu.EventSynchronize(ev);
     Py_END_ALLOW_THREADS
     pop_ctx(pushed);
-    if (r != CUDA_SUCCESS) return cuda_error(r, "cuEventSynchronize");
+    if (r != CUDA_SUCCESS) { cuda_error(r, "cuEventSynchronize"); return -1; }
+    return 0;
+}
+
+/* wait(mark): HOST-DEVICE SYNC, see wait_slot. */
+static PyObject *Clock_wait(Clock *self, PyObject *mark) {
+    Py_ssize_t slot;
+    if (slot_of(self, mark, &slot) < 0 || wait_slot(self, slot) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -340,6 +363,24 @@ fail:
     Py_XDECREF(out);
     Py_DECREF(seq);
     return NULL;
+}
+
+/* Milliseconds between consecutive slots (all done): out[i] = slots[i] -> slots[i+1]. */
+static int spans_slots(Clock *self, const int64_t *slots, Py_ssize_t n, double *out) {
+    int pushed;
+    if (push_ctx(self, &pushed) < 0) return -1;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        float ms;
+        if (elapsed(self, (Py_ssize_t)slots[i - 1], (Py_ssize_t)slots[i], &ms) < 0) { pop_ctx(pushed); return -1; }
+        out[i - 1] = ms;
+    }
+    pop_ctx(pushed);
+    return 0;
+}
+
+/* Slots the engine owns back to the pool (they came from mark_slot, each once). */
+static void release_slots(Clock *self, const int64_t *slots, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) put_back(self, (Py_ssize_t)slots[i]);
 }
 
 /* release(marks): their events go back to the pool.  All are checked first:
@@ -415,6 +456,543 @@ static PyTypeObject ClockType = {
     .tp_new = PyType_GenericNew,
 };
 
+/*
+ * Steps: phase-timer's per-step engine in C -- the open record, the FIFO of closed
+ * records waiting for the device, their resolution, and the logging window's
+ * columns -- so that a training step costs Python nothing but the few calls the
+ * hooks make (open, switch, close, poll).  Same semantics as the Python engine
+ * (phase_timer/engine.py: Recorder + Resolver + Window), which tests compare it to.
+ *
+ * Marks are int64: event slots of a native Clock, or host nanoseconds from a
+ * callable (time.perf_counter_ns; tests pass a fake).  Phase names are interned
+ * to small ids.  Python sees results only when it has something to do with them:
+ * poll() returns None until a window is complete (or, with per_step, a step is).
+ *
+ * Host-device synchronization: only drain() waits (wait_slot), at the end of training.
+ */
+typedef struct {
+    int64_t step;
+    Py_ssize_t n, cap;      /* marks: n; labels: n - 1 */
+    int64_t *marks;
+    int32_t *labels;
+    Py_ssize_t nh, hcap;    /* host-clock phases, already in ms */
+    int32_t *hid;
+    double *hms;
+    int single;             /* every mark on one stream: the last done means all are */
+} Rec;
+
+typedef struct {
+    PyObject_HEAD
+    Clock *clock;           /* device marks, or NULL: host marks from now() */
+    PyObject *now;
+    PyObject *ids;          /* phase name -> id */
+    PyObject *names;        /* id -> phase name */
+    int32_t step_id, period_id;
+    Rec cur;
+    int open;
+    int32_t current;
+    Py_ssize_t epoch;
+    Rec *ring;              /* pending records, oldest at head */
+    Py_ssize_t ring_cap, head, count;
+    Py_ssize_t max_pending, lag, max_per_poll;
+    int per_step;
+    int64_t window;
+    /* the window being filled */
+    int has_win;
+    int64_t win_key, win_last, win_steps;
+    Py_ssize_t ncols;       /* ids with column storage */
+    double **col;
+    Py_ssize_t *col_n, *col_cap;
+    int32_t *col_order;     /* ids in first-seen order this window */
+    Py_ssize_t n_order;
+    unsigned char *in_win;
+    /* one step's resolution */
+    double *acc, *spans;
+    Py_ssize_t spans_cap;
+    unsigned char *seen;
+    int32_t *touched;
+    PyObject *out;          /* results for Python, or NULL */
+} Steps;
+
+static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
+    if (need <= *cap) return 0;
+    Py_ssize_t c = *cap ? *cap : 8;
+    while (c < need) c *= 2;
+    void *q = PyMem_Realloc(*p, c * size);
+    if (q == NULL) { PyErr_NoMemory(); return -1; }
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+static int rec_reserve(Rec *r, Py_ssize_t n) {
+    if (n <= r->cap) return 0;
+    Py_ssize_t cap = r->cap;
+    if (grow((void **)&r->marks, &cap, n, sizeof(int64_t)) < 0) return -1;
+    cap = r->cap;
+    if (grow((void **)&r->labels, &cap, n, sizeof(int32_t)) < 0) return -1;
+    r->cap = cap;
+    return 0;
+}
+
+static void rec_free(Rec *r) {
+    PyMem_Free(r->marks);
+    PyMem_Free(r->labels);
+    PyMem_Free(r->hid);
+    PyMem_Free(r->hms);
+}
+
+/* Column and scratch storage for ids < n. */
+static int ensure_ids(Steps *self, Py_ssize_t n) {
+    if (n <= self->ncols) return 0;
+    Py_ssize_t c = self->ncols ? self->ncols : 16;
+    while (c < n) c *= 2;
+    void *p;
+#define GROW(field, type)                                                         \
+    p = PyMem_Realloc(self->field, c * sizeof(type));                             \
+    if (p == NULL) { PyErr_NoMemory(); return -1; }                               \
+    self->field = p;
+    GROW(col, double *) GROW(col_n, Py_ssize_t) GROW(col_cap, Py_ssize_t) GROW(col_order, int32_t)
+    GROW(in_win, unsigned char) GROW(acc, double) GROW(seen, unsigned char) GROW(touched, int32_t)
+#undef GROW
+    for (Py_ssize_t i = self->ncols; i < c; i++) {
+        self->col[i] = NULL;
+        self->col_n[i] = self->col_cap[i] = 0;
+        self->in_win[i] = self->seen[i] = 0;
+        self->acc[i] = 0.0;
+    }
+    self->ncols = c;
+    return 0;
+}
+
+/* The id of a phase name (a str), interned on first sight; -1 with an exception set. */
+static int32_t phase_id(Steps *self, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(self->ids, name);
+    if (v != NULL) return (int32_t)PyLong_AsLong(v);
+    if (PyErr_Occurred()) return -1;
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "a phase name must be a str, got %R", name);
+        return -1;
+    }
+    Py_ssize_t id = PyList_GET_SIZE(self->names);
+    if (ensure_ids(self, id + 1) < 0) return -1;
+    PyObject *i = PyLong_FromSsize_t(id);
+    if (i == NULL) return -1;
+    int bad = PyDict_SetItem(self->ids, name, i) < 0 || PyList_Append(self->names, name) < 0;
+    Py_DECREF(i);
+    return bad ? -1 : (int32_t)id;
+}
+
+/* A mark now: an event slot, or host nanoseconds.  0 on success. */
+static int take_mark(Steps *self, int64_t *mark) {
+    if (self->clock != NULL) {
+        Py_ssize_t slot = mark_slot(self->clock);
+        if (slot < 0) return -1;
+        *mark = slot;
+        return 0;
+    }
+    PyObject *t = PyObject_CallNoArgs(self->now);
+    if (t == NULL) return -1;
+    long long ns = PyLong_AsLongLong(t);
+    Py_DECREF(t);
+    if (ns == -1 && PyErr_Occurred()) return -1;
+    *mark = ns;
+    return 0;
+}
+
+static void give_back(Steps *self, Rec *r) {
+    if (self->clock != NULL) release_slots(self->clock, r->marks, r->n);
+    r->n = 0;
+}
+
+static Py_ssize_t clock_epoch(Steps *self) { return self->clock != NULL ? self->clock->stream_epoch : 0; }
+
+static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"clock", "window", "max_pending", "lag", "max_per_poll", "per_step", NULL};
+    PyObject *clock;
+    long long window;
+    Py_ssize_t max_pending, lag = 2, max_per_poll = 4;
+    int per_step = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnp", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll, &per_step))
+        return -1;
+    if (self->ids != NULL) { PyErr_SetString(PyExc_RuntimeError, "Steps.__init__ called twice"); return -1; }
+    if (window < 1 || max_pending < 1 || lag < 0 || max_per_poll < 1) {
+        PyErr_SetString(PyExc_ValueError, "Steps: window, max_pending and max_per_poll must be >= 1, lag >= 0");
+        return -1;
+    }
+    if (PyObject_TypeCheck(clock, &ClockType)) {
+        Py_INCREF(clock);
+        self->clock = (Clock *)clock;
+    } else if (PyCallable_Check(clock)) {
+        Py_INCREF(clock);
+        self->now = clock;
+    } else {
+        PyErr_SetString(PyExc_TypeError, "Steps(clock): a native Clock, or a callable returning host nanoseconds");
+        return -1;
+    }
+    self->window = window;
+    self->max_pending = max_pending;
+    self->lag = lag < max_pending - 1 ? lag : max_pending - 1;  /* as Resolver: min(lag, max_pending - 1) */
+    self->max_per_poll = max_per_poll;
+    self->per_step = per_step;
+    self->ids = PyDict_New();
+    self->names = PyList_New(0);
+    if (self->ids == NULL || self->names == NULL) return -1;
+    PyObject *s = PyUnicode_InternFromString("step"), *p = PyUnicode_InternFromString("period");
+    if (s == NULL || p == NULL) { Py_XDECREF(s); Py_XDECREF(p); return -1; }
+    self->step_id = phase_id(self, s);
+    self->period_id = phase_id(self, p);
+    Py_DECREF(s);
+    Py_DECREF(p);
+    if (self->step_id < 0 || self->period_id < 0) return -1;
+    self->ring_cap = max_pending;
+    self->ring = PyMem_Calloc(max_pending, sizeof(Rec));
+    if (self->ring == NULL) { PyErr_NoMemory(); return -1; }
+    return 0;
+}
+
+static void Steps_dealloc(Steps *self) {
+    if (self->ring != NULL) {
+        /* Pending marks go back to the pool (the clock outlives this reference). */
+        for (Py_ssize_t k = 0; k < self->count; k++) give_back(self, &self->ring[(self->head + k) % self->ring_cap]);
+        for (Py_ssize_t k = 0; k < self->ring_cap; k++) rec_free(&self->ring[k]);
+        PyMem_Free(self->ring);
+    }
+    if (self->open) give_back(self, &self->cur);
+    rec_free(&self->cur);
+    for (Py_ssize_t i = 0; i < self->ncols; i++) PyMem_Free(self->col[i]);
+    PyMem_Free(self->col); PyMem_Free(self->col_n); PyMem_Free(self->col_cap); PyMem_Free(self->col_order);
+    PyMem_Free(self->in_win); PyMem_Free(self->acc); PyMem_Free(self->seen); PyMem_Free(self->touched);
+    PyMem_Free(self->spans);
+    Py_XDECREF(self->clock);
+    Py_XDECREF(self->now);
+    Py_XDECREF(self->ids);
+    Py_XDECREF(self->names);
+    Py_XDECREF(self->out);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* open(step, phase): start a record whose first span is `phase` (an open one is dropped). */
+static PyObject *Steps_open(Steps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "open(step, phase)"); return NULL; }
+    long long step = PyLong_AsLongLong(args[0]);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    int32_t id = phase_id(self, args[1]);
+    if (id < 0 || rec_reserve(&self->cur, 8) < 0) return NULL;
+    if (self->open) give_back(self, &self->cur);
+    self->open = 0;
+    if (take_mark(self, &self->cur.marks[0]) < 0) return NULL;
+    self->cur.n = 1;
+    self->cur.nh = 0;
+    self->cur.step = step;
+    self->current = id;
+    self->epoch = clock_epoch(self);
+    self->open = 1;
+    Py_RETURN_NONE;
+}
+
+/* switch(phase): end the running span and start `phase`; free when it is already running. */
+static PyObject *Steps_switch(Steps *self, PyObject *phase) {
+    if (!self->open) Py_RETURN_NONE;
+    int32_t id = phase_id(self, phase);
+    if (id < 0) return NULL;
+    if (id == self->current) Py_RETURN_NONE;
+    Rec *r = &self->cur;
+    if (rec_reserve(r, r->n + 1) < 0 || take_mark(self, &r->marks[r->n]) < 0) return NULL;
+    r->labels[r->n - 1] = self->current;
+    r->n++;
+    self->current = id;
+    Py_RETURN_NONE;
+}
+
+/* relabel(phase): rename the running span (no mark). */
+static PyObject *Steps_relabel(Steps *self, PyObject *phase) {
+    if (!self->open) Py_RETURN_NONE;
+    int32_t id = phase_id(self, phase);
+    if (id < 0) return NULL;
+    self->current = id;
+    Py_RETURN_NONE;
+}
+
+static int add_host_id(Rec *r, int32_t id, double ms) {
+    for (Py_ssize_t i = 0; i < r->nh; i++)
+        if (r->hid[i] == id) { r->hms[i] += ms; return 0; }
+    Py_ssize_t cap = r->hcap;
+    if (grow((void **)&r->hid, &cap, r->nh + 1, sizeof(int32_t)) < 0) return -1;
+    cap = r->hcap;
+    if (grow((void **)&r->hms, &cap, r->nh + 1, sizeof(double)) < 0) return -1;
+    r->hcap = cap;
+    r->hid[r->nh] = id;
+    r->hms[r->nh++] = ms;
+    return 0;
+}
+
+/* add_host(phase, ms): a phase measured on the host clock, summed within the record. */
+static PyObject *Steps_add_host(Steps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "add_host(phase, ms)"); return NULL; }
+    if (!self->open) Py_RETURN_NONE;
+    double ms = PyFloat_AsDouble(args[1]);
+    if (ms == -1.0 && PyErr_Occurred()) return NULL;
+    int32_t id = phase_id(self, args[0]);
+    if (id < 0 || add_host_id(&self->cur, id, ms) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* close(period_ms) -> bool: take the last mark and queue the record (period_ms < 0: none).
+ * False when no record was open.  The caller checks `full` before opening. */
+static PyObject *Steps_close(Steps *self, PyObject *arg) {
+    if (!self->open) Py_RETURN_FALSE;
+    double period = PyFloat_AsDouble(arg);
+    if (period == -1.0 && PyErr_Occurred()) return NULL;
+    if (self->count >= self->ring_cap) {
+        PyErr_SetString(PyExc_RuntimeError, "Steps.close: max_pending records are pending (check `full` before open)");
+        return NULL;
+    }
+    Rec *r = &self->cur;
+    if (rec_reserve(r, r->n + 1) < 0 || take_mark(self, &r->marks[r->n]) < 0) return NULL;
+    r->labels[r->n - 1] = self->current;
+    r->n++;
+    if (period >= 0 && add_host_id(r, self->period_id, period) < 0) { r->n--; return NULL; }
+    r->single = clock_epoch(self) == self->epoch;
+    /* Into the ring by swapping buffers: the slot's old buffers become the next record's. */
+    Rec *slot = &self->ring[(self->head + self->count) % self->ring_cap];
+    Rec tmp = *slot;
+    *slot = *r;
+    *r = tmp;
+    r->n = r->nh = 0;
+    self->count++;
+    self->open = 0;
+    Py_RETURN_TRUE;
+}
+
+/* discard(): drop the open record, its marks back to the pool. */
+static PyObject *Steps_discard(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->open) give_back(self, &self->cur);
+    self->open = 0;
+    Py_RETURN_NONE;
+}
+
+static int out_append(Steps *self, PyObject *item) {
+    if (item == NULL) return -1;
+    if (self->out == NULL && (self->out = PyList_New(0)) == NULL) { Py_DECREF(item); return -1; }
+    int bad = PyList_Append(self->out, item);
+    Py_DECREF(item);
+    return bad;
+}
+
+/* The window being filled, as ("window", key, last_step, steps, {phase: [ms, ...]}) for Python. */
+static int emit_window(Steps *self) {
+    if (!self->has_win) return 0;
+    PyObject *cols = PyDict_New();
+    if (cols == NULL) return -1;
+    for (Py_ssize_t k = 0; k < self->n_order; k++) {
+        int32_t id = self->col_order[k];
+        Py_ssize_t n = self->col_n[id];
+        PyObject *list = PyList_New(n);
+        if (list == NULL) goto fail;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *f = PyFloat_FromDouble(self->col[id][i]);
+            if (f == NULL) { Py_DECREF(list); goto fail; }
+            PyList_SET_ITEM(list, i, f);
+        }
+        int bad = PyDict_SetItem(cols, PyList_GET_ITEM(self->names, id), list) < 0;
+        Py_DECREF(list);
+        if (bad) goto fail;
+    }
+    for (Py_ssize_t k = 0; k < self->n_order; k++) {
+        self->col_n[self->col_order[k]] = 0;
+        self->in_win[self->col_order[k]] = 0;
+    }
+    self->n_order = 0;
+    self->has_win = 0;
+    return out_append(self, Py_BuildValue("(sLLLN)", "window", (long long)self->win_key, (long long)self->win_last,
+                                          (long long)self->win_steps, cols));
+fail:
+    Py_DECREF(cols);
+    return -1;
+}
+
+static int64_t floordiv(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+/* A record whose marks are all done: its phases' ms into the window (and a per-step
+ * result when asked), its marks back to the pool. */
+static int resolve(Steps *self, Rec *r) {
+    Py_ssize_t nspans = r->n - 1, nt = 0;
+    if (grow((void **)&self->spans, &self->spans_cap, nspans > 0 ? nspans : 1, sizeof(double)) < 0) return -1;
+    if (self->clock != NULL) {
+        if (spans_slots(self->clock, r->marks, r->n, self->spans) < 0) return -1;
+    } else {
+        for (Py_ssize_t i = 0; i < nspans; i++) self->spans[i] = (double)(r->marks[i + 1] - r->marks[i]) / 1e6;
+    }
+    /* ms per phase, summed as the Python engine does: host phases, then device spans, then the step. */
+    double total = 0.0;
+#define TOUCH(id, v)                                          \
+    do {                                                      \
+        int32_t id_ = (id);                                   \
+        if (!self->seen[id_]) {                               \
+            self->seen[id_] = 1;                              \
+            self->acc[id_] = 0.0;                             \
+            self->touched[nt++] = id_;                        \
+        }                                                     \
+        self->acc[id_] += (v);                                \
+    } while (0)
+    for (Py_ssize_t i = 0; i < r->nh; i++) TOUCH(r->hid[i], r->hms[i]);
+    for (Py_ssize_t i = 0; i < nspans; i++) {
+        TOUCH(r->labels[i], self->spans[i]);
+        total += self->spans[i];
+    }
+    if (self->seen[self->step_id]) self->acc[self->step_id] = 0.0;  /* "step" is set, not summed */
+    TOUCH(self->step_id, total);
+#undef TOUCH
+    give_back(self, r);
+    int rc = 0;
+    if (self->per_step) {
+        PyObject *ms = PyDict_New();
+        if (ms == NULL) rc = -1;
+        for (Py_ssize_t k = 0; rc == 0 && k < nt; k++) {
+            PyObject *f = PyFloat_FromDouble(self->acc[self->touched[k]]);
+            if (f == NULL || PyDict_SetItem(ms, PyList_GET_ITEM(self->names, self->touched[k]), f) < 0) rc = -1;
+            Py_XDECREF(f);
+        }
+        if (rc == 0) rc = out_append(self, Py_BuildValue("(sLN)", "step", (long long)r->step, ms));
+        else Py_XDECREF(ms);
+    }
+    int64_t key = floordiv(r->step, self->window);
+    if (rc == 0 && self->has_win && key != self->win_key) rc = emit_window(self);
+    if (rc == 0 && !self->has_win) {
+        self->has_win = 1;
+        self->win_key = key;
+        self->win_last = -1;
+        self->win_steps = 0;
+    }
+    for (Py_ssize_t k = 0; k < nt; k++) {
+        int32_t id = self->touched[k];
+        self->seen[id] = 0;
+        if (rc != 0) continue;
+        if (grow((void **)&self->col[id], &self->col_cap[id], self->col_n[id] + 1, sizeof(double)) < 0) { rc = -1; continue; }
+        self->col[id][self->col_n[id]++] = self->acc[id];
+        if (!self->in_win[id]) {
+            self->in_win[id] = 1;
+            self->col_order[self->n_order++] = id;
+        }
+    }
+    if (rc == 0) {
+        if (r->step > self->win_last) self->win_last = r->step;
+        self->win_steps++;
+    }
+    return rc;
+}
+
+static PyObject *take_out(Steps *self) {
+    PyObject *out = self->out;
+    self->out = NULL;
+    if (out == NULL) Py_RETURN_NONE;
+    return out;
+}
+
+/* 1 when every mark of the record is done (the last one, on one stream), 0 if not, -1 on error. */
+static int rec_done(Steps *self, Rec *r) {
+    if (self->clock == NULL) return 1;
+    if (r->single) return query_slot(self->clock, (Py_ssize_t)r->marks[r->n - 1]);
+    for (Py_ssize_t i = 0; i < r->n; i++) {
+        int d = query_slot(self->clock, (Py_ssize_t)r->marks[i]);
+        if (d != 1) return d;
+    }
+    return 1;
+}
+
+/* poll() -> list | None: resolve what the device has finished, oldest first, never waiting.
+ * The newest `lag` records are not asked (querying an event just recorded makes the
+ * driver flush the stream's batched launches); at most max_per_poll per call. */
+static PyObject *Steps_poll(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t done = 0;
+    while (self->count > self->lag && done < self->max_per_poll) {
+        Rec *r = &self->ring[self->head];
+        int ready = rec_done(self, r);
+        if (ready < 0) return NULL;
+        if (!ready) break;
+        int bad = resolve(self, r);
+        self->head = (self->head + 1) % self->ring_cap;
+        self->count--;
+        done++;
+        if (bad) return NULL;
+    }
+    return take_out(self);
+}
+
+/* drain() -> list | None: resolve every pending record, waiting for the device.
+ * HOST-DEVICE SYNC (end of training only): wait_slot on each record's marks' streams. */
+static PyObject *Steps_drain(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    while (self->count > 0) {
+        Rec *r = &self->ring[self->head];
+        if (self->clock != NULL) {
+            Py_ssize_t first = r->single ? r->n - 1 : 0;
+            for (Py_ssize_t i = first; i < r->n; i++)
+                if (wait_slot(self->clock, (Py_ssize_t)r->marks[i]) < 0) return NULL;
+        }
+        int bad = resolve(self, r);
+        self->head = (self->head + 1) % self->ring_cap;
+        self->count--;
+        if (bad) return NULL;
+    }
+    return take_out(self);
+}
+
+/* flush() -> list | None: the window being filled, even if not complete (end of training). */
+static PyObject *Steps_flush(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    if (emit_window(self) < 0) return NULL;
+    return take_out(self);
+}
+
+static PyObject *Steps_is_open(Steps *self, void *closure) { return PyBool_FromLong(self->open); }
+static PyObject *Steps_pending(Steps *self, void *closure) { return PyLong_FromSsize_t(self->count); }
+static PyObject *Steps_full(Steps *self, void *closure) { return PyBool_FromLong(self->count >= self->max_pending); }
+static PyObject *Steps_max_pending(Steps *self, void *closure) { return PyLong_FromSsize_t(self->max_pending); }
+static PyObject *Steps_current(Steps *self, void *closure) {
+    if (!self->open) Py_RETURN_NONE;
+    PyObject *name = PyList_GET_ITEM(self->names, self->current);
+    Py_INCREF(name);
+    return name;
+}
+
+static PyMethodDef Steps_methods[] = {
+    {"open", (PyCFunction)(void (*)(void))Steps_open, METH_FASTCALL, "open(step, phase): start a record."},
+    {"switch", (PyCFunction)Steps_switch, METH_O, "switch(phase): end the running span, start `phase`."},
+    {"relabel", (PyCFunction)Steps_relabel, METH_O, "relabel(phase): rename the running span."},
+    {"add_host", (PyCFunction)(void (*)(void))Steps_add_host, METH_FASTCALL, "add_host(phase, ms): a host-clock phase."},
+    {"close", (PyCFunction)Steps_close, METH_O, "close(period_ms) -> bool: queue the record (period_ms < 0: none)."},
+    {"discard", (PyCFunction)Steps_discard, METH_NOARGS, "Drop the open record."},
+    {"poll", (PyCFunction)Steps_poll, METH_NOARGS, "Resolve finished records without waiting: results or None."},
+    {"drain", (PyCFunction)Steps_drain, METH_NOARGS, "Resolve every record, waiting for the device (end of training)."},
+    {"flush", (PyCFunction)Steps_flush, METH_NOARGS, "The window being filled, as a result (end of training)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Steps_getset[] = {
+    {"is_open", (getter)Steps_is_open, NULL, "A record is open.", NULL},
+    {"current", (getter)Steps_current, NULL, "The running phase, or None outside a record.", NULL},
+    {"pending", (getter)Steps_pending, NULL, "Closed records waiting for the device.", NULL},
+    {"full", (getter)Steps_full, NULL, "max_pending records are waiting.", NULL},
+    {"max_pending", (getter)Steps_max_pending, NULL, "The bound on pending records.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject StepsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "phase_timer._native.Steps",
+    .tp_basicsize = sizeof(Steps),
+    .tp_dealloc = (destructor)Steps_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "phase-timer's per-step engine: records, their lazy resolution, the window's columns.",
+    .tp_methods = Steps_methods,
+    .tp_getset = Steps_getset,
+    .tp_init = (initproc)Steps_init,
+    .tp_new = PyType_GenericNew,
+};
+
 /* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), as TFRecord files use it. */
 static uint32_t crc_table[256];
 
@@ -450,12 +1028,11 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
-    if (PyType_Ready(&ClockType) < 0) return NULL;
+    if (PyType_Ready(&ClockType) < 0 || PyType_Ready(&StepsType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&ClockType);
-    if (PyModule_AddObject(m, "Clock", (PyObject *)&ClockType) < 0) {
-        Py_DECREF(&ClockType);
+    if (PyModule_AddObjectRef(m, "Clock", (PyObject *)&ClockType) < 0 ||
+        PyModule_AddObjectRef(m, "Steps", (PyObject *)&StepsType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,4 +1,4 @@
-"""The framework-free core: hooks -> marks -> records -> resolver -> stats -> sinks.
+"""The framework-free core: hooks -> engine (marks, records, lazy resolution, window) -> stats -> sinks.
 
 Both doors (the Lightning callback and the plain-PyTorch attachment) only turn
 their framework's events into calls on :class:`TimingCore`:
@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Sequence
 
 from phase_timer.clock import Clock
+from phase_timer.engine import make_engine
 from phase_timer.metrics import (
     SKIPPED_TAG,
     WINDOW_STEPS_TAG,
@@ -24,10 +25,8 @@ from phase_timer.metrics import (
     window_scalars,
 )
 from phase_timer.ranks import RankExchange, RankWindow
-from phase_timer.recorder import NvtxRecorder, Recorder
-from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
-from phase_timer.stats import RunTotals, Window
+from phase_timer.stats import RunTotals, sorted_columns, summarize_columns
 from phase_timer.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -52,13 +51,13 @@ class TimingCore:
     ) -> None:
         self.clock = clock
         self.trace = trace
-        self._recorder = NvtxRecorder(clock) if nvtx else Recorder(clock)
-        self._resolver = Resolver(clock, max_pending=max_pending, lag=poll_lag)
+        self._engine = make_engine(
+            clock, window=window, max_pending=max_pending, lag=poll_lag, per_step=per_step, nvtx=nvtx,
+            traced=trace is not None,
+        )
         self._sinks = [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
         self._window_size = window
         self._warmup = warmup_steps
-        self._per_step = per_step
-        self._window: Window | None = None
         self.totals = RunTotals()
         self.steps_begun = 0
         self.steps_ended = 0
@@ -68,10 +67,10 @@ class TimingCore:
         self._in_step = False
         self._last_end: int | None = None
         self._paused_at: int | None = None
-        # The hot path: bound methods, no extra frame.
-        self.phase = self._recorder.switch
-        self.relabel = self._recorder.relabel
-        self.add_host = self._recorder.add_host
+        # The hot path: the engine's own methods (C functions with the C engine), no extra frame.
+        self.phase = self._engine.switch
+        self.relabel = self._engine.relabel
+        self.add_host = self._engine.add_host
 
     # -- the step ---------------------------------------------------------------
     @property
@@ -81,15 +80,15 @@ class TimingCore:
 
     @property
     def recording(self) -> bool:
-        return self._recorder.is_open
+        return self._engine.is_open
 
     @property
     def current_phase(self) -> str | None:
-        return self._recorder.current
+        return self._engine.current
 
     @property
     def pending(self) -> int:
-        return len(self._resolver)
+        return self._engine.pending
 
     def begin_step(self, step: int, phase: str) -> None:
         """Open step ``step`` with ``phase`` as its first span (unless warming up or full)."""
@@ -99,19 +98,20 @@ class TimingCore:
         self.steps_begun += 1
         if self.steps_begun <= self._warmup:
             return
-        if self._resolver.full:
-            self._consume(self._resolver.poll())
-            if self._resolver.full:
+        engine = self._engine
+        if engine.full:
+            self._consume(engine.poll())
+            if engine.full:
                 self._skip()
                 return
         trace = self.trace
-        if trace is not None and trace.wants(step):
+        if trace is not None and trace.wants(step):  # traced runs have the Python engine
             if trace.ref is None:  # the one reference every traced mark is measured against
                 trace.ref_host_ns = time.perf_counter_ns()
                 trace.ref = self.clock.mark()
-            self._recorder.open(step, phase, trace.ref)
+            engine.open(step, phase, trace.ref)
         else:
-            self._recorder.open(step, phase)
+            engine.open(step, phase)
 
     def end_step(self) -> None:
         """Close the step; resolve whatever earlier steps the device has finished."""
@@ -119,14 +119,11 @@ class TimingCore:
             return
         self._in_step = False
         now = time.perf_counter_ns()
-        record = self._recorder.close()
-        if record is not None:
-            if self._last_end is not None:
-                record.host_ms["period"] = (now - self._last_end) / 1e6
-            self._resolver.push(record)
-        self._last_end = now
-        results = self._resolver.poll()
-        if results:
+        last, self._last_end = self._last_end, now
+        engine = self._engine
+        engine.close((now - last) / 1e6 if last is not None else -1.0)
+        results = engine.poll()  # None unless a window (or, per_step, a step) is ready
+        if results is not None:
             self._consume(results)
         if self.ranks is not None:
             # Every rank ends the same steps, so every rank reports at the same ones.
@@ -138,7 +135,7 @@ class TimingCore:
         self.skipped += 1
         if self.skipped == 1:
             msg = (
-                f"phase-timer: {self._resolver.max_pending} steps are still running on the device, the "
+                f"phase-timer: {self._engine.max_pending} steps are still running on the device, the "
                 "`max_pending` bound; steps are left untimed until the device catches up (counted in "
                 f"{SKIPPED_TAG}). Raise `max_pending` to time them all."
             )
@@ -158,31 +155,27 @@ class TimingCore:
         self._paused_at = None
 
     # -- results ----------------------------------------------------------------
-    def _consume(self, results: list[StepTimes]) -> None:
-        for r in results:
-            if r.device_spans is not None and self.trace is not None:
-                self.trace.add(r)
-            if self._per_step:
-                self._write(r.step, step_scalars(r.ms))
-            window = self._window
-            key = r.step // self._window_size
-            if window is not None and window.key != key:
-                self._emit(window)
-                window = None
-            if window is None:
-                window = self._window = Window(key)
-            window.add(r.step, r.ms)
+    def _consume(self, results: list[tuple] | None) -> None:
+        """The engine's results, in step order: per-step writes, traced steps, whole windows."""
+        for item in results or ():
+            kind = item[0]
+            if kind == "window":
+                self._emit(*item[1:])
+            elif kind == "step":
+                self._write(item[1], step_scalars(item[2]))
+            elif kind == "trace" and self.trace is not None:
+                self.trace.add(item[1])
 
-    def _emit(self, window: Window) -> None:
-        columns = window.columns()  # sorted once, for the statistics and the run totals
-        self.totals.add_window(window, columns)
+    def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
+        columns = sorted_columns(columns)  # sorted once, for the statistics and the run totals
+        self.totals.add_window(steps, columns)
         if self.ranks is not None:
-            self.ranks.add(window.key, window.last_step, window.steps, columns)
-        scalars = window_scalars(window.summary(columns))
-        scalars[WINDOW_STEPS_TAG] = float(window.steps)
+            self.ranks.add(key, last_step, steps, columns)
+        scalars = window_scalars(summarize_columns(columns))
+        scalars[WINDOW_STEPS_TAG] = float(steps)
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
-        self._write(window.last_step, scalars)
+        self._write(last_step, scalars)
 
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
@@ -194,29 +187,27 @@ class TimingCore:
 
     def poll(self) -> None:
         """Resolve finished steps now (never waits)."""
-        self._consume(self._resolver.poll())
+        self._consume(self._engine.poll())
 
     def finish(self, rank_timeout_s: float = 30.0, *, interrupted: bool = False) -> RunTotals:
         """End of training: drop a half-done step, wait for the rest, write and close.
 
-        The only place that waits for the device (through ``Resolver.drain``), and,
+        The only place that waits for the device (through the engine's ``drain``), and,
         when distributed, for the other ranks' last reports (at most ``rank_timeout_s``).
         Safe to call twice; the second call does nothing.
         """
         if self.closed:
             return self.totals
         self.closed = True
-        self._recorder.discard()  # a step cut off mid-way has no honest total
+        self._engine.discard()  # a step cut off mid-way has no honest total
         self._in_step = False
         try:
-            self._consume(self._resolver.drain())
+            self._consume(self._engine.drain())
         except Exception as err:  # noqa: BLE001 - e.g. the device died: keep what was resolved
             msg = f"phase-timer: could not resolve the last steps ({type(err).__name__}: {err})"
             log.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        if self._window is not None:
-            self._emit(self._window)
-            self._window = None
+        self._consume(self._engine.flush())
         if self.ranks is not None:
             self._write_ranks(self.ranks.finish(rank_timeout_s, interrupted=interrupted))
         for sink in self._sinks:

@@ -69,14 +69,23 @@ class Window:
 
     def columns(self) -> dict[str, list[float]]:
         """Each phase's values, sorted: what the statistics and the run totals take."""
-        columns = self.values
-        for vs in columns.values():
-            vs.sort()
-        return columns
+        return sorted_columns(self.values)
 
-    def summary(self, columns: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
-        """Statistics per phase; ``columns`` as :meth:`columns` returns them (any order is right)."""
-        return {phase: summarize(vs) for phase, vs in (columns or self.columns()).items()}
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Statistics per phase."""
+        return summarize_columns(self.columns())
+
+
+def sorted_columns(columns: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Sort each phase's values in place (once per window); returns ``columns``."""
+    for vs in columns.values():
+        vs.sort()
+    return columns
+
+
+def summarize_columns(columns: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Statistics per phase of a window's columns (any order; sorted ones sort in linear time)."""
+    return {phase: summarize(vs) for phase, vs in columns.items()}
 
 
 # Run-wide percentiles come from a log-bucketed histogram: buckets 1% wide, so a
@@ -154,10 +163,10 @@ class RunTotals:
         self.phases: dict[str, PhaseTotals] = {}
         self.steps = 0
 
-    def add_window(self, window: Window, columns: dict[str, list[float]] | None = None) -> None:
-        """``columns``: per-phase values, as :meth:`Window.columns` returns them (any order is right)."""
-        self.steps += window.steps
-        for phase, values in (columns or window.columns()).items():
+    def add_window(self, steps: int, columns: dict[str, list[float]]) -> None:
+        """A window of ``steps`` steps: each phase's values (any order; sorted ones are cheaper)."""
+        self.steps += steps
+        for phase, values in columns.items():
             totals = self.phases.get(phase)
             if totals is None:
                 totals = self.phases[phase] = PhaseTotals()

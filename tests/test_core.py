@@ -359,5 +359,5 @@ def test_nvtx_off_by_default_costs_nothing():
     from phase_timer.recorder import NvtxRecorder
 
     core = TimingCore(FakeClock(), [], window=10, warmup_steps=0, max_pending=8)
-    assert not isinstance(core._recorder, NvtxRecorder)
-    assert core.phase == core._recorder.switch  # the bound method itself: no wrapper frame
+    assert not isinstance(core._engine._recorder, NvtxRecorder)
+    assert core.phase == core._engine.switch  # the bound method itself: no wrapper frame

@@ -177,9 +177,14 @@ needs_native = pytest.mark.skipif(phase_timer.clock.NativeCudaClock is None, rea
 def test_the_doors_use_the_native_clock_by_default(monkeypatch):
     from phase_timer.clock import CudaClock, NativeCudaClock, make_clock
 
+    from phase_timer.core import TimingCore
+    from phase_timer.engine import PyEngine, Steps
+
     assert type(make_clock("cuda")) is NativeCudaClock
+    assert type(TimingCore(make_clock("cuda"), [], window=5, warmup_steps=0, max_pending=8)._engine) is Steps
     monkeypatch.setenv("PHASE_TIMER_NATIVE", "0")
     assert type(make_clock("cuda")) is CudaClock
+    assert type(TimingCore(make_clock("cuda"), [], window=5, warmup_steps=0, max_pending=8)._engine) is PyEngine
 
 
 @needs_native
@@ -273,6 +278,96 @@ def test_native_clock_notices_a_stream_switch():
     assert clock.stream_epoch == epoch + 2
     torch.cuda.synchronize()
     assert clock.done(m)
+
+
+@needs_native
+def test_c_engine_on_the_native_clock_agrees_with_the_python_engine_on_torch_events():
+    """The same steps through Steps (native clock) and PyEngine (torch's events): per-step ms within 0.01."""
+    from phase_timer.clock import CudaClock, NativeCudaClock
+    from phase_timer.engine import PyEngine, Steps
+
+    native = NativeCudaClock()
+    c_eng = Steps(native, 4, 64, 2, 4, True)
+    py_eng = PyEngine(CudaClock(), window=4, max_pending=64, lag=2, per_step=True)
+    a = torch.randn(2048, 2048, device="cuda")
+    a = torch.tanh(a @ a * 1e-3)
+    torch.cuda.synchronize()
+    got: dict[str, list] = {"c": [], "py": []}
+    for s in range(12):
+        torch.cuda._sleep(5_000_000)  # the host stays ahead: both engines' marks are back to back
+        for eng in (c_eng, py_eng):
+            eng.open(s, "h2d")
+        for phase, reps in (("forward", 1), ("backward", 2), ("optimizer", 1)):
+            for eng in (c_eng, py_eng):
+                eng.switch(phase)
+            for _ in range(reps):
+                a = torch.tanh(a @ a * 1e-3)
+        for key, eng in (("c", c_eng), ("py", py_eng)):
+            eng.close(-1.0)
+            got[key] += eng.poll() or []
+    for key, eng in (("c", c_eng), ("py", py_eng)):
+        got[key] += (eng.drain() or []) + (eng.flush() or [])
+    steps_c = [r for r in got["c"] if r[0] == "step"]
+    steps_py = [r for r in got["py"] if r[0] == "step"]
+    assert [r[1] for r in steps_c] == list(range(12)) == [r[1] for r in steps_py]
+    for (_, _, ms_c), (_, _, ms_py) in zip(steps_c, steps_py):
+        assert set(ms_c) == {"h2d", "forward", "backward", "optimizer", "step"} == set(ms_py)
+        for phase in ms_c:
+            assert ms_c[phase] == pytest.approx(ms_py[phase], abs=0.01), phase
+        assert ms_c["backward"] > 1.5 * ms_c["forward"]  # two products against one: the spans are the work's
+    assert [r[1:4] for r in got["c"] if r[0] == "window"] == [(0, 3, 4), (1, 7, 4), (2, 11, 4)]
+    assert native.live_marks == 0  # every mark back in the pool
+
+
+@needs_native
+def test_c_engine_never_waits_for_the_device():
+    """GPU busy ~0.5 s: open/switch/close/poll return at once with nothing resolved; only drain waits."""
+    import time
+
+    from phase_timer.clock import NativeCudaClock
+    from phase_timer.engine import Steps
+
+    clock = NativeCudaClock()
+    eng = Steps(clock, 2, 8, 0)
+    torch.cuda._sleep(1_000_000_000)
+    t0 = time.perf_counter()
+    for s in range(4):
+        eng.open(s, "forward")
+        eng.switch("backward")
+        eng.close(-1.0)
+        assert eng.poll() is None
+    host_ms = (time.perf_counter() - t0) * 1e3
+    assert eng.pending == 4 and host_ms < 50, host_ms
+    t0 = time.perf_counter()
+    out = eng.drain()  # the one waiting call
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    assert waited_ms > 100, waited_ms
+    assert [r[1:4] for r in out] == [(0, 1, 2)]  # window 0 complete; window 1 still filling
+    assert eng.flush()[0][1:4] == (1, 3, 2)
+    assert eng.pending == 0 and clock.live_marks == 0
+
+
+@needs_native
+def test_c_engine_record_across_streams_waits_for_every_stream():
+    """A record whose marks went to two streams is resolved only when both have finished."""
+    from phase_timer.clock import NativeCudaClock
+    from phase_timer.engine import Steps
+
+    clock = NativeCudaClock()
+    eng = Steps(clock, 10, 8, 0)
+    side = torch.cuda.Stream()
+    eng.open(0, "h2d")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(400_000_000)  # the side stream busy ~0.2 s
+        eng.switch("forward")  # marked on the side stream
+    eng.switch("optimizer")  # back on the default stream, which is idle
+    eng.close(-1.0)
+    torch.cuda.current_stream().synchronize()  # test set-up: the default stream's marks are done
+    assert eng.poll() is None and eng.pending == 1  # the side stream's mark is not: not resolved
+    side.synchronize()
+    assert eng.poll() is None and eng.pending == 0  # resolved into the window
+    (_, key, last, steps, cols), = eng.flush()
+    assert (key, last, steps) == (0, 0, 1) and cols["h2d"][0] > 100  # h2d waited on the side stream
 
 
 # -- the plain-PyTorch door ----------------------------------------------------------

@@ -1,0 +1,249 @@
+"""phase-timer's overhead on the launch-bound model, resolved finely enough to read 1%.
+
+    PYTHONPATH=. python benchmarks/launch_bound.py [--rounds 300] [--block 20] [--out FILE]
+
+Why not long A/B runs: on a launch-bound loop the step time is the host's speed,
+which drifts by several percent over seconds (turbo, neighbours on the host), so
+two long runs of identical work differ by more than the 1% to be read.  Here
+every round runs one short block of every variant, in a shuffled order, on one
+warm model; each variant's overhead is the median over rounds of its block time
+over the plain block of the same round.  Drift slower than a round cancels.
+
+The timer is attached once (its writer thread, event file and pool live through
+the run) and its hooks are installed for its blocks only.  Calibration: blocks
+that burn a known amount of plain Python per step show how host time turns into
+step time on this loop (1:1 when it is truly launch-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import timeit
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import phase_timer  # noqa: E402
+from benchmarks.host_cost import print_and_save, python_engine  # noqa: E402
+from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model, plain_step  # noqa: E402
+from phase_timer.clock import make_clock  # noqa: E402
+from phase_timer.core import TimingCore  # noqa: E402
+from phase_timer.sinks import open_event_file  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run only
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+_KEYS = [f"k{i}" for i in range(8)]
+
+
+def calibrated_burn(target_us: float) -> tuple[Callable[[], None], float]:
+    """Plain Python work taking ``target_us`` per call when run hot; returns it and its measured cost."""
+    n = 200
+
+    def burn() -> None:
+        d: dict[str, float] = {}
+        for i in range(n):
+            d[_KEYS[i % 8]] = d.get(_KEYS[i % 8], 0.0) + i
+
+    for _ in range(2):
+        hot_us = min(timeit.repeat(burn, number=2000, repeat=5)) / 2000 * 1e6
+        n = max(1, round(n * target_us / hot_us))
+    return burn, min(timeit.repeat(burn, number=2000, repeat=5)) / 2000 * 1e6
+
+
+def noop_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Callable[[], list[Any]]]:
+    """The torch hooks the plain door uses, with bodies that do nothing else: each kind, and all."""
+    engine = torch.autograd.Variable._execution_engine
+
+    def after() -> None:
+        engine.queue_callback(lambda: None)
+
+    def on_backward(grad_outputs: Any) -> None:
+        engine.queue_callback(after)
+
+    def on_forward_end(module: Any, args: Any, output: Any) -> None:
+        output.grad_fn.register_prehook(on_backward)
+
+    def on_forward_end_no_callback(module: Any, args: Any, output: Any) -> None:
+        output.grad_fn.register_prehook(lambda grad_outputs: None)
+
+    parts: dict[str, Callable[[], list[Any]]] = {
+        "forward pre-hook": lambda: [model.register_forward_pre_hook(lambda m, a: None)],
+        "forward hook": lambda: [model.register_forward_hook(lambda m, a, o: None)],
+        "forward hook + grad_fn pre-hook": lambda: [model.register_forward_hook(on_forward_end_no_callback)],
+        "forward hook + grad_fn pre-hook + 2 callbacks": lambda: [model.register_forward_hook(on_forward_end)],
+        "optimizer pre + post hooks": lambda: [
+            opt.register_step_pre_hook(lambda o, a, k: None),
+            opt.register_step_post_hook(lambda o, a, k: None),
+        ],
+    }
+    parts["all of the plain door's"] = lambda: [
+        *parts["forward pre-hook"](),
+        *parts["forward hook + grad_fn pre-hook + 2 callbacks"](),
+        *parts["optimizer pre + post hooks"](),
+    ]
+    return parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--block", type=int, default=20, help="steps per block")
+    ap.add_argument("--variants", default="all", help="comma-separated prefixes of the variants to run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = make_model(LAUNCH_BOUND, DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step = plain_step(model, opt, DEV)
+    batches = make_batches(LAUNCH_BOUND)
+    loader = Cycle(batches, args.block)
+
+    def make_timer() -> Any:
+        timer = phase_timer.attach(model, opt, loader, log_dir=tempfile.mkdtemp(), summary=False, warmup_steps=0)
+        timer.detach()  # hooks in for its own blocks only
+        return timer
+
+    timer = make_timer()
+    with python_engine():
+        timer_py = make_timer()
+    assert timer.core is not None and timer_py.core is not None
+    clock = timer.core.clock
+    engines = f"{type(timer.core._engine).__name__} / {type(timer_py.core._engine).__name__}"
+    install_noop = noop_hooks(model, opt)
+    burn10, burn10_us = calibrated_burn(10.0)
+    burn20, burn20_us = calibrated_burn(20.0)
+
+    def run_none() -> None:
+        for batch in loader:
+            step(batch)
+
+    def attached(t: Any) -> Callable[[], None]:
+        def run() -> None:
+            t._install()
+            try:
+                for batch in t.loader:
+                    step(batch)
+            finally:
+                t.detach()
+
+        return run
+
+    def core_only(lag: int) -> Callable[[], None]:
+        sink = open_event_file(tempfile.mkdtemp(), per_step=False)
+        core = cores[lag] = TimingCore(make_clock(DEV), [sink], window=50, warmup_steps=0, max_pending=64, poll_lag=lag)
+
+        def run() -> None:
+            for i, batch in enumerate(loader):
+                core.begin_step(i, "h2d")
+                core.phase("forward")
+                core.phase("backward")
+                core.phase("optimizer")
+                step(batch)
+                core.end_step()
+
+        return run
+
+    cores: dict[int, TimingCore] = {}
+
+    def run_marks() -> None:
+        mark, release = clock.mark, clock.release
+        for batch in loader:
+            marks = [mark(), mark(), mark(), mark()]
+            step(batch)
+            marks.append(mark())
+            release(marks)
+
+    def with_hooks(install: Callable[[], list[Any]]) -> Callable[[], None]:
+        def run() -> None:
+            handles = install()
+            try:
+                for batch in loader:
+                    step(batch)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        return run
+
+    def with_burn(burn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for batch in loader:
+                burn()
+                step(batch)
+
+        return run
+
+    variants: dict[str, Callable[[], None]] = {
+        "none": run_none,
+        "attach (phase-timer default)": attached(timer),
+        "attach, Python engine": attached(timer_py),
+        "core only (begin, 3 switches, end)": core_only(2),
+        "core only, poll lag 0": core_only(0),
+        "core only, poll lag 8": core_only(8),
+        f"5 marks only ({type(clock).__name__})": run_marks,
+        **{f"no-op hooks: {k}": with_hooks(v) for k, v in install_noop.items()},
+        f"python burn {burn10_us:.1f} us": with_burn(burn10),
+        f"python burn {burn20_us:.1f} us": with_burn(burn20),
+    }
+    if args.variants != "all":
+        keep = args.variants.split(",")
+        variants = {k: v for k, v in variants.items() if k == "none" or any(k.startswith(p) for p in keep)}
+
+    def block(fn: Callable[[], None]) -> float:
+        sync()  # benchmark boundary, outside the timed block
+        t0 = time.perf_counter_ns()
+        fn()
+        sync()  # benchmark boundary: the block's last step done
+        return (time.perf_counter_ns() - t0) / args.block / 1e3
+
+    for fn in variants.values():  # warm every path
+        for _ in range(3):
+            block(fn)
+    rng = random.Random(0)
+    names = list(variants)
+    us: dict[str, list[float]] = defaultdict(list)
+    for _ in range(args.rounds):
+        rng.shuffle(names)
+        for name in names:
+            us[name].append(block(variants[name]))
+    timer.close()
+    timer_py.close()
+    for core in cores.values():
+        core.finish()
+
+    base = us["none"]
+    lines = [
+        f"device {torch.cuda.get_device_name() if DEV.type == 'cuda' else 'cpu'}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}",
+        f"{args.rounds} rounds x {len(variants)} blocks of {args.block} steps, shuffled each round; clock {type(clock).__name__}; engines {engines}",
+        "per variant: median us/step over blocks; overhead = median over rounds of (block / plain block of the round) "
+        "[interquartile range]; added = median over rounds of the per-step difference",
+        f"{'variant':40s} {'us/step':>9s} {'overhead':>9s} {'IQR':>17s} {'added us':>9s}",
+    ]
+    for name in variants:
+        vals = us[name]
+        row = f"{name:40.40s} {statistics.median(vals):9.1f}"
+        if name != "none":
+            ratios = [v / b for v, b in zip(vals, base)]
+            q = statistics.quantiles(ratios, n=4)
+            added = statistics.median(v - b for v, b in zip(vals, base))
+            row += f" {100 * (statistics.median(ratios) - 1):+8.2f}% [{100 * (q[0] - 1):+6.2f}, {100 * (q[2] - 1):+6.2f}] {added:+9.1f}"
+        lines.append(row)
+    print_and_save("\n".join(lines), args.out)
+
+
+if __name__ == "__main__":
+    main()
