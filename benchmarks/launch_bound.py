@@ -64,6 +64,55 @@ def calibrated_burn(target_us: float) -> tuple[Callable[[], None], float]:
     return burn, min(timeit.repeat(burn, number=2000, repeat=5)) / 2000 * 1e6
 
 
+class Inside:
+    """Host time spent inside wrapped functions, per name (the wrappers' own ~0.1 us included)."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = defaultdict(int)
+
+    def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        ns = self.ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns[name] += time.perf_counter_ns() - t0
+
+        return timed
+
+    def report(self, what: str, steps: int) -> list[str]:
+        """The total per step, then each name's share of it."""
+        lines = [f"host time inside {what}, per step over {steps} steps: {sum(self.ns.values()) / steps / 1e3:.1f} us"]
+        lines += [f"    {name:36s} {ns / steps / 1e3:7.2f} us" for name, ns in self.ns.items()]
+        return lines
+
+
+# Every body of the plain door's hooks; torch looks them up on the instance when it
+# installs them (and the backward ones each step), so instance attributes take effect.
+_PLAIN_HOOK_BODIES = (
+    "_on_batch", "_on_forward", "_on_forward_end", "_on_backward_start", "_after_backward_callbacks",
+    "_on_backward_end", "_on_optimizer", "_on_optimizer_end",
+)
+
+
+def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[[Any], None], steps: int) -> Inside:
+    """Host time inside the plain door's hook bodies, in a real loop."""
+    inside = Inside()
+    loader = Cycle(make_batches(LAUNCH_BOUND), steps)
+    timer = phase_timer.attach(model, opt, loader, log_dir=tempfile.mkdtemp(), summary=False)
+    timer.detach()
+    for name in _PLAIN_HOOK_BODIES:
+        setattr(timer, name, inside.wrap(getattr(timer, name), name))
+    timer._install()
+    with timer:
+        for batch in timer.loader:
+            step(batch)
+    assert timer.totals is not None and timer.totals.steps == steps - timer.config.warmup_steps
+    return inside
+
+
 def noop_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Callable[[], list[Any]]]:
     """The torch hooks the plain door uses, with bodies that do nothing else: each kind, and all."""
     engine = torch.autograd.Variable._execution_engine
@@ -103,6 +152,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--block", type=int, default=20, help="steps per block")
     ap.add_argument("--variants", default="all", help="comma-separated prefixes of the variants to run")
+    ap.add_argument("--inside-steps", type=int, default=3000)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -242,6 +292,7 @@ def main() -> None:
             added = statistics.median(v - b for v, b in zip(vals, base))
             row += f" {100 * (statistics.median(ratios) - 1):+8.2f}% [{100 * (q[0] - 1):+6.2f}, {100 * (q[2] - 1):+6.2f}] {added:+9.1f}"
         lines.append(row)
+    lines += host_inside(model, opt, step, args.inside_steps).report("the plain door's hook bodies", args.inside_steps)
     print_and_save("\n".join(lines), args.out)
 
 

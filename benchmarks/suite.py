@@ -1,6 +1,14 @@
-"""phase-timer's proof on a GPU: overhead, accuracy, stalls, memory.  One command, one table last.
+"""phase-timer's proof on a GPU: overhead, accuracy, stalls, memory, host cost.  One command, one table last.
 
-    PYTHONPATH=. python benchmarks/suite.py [--quick] [--out DIR]
+    PYTHONPATH=. python benchmarks/suite.py [--quick] [--out DIR] [--only SECTIONS]
+
+Sections (``--only`` takes a comma-separated subset; all by default):
+``overhead``, ``accuracy``, ``stalls``, ``memory`` (in this process) and the finer
+runs, each its own process writing its own file, its table copied into the last one:
+``fine`` (``launch_bound.py`` and ``lightning_launch_bound.py``: the launch-bound
+overhead of both doors resolved to ~0.5%), ``host`` (``host_cost.py``: host time per
+step in a hot loop) and ``insitu`` (``in_situ_primitives.py``: the driver calls'
+cost inside a real launch-bound loop).
 
 Overhead: the same loop with and without a timer, runs interleaved (A B A B ...),
 median of the per-pair ratios, for a launch-bound and a GPU-bound model, through
@@ -17,6 +25,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +48,30 @@ LINES: list[str] = []
 def say(msg: str) -> None:
     print(msg, flush=True)
     LINES.append(msg)
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# section -> (script, its arguments for a full run, for a --quick one)
+SCRIPTS = {
+    "fine": [
+        ("launch_bound.py", [], ["--rounds", "30", "--inside-steps", "500"]),
+        ("lightning_launch_bound.py", [], ["--rounds", "20", "--inside-steps", "500"]),
+    ],
+    "host": [("host_cost.py", [], ["--steps", "2000"])],
+    "insitu": [("in_situ_primitives.py", [], ["--steps", "500"])],
+}
+
+
+def run_script(name: str, args: list[str], out_dir: str) -> list[str]:
+    """Run one of the finer benchmarks in its own process; its table, for the last one."""
+    out = os.path.join(out_dir, name.replace(".py", ".txt"))
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, name), *args, "--out", out], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        say(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        return [f"{name}: FAILED (exit {proc.returncode})"]
+    with open(out) as f:
+        return [f"{name}: {line}" for line in f.read().splitlines()]
 
 
 # ---------------------------------------------------------------- plain-loop variants
@@ -327,11 +360,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer pairs and steps (a smoke run)")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--only", default="overhead,accuracy,stalls,memory")
+    parser.add_argument("--only", default="overhead,accuracy,stalls,memory,fine,host,insitu")
     parser.add_argument("--doors", default="plain,lightning", help="which doors the overhead runs use")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     only = set(args.only.split(","))
+    if unknown := only - {"overhead", "accuracy", "stalls", "memory", *SCRIPTS}:
+        parser.error(f"--only: unknown sections {sorted(unknown)}")
     doors = set(args.doors.split(","))
     pairs = 3 if args.quick else 11
     say(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  date {time.strftime('%Y-%m-%d')}")
@@ -369,6 +404,12 @@ def main() -> None:
         samples = long_run(20_000 if args.quick else 100_000)
         results["memory"] = samples
         table.append("memory    step, RSS MB, live events, pending: " + "; ".join(f"{i}: {r:.0f} {e} {p}" for i, r, e, p in samples))
+    for section, scripts in SCRIPTS.items():
+        if section in only:
+            for name, full, quick in scripts:
+                lines = run_script(name, quick if args.quick else full, args.out)
+                results[section + "/" + name] = lines
+                table += lines
     tag = "-".join(sorted(only)) + ("" if doors == {"plain", "lightning"} else "-" + "-".join(sorted(doors)))
     with open(os.path.join(args.out, f"suite-{tag}.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)

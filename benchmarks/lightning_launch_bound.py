@@ -1,0 +1,244 @@
+"""The Lightning door's overhead on the launch-bound model, resolved finely enough to read 1%.
+
+    PYTHONPATH=. python benchmarks/lightning_launch_bound.py [--rounds 200] [--block 50] [--out FILE]
+
+The same method as ``launch_bound.py`` (the plain door), inside one ``fit``: every
+round runs one block of ``--block`` steps of every variant in a shuffled order, and
+each variant's overhead is the median over rounds of its block time over the plain
+block of the same round.  Long A/B runs of separate Trainers cannot read 1% on a
+launch-bound loop (the host's speed drifts by more than that over seconds).
+
+Variants are switched between blocks by the LightningModule's own
+``on_train_batch_end``, which Lightning calls after the callbacks' loop, so the
+callback list is never changed while Lightning iterates it:
+
+* ``none``: the Trainer with its logger and nothing else;
+* ``empty Callback``: a Callback that overrides nothing: what Lightning's dispatch
+  costs for any extra callback (it calls every hook of every callback);
+* ``PhaseTimer``: phase-timer at default settings (its ``batch_to_device`` wrapper
+  in place for its blocks only);
+* ``python burn``: plain Python of a known hot cost per step (calibration).
+
+Blocks are 50 steps, the logging window, so every PhaseTimer block pays one window
+write.  A second, short fit measures the host time spent *inside* PhaseTimer's hooks
+in-situ (each hook body timed with ``perf_counter_ns``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning.pytorch as pl  # noqa: E402
+
+import phase_timer  # noqa: E402
+from benchmarks.host_cost import print_and_save  # noqa: E402
+from benchmarks.launch_bound import Inside, calibrated_burn  # noqa: E402
+from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model  # noqa: E402
+
+CUDA = torch.cuda.is_available()  # CPU: a smoke run only
+_HOOKS = ("on_before_backward", "on_after_backward", "on_train_batch_end")
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+class Blocks:
+    """Which variant runs now, and the time of every finished block."""
+
+    def __init__(self, names: list[str], rounds: int, warmup_rounds: int, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        self.order: list[str] = []
+        for _ in range(warmup_rounds + rounds):
+            names = names[:]
+            rng.shuffle(names)
+            self.order += names
+        self.skip = warmup_rounds * len(names)
+        self.us: dict[str, list[float]] = defaultdict(list)
+        self.index = 0
+        self.t0 = 0
+
+    @property
+    def current(self) -> str:
+        return self.order[min(self.index, len(self.order) - 1)]
+
+    def block_done(self, steps: int) -> None:
+        sync()  # benchmark boundary, between blocks, in every variant alike
+        now = time.perf_counter_ns()
+        if self.index >= self.skip:
+            self.us[self.current].append((now - self.t0) / steps / 1e3)
+        self.t0 = now
+        self.index += 1
+
+
+class Net(pl.LightningModule):
+    """The launch-bound MLP; switches the variant between blocks."""
+
+    def __init__(self, blocks: Blocks, block: int, switch: Any) -> None:
+        super().__init__()
+        self.net = make_model(LAUNCH_BOUND, torch.device("cpu"))
+        self.blocks, self.block, self.switch = blocks, block, switch
+        self.burn: Any = None
+        self.n = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.burn is not None:  # the calibration variant
+            self.burn()
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    def on_train_start(self) -> None:
+        self.switch(self.trainer, self.blocks.current)
+        sync()
+        self.blocks.t0 = time.perf_counter_ns()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.n += 1
+        if self.n % self.block == 0:
+            self.blocks.block_done(self.block)
+            self.switch(self.trainer, self.blocks.current)
+
+    def on_train_end(self) -> None:
+        self.switch(self.trainer, "PhaseTimer")  # so its teardown flushes and closes its files
+
+
+def trainer(steps: int, callbacks: list[Any]) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cuda" if CUDA else "cpu", devices=1, max_steps=steps,
+        logger=pl.loggers.TensorBoardLogger(tempfile.mkdtemp()), callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=50,
+    )
+
+
+def overhead(rounds: int, block: int, warmup_rounds: int) -> tuple[list[str], dict[str, list[float]]]:
+    burn, burn_us = calibrated_burn(10.0)
+    burn_name = f"python burn {burn_us:.1f} us"
+    timer = phase_timer.PhaseTimer(summary=False)
+    empty = pl.Callback()
+    names = ["none", "empty Callback", "PhaseTimer (default)", burn_name]
+    blocks = Blocks(names, rounds, warmup_rounds)
+    wrapper: dict[str, Any] = {}
+
+    def switch(tr: pl.Trainer, variant: str) -> None:
+        strategy = tr.strategy
+        if "fn" not in wrapper:  # the first call: PhaseTimer.setup has wrapped batch_to_device
+            wrapper["fn"] = strategy.__dict__["batch_to_device"]
+        for cb in (timer, empty):
+            if cb in tr.callbacks:
+                tr.callbacks.remove(cb)
+        strategy.__dict__.pop("batch_to_device", None)
+        if variant.startswith("PhaseTimer"):
+            tr.callbacks.append(timer)
+            strategy.batch_to_device = wrapper["fn"]
+        elif variant == "empty Callback":
+            tr.callbacks.append(empty)
+        net.burn = burn if variant == burn_name else None
+
+    net = Net(blocks, block, switch)
+    steps = len(blocks.order) * block
+    torch.manual_seed(0)
+    trainer(steps, [timer]).fit(net, Cycle(make_batches(LAUNCH_BOUND), steps))
+    # The switching works: the timer timed exactly its own blocks' steps, less its warm-up.
+    own = blocks.order.count("PhaseTimer (default)") * block - timer.config.warmup_steps
+    assert timer.totals is not None and timer.totals.steps == own, (timer.totals and timer.totals.steps, own)
+    return names, blocks.us
+
+
+class SelfTimed(phase_timer.PhaseTimer):
+    """PhaseTimer with its per-step hook bodies and its batch_to_device wrapper timed."""
+
+    inside = Inside()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        copy = Inside()  # Lightning's own copy, which PhaseTimer wraps: not ours
+        strategy.batch_to_device = copy.wrap(strategy.batch_to_device, "copy")
+        super().setup(trainer, pl_module, stage)
+        wrapped = strategy.batch_to_device
+
+        def batch_to_device(*args: Any, **kwargs: Any) -> Any:
+            copy.ns["copy"] = 0
+            t0 = time.perf_counter_ns()
+            out = wrapped(*args, **kwargs)
+            self.inside.ns["batch_to_device wrapper"] += time.perf_counter_ns() - t0 - copy.ns["copy"]
+            return out
+
+        strategy.batch_to_device = batch_to_device
+        for name in _HOOKS:
+            setattr(self, name, self.inside.wrap(getattr(self, name), name))
+
+
+def host_inside(steps: int) -> Inside:
+    """Host time inside PhaseTimer's per-step hooks, in a real fit."""
+
+    class Net2(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(LAUNCH_BOUND, torch.device("cpu"))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    timer = SelfTimed(summary=False)
+    timer.inside = Inside()
+    trainer(steps, [timer]).fit(Net2(), Cycle(make_batches(LAUNCH_BOUND), steps))
+    assert timer.totals is not None and timer.totals.steps == steps - timer.config.warmup_steps
+    return timer.inside
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--block", type=int, default=50, help="steps per block (the logging window: 50)")
+    ap.add_argument("--warmup-rounds", type=int, default=3)
+    ap.add_argument("--inside-steps", type=int, default=3000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    names, us = overhead(args.rounds, args.block, args.warmup_rounds)
+    inside = host_inside(args.inside_steps)  # after the overhead run: it changes nothing there
+    dev = torch.cuda.get_device_name() if CUDA else "cpu"
+    lines = [
+        f"device {dev}  torch {torch.__version__}  lightning {pl.__version__}  {time.strftime('%Y-%m-%d')}",
+        f"Lightning, launch-bound MLP: {args.rounds} rounds x {len(names)} blocks of {args.block} steps in one fit, "
+        "shuffled each round; TensorBoardLogger, log_every_n_steps=50",
+        "per variant: median us/step over blocks; overhead = median over rounds of (block / plain block of the round) "
+        "[interquartile range]; added = median over rounds of the per-step difference",
+        f"{'variant':32s} {'us/step':>9s} {'overhead':>9s} {'IQR':>17s} {'added us':>9s}",
+    ]
+    base = us["none"]
+    for name in names:
+        vals = us[name]
+        row = f"{name:32.32s} {statistics.median(vals):9.1f}"
+        if name != "none":
+            ratios = [v / b for v, b in zip(vals, base)]
+            q = statistics.quantiles(ratios, n=4)
+            added = statistics.median(v - b for v, b in zip(vals, base))
+            row += f" {100 * (statistics.median(ratios) - 1):+8.2f}% [{100 * (q[0] - 1):+6.2f}, {100 * (q[2] - 1):+6.2f}] {added:+9.1f}"
+        lines.append(row)
+    lines += inside.report("PhaseTimer's per-step hooks (a separate fit)", args.inside_steps)
+    print_and_save("\n".join(lines), args.out)
+
+
+if __name__ == "__main__":
+    main()

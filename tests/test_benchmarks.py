@@ -1,0 +1,55 @@
+"""The benchmark scripts run end to end (a CPU smoke run: their figures mean nothing here).
+
+Each checks itself as it runs: the resolved overhead runs assert that the timer
+timed exactly the steps of its own blocks (so switching variants between blocks
+works), and the in-situ runs that every timed step was recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(name: str, tmp_path: Path, *args: str) -> str:
+    out = tmp_path / "out.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args, "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out.read_text()
+
+
+@pytest.mark.timeout(300)
+def test_lightning_launch_bound(tmp_path):
+    text = run_benchmark("lightning_launch_bound.py", tmp_path, "--rounds", "2", "--block", "10",
+                         "--warmup-rounds", "1", "--inside-steps", "60")
+    for row in ("none", "empty Callback", "PhaseTimer (default)", "python burn"):
+        assert f"\n{row}" in text
+    for hook in ("batch_to_device wrapper", "on_before_backward", "on_after_backward", "on_train_batch_end"):
+        assert hook in text
+
+
+@pytest.mark.timeout(300)
+def test_plain_launch_bound(tmp_path):
+    text = run_benchmark("launch_bound.py", tmp_path, "--rounds", "2", "--block", "5", "--variants", "attach",
+                         "--inside-steps", "60")
+    assert "attach (phase-timer default)" in text and "host time inside the plain door's hook bodies" in text
+    for body in ("_on_batch", "_on_forward_end", "_on_backward_start", "_on_optimizer_end"):
+        assert body in text
+
+
+@pytest.mark.timeout(300)
+def test_in_situ_primitives(tmp_path):
+    text = run_benchmark("in_situ_primitives.py", tmp_path, "--steps", "50")
+    for call in ("mark", "done (record 2 steps back)", "spans (5 marks)", "release (5 marks)"):
+        assert f"\n{call} " in text
+    assert "the engine's driver calls per step" in text
