@@ -113,6 +113,26 @@ def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callab
     return inside
 
 
+def overhead_table(names: list[str], us: dict[str, list[float]], width: int) -> list[str]:
+    """Each variant's median block time and its overhead over ``none``, round by round."""
+    lines = [
+        "per variant: median us/step over blocks; overhead = median over rounds of (block / plain block of the round) "
+        "[interquartile range]; added = median over rounds of the per-step difference",
+        f"{'variant':{width}s} {'us/step':>9s} {'overhead':>9s} {'IQR':>17s} {'added us':>9s}",
+    ]
+    base = us["none"]
+    for name in names:
+        vals = us[name]
+        row = f"{name[:width]:{width}s} {statistics.median(vals):9.1f}"
+        if name != "none":
+            ratios = [v / b for v, b in zip(vals, base)]
+            q = statistics.quantiles(ratios, n=4)
+            added = statistics.median(v - b for v, b in zip(vals, base))
+            row += f" {100 * (statistics.median(ratios) - 1):+8.2f}% [{100 * (q[0] - 1):+6.2f}, {100 * (q[2] - 1):+6.2f}] {added:+9.1f}"
+        lines.append(row)
+    return lines
+
+
 def noop_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Callable[[], list[Any]]]:
     """The torch hooks the plain door uses, with bodies that do nothing else: each kind, and all."""
     engine = torch.autograd.Variable._execution_engine
@@ -275,23 +295,11 @@ def main() -> None:
     for core in cores.values():
         core.finish()
 
-    base = us["none"]
     lines = [
         f"device {torch.cuda.get_device_name() if DEV.type == 'cuda' else 'cpu'}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}",
         f"{args.rounds} rounds x {len(variants)} blocks of {args.block} steps, shuffled each round; clock {type(clock).__name__}; engines {engines}",
-        "per variant: median us/step over blocks; overhead = median over rounds of (block / plain block of the round) "
-        "[interquartile range]; added = median over rounds of the per-step difference",
-        f"{'variant':40s} {'us/step':>9s} {'overhead':>9s} {'IQR':>17s} {'added us':>9s}",
+        *overhead_table(list(variants), us, width=40),
     ]
-    for name in variants:
-        vals = us[name]
-        row = f"{name:40.40s} {statistics.median(vals):9.1f}"
-        if name != "none":
-            ratios = [v / b for v, b in zip(vals, base)]
-            q = statistics.quantiles(ratios, n=4)
-            added = statistics.median(v - b for v, b in zip(vals, base))
-            row += f" {100 * (statistics.median(ratios) - 1):+8.2f}% [{100 * (q[0] - 1):+6.2f}, {100 * (q[2] - 1):+6.2f}] {added:+9.1f}"
-        lines.append(row)
     lines += host_inside(model, opt, step, args.inside_steps).report("the plain door's hook bodies", args.inside_steps)
     print_and_save("\n".join(lines), args.out)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 import phase_timer  # noqa: E402
 from benchmarks.host_cost import print_and_save  # noqa: E402
-from benchmarks.launch_bound import Inside, calibrated_burn  # noqa: E402
+from benchmarks.launch_bound import Inside, calibrated_burn, overhead_table  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model  # noqa: E402
 
 CUDA = torch.cuda.is_available()  # CPU: a smoke run only
@@ -222,20 +221,8 @@ def main() -> None:
         f"device {dev}  torch {torch.__version__}  lightning {pl.__version__}  {time.strftime('%Y-%m-%d')}",
         f"Lightning, launch-bound MLP: {args.rounds} rounds x {len(names)} blocks of {args.block} steps in one fit, "
         "shuffled each round; TensorBoardLogger, log_every_n_steps=50",
-        "per variant: median us/step over blocks; overhead = median over rounds of (block / plain block of the round) "
-        "[interquartile range]; added = median over rounds of the per-step difference",
-        f"{'variant':32s} {'us/step':>9s} {'overhead':>9s} {'IQR':>17s} {'added us':>9s}",
+        *overhead_table(names, us, width=32),
     ]
-    base = us["none"]
-    for name in names:
-        vals = us[name]
-        row = f"{name:32.32s} {statistics.median(vals):9.1f}"
-        if name != "none":
-            ratios = [v / b for v, b in zip(vals, base)]
-            q = statistics.quantiles(ratios, n=4)
-            added = statistics.median(v - b for v, b in zip(vals, base))
-            row += f" {100 * (statistics.median(ratios) - 1):+8.2f}% [{100 * (q[0] - 1):+6.2f}, {100 * (q[2] - 1):+6.2f}] {added:+9.1f}"
-        lines.append(row)
     lines += inside.report("PhaseTimer's per-step hooks (a separate fit)", args.inside_steps)
     print_and_save("\n".join(lines), args.out)
 
