@@ -29,14 +29,17 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.host_cost import print_and_save  # noqa: E402
+from benchmarks.launch_bound import DEV, sync  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, make_batches, make_model  # noqa: E402
 from phase_timer.clock import make_clock  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run only
 LAG = 2  # the engine's default: the two newest records are not asked
+# The engine's calls a step, with how many of each it makes.
+ENGINE_CALLS = {"mark": 5, "done (record 2 steps back)": 1, "spans (5 marks)": 1, "release (5 marks)": 1}
 
 
-def in_situ(steps: int) -> dict[str, list[int]]:
+def in_situ(steps: int) -> tuple[str, dict[str, list[int]]]:
+    """The engine's calls made by hand in a real launch-bound loop: the clock's name, ns per call."""
     torch.manual_seed(0)
     model = make_model(LAUNCH_BOUND, DEV)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -83,10 +86,10 @@ def in_situ(steps: int) -> dict[str, list[int]]:
         ns["one-element kernel launch"].append(pc() - t)
         t = pc()
         ns["empty (the timer's floor)"].append(pc() - t)
-    torch.cuda.synchronize() if DEV.type == "cuda" else None  # benchmark end
+    sync()  # benchmark end: every record done before its events go back
     for marks in pending:
         clock.release(marks)
-    return ns
+    return type(clock).__name__, ns
 
 
 def hot(n: int) -> dict[str, list[int]]:
@@ -103,8 +106,7 @@ def hot(n: int) -> dict[str, list[int]]:
 
     for _ in range(n):
         marks = [timed("mark", clock.mark) for _ in range(5)]
-        if DEV.type == "cuda":
-            torch.cuda.synchronize()  # benchmark: the record's events done, as in-situ
+        sync()  # benchmark: the record's events done, as in-situ
         timed("done (record 2 steps back)", lambda: clock.done(marks[-1]))
         timed("spans (5 marks)", lambda: clock.spans(marks))
         timed("release (5 marks)", lambda: clock.release(marks))
@@ -119,9 +121,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     hot(200)  # warm
-    situ = in_situ(args.steps)
+    clock, situ = in_situ(args.steps)
     warm = hot(args.steps)
-    clock = type(make_clock(DEV)).__name__
     dev = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
     lines = [
         f"device {dev}  torch {torch.__version__}  clock {clock}  {time.strftime('%Y-%m-%d')}",
@@ -134,7 +135,7 @@ def main() -> None:
             f"{name:32s} {statistics.fmean(vals) / 1e3:12.2f} {statistics.median(vals) / 1e3:8.2f} "
             f"{statistics.fmean(h) / 1e3:9.2f} {statistics.median(h) / 1e3:8.2f}"
         )
-    per_step = sum(statistics.fmean(situ[k]) * (5 if k == "mark" else 1) for k in situ if "kernel" not in k and "empty" not in k)
+    per_step = sum(statistics.fmean(situ[name]) * n for name, n in ENGINE_CALLS.items())
     lines.append(f"the engine's driver calls per step, in-situ (5 marks + done + spans + release): {per_step / 1e3:.1f} us")
     print_and_save("\n".join(lines), args.out)
 

@@ -44,16 +44,11 @@ import lightning.pytorch as pl  # noqa: E402
 
 import phase_timer  # noqa: E402
 from benchmarks.host_cost import print_and_save  # noqa: E402
-from benchmarks.launch_bound import Inside, calibrated_burn, overhead_table  # noqa: E402
+from benchmarks.launch_bound import Inside, calibrated_burn, overhead_table, sync  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model  # noqa: E402
 
 CUDA = torch.cuda.is_available()  # CPU: a smoke run only
 _HOOKS = ("on_before_backward", "on_after_backward", "on_train_batch_end")
-
-
-def sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 class Blocks:
@@ -84,24 +79,29 @@ class Blocks:
         self.index += 1
 
 
-class Net(pl.LightningModule):
-    """The launch-bound MLP; switches the variant between blocks."""
+class LaunchBound(pl.LightningModule):
+    """The launch-bound MLP."""
 
-    def __init__(self, blocks: Blocks, block: int, switch: Any) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = make_model(LAUNCH_BOUND, torch.device("cpu"))
-        self.blocks, self.block, self.switch = blocks, block, switch
-        self.burn: Any = None
-        self.n = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.burn is not None:  # the calibration variant
-            self.burn()
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+
+class Switching(LaunchBound):
+    """The same, switching the variant between blocks (and burning host time in the calibration's)."""
+
+    def __init__(self, blocks: Blocks, block: int, switch: Any) -> None:
+        super().__init__()
+        self.blocks, self.block, self.switch = blocks, block, switch
+        self.burn: Any = None
+        self.n = 0
 
     def on_train_start(self) -> None:
         self.switch(self.trainer, self.blocks.current)
@@ -109,6 +109,8 @@ class Net(pl.LightningModule):
         self.blocks.t0 = time.perf_counter_ns()
 
     def on_train_batch_end(self, *args: Any) -> None:
+        if self.burn is not None:  # the calibration variant
+            self.burn()
         self.n += 1
         if self.n % self.block == 0:
             self.blocks.block_done(self.block)
@@ -133,24 +135,25 @@ def overhead(rounds: int, block: int, warmup_rounds: int) -> tuple[list[str], di
     empty = pl.Callback()
     names = ["none", "empty Callback", "PhaseTimer (default)", burn_name]
     blocks = Blocks(names, rounds, warmup_rounds)
-    wrapper: dict[str, Any] = {}
+    wrapper: Any = None  # PhaseTimer's batch_to_device, taken at the first switch (after its setup)
 
     def switch(tr: pl.Trainer, variant: str) -> None:
+        nonlocal wrapper
         strategy = tr.strategy
-        if "fn" not in wrapper:  # the first call: PhaseTimer.setup has wrapped batch_to_device
-            wrapper["fn"] = strategy.__dict__["batch_to_device"]
+        if wrapper is None:
+            wrapper = strategy.__dict__["batch_to_device"]
         for cb in (timer, empty):
             if cb in tr.callbacks:
                 tr.callbacks.remove(cb)
         strategy.__dict__.pop("batch_to_device", None)
         if variant.startswith("PhaseTimer"):
             tr.callbacks.append(timer)
-            strategy.batch_to_device = wrapper["fn"]
+            strategy.batch_to_device = wrapper
         elif variant == "empty Callback":
             tr.callbacks.append(empty)
         net.burn = burn if variant == burn_name else None
 
-    net = Net(blocks, block, switch)
+    net = Switching(blocks, block, switch)
     steps = len(blocks.order) * block
     torch.manual_seed(0)
     trainer(steps, [timer]).fit(net, Cycle(make_batches(LAUNCH_BOUND), steps))
@@ -163,7 +166,9 @@ def overhead(rounds: int, block: int, warmup_rounds: int) -> tuple[list[str], di
 class SelfTimed(phase_timer.PhaseTimer):
     """PhaseTimer with its per-step hook bodies and its batch_to_device wrapper timed."""
 
-    inside = Inside()
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.inside = Inside()
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
@@ -186,22 +191,8 @@ class SelfTimed(phase_timer.PhaseTimer):
 
 def host_inside(steps: int) -> Inside:
     """Host time inside PhaseTimer's per-step hooks, in a real fit."""
-
-    class Net2(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = make_model(LAUNCH_BOUND, torch.device("cpu"))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-5)
-
     timer = SelfTimed(summary=False)
-    timer.inside = Inside()
-    trainer(steps, [timer]).fit(Net2(), Cycle(make_batches(LAUNCH_BOUND), steps))
+    trainer(steps, [timer]).fit(LaunchBound(), Cycle(make_batches(LAUNCH_BOUND), steps))
     assert timer.totals is not None and timer.totals.steps == steps - timer.config.warmup_steps
     return timer.inside
 

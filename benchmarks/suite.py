@@ -51,14 +51,14 @@ def say(msg: str) -> None:
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# section -> (script, its arguments for a full run, for a --quick one)
+# section -> [(script, its arguments for a --quick run; a full run takes its defaults)]
 SCRIPTS = {
     "fine": [
-        ("launch_bound.py", [], ["--rounds", "30", "--inside-steps", "500"]),
-        ("lightning_launch_bound.py", [], ["--rounds", "20", "--inside-steps", "500"]),
+        ("launch_bound.py", ["--rounds", "30", "--inside-steps", "500"]),
+        ("lightning_launch_bound.py", ["--rounds", "20", "--inside-steps", "500"]),
     ],
-    "host": [("host_cost.py", [], ["--steps", "2000"])],
-    "insitu": [("in_situ_primitives.py", [], ["--steps", "500"])],
+    "host": [("host_cost.py", ["--steps", "2000"])],
+    "insitu": [("in_situ_primitives.py", ["--steps", "500"])],
 }
 
 
@@ -406,8 +406,8 @@ def main() -> None:
         table.append("memory    step, RSS MB, live events, pending: " + "; ".join(f"{i}: {r:.0f} {e} {p}" for i, r, e, p in samples))
     for section, scripts in SCRIPTS.items():
         if section in only:
-            for name, full, quick in scripts:
-                lines = run_script(name, quick if args.quick else full, args.out)
+            for name, quick in scripts:
+                lines = run_script(name, quick if args.quick else [], args.out)
                 results[section + "/" + name] = lines
                 table += lines
     tag = "-".join(sorted(only)) + ("" if doors == {"plain", "lightning"} else "-" + "-".join(sorted(doors)))

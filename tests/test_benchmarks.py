@@ -1,8 +1,9 @@
 """The benchmark scripts run end to end (a CPU smoke run: their figures mean nothing here).
 
-Each checks itself as it runs: the resolved overhead runs assert that the timer
-timed exactly the steps of its own blocks (so switching variants between blocks
-works), and the in-situ runs that every timed step was recorded.
+The overhead scripts check themselves as they run: the resolved runs assert that
+the timer timed exactly the steps of its own blocks (so switching variants between
+blocks works), and their in-situ host-time runs that every step past the warm-up
+was timed.
 """
 
 from __future__ import annotations
