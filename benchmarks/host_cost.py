@@ -1,9 +1,10 @@
 """Host time phase-timer spends per step, measured directly (no training around it).
 
 Times, on the CUDA device, the primitives (DESIGN.md's table) and the core's whole
-per-step path: begin + 4 phase switches + end (which polls and resolves the step
-that finished), plus the amortized cost of writing a window to TensorBoard; with
-the C engine (the default) and the Python one, on the native clock and torch's events.
+per-step path: begin + a host phase + 3 phase switches + the step's end + the close
+at the next fetch (which polls and resolves the step that finished: 6 marks), plus
+the amortized cost of writing a window to TensorBoard; with the C engine (the
+default) and the Python one, on the native clock and torch's events.
 
     python benchmarks/host_cost.py [--steps 20000] [--out FILE]
 """
@@ -91,38 +92,39 @@ def python_engine():
 def engine_calls(n: int) -> dict[str, float]:
     """The C engine's calls one by one, on the native clock and on the host clock (no CUDA)."""
     from phase_timer.clock import HostClock
-    from phase_timer.engine import Steps
+    from phase_timer.engine import Steps, native_steps
 
     out: dict[str, float] = {}
     if Steps is None or NativeCudaClock is None:
         return out
     for name, clock in (("native clock", NativeCudaClock()), ("host clock", HostClock())):
-        eng = Steps(clock if name == "native clock" else time.perf_counter_ns, 50, 64, 2, 4, False)
+        eng = native_steps(clock if name == "native clock" else time.perf_counter_ns, 50, 64)
 
         def open_close() -> None:
             eng.open(0, "h2d")
             eng.close(-1.0)
             eng.poll()
 
-        def five() -> None:
+        def six() -> None:
             eng.open(0, "h2d")
             eng.switch("forward")
             eng.switch("backward")
             eng.switch("optimizer")
+            eng.end()
             eng.close(-1.0)
             eng.poll()
 
         for _ in range(200):
-            five()
+            six()
         torch.cuda.synchronize()
         out[f"Steps ({name}): open + close + poll"] = per_call_us(open_close, n)
-        out[f"Steps ({name}): open + 3 switches + close + poll"] = per_call_us(five, n)
+        out[f"Steps ({name}): open + 3 switches + end + close + poll"] = per_call_us(six, n)
         eng.drain()
     return out
 
 
 def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C") -> float:
-    """Per step: begin, 4 switches, end (poll + resolve + stats + amortized window write)."""
+    """Per step: begin, 3 switches, end, close (poll + resolve + stats + amortized window write)."""
     sinks: list = []
     tmp = tempfile.mkdtemp()
     if sink == "event file (default)":
@@ -144,7 +146,8 @@ def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C
         core.phase("forward")
         core.phase("backward")
         core.phase("optimizer")
-        core.end_step()
+        core.end()  # the step ends (its last optimizer step)
+        core.close()  # the next fetch: the time between steps ends
 
     for _ in range(200):  # warm the pool
         step()
@@ -175,7 +178,7 @@ def main() -> None:
                 key = f"core step, {engine} engine, {clock_type.__name__}, {sink}"
                 rows.setdefault(key, []).append(core_step(args.steps, sink, 50, clock_type, engine))
     lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}"]
-    lines.append("core step: begin + add_host + 3 switches + end, window 50; two runs, interleaved")
+    lines.append("core step: begin + add_host + 3 switches + end + close (6 marks), window 50; two runs, interleaved")
     lines += [f"{k:72s} " + " ".join(f"{x:8.2f}" for x in (v if isinstance(v, list) else [v])) + " us" for k, v in rows.items()]
     print_and_save("\n".join(lines), args.out)
 

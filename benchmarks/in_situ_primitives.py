@@ -5,8 +5,8 @@
 ``host_cost.py`` times the primitives in a hot loop, where the code and the
 driver's data sit in the CPU's caches.  In a launch-bound loop they run between
 hundreds of kernel launches.  This runs the launch-bound model with no timer and
-makes every call phase-timer's default engine makes per step by hand -- five marks
-at the phase boundaries, ``done`` on the record two steps back, its ``spans`` and
+makes every call phase-timer's default engine makes per step by hand -- six marks
+at the phase boundaries (the step's end and the next fetch included), ``done`` on the record two steps back, its ``spans`` and
 ``release`` -- timing each call with ``perf_counter_ns``; then the same calls in a
 hot loop; and, for scale, a one-element kernel launch both ways.  Mean and median
 per call, in microseconds, the timer's own floor (an empty pair) beside them.
@@ -35,7 +35,7 @@ from phase_timer.clock import make_clock  # noqa: E402
 
 LAG = 2  # the engine's default: the two newest records are not asked
 # The engine's calls a step, with how many of each it makes.
-ENGINE_CALLS = {"mark": 5, "done (record 2 steps back)": 1, "spans (5 marks)": 1, "release (5 marks)": 1}
+ENGINE_CALLS = {"mark": 6, "done (record 2 steps back)": 1, "spans (6 marks)": 1, "release (6 marks)": 1}
 
 
 def in_situ(steps: int) -> tuple[str, dict[str, list[int]]]:
@@ -67,7 +67,9 @@ def in_situ(steps: int) -> tuple[str, dict[str, list[int]]]:
         loss.backward()
         mark(marks)
         opt.step()
-        mark(marks)
+        mark(marks)  # the step's end
+        opt.zero_grad(set_to_none=True)
+        mark(marks)  # the next fetch: the time between steps ends
         pending.append(marks)
         if len(pending) > LAG:
             t = pc()
@@ -77,10 +79,10 @@ def in_situ(steps: int) -> tuple[str, dict[str, list[int]]]:
                 old = pending.popleft()
                 t = pc()
                 clock.spans(old)
-                ns["spans (5 marks)"].append(pc() - t)
+                ns["spans (6 marks)"].append(pc() - t)
                 t = pc()
                 clock.release(old)
-                ns["release (5 marks)"].append(pc() - t)
+                ns["release (6 marks)"].append(pc() - t)
         t = pc()
         tiny.add_(1.0)
         ns["one-element kernel launch"].append(pc() - t)
@@ -105,11 +107,11 @@ def hot(n: int) -> dict[str, list[int]]:
         return out
 
     for _ in range(n):
-        marks = [timed("mark", clock.mark) for _ in range(5)]
+        marks = [timed("mark", clock.mark) for _ in range(6)]
         sync()  # benchmark: the record's events done, as in-situ
         timed("done (record 2 steps back)", lambda: clock.done(marks[-1]))
-        timed("spans (5 marks)", lambda: clock.spans(marks))
-        timed("release (5 marks)", lambda: clock.release(marks))
+        timed("spans (6 marks)", lambda: clock.spans(marks))
+        timed("release (6 marks)", lambda: clock.release(marks))
         timed("one-element kernel launch", lambda: tiny.add_(1.0))
         timed("empty (the timer's floor)", lambda: None)
     return ns
@@ -136,7 +138,7 @@ def main() -> None:
             f"{statistics.fmean(h) / 1e3:9.2f} {statistics.median(h) / 1e3:8.2f}"
         )
     per_step = sum(statistics.fmean(situ[name]) * n for name, n in ENGINE_CALLS.items())
-    lines.append(f"the engine's driver calls per step, in-situ (5 marks + done + spans + release): {per_step / 1e3:.1f} us")
+    lines.append(f"the engine's driver calls per step, in-situ (6 marks + done + spans + release): {per_step / 1e3:.1f} us")
     print_and_save("\n".join(lines), args.out)
 
 

@@ -89,12 +89,9 @@ class Inside:
         return lines
 
 
-# Every body of the plain door's hooks; torch looks them up on the instance when it
-# installs them (and the backward ones each step), so instance attributes take effect.
-_PLAIN_HOOK_BODIES = (
-    "_on_batch", "_on_forward", "_on_forward_end", "_on_backward_start", "_after_backward_callbacks",
-    "_on_backward_end", "_on_optimizer", "_on_optimizer_end",
-)
+# Every body of the plain door's hooks; they are looked up on the instance when the
+# hooks are installed or called, so instance attributes take effect.
+_PLAIN_HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
 
 def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[[Any], None], steps: int) -> Inside:
@@ -105,6 +102,8 @@ def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callab
     timer.detach()
     for name in _PLAIN_HOOK_BODIES:
         setattr(timer, name, inside.wrap(getattr(timer, name), name))
+    bounds = timer._bounds
+    bounds.optimizer_start = inside.wrap(bounds.optimizer_start, "optimizer_start")
     timer._install()
     with timer:
         for batch in timer.loader:
@@ -133,37 +132,33 @@ def overhead_table(names: list[str], us: dict[str, list[float]], width: int) -> 
     return lines
 
 
+class _PassThroughBackward:
+    """``torch.autograd.backward`` wrapped by a function that only calls it; ``remove()`` puts it back."""
+
+    def __init__(self) -> None:
+        original = self._original = torch.autograd.backward
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            return original(*args, **kwargs)
+
+        torch.autograd.backward = backward
+
+    def remove(self) -> None:
+        torch.autograd.backward = self._original
+
+
 def noop_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Callable[[], list[Any]]]:
-    """The torch hooks the plain door uses, with bodies that do nothing else: each kind, and all."""
-    engine = torch.autograd.Variable._execution_engine
-
-    def after() -> None:
-        engine.queue_callback(lambda: None)
-
-    def on_backward(grad_outputs: Any) -> None:
-        engine.queue_callback(after)
-
-    def on_forward_end(module: Any, args: Any, output: Any) -> None:
-        output.grad_fn.register_prehook(on_backward)
-
-    def on_forward_end_no_callback(module: Any, args: Any, output: Any) -> None:
-        output.grad_fn.register_prehook(lambda grad_outputs: None)
-
+    """The hooks the plain door uses, with bodies that do nothing else: each kind, and all."""
     parts: dict[str, Callable[[], list[Any]]] = {
         "forward pre-hook": lambda: [model.register_forward_pre_hook(lambda m, a: None)],
-        "forward hook": lambda: [model.register_forward_hook(lambda m, a, o: None)],
-        "forward hook + grad_fn pre-hook": lambda: [model.register_forward_hook(on_forward_end_no_callback)],
-        "forward hook + grad_fn pre-hook + 2 callbacks": lambda: [model.register_forward_hook(on_forward_end)],
+        "backward() wrapper": lambda: [_PassThroughBackward()],
         "optimizer pre + post hooks": lambda: [
             opt.register_step_pre_hook(lambda o, a, k: None),
             opt.register_step_post_hook(lambda o, a, k: None),
         ],
     }
-    parts["all of the plain door's"] = lambda: [
-        *parts["forward pre-hook"](),
-        *parts["forward hook + grad_fn pre-hook + 2 callbacks"](),
-        *parts["optimizer pre + post hooks"](),
-    ]
+    kinds = list(parts)
+    parts["all of the plain door's"] = lambda: [h for kind in kinds for h in parts[kind]()]
     return parts
 
 
@@ -223,7 +218,8 @@ def main() -> None:
                 core.phase("backward")
                 core.phase("optimizer")
                 step(batch)
-                core.end_step()
+                core.end()
+                core.close()
 
         return run
 
@@ -234,7 +230,7 @@ def main() -> None:
         for batch in loader:
             marks = [mark(), mark(), mark(), mark()]
             step(batch)
-            marks.append(mark())
+            marks += [mark(), mark()]
             release(marks)
 
     def with_hooks(install: Callable[[], list[Any]]) -> Callable[[], None]:
@@ -261,10 +257,10 @@ def main() -> None:
         "none": run_none,
         "attach (phase-timer default)": attached(timer),
         "attach, Python engine": attached(timer_py),
-        "core only (begin, 3 switches, end)": core_only(2),
+        "core only (begin, 3 switches, end, close)": core_only(2),
         "core only, poll lag 0": core_only(0),
         "core only, poll lag 8": core_only(8),
-        f"5 marks only ({type(clock).__name__})": run_marks,
+        f"6 marks only ({type(clock).__name__})": run_marks,
         **{f"no-op hooks: {k}": with_hooks(v) for k, v in install_noop.items()},
         f"python burn {burn10_us:.1f} us": with_burn(burn10),
         f"python burn {burn20_us:.1f} us": with_burn(burn20),

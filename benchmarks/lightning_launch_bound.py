@@ -15,8 +15,8 @@ callback list is never changed while Lightning iterates it:
 * ``none``: the Trainer with its logger and nothing else;
 * ``empty Callback``: a Callback that overrides nothing: what Lightning's dispatch
   costs for any extra callback (it calls every hook of every callback);
-* ``PhaseTimer``: phase-timer at default settings (its ``batch_to_device`` wrapper
-  in place for its blocks only);
+* ``PhaseTimer``: phase-timer at default settings (its ``batch_to_device`` wrapper,
+  its fetch hooks and its optimizer step hooks in place for its blocks only);
 * ``python burn``: plain Python of a known hot cost per step (calibration).
 
 Blocks are 50 steps, the logging window, so every PhaseTimer block pays one window
@@ -49,6 +49,7 @@ from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model  # n
 
 CUDA = torch.cuda.is_available()  # CPU: a smoke run only
 _HOOKS = ("on_before_backward", "on_after_backward", "on_train_batch_end")
+_FETCH_HOOKS = ("_on_before_fetch", "_on_after_fetch")
 
 
 class Blocks:
@@ -135,20 +136,33 @@ def overhead(rounds: int, block: int, warmup_rounds: int) -> tuple[list[str], di
     empty = pl.Callback()
     names = ["none", "empty Callback", "PhaseTimer (default)", burn_name]
     blocks = Blocks(names, rounds, warmup_rounds)
-    wrapper: Any = None  # PhaseTimer's batch_to_device, taken at the first switch (after its setup)
+    # PhaseTimer's pieces outside the callback list, taken at the first switch (after its
+    # on_train_start): its batch_to_device wrapper, the fetch hooks it gave the data
+    # fetcher, and its optimizer step hooks; and what runs there without it.
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
 
     def switch(tr: pl.Trainer, variant: str) -> None:
-        nonlocal wrapper
-        strategy = tr.strategy
-        if wrapper is None:
-            wrapper = strategy.__dict__["batch_to_device"]
+        strategy, fetcher, opt = tr.strategy, tr.fit_loop._data_fetcher, tr.optimizers[0]
+        if not ours:
+            ours.update(batch_to_device=strategy.__dict__["batch_to_device"], start=fetcher._start_profiler,
+                        stop=fetcher._stop_profiler, pre=dict(opt._optimizer_step_pre_hooks),
+                        post=dict(opt._optimizer_step_post_hooks))
+            loop = tr.fit_loop.epoch_loop
+            theirs.update(start=type(loop)._on_before_fetch.__get__(loop), stop=type(loop)._on_after_fetch.__get__(loop))
         for cb in (timer, empty):
             if cb in tr.callbacks:
                 tr.callbacks.remove(cb)
         strategy.__dict__.pop("batch_to_device", None)
-        if variant.startswith("PhaseTimer"):
+        on = variant.startswith("PhaseTimer")
+        side = ours if on else theirs
+        fetcher._start_profiler, fetcher._stop_profiler = side["start"], side["stop"]
+        for hooks, key in ((opt._optimizer_step_pre_hooks, "pre"), (opt._optimizer_step_post_hooks, "post")):
+            hooks.clear()
+            hooks.update(ours[key] if on else {})
+        if on:
             tr.callbacks.append(timer)
-            strategy.batch_to_device = wrapper
+            strategy.batch_to_device = ours["batch_to_device"]
         elif variant == "empty Callback":
             tr.callbacks.append(empty)
         net.burn = burn if variant == burn_name else None
@@ -187,6 +201,15 @@ class SelfTimed(phase_timer.PhaseTimer):
         strategy.batch_to_device = batch_to_device
         for name in _HOOKS:
             setattr(self, name, self.inside.wrap(getattr(self, name), name))
+        loop = trainer.fit_loop.epoch_loop
+        for name in _FETCH_HOOKS:  # ours, around Lightning's own (a profiler call that does nothing)
+            if name in loop.__dict__:
+                setattr(loop, name, self.inside.wrap(getattr(loop, name), f"fetch hook {name}"))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        bounds = self._bounds
+        bounds.step_end = self.inside.wrap(bounds.step_end, "step end (optimizer post-hook)")
 
 
 def host_inside(steps: int) -> Inside:

@@ -473,6 +473,7 @@ static PyTypeObject ClockType = {
 typedef struct {
     int64_t step;
     Py_ssize_t n, cap;      /* marks: n; labels: n - 1 */
+    Py_ssize_t end;         /* the step's device part ends at marks[end]; later spans are between steps (-1: none) */
     int64_t *marks;
     int32_t *labels;
     Py_ssize_t nh, hcap;    /* host-clock phases, already in ms */
@@ -488,6 +489,10 @@ typedef struct {
     PyObject *ids;          /* phase name -> id */
     PyObject *names;        /* id -> phase name */
     int32_t step_id, period_id;
+    int32_t between_id, paused_id;  /* spans after the step's end fold into `between`; `paused` spans are dropped */
+    PyObject *folded;       /* names of the built-in phases that fold into `between` after the end */
+    unsigned char *fold;    /* per id: 1 if folded */
+    int32_t pre_end;        /* the label that ran into the last end(): a second end() continues it */
     Rec cur;
     int open;
     int32_t current;
@@ -554,11 +559,12 @@ static int ensure_ids(Steps *self, Py_ssize_t n) {
     self->field = p;
     GROW(col, double *) GROW(col_n, Py_ssize_t) GROW(col_cap, Py_ssize_t) GROW(col_order, int32_t)
     GROW(in_win, unsigned char) GROW(acc, double) GROW(seen, unsigned char) GROW(touched, int32_t)
+    GROW(fold, unsigned char)
 #undef GROW
     for (Py_ssize_t i = self->ncols; i < c; i++) {
         self->col[i] = NULL;
         self->col_n[i] = self->col_cap[i] = 0;
-        self->in_win[i] = self->seen[i] = 0;
+        self->in_win[i] = self->seen[i] = self->fold[i] = 0;
         self->acc[i] = 0.0;
     }
     self->ncols = c;
@@ -576,10 +582,13 @@ static int32_t phase_id(Steps *self, PyObject *name) {
     }
     Py_ssize_t id = PyList_GET_SIZE(self->names);
     if (ensure_ids(self, id + 1) < 0) return -1;
+    int folded = self->folded != NULL ? PySequence_Contains(self->folded, name) : 0;
+    if (folded < 0) return -1;
     PyObject *i = PyLong_FromSsize_t(id);
     if (i == NULL) return -1;
     int bad = PyDict_SetItem(self->ids, name, i) < 0 || PyList_Append(self->names, name) < 0;
     Py_DECREF(i);
+    self->fold[id] = (unsigned char)folded;
     return bad ? -1 : (int32_t)id;
 }
 
@@ -608,12 +617,14 @@ static void give_back(Steps *self, Rec *r) {
 static Py_ssize_t clock_epoch(Steps *self) { return self->clock != NULL ? self->clock->stream_epoch : 0; }
 
 static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"clock", "window", "max_pending", "lag", "max_per_poll", "per_step", NULL};
-    PyObject *clock;
+    static char *kwlist[] = {"clock", "window", "max_pending", "lag", "max_per_poll", "per_step", "between", "paused",
+                             "folded", NULL};
+    PyObject *clock, *between = NULL, *paused = NULL, *folded = NULL;
     long long window;
     Py_ssize_t max_pending, lag = 2, max_per_poll = 4;
     int per_step = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnp", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll, &per_step))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUO", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
+                                     &per_step, &between, &paused, &folded))
         return -1;
     if (self->ids != NULL) { PyErr_SetString(PyExc_RuntimeError, "Steps.__init__ called twice"); return -1; }
     if (window < 1 || max_pending < 1 || lag < 0 || max_per_poll < 1) {
@@ -645,6 +656,20 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     Py_DECREF(s);
     Py_DECREF(p);
     if (self->step_id < 0 || self->period_id < 0) return -1;
+    if (folded != NULL) {
+        self->folded = PySequence_Tuple(folded);
+        if (self->folded == NULL) return -1;
+    }
+    PyObject *b = between != NULL ? (Py_INCREF(between), between) : PyUnicode_InternFromString("between_steps");
+    PyObject *q = paused != NULL ? (Py_INCREF(paused), paused) : PyUnicode_InternFromString("paused");
+    if (b == NULL || q == NULL) { Py_XDECREF(b); Py_XDECREF(q); return -1; }
+    self->between_id = phase_id(self, b);
+    self->paused_id = phase_id(self, q);
+    Py_DECREF(b);
+    Py_DECREF(q);
+    if (self->between_id < 0 || self->paused_id < 0) return -1;
+    self->pre_end = self->between_id;
+    self->cur.end = -1;
     self->ring_cap = max_pending;
     self->ring = PyMem_Calloc(max_pending, sizeof(Rec));
     if (self->ring == NULL) { PyErr_NoMemory(); return -1; }
@@ -663,6 +688,8 @@ static void Steps_dealloc(Steps *self) {
     for (Py_ssize_t i = 0; i < self->ncols; i++) PyMem_Free(self->col[i]);
     PyMem_Free(self->col); PyMem_Free(self->col_n); PyMem_Free(self->col_cap); PyMem_Free(self->col_order);
     PyMem_Free(self->in_win); PyMem_Free(self->acc); PyMem_Free(self->seen); PyMem_Free(self->touched);
+    PyMem_Free(self->fold);
+    Py_XDECREF(self->folded);
     PyMem_Free(self->spans);
     Py_XDECREF(self->clock);
     Py_XDECREF(self->now);
@@ -684,6 +711,7 @@ static PyObject *Steps_open(Steps *self, PyObject *const *args, Py_ssize_t nargs
     if (take_mark(self, &self->cur.marks[0]) < 0) return NULL;
     self->cur.n = 1;
     self->cur.nh = 0;
+    self->cur.end = -1;
     self->cur.step = step;
     self->current = id;
     self->epoch = clock_epoch(self);
@@ -702,6 +730,23 @@ static PyObject *Steps_switch(Steps *self, PyObject *phase) {
     r->labels[r->n - 1] = self->current;
     r->n++;
     self->current = id;
+    Py_RETURN_NONE;
+}
+
+/* end(): the step's device part ends here (a mark); what follows, until close(), is between steps.
+ * A later end() moves the end there.  A second end() with nothing switched in between
+ * continues the label that ran into the first (a GradScaler's update after the step). */
+static PyObject *Steps_end(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->open) Py_RETURN_NONE;
+    Rec *r = &self->cur;
+    int32_t label = self->current;
+    if (label == self->between_id && r->end >= 0) label = self->pre_end;
+    else self->pre_end = label;
+    if (rec_reserve(r, r->n + 1) < 0 || take_mark(self, &r->marks[r->n]) < 0) return NULL;
+    r->labels[r->n - 1] = label;
+    r->end = r->n;
+    r->n++;
+    self->current = self->between_id;
     Py_RETURN_NONE;
 }
 
@@ -760,6 +805,7 @@ static PyObject *Steps_close(Steps *self, PyObject *arg) {
     *slot = *r;
     *r = tmp;
     r->n = r->nh = 0;
+    r->end = -1;
     self->count++;
     self->open = 0;
     Py_RETURN_TRUE;
@@ -827,8 +873,11 @@ static int resolve(Steps *self, Rec *r) {
     } else {
         for (Py_ssize_t i = 0; i < nspans; i++) self->spans[i] = (double)(r->marks[i + 1] - r->marks[i]) / 1e6;
     }
-    /* ms per phase, summed as the Python engine does: host phases, then device spans, then the step. */
+    /* ms per phase, summed as the Python engine does: host phases, then device spans, then the step.
+     * Spans before the end are the step's; later ones are between steps (built-in phases fold
+     * into `between`, custom ones keep their names); paused spans are nobody's. */
     double total = 0.0;
+    Py_ssize_t end = r->end >= 0 ? r->end : nspans;
 #define TOUCH(id, v)                                          \
     do {                                                      \
         int32_t id_ = (id);                                   \
@@ -841,8 +890,11 @@ static int resolve(Steps *self, Rec *r) {
     } while (0)
     for (Py_ssize_t i = 0; i < r->nh; i++) TOUCH(r->hid[i], r->hms[i]);
     for (Py_ssize_t i = 0; i < nspans; i++) {
-        TOUCH(r->labels[i], self->spans[i]);
-        total += self->spans[i];
+        int32_t label = r->labels[i];
+        if (label == self->paused_id) continue;
+        if (i < end) total += self->spans[i];
+        else if (self->fold[label]) label = self->between_id;
+        TOUCH(label, self->spans[i]);
     }
     if (self->seen[self->step_id]) self->acc[self->step_id] = 0.0;  /* "step" is set, not summed */
     TOUCH(self->step_id, total);
@@ -962,6 +1014,7 @@ static PyMethodDef Steps_methods[] = {
     {"open", (PyCFunction)(void (*)(void))Steps_open, METH_FASTCALL, "open(step, phase): start a record."},
     {"switch", (PyCFunction)Steps_switch, METH_O, "switch(phase): end the running span, start `phase`."},
     {"relabel", (PyCFunction)Steps_relabel, METH_O, "relabel(phase): rename the running span."},
+    {"end", (PyCFunction)Steps_end, METH_NOARGS, "end(): the step's device part ends here; then between steps."},
     {"add_host", (PyCFunction)(void (*)(void))Steps_add_host, METH_FASTCALL, "add_host(phase, ms): a host-clock phase."},
     {"close", (PyCFunction)Steps_close, METH_O, "close(period_ms) -> bool: queue the record (period_ms < 0: none)."},
     {"discard", (PyCFunction)Steps_discard, METH_NOARGS, "Drop the open record."},

@@ -1,9 +1,11 @@
 """The framework-free core: hooks -> engine (marks, records, lazy resolution, window) -> stats -> sinks.
 
-Both doors (the Lightning callback and the plain-PyTorch attachment) only turn
-their framework's events into calls on :class:`TimingCore`:
-``begin_step(step, phase)``, ``phase(name)``, ``relabel(name)``,
-``add_host(name, ms)``, ``end_step()``, ``pause()/resume()`` and ``finish()``.
+Both doors (the Lightning callback and the plain-PyTorch attachment) turn their
+framework's events into boundaries (:mod:`phase_timer.boundaries`), which make
+these calls on :class:`TimingCore`: ``begin_step(step, phase)``, ``phase(name)``,
+``relabel(name)``, ``add_host(name, ms)``, ``end()`` (the step's device part ends),
+``close()`` (the record ends: the time between steps too), ``discard()``,
+``pause()/resume()`` and ``finish()``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class TimingCore:
         self.phase = self._engine.switch
         self.relabel = self._engine.relabel
         self.add_host = self._engine.add_host
+        self.end = self._engine.end
 
     # -- the step ---------------------------------------------------------------
     @property
@@ -113,8 +116,8 @@ class TimingCore:
         else:
             engine.open(step, phase)
 
-    def end_step(self) -> None:
-        """Close the step; resolve whatever earlier steps the device has finished."""
+    def close(self) -> None:
+        """Close the record (after :meth:`end`, the time between steps ends here); resolve what the device finished."""
         if not self._in_step:
             return
         self._in_step = False
@@ -130,6 +133,11 @@ class TimingCore:
             self.steps_ended += 1
             if self.steps_ended % self._window_size == 0:
                 self._write_ranks(self.ranks.exchange())
+
+    def discard(self) -> None:
+        """Drop the open record: a step abandoned before its end has no honest total."""
+        self._engine.discard()
+        self._in_step = False
 
     def _skip(self) -> None:
         self.skipped += 1

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from phase_timer.clock import Clock, HostClock, NativeCudaClock, native_wanted
+from phase_timer.metrics import BETWEEN, PAUSED, STEP_PHASES
 from phase_timer.recorder import NvtxRecorder, Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.stats import Window
@@ -53,6 +54,7 @@ class PyEngine:
         self._window: Window | None = None
         # The hot path: bound methods, no extra frame.
         self.switch = self._recorder.switch
+        self.end = self._recorder.end
         self.relabel = self._recorder.relabel
         self.add_host = self._recorder.add_host
         self.discard = self._recorder.discard
@@ -126,6 +128,11 @@ class PyEngine:
         return out
 
 
+def native_steps(clock: Any, window: int, max_pending: int, lag: int = 2, per_step: bool = False) -> Any:
+    """The C engine with the phase names both engines share (what folds after a step's end, what is paused)."""
+    return Steps(clock, window, max_pending, lag, 4, per_step, BETWEEN, PAUSED, STEP_PHASES)
+
+
 def make_engine(
     clock: Clock,
     *,
@@ -139,7 +146,7 @@ def make_engine(
     """The C engine where it applies (built, wanted, a native or host clock, no NVTX, no trace), else PyEngine."""
     if Steps is not None and not nvtx and not traced and native_wanted():
         if NativeCudaClock is not None and isinstance(clock, NativeCudaClock):
-            return Steps(clock, window, max_pending, lag, 4, per_step)
+            return native_steps(clock, window, max_pending, lag, per_step)
         if type(clock) is HostClock:
-            return Steps(time.perf_counter_ns, window, max_pending, lag, 4, per_step)
+            return native_steps(time.perf_counter_ns, window, max_pending, lag, per_step)
     return PyEngine(clock, window=window, max_pending=max_pending, lag=lag, per_step=per_step, nvtx=nvtx)

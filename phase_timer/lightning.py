@@ -1,17 +1,21 @@
-"""``PhaseTimer``: the Lightning callback.  It only turns hooks into calls on the core.
+"""``PhaseTimer``: the Lightning callback.  It only reports Lightning's events as boundaries.
 
-Where the boundaries sit (see the README for what each phase means):
+What each phase means is defined once, in :mod:`phase_timer.boundaries`; here is
+where Lightning tells us each boundary happened:
 
-=================  ===============================================================
-mark               Lightning event
-=================  ===============================================================
-``h2d`` starts     entry of ``trainer.strategy.batch_to_device`` (wrapped on the instance)
-``forward``        exit of that wrapper
-``backward``       ``on_before_backward``
-``optimizer``      ``on_after_backward`` (manual optimization: the torch optimizers' own
-                   step pre-hooks; after the step, ``forward`` again)
-step end           ``on_train_batch_end`` of a batch that stepped the optimizer
-=================  ===============================================================
+==================  ================================================================
+boundary            Lightning event
+==================  ================================================================
+fetch               the training epoch loop's fetch of the next batch (the hooks it
+                    calls around ``next(data_fetcher)``); ``data_wait`` is the time inside
+batch (``h2d``)     entry of ``trainer.strategy.batch_to_device`` (wrapped on the instance)
+copied (forward)    exit of that wrapper
+backward            ``on_before_backward`` .. ``on_after_backward``
+optimizer           after backward (automatic); manual: the torch optimizers' step pre-hooks
+step end            the torch optimizers' step post-hooks, and the precision plugin's
+                    ``GradScaler.update()`` (a skipped inf/nan step ends there)
+pause               validation (``on_validation_start`` .. ``on_validation_end``), epoch ends
+==================  ================================================================
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
@@ -133,12 +138,13 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         self.core: TimingCore | None = None
         self.last_summary: str | None = None
         self.log_dir: str | None = None
-        self._trainer: pl.Trainer | None = None
+        self._bounds: Boundaries | None = None
         self._originals: list[tuple[Any, str, Any, bool]] = []
-        self._sync_wait_ns = 0
         self._hooks: list[Any] = []
-        self._last_batch_end = 0
-        self._paused_at = 0
+        self._sync_wait_ns = 0
+        self._fetch_ns = 0  # host time inside Lightning's fetch since the last batch
+        self._fetch_t0 = 0
+        self._fetch_hooked = False
         self._global_step_at_batch = 0
         self.totals = None
 
@@ -146,27 +152,47 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.enabled or stage != "fit":
             return
-        self._trainer = trainer
-        self._sync_wait_ns = 0
+        self._sync_wait_ns = self._fetch_ns = 0
         original = trainer.strategy.batch_to_device
 
         def batch_to_device(batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-            if self.core is None or not trainer.training:
+            bounds = self._bounds
+            if bounds is None or not trainer.training:
                 return original(batch, device, dataloader_idx)
-            self._before_transfer(trainer)
+            self._on_batch(trainer, bounds)
             out = original(batch, device, dataloader_idx)
-            self.core.phase("forward")
+            bounds.copied()
             return out
 
         self._patch(trainer.strategy, "batch_to_device", batch_to_device)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        # The training epoch loop hands these two to its data fetcher, which calls them
+        # around each `next()` of the loader: the fetch boundary and `data_wait`.
+        before, after = getattr(epoch_loop, "_on_before_fetch", None), getattr(epoch_loop, "_on_after_fetch", None)
+        self._fetch_hooked = callable(before) and callable(after)
+        if self._fetch_hooked:
+
+            def on_before_fetch() -> None:
+                if self._bounds is not None:
+                    self._bounds.fetch()
+                self._fetch_t0 = time.perf_counter_ns()
+                before()
+
+            def on_after_fetch() -> None:
+                after()
+                self._fetch_ns += time.perf_counter_ns() - self._fetch_t0
+
+            self._patch(epoch_loop, "_on_before_fetch", on_before_fetch)
+            self._patch(epoch_loop, "_on_after_fetch", on_after_fetch)
         # Lightning 2.6 broadcasts a SIGTERM flag before every batch when distributed and
         # reads it back with `.item()`: the host waits there for the device and the other
-        # ranks.  That wait is timed as `sync_wait`, so that it is not counted as data_wait.
-        epoch_loop = trainer.fit_loop.epoch_loop
+        # ranks.  That wait is timed as `sync_wait`, outside the step and its data_wait.
         broadcast = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
         if callable(broadcast):
 
             def timed_broadcast(*args: Any, **kwargs: Any) -> Any:
+                if self._bounds is not None:
+                    self._bounds.fetch()  # the time between steps ends where the next batch's preparation begins
                 t0 = time.perf_counter_ns()
                 try:
                     return broadcast(*args, **kwargs)
@@ -209,8 +235,25 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             trace=cfg.make_trace(self.log_dir or trainer.default_root_dir, clock.kind) if trainer.is_global_zero else None,
             ranks=ranks,
         )
-        if not pl_module.automatic_optimization:  # trainer.optimizers: the torch optimizers themselves
-            self._hooks.append(StepHooks(trainer.optimizers, self._manual_step_start, self._manual_step_end))
+        bounds = self._bounds = Boundaries(self.core)
+        # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
+        # step.  Automatic optimization calls `optimizer.step(closure)` before it runs
+        # training_step, so only manual optimization takes the pre-hook as `optimizer`.
+        manual = not pl_module.automatic_optimization
+        self._hooks.append(
+            StepHooks(trainer.optimizers, bounds.optimizer_start if manual else None, lambda opt: bounds.step_end())
+        )
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and callable(getattr(scaler, "update", None)):
+            update = scaler.update
+
+            def scaler_update(*args: Any, **kwargs: Any) -> Any:
+                out = update(*args, **kwargs)
+                if self._bounds is not None:
+                    self._bounds.step_end()  # after the step; the only end of a step skipped for inf/nan
+                return out
+
+            self._patch(scaler, "update", scaler_update)
 
     def _make_sinks(self, trainer: pl.Trainer, ranks: bool) -> list[Sink]:
         sinks: list[Sink] = []
@@ -234,78 +277,52 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         return next_version_dir(os.path.join(trainer.default_root_dir, "phase_timer"))
 
     # -- the step -----------------------------------------------------------------
-    def _before_transfer(self, trainer: pl.Trainer) -> None:
-        core = self.core
-        assert core is not None
+    def _on_batch(self, trainer: pl.Trainer, bounds: Boundaries) -> None:
         sync_ns, self._sync_wait_ns = self._sync_wait_ns, 0
-        wait_ms = max(0.0, (time.perf_counter_ns() - self._last_batch_end - sync_ns) / 1e6)
-        if core.in_step:  # next micro-batch of an accumulated step
-            core.phase("h2d")
-        else:
-            epoch_loop = trainer.fit_loop.epoch_loop
-            # The step Lightning logs this batch's metrics at.
-            core.begin_step(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step), "h2d")
-        core.add_host("data_wait", wait_ms)
-        if sync_ns:
-            core.add_host("sync_wait", sync_ns / 1e6)
+        fetch_ns, self._fetch_ns = self._fetch_ns, 0
+        # The step Lightning logs this batch's metrics at.
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        bounds.batch(step, fetch_ns / 1e6 if self._fetch_hooked else None, sync_ns / 1e6)
         self._global_step_at_batch = trainer.global_step
 
-    def _manual_step_start(self, opt: Any) -> None:
-        if self.core is not None:
-            self.core.phase("optimizer")
-
-    def _manual_step_end(self, opt: Any) -> None:
-        if self.core is not None:
-            self.core.phase("forward")  # back in the user's training_step
-
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        if self.core is not None:
-            self.core.phase("backward")
+        if self._bounds is not None:
+            self._bounds.backward_start()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.core is not None:
-            # Automatic optimization: all that follows backward is the optimizer's
-            # (clipping, scaler, step).  Manual: back to the user's training_step.
-            self.core.phase("optimizer" if pl_module.automatic_optimization else "forward")
+        if self._bounds is not None:
+            self._bounds.backward_end()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        core = self.core
-        if core is None or not core.in_step:
-            return
-        if trainer.global_step != self._global_step_at_batch:
-            core.end_step()
-        else:  # accumulating: what follows until the next micro-batch is the device waiting
-            core.relabel("idle")
-        self._last_batch_end = time.perf_counter_ns()
+        bounds = self._bounds
+        if bounds is not None and bounds.open and not bounds.ended and trainer.global_step != self._global_step_at_batch:
+            # The optimizer stepped where no torch step hook saw it (a custom `optimizer_step`):
+            # the step ends here, late, rather than merging into the next batch.
+            bounds.step_end()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync_wait_ns = 0  # a broadcast before the last epoch's end belongs to no batch
-        if self.core is not None:
-            self.core.resume()
-        self._last_batch_end = time.perf_counter_ns()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.core is not None:
-            self.core.end_step()  # an accumulation cut short by the epoch's end
-            self.core.pause()
+        if self._bounds is not None:
+            self._bounds.epoch_end()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.core is not None:
-            self.core.pause()
-            self._paused_at = time.perf_counter_ns()
+        if self._bounds is not None:
+            self._bounds.pause()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.core is not None and not trainer.sanity_checking:
-            self.core.resume()
-            # Validation is nobody's data_wait: move the reference past it.
-            self._last_batch_end += time.perf_counter_ns() - self._paused_at
+        if self._bounds is not None:
+            self._bounds.resume()
 
     # -- the end --------------------------------------------------------------------
     def _finish(self, trainer: pl.Trainer, *, interrupted: bool) -> None:
         self._restore()
         core, self.core = self.core, None
-        if core is None:
+        bounds, self._bounds = self._bounds, None
+        if core is None or bounds is None:
             return
+        bounds.finish()
         # The one blocking wait: pending steps are resolved and written (and the other
         # ranks' last reports awaited, briefly when the run failed: a rank may be gone).
         core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)

@@ -1,40 +1,47 @@
 """The plain-PyTorch door: ``attach()`` times a hand-written loop through PyTorch's own hooks.
 
-Where the boundaries sit:
+What each phase means is defined once, in :mod:`phase_timer.boundaries`; here is
+where the loop tells us each boundary happened:
 
-===============  ==================================================================
-``data_wait``    host time inside the wrapped loader's ``next()``
-step begins      the loader hands over a batch (``h2d`` starts; with
-                 ``copy_to_device=True`` the wrapper does the copy, then ``forward``)
-``forward``      the model's forward pre-hook (grad enabled, inside a step)
-``backward``     the gradient reaching the model's output (a pre-hook on its
-                 ``grad_fn``) ... the autograd engine's end-of-pass callback, which
-                 may run on another thread
-``optimizer``    after backward; the optimizers' step pre-hooks
-step ends        the last optimizer's step post-hook (``end_step="optimizer"``),
-                 ``scaler.update()`` when a GradScaler is given (so a skipped inf/nan
-                 step still ends the step), or ``timer.end_step()`` (``end_step="manual"``)
-===============  ==================================================================
-
-A forward with grad disabled between steps is evaluation: not counted, and the
-``period`` clock stops until the next training batch.
+==================  ===============================================================
+boundary            hook
+==================  ===============================================================
+fetch               the loop asks the wrapped loader for the next batch; ``data_wait``
+                    is the host time inside its ``next()``
+batch (``h2d``)     the loader hands over a batch (``copy_to_device=True``: the
+                    wrapper copies it, then ``forward``)
+forward             the attached module's forward pre-hook
+backward            the loop's ``backward()`` call .. its return (``torch.autograd.backward``
+                    wrapped, :mod:`phase_timer.backward_calls`)
+optimizer           the optimizers' step pre-hooks (after backward: at once)
+step end            each optimizer's step post-hook, ``scaler.update()`` when a
+                    GradScaler is given, or ``timer.end_step()`` (``end_step="manual"``);
+                    without a loader, only the last optimizer's post-hook
+pause               a forward with grad disabled in eval mode (or between steps):
+                    evaluation, neither in a step nor in ``period``
+==================  ===============================================================
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from phase_timer import backward_calls
+from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
-from phase_timer.metrics import HOST_PHASES, TOTALS, custom_scalars_layout
+from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.ranks import RankExchange
 from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
@@ -43,7 +50,9 @@ from phase_timer.stats import RunTotals
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-_RESERVED = HOST_PHASES | set(TOTALS) | {"idle"}
+log = logging.getLogger(__name__)
+
+_RESERVED = HOST_PHASES | set(TOTALS) | {"idle", BETWEEN, PAUSED}
 _END_STEP = ("optimizer", "manual")
 
 
@@ -61,34 +70,28 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _first_grad_fn(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.grad_fn
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
-    for v in values:
-        if (fn := _first_grad_fn(v)) is not None:
-            return fn
-    return None
-
-
 class _TimedLoader:
-    """Iterates the user's loader; times the wait for each batch and opens the step."""
+    """Iterates the user's loader: each fetch, the wait for each batch, the loader's end."""
 
     def __init__(self, timer: LoopTimer, loader: Iterable[Any]) -> None:
         self._timer = timer
         self._loader = loader
 
     def __iter__(self) -> Iterator[Any]:
+        timer = self._timer
         it = iter(self._loader)
-        on_batch = self._timer._on_batch
-        while True:
-            t0 = time.perf_counter_ns()
-            try:
-                batch = next(it)
-            except StopIteration:
-                self._timer._pause()
-                return
-            yield on_batch(batch, t0)
+        on_batch = timer._on_batch
+        try:
+            while True:
+                timer._fetch()
+                t0 = time.perf_counter_ns()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                yield on_batch(batch, t0)
+        finally:  # the loader ran out, or the loop left it (break, an exception): a cut-off step is dropped
+            timer._epoch_end()
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
@@ -125,15 +128,16 @@ class LoopTimer:
         self.enabled = enabled and not disabled_by_env()
         self.device = torch.device(device) if device is not None else self._model_device()
         self._copy = copy_to_device
-        self._end_on_optimizer = end_step == "optimizer" and scaler is None
+        self._end_on_optimizer = end_step == "optimizer"
         self._handles: list[Any] = []
         self._scaler, self._scaler_update = scaler, None
-        self._explicit: list[str] = []
-        self._auto = "h2d"
-        self._in_backward = False
-        self._step = 0
+        self._listening = False
+        #: The training loop's thread: hooks and phases from other threads are not its steps.
+        self._thread = threading.get_ident()
+        self._other_thread_warned = False
         self.log_dir: str | None = None
         self.core: TimingCore | None = None
+        self._bounds: Boundaries | None = None
         # Disabled, the wrapper still copies when asked to: the loop relies on it.
         self.loader = _TimedLoader(self, loader) if loader is not None and (self.enabled or copy_to_device) else loader
         if self.enabled:
@@ -149,6 +153,7 @@ class LoopTimer:
                 nvtx=config.nvtx, trace=config.make_trace(self.log_dir, clock.kind) if self.is_rank_zero else None,
                 ranks=ranks,
             )
+            self._bounds = Boundaries(self.core)
             self._install()
 
     def _model_device(self) -> torch.device:
@@ -169,116 +174,85 @@ class LoopTimer:
     def _install(self) -> None:
         for model in self.models:
             self._handles.append(model.register_forward_pre_hook(self._on_forward))
-            self._handles.append(model.register_forward_hook(self._on_forward_end))
-        self._handles.append(StepHooks(self.optimizers, self._on_optimizer, self._on_optimizer_end))
+        bounds = self._bounds
+        assert bounds is not None
+        self._handles.append(StepHooks(self.optimizers, bounds.optimizer_start, self._on_optimizer_end))
+        backward_calls.listen(self)
+        self._listening = True
         if self._scaler is not None:
             self._scaler_update = self._scaler.__dict__.get("update")
             original = self._scaler.update
 
             def update(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
-                self.end_step()
+                if self._end_on_optimizer and self._bounds is not None:
+                    self._bounds.step_end()  # after the step; the only end of a step skipped for inf/nan
                 return out
 
             self._scaler.update = update
 
-    def _set(self, phase: str) -> None:
-        """A built-in boundary: switch, unless an explicit phase is open (it wins)."""
-        self._auto = phase
-        if not self._explicit and self.core is not None:
-            self.core.phase(phase)
+    def _fetch(self) -> None:
+        if self._bounds is not None:
+            self._bounds.fetch()
 
     def _on_batch(self, batch: Any, t0: int) -> Any:
-        core = self.core
-        if core is None:
+        bounds = self._bounds
+        if bounds is None:
             return _to_device(batch, self.device) if self._copy else batch
-        wait_ms = (time.perf_counter_ns() - t0) / 1e6
-        core.resume()
-        if core.in_step:  # another micro-batch: the span since the last backward was the device idling
-            core.relabel("idle")
-            self._set("h2d")
-        else:
-            self._auto = "h2d"
-            core.begin_step(self._step, "h2d")
-        core.add_host("data_wait", wait_ms)
+        self._thread = threading.get_ident()
+        bounds.batch(None, (time.perf_counter_ns() - t0) / 1e6)
         if self._copy:
             batch = _to_device(batch, self.device)
-            self._set("forward")
+            bounds.copied()
         return batch
 
+    def _epoch_end(self) -> None:
+        if self._bounds is not None:
+            self._bounds.epoch_end()
+
     def _on_forward(self, module: nn.Module, args: Any) -> None:
-        core = self.core
-        if core is None:
+        bounds = self._bounds
+        if bounds is None or bounds.in_backward or threading.get_ident() != self._thread:
             return
-        if not torch.is_grad_enabled():
-            if not core.in_step:
-                core.pause()  # evaluation between steps: not part of any step's period
+        if not torch.is_grad_enabled() and (not module.training or not bounds.open):
+            bounds.pause()  # evaluation: in eval mode, or between steps
             return
-        if not core.in_step and self.loader is None:
-            core.begin_step(self._step, "forward")
-        self._set("forward")
+        bounds.forward(begins=self.loader is None)
 
-    def _on_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.core is None or not self.core.in_step or not torch.is_grad_enabled():
-            return
-        grad_fn = _first_grad_fn(output)
-        if grad_fn is not None:
-            grad_fn.register_prehook(self._on_backward_start)
+    def _backward_began(self) -> bool:
+        bounds = self._bounds
+        if bounds is None or threading.get_ident() != self._thread:
+            return False
+        bounds.backward_start()
+        return bounds.in_backward
 
-    def _on_backward_start(self, grad_outputs: Any) -> None:
-        if not self._in_backward and self.core is not None and self.core.in_step:
-            self._in_backward = True
-            self._set("backward")
-            # The engine runs this when the whole pass is done, on whichever thread
-            # finished it, with the caller's streams current.
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward_callbacks)
-        return None
-
-    def _after_backward_callbacks(self) -> None:
-        # DDP and FSDP queue their own end-of-backward callbacks (waiting for the last
-        # all-reduce / reduce-scatter) after ours; a callback queued from a callback
-        # runs after all of them, so backward includes what it could not overlap.
-        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-
-    def _on_backward_end(self) -> None:
-        self._in_backward = False
-        self._set("optimizer")
-
-    def _on_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        self._set("optimizer")
+    def _backward_ended(self) -> None:
+        if self._bounds is not None:
+            self._bounds.backward_end()
 
     def _on_optimizer_end(self, opt: torch.optim.Optimizer) -> None:
-        if self._end_on_optimizer and opt is self.optimizers[-1]:
-            self.end_step()
+        # With a loader, any optimizer step may be the batch's last (the next fetch says);
+        # without one, the last optimizer given ends the step.
+        if self._end_on_optimizer and self._bounds is not None and (self.loader is not None or opt is self.optimizers[-1]):
+            self._bounds.step_end()
 
     # -- public ---------------------------------------------------------------------
     def end_step(self) -> None:
-        """End the running step (automatic at the optimizer step unless ``end_step="manual"``)."""
-        core = self.core
-        if core is None or not core.in_step:
-            return
-        core.end_step()
-        self._step += 1
-        self._auto = "h2d"
+        """End the running step here (with ``end_step="manual"``; else the optimizer step ends it).
 
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        self._explicit.append(name)
-        if self.core is not None:
-            self.core.phase(name)
-        try:
-            yield
-        finally:
-            self._explicit.pop()
-            if self.core is not None:  # back to the enclosing phase
-                self.core.phase(self._explicit[-1] if self._explicit else self._auto)
+        What follows, until the loop fetches the next batch, is ``between_steps``.
+        """
+        if self._bounds is not None:
+            self._bounds.step_end()
 
-    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+    def phase(self, name: str) -> _PhaseContext:
         """Time a named region: ``with timer.phase("clip"): ...`` or ``@timer.phase("ema")``.
 
         The innermost open phase owns the time (nesting is exclusive, so phases still
-        add up to the step); built-in boundaries inside it are deferred until it closes.
-        Outside a step nothing is recorded.
+        add up); built-in boundaries inside it take effect when it closes.  Inside a
+        step it is part of ``step``; between steps (an EMA after ``optimizer.step()``)
+        it is timed the same way and is part of the time between steps.  Only the
+        training loop's thread is timed; re-entry (recursion) is counted once.
         """
         if not isinstance(name, str) or not name.isidentifier() or name in _RESERVED:
             raise ValueError(
@@ -287,15 +261,33 @@ class LoopTimer:
             )
         return _PhaseContext(self, name)
 
-    def _pause(self) -> None:
-        if self.core is not None:
-            self.core.pause()
+    def _enter(self, name: str) -> bool:
+        """A user phase opens on this thread: True if it is timed."""
+        if self._bounds is None:
+            return False
+        if threading.get_ident() != self._thread:
+            if not self._other_thread_warned:
+                self._other_thread_warned = True
+                msg = (f"phase-timer: timer.phase({name!r}) was entered on a thread other than the training "
+                       "loop's; phases are timed on the loop's thread only, so this one is not timed")
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            return False
+        self._bounds.enter(name)
+        return True
+
+    def _exit(self) -> None:
+        if self._bounds is not None:
+            self._bounds.exit()
 
     def detach(self) -> None:
-        """Remove every hook: the model, optimizers and scaler are left as they were."""
+        """Remove every hook: the model, optimizers, scaler and ``torch.autograd.backward`` are left as they were."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._listening:
+            backward_calls.unlisten(self)
+            self._listening = False
         if self._scaler is not None:
             if self._scaler_update is None:
                 self._scaler.__dict__.pop("update", None)
@@ -311,8 +303,10 @@ class LoopTimer:
         """
         self.detach()
         core, self.core = self.core, None
-        if core is None:
+        bounds, self._bounds = self._bounds, None
+        if core is None or bounds is None:
             return self.totals
+        bounds.finish()
         self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
         self.last_summary = core.summary_table()
         if self.config.summary and self.is_rank_zero:
@@ -332,17 +326,24 @@ class LoopTimer:
 
 
 class _PhaseContext(contextlib.ContextDecorator):
+    """``timer.phase(name)``: safe to re-enter (recursion) and to use from several threads."""
+
     def __init__(self, timer: LoopTimer, name: str) -> None:
         self._timer, self._name = timer, name
-        self._cm: contextlib.AbstractContextManager[None] | None = None
+        self._local = threading.local()  # per thread: the nesting depth, and whether the outer entry was timed
 
     def __enter__(self) -> None:
-        self._cm = self._timer._phase(self._name)
-        self._cm.__enter__()
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        local.depth = depth + 1
+        if depth == 0:  # a recursive entry is already inside this phase
+            local.timed = self._timer._enter(self._name)
 
-    def __exit__(self, *exc: Any) -> bool | None:
-        assert self._cm is not None
-        return self._cm.__exit__(*exc)
+    def __exit__(self, *exc: Any) -> None:
+        local = self._local
+        local.depth -= 1
+        if local.depth == 0 and local.timed:
+            self._timer._exit()
 
 
 def _check_attach_args(models: list[Any], optimizers: list[Any], end_step: Any, scaler: Any, copy: Any, enabled: Any) -> None:

@@ -9,12 +9,34 @@ from phase_timer.stats import WINDOW_STATS, RunTotals
 if TYPE_CHECKING:
     from phase_timer.ranks import RankTotals, RankWindow
 
+#: The device time from a step's end (its last optimizer step) to the next batch's fetch.
+BETWEEN = "between_steps"
+#: The label of paused spans (evaluation, validation inside a record): nobody's time, never reported.
+PAUSED = "paused"
+#: Built-in phases inside a step.  After the step's end they fold into ``between_steps``.
+STEP_PHASES = ("h2d", "forward", "backward", "optimizer", "idle")
 #: Built-in phases in display order.  Custom phases (plain-PyTorch door) go after them.
-PHASE_ORDER = ("data_wait", "sync_wait", "h2d", "forward", "backward", "optimizer", "idle")
+PHASE_ORDER = ("data_wait", "sync_wait", *STEP_PHASES, BETWEEN)
 #: Phases read on the host clock whatever the device.
 HOST_PHASES = frozenset({"data_wait", "sync_wait", "period"})
 #: Totals, shown last.
 TOTALS = ("step", "period")
+
+
+def share_base(phase: str) -> str | None:
+    """What a phase's share is of: the step's phases of ``step``; the rest of ``period``, the time per step."""
+    if phase in TOTALS:
+        return None
+    return "period" if phase in HOST_PHASES or phase == BETWEEN else "step"
+
+
+def share_note(clock: str | None = None) -> str:
+    """The footnote that says what the share column is, on this clock (``None``: not known)."""
+    if clock == "host":
+        return "share: the step's phases of `step`; data_wait, sync_wait, between_steps of `period` (all host clock)"
+    if clock is None:
+        return "share: the step's phases of `step`; between_steps, data_wait, sync_wait of `period`"
+    return "share: the step's device phases of `step`; between_steps (device), data_wait, sync_wait (host) of `period`"
 
 WINDOW_PREFIX = "phase_time"
 STEP_PREFIX = "phase_time_step"
@@ -89,15 +111,14 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer")
     phases = ordered(list(totals.phases))
     if not phases:
         return f"{title}: no step was timed (warm-up longer than the run?)"
-    step = totals.phases.get("step")
-    period = totals.phases.get("period")
     head = ("phase", "clock", "mean ms", "p50 ms", "p90 ms", "max ms", "share")
     rows = []
     for p in phases:
         t = totals.phases[p]
-        base = period if p in HOST_PHASES else step
+        base_name = share_base(p)
+        base = totals.phases.get(base_name) if base_name is not None else None
         # time-weighted: a phase absent from some steps (idle, a custom phase) is not overstated
-        share = "" if base is None or p in TOTALS or base.total <= 0 else f"{100 * t.total / base.total:5.1f}%"
+        share = "" if base is None or base.total <= 0 else f"{100 * t.total / base.total:5.1f}%"
         if p == "step":
             share = "100.0%"
         row_clock = "host" if p in HOST_PHASES else clock
@@ -106,7 +127,7 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer")
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     rule = "-" * len(line(head))
     body = "\n".join(line(r) for r in rows)
-    note = "share: device phases of `step`, host phases (data_wait, sync_wait) of `period`"
+    note = share_note(clock)
     return f"{title}: {totals.steps} steps timed\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{note}"
 
 

@@ -4,6 +4,10 @@ PyTorch wraps ``step`` of every optimizer class it has hooked, so when a subclas
 ``step`` calls ``super().step()`` and the base class was hooked too (any instance of
 it existed), the pre/post hooks fire at both levels.  Counting the depth per
 optimizer keeps the inner pair from ending the phase early.
+
+An optimizer that wraps another one as ``base_optimizer`` (SAM and its kin) is
+hooked through both, sharing one depth: ``sam.step(closure)`` is one step, and so is
+``sam.second_step()``, which steps only the base optimizer.
 """
 
 from __future__ import annotations
@@ -14,36 +18,46 @@ from typing import Any
 import torch
 
 
+def _with_base(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    base = getattr(opt, "base_optimizer", None)
+    return [opt, base] if isinstance(base, torch.optim.Optimizer) and base is not opt else [opt]
+
+
 class StepHooks:
-    """Calls ``on_start(opt)`` as an outer step begins and ``on_end(opt)`` as it ends."""
+    """Calls ``on_start()`` as an outer step begins (if given) and ``on_end(opt)`` as it ends."""
 
     def __init__(
         self,
         optimizers: Sequence[torch.optim.Optimizer],
-        on_start: Callable[[torch.optim.Optimizer], None],
+        on_start: Callable[[], None] | None,
         on_end: Callable[[torch.optim.Optimizer], None],
     ) -> None:
         self._depth: dict[int, int] = {}
         self._handles: list[Any] = []
         for opt in optimizers:
             self._depth[id(opt)] = 0
-            self._handles.append(opt.register_step_pre_hook(self._pre(on_start)))
-            self._handles.append(opt.register_step_post_hook(self._post(on_end)))
+            for hooked in _with_base(opt):
+                self._handles.append(hooked.register_step_pre_hook(self._pre(opt, on_start)))
+                self._handles.append(hooked.register_step_post_hook(self._post(opt, on_end)))
 
-    def _pre(self, on_start: Callable[[torch.optim.Optimizer], None]) -> Callable[..., None]:
+    def _pre(self, outer: torch.optim.Optimizer, on_start: Callable[[], None] | None) -> Callable[..., None]:
+        depth, key = self._depth, id(outer)
+
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            depth = self._depth[id(opt)]
-            self._depth[id(opt)] = depth + 1
-            if depth == 0:
-                on_start(opt)
+            d = depth[key]
+            depth[key] = d + 1
+            if d == 0 and on_start is not None:
+                on_start()
 
         return hook
 
-    def _post(self, on_end: Callable[[torch.optim.Optimizer], None]) -> Callable[..., None]:
+    def _post(self, outer: torch.optim.Optimizer, on_end: Callable[[torch.optim.Optimizer], None]) -> Callable[..., None]:
+        depth, key = self._depth, id(outer)
+
         def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            depth = self._depth[id(opt)] = max(0, self._depth[id(opt)] - 1)
-            if depth == 0:
-                on_end(opt)
+            d = depth[key] = max(0, depth[key] - 1)
+            if d == 0:
+                on_end(outer)
 
         return hook
 

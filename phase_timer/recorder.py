@@ -1,9 +1,11 @@
 """One record per training step: its boundaries (marks) in order, and what each span was.
 
-Phases are contiguous: N+1 marks give N spans, and the spans add up exactly to
-the step.  A span is labelled with the phase that *starts* at its first mark, so
-a phase that happens several times in a step (forward and backward under
-gradient accumulation, ``optimizer`` with several optimizers) is summed.
+Phases are contiguous: N+1 marks give N spans, and the spans before the step's
+end add up exactly to the step.  A span is labelled with the phase that *starts*
+at its first mark, so a phase that happens several times in a step (forward and
+backward under gradient accumulation, ``optimizer`` with several optimizers) is
+summed.  A record goes on past the step's end (:meth:`Recorder.end`) until the
+next batch is fetched: those spans are the time between steps.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.clock import Clock
+from phase_timer.metrics import BETWEEN
 
 
 @dataclass(slots=True)
@@ -23,6 +26,8 @@ class Record:
     marks: list[Any]
     labels: list[str]
     single_stream: bool = True
+    #: The step's device part ends at ``marks[end]``; later spans are between steps (-1: at the last mark).
+    end: int = -1
     #: Phases measured on the host clock, already in milliseconds (``data_wait``, ``period``).
     host_ms: dict[str, float] = field(default_factory=dict)
     #: Traced steps only: the host time of each mark (ns), and the trace's reference mark.
@@ -33,7 +38,8 @@ class Record:
 class Recorder:
     """Turns ``open / switch / close`` calls into marks on one clock."""
 
-    __slots__ = ("_clock", "_mark", "_marks", "_labels", "_current", "_step", "_epoch", "_host", "_host_ns", "_ref")
+    __slots__ = ("_clock", "_mark", "_marks", "_labels", "_current", "_step", "_epoch", "_host", "_host_ns", "_ref",
+                 "_end", "_pre_end")
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
@@ -46,6 +52,8 @@ class Recorder:
         self._host: dict[str, float] = {}
         self._host_ns: list[int] | None = None
         self._ref: Any = None
+        self._end = -1
+        self._pre_end = BETWEEN
 
     @property
     def is_open(self) -> bool:
@@ -72,6 +80,7 @@ class Recorder:
         self._step = step
         self._epoch = self._clock.stream_epoch
         self._host = {}
+        self._end = -1
 
     def switch(self, phase: str) -> None:
         """End the running span and start ``phase``; free when ``phase`` is already running."""
@@ -83,6 +92,27 @@ class Recorder:
         marks.append(self._mark())
         self._labels.append(self._current)
         self._current = phase
+
+    def end(self) -> None:
+        """The step's device part ends here (a mark); until :meth:`close`, spans are between steps.
+
+        A later ``end()`` moves the end there; a second one with nothing switched in
+        between continues the label that ran into the first (a GradScaler's update).
+        """
+        marks = self._marks
+        if marks is None:
+            return
+        label = self._current
+        if label == BETWEEN and self._end >= 0:
+            label = self._pre_end
+        else:
+            self._pre_end = label
+        if self._host_ns is not None:
+            self._host_ns.append(time.perf_counter_ns())
+        marks.append(self._mark())
+        self._labels.append(label)
+        self._end = len(marks) - 1
+        self._current = BETWEEN
 
     def relabel(self, phase: str) -> None:
         """Rename the running span (no mark): what it turned out to be is known only later."""
@@ -111,6 +141,7 @@ class Recorder:
             host_ms=self._host,
             host_ns=self._host_ns,
             ref=self._ref,
+            end=self._end,
         )
 
     def discard(self) -> None:
@@ -154,6 +185,12 @@ class NvtxRecorder(Recorder):
             self._pop()
             self._push(phase)
         super().relabel(phase)
+
+    def end(self) -> None:
+        if self._marks is not None:
+            self._pop()
+            super().end()
+            self._push(BETWEEN)
 
     def close(self) -> Record | None:
         if self._marks is not None:

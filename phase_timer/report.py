@@ -21,10 +21,10 @@ Where the numbers come from (``source``):
     p50 = median of window p50, p90 = max of window p90, max = max of window
     max.  ``steps`` is then unknown (``null``).
 
-``share`` is a phase's part of the step: device phases of ``step`` (total phase
-time over total step time for ``step``; mean of window means over the same for
-``window``), ``data_wait`` of ``period`` (both host clock), ``step`` 1.0 and
-``period`` ``null``.
+``share`` is a phase's part of the time per step: the step's phases of ``step``
+(total phase time over total step time for ``step``; mean of window means over
+the same for ``window``), ``between_steps``, ``data_wait`` and ``sync_wait`` of
+``period`` (:func:`phase_timer.metrics.share_base`), ``step`` 1.0 and ``period`` ``null``.
 
 ``--json`` prints, instead of the tables::
 
@@ -62,7 +62,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import HOST_PHASES, SKIPPED_TAG, STEP_PREFIX, TOTALS, WINDOW_PREFIX, ordered
+from phase_timer.metrics import SKIPPED_TAG, STEP_PREFIX, TOTALS, WINDOW_PREFIX, ordered, share_base, share_note
 from phase_timer.stats import WINDOW_STATS, percentile
 
 EXIT_ERROR = 2
@@ -233,17 +233,10 @@ def step_stats(points: Points) -> PhaseStats:
     )
 
 
-def _base(phase: str) -> str | None:
-    """What ``phase`` is a share of."""
-    if phase in TOTALS:
-        return None
-    return "period" if phase in HOST_PHASES else "step"
-
-
 def window_share(phase: str, phases: dict[str, PhaseStats]) -> float | None:
     if phase == "step":
         return 1.0
-    base = phases.get(_base(phase) or "")
+    base = phases.get(share_base(phase) or "")
     mean = phases[phase].mean_ms
     if base is None or base.mean_ms is None or mean is None or base.mean_ms <= 0:
         return None
@@ -254,7 +247,7 @@ def step_share(phase: str, step: dict[str, Points]) -> float | None:
     """Total time of ``phase`` over total time of its base, over the steps that have the base."""
     if phase == "step":
         return 1.0
-    base_name = _base(phase)
+    base_name = share_base(phase)
     if base_name is None or base_name not in step:
         return None
     base = dict(step[base_name])
@@ -342,8 +335,7 @@ def format_run(report: RunReport) -> str:
     ]
     headers = ("phase", *_HEADERS[report.source], "share")
     table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * 5)
-    note = "share: device phases of `step`, host phases (data_wait, sync_wait) of `period` (host clock)"
-    return f"{_describe(report)}\n{table}\n{note}"
+    return f"{_describe(report)}\n{table}\n{share_note()}"
 
 
 def run_labels(reports: Sequence[RunReport]) -> list[str]:
@@ -416,7 +408,8 @@ def _phase_colors(phases: list[str]) -> dict[str, Any]:
 
 
 def _device_phases(reports: Sequence[RunReport]) -> list[str]:
-    return [p for p in ordered({q for r in reports for q in r.phases}) if p not in HOST_PHASES and p not in TOTALS]
+    """The step's phases: what its bar is made of."""
+    return [p for p in ordered({q for r in reports for q in r.phases}) if share_base(p) == "step"]
 
 
 def _draw_shares(ax: Any, reports: Sequence[RunReport], labels: list[str], colors: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from phase_timer.clock import Clock
+from phase_timer.metrics import BETWEEN, PAUSED, STEP_PHASES
 from phase_timer.recorder import Record
 
 
@@ -29,19 +30,31 @@ class StepTimes:
 
 
 def resolve(clock: Clock, record: Record) -> StepTimes:
-    """Milliseconds per phase of a record whose marks are all done; its marks go back to the pool."""
+    """Milliseconds per phase of a record whose marks are all done; its marks go back to the pool.
+
+    Spans before the record's end are the step's (they add up to ``step``); later ones
+    are between steps (built-in phases fold into ``between_steps``, custom ones keep
+    their names); paused spans are nobody's.
+    """
     marks = record.marks
     ms = record.host_ms  # host phases are in already; device phases join them
     durations = clock.spans(marks)  # one call: len(marks) - 1 elapsed times
+    end = record.end if record.end >= 0 else len(durations)
+    labels = [BETWEEN if i >= end and label in STEP_PHASES else label for i, label in enumerate(record.labels)]
     get = ms.get
-    for label, span in zip(record.labels, durations):
+    step = 0.0
+    for i, (label, span) in enumerate(zip(labels, durations)):
+        if label == PAUSED:
+            continue
+        if i < end:
+            step += span
         ms[label] = get(label, 0.0) + span
-    ms["step"] = sum(durations)
+    ms["step"] = step
     spans = None
     if record.ref is not None:  # traced: every mark against the one reference, on the device clock
         elapsed = clock.elapsed_ms
         offsets = [elapsed(record.ref, m) for m in marks]
-        spans = [(label, offsets[i], offsets[i + 1]) for i, label in enumerate(record.labels)]
+        spans = [(label, offsets[i], offsets[i + 1]) for i, label in enumerate(labels)]
     clock.release(marks)
     return StepTimes(record.step, ms, spans, record.host_ns)
 

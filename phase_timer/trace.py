@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from phase_timer.metrics import PAUSED
 from phase_timer.resolver import StepTimes
 
 _DEVICE_PID, _HOST_PID = 1, 2
@@ -38,6 +39,8 @@ class TraceWriter:
         if r.device_spans is None or r.host_ns is None or self.ref_host_ns is None:
             return
         for i, (phase, start, end) in enumerate(r.device_spans):
+            if phase == PAUSED:  # evaluation inside the record: nobody's time
+                continue
             self._box(phase, r.step, _DEVICE_PID, start * 1e3, (end - start) * 1e3)
             h0, h1 = r.host_ns[i], r.host_ns[i + 1]
             self._box(phase, r.step, _HOST_PID, (h0 - self.ref_host_ns) / 1e3, (h1 - h0) / 1e3)

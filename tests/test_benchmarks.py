@@ -44,13 +44,13 @@ def test_plain_launch_bound(tmp_path):
     text = run_benchmark("launch_bound.py", tmp_path, "--rounds", "2", "--block", "5", "--variants", "attach",
                          "--inside-steps", "60")
     assert "attach (phase-timer default)" in text and "host time inside the plain door's hook bodies" in text
-    for body in ("_on_batch", "_on_forward_end", "_on_backward_start", "_on_optimizer_end"):
+    for body in ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end"):
         assert body in text
 
 
 @pytest.mark.timeout(300)
 def test_in_situ_primitives(tmp_path):
     text = run_benchmark("in_situ_primitives.py", tmp_path, "--steps", "50")
-    for call in ("mark", "done (record 2 steps back)", "spans (5 marks)", "release (5 marks)"):
+    for call in ("mark", "done (record 2 steps back)", "spans (6 marks)", "release (6 marks)"):
         assert f"\n{call} " in text
     assert "the engine's driver calls per step" in text

@@ -20,7 +20,7 @@ def run_step(core: TimingCore, step: int, phases: list[str]) -> None:
     core.begin_step(step, phases[0])
     for p in phases[1:]:
         core.phase(p)
-    core.end_step()
+    core.close()
 
 
 # -- recorder -----------------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_host_phases_and_period():
     for s in range(3):
         core.begin_step(s, "forward")
         core.add_host("data_wait", 2.5)
-        core.end_step()
+        core.close()
     core.finish()
     assert core.totals.phases["data_wait"].mean == 2.5
     assert core.totals.phases["period"].count == 2  # the first step has no previous end: absent, not 0
@@ -322,7 +322,7 @@ def test_summary_table_lists_phases_in_order_with_shares():
         core.add_host("data_wait", 1.0)
         for p in PHASES[1:]:
             core.phase(p)
-        core.end_step()
+        core.close()
     core.finish()
     table = format_summary(core.totals, clock="cuda")
     lines = [ln.split()[0] for ln in table.splitlines()[4:-2]]

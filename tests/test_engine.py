@@ -8,7 +8,7 @@ import pytest
 
 from phase_timer.clock import HostClock
 from phase_timer.core import TimingCore
-from phase_timer.engine import PyEngine, Steps, make_engine
+from phase_timer.engine import PyEngine, Steps, make_engine, native_steps
 from tests.fakes import FakeClock
 
 needs_steps = pytest.mark.skipif(Steps is None, reason="the C extension is not built")
@@ -38,7 +38,7 @@ def fake_ns(seed: int):
 def script(seed: int, n_ops: int = 3000) -> list[tuple]:
     """A random but well-formed run: steps with switches, repeats, relabels, host phases, polls."""
     rng = random.Random(seed)
-    phases = ["h2d", "forward", "backward", "optimizer", "idle", "clip", "ema"]
+    phases = ["h2d", "forward", "backward", "optimizer", "idle", "clip", "ema", "paused"]
     ops: list[tuple] = []
     step = 0
     while len(ops) < n_ops:
@@ -46,10 +46,12 @@ def script(seed: int, n_ops: int = 3000) -> list[tuple]:
         ops.append(("open", step, rng.choice(phases)))
         for _ in range(rng.randrange(0, 9)):
             r = rng.random()
-            if r < 0.6:
+            if r < 0.5:
                 ops.append(("switch", rng.choice(phases)))
-            elif r < 0.75:
+            elif r < 0.65:
                 ops.append(("relabel", rng.choice(phases)))
+            elif r < 0.8:
+                ops.append(("end",))  # the step's end; later ends move it, later spans are between steps
             else:
                 ops.append(("add_host", rng.choice(["data_wait", "sync_wait"]), rng.random() * 3))
         if rng.random() < 0.05:
@@ -102,7 +104,7 @@ def same(a, b) -> None:
 )
 def test_c_engine_gives_the_python_engines_results(seed, window, max_pending, lag, per_step):
     ops = script(seed)
-    c = Steps(fake_ns(seed), window, max_pending, lag, 4, per_step)
+    c = native_steps(fake_ns(seed), window, max_pending, lag, per_step)
     py = PyEngine(CountingHostClock(fake_ns(seed)), window=window, max_pending=max_pending, lag=lag, per_step=per_step)
     got_c, got_py = run(c, ops), run(py, ops)
     windows = [r for e in got_c if e[0] in ("poll", "drain", "flush") and e[1] for r in e[1] if r[0] == "window"]
@@ -179,6 +181,6 @@ def test_python_engine_when_the_extension_is_missing(monkeypatch):
     for s in range(5):
         core.begin_step(s, "forward")
         core.phase("backward")
-        core.end_step()
+        core.close()
     totals = core.finish()
     assert totals.steps == 5 and set(totals.phases) == {"forward", "backward", "step", "period"}

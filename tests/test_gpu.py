@@ -91,7 +91,7 @@ def no_sync_in_timer(monkeypatch):
     from phase_timer.core import TimingCore
 
     clocks = [c for c in (CudaClock, NativeCudaClock) if c is not None]
-    for cls, names in [*((c, ("mark", "done", "elapsed_ms", "spans")) for c in clocks), (TimingCore, ("begin_step", "end_step", "poll"))]:
+    for cls, names in [*((c, ("mark", "done", "elapsed_ms", "spans")) for c in clocks), (TimingCore, ("begin_step", "end", "close", "poll"))]:
         for name in names:
             monkeypatch.setattr(cls, name, _strict(getattr(cls, name)))
 

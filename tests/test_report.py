@@ -66,7 +66,7 @@ def window_expected(scalars: dict, phase: str) -> dict[str, float]:
 
 
 def table_rows(out: str) -> dict[str, list[str]]:
-    phases = {"data_wait", "h2d", "forward", "backward", "optimizer", "idle", "step", "period"}
+    phases = {"data_wait", "h2d", "forward", "backward", "optimizer", "idle", "between_steps", "step", "period"}
     return {cells[0]: cells[1:] for line in out.splitlines() if (cells := line.split()) and cells[0] in phases}
 
 
@@ -76,7 +76,7 @@ def test_table_names_every_phase_with_event_accumulator_numbers(runs, capsys):
     assert code == 0, err
     scalars = read_scalars(str(runs["window"]))
     phases = phases_of(scalars, "phase_time/")
-    assert phases == ["data_wait", "h2d", "forward", "backward", "optimizer", "step", "period"]
+    assert phases == ["data_wait", "h2d", "forward", "backward", "optimizer", "between_steps", "step", "period"]
     rows = table_rows(out)
     assert list(rows) == phases  # every phase, in the library's order
     for phase in phases:

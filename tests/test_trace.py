@@ -42,8 +42,8 @@ def test_plain_loop_trace_has_contiguous_boxes_matching_the_step_values(tmp_path
     assert len(tracks) == 2  # device and host
     per_step = read_scalars(timer.log_dir)
     for events in tracks.values():
-        assert [e["args"]["step"] for e in events] == [s for s in range(3, 7) for _ in range(4)]
-        assert [e["name"] for e in events] == ["h2d", "forward", "backward", "optimizer"] * 4
+        assert [e["args"]["step"] for e in events] == [s for s in range(3, 7) for _ in range(5)]
+        assert [e["name"] for e in events] == ["h2d", "forward", "backward", "optimizer", "between_steps"] * 4
         for a, b in zip(events, events[1:]):
             assert a["ts"] + a["dur"] <= b["ts"] + 0.01  # in order, never overlapping
     device = tracks[1]
@@ -61,7 +61,7 @@ def test_lightning_trace_goes_next_to_the_logs(tmp_path):
                 log_every_n_steps=4)
     t.fit(module_class("lightning.pytorch")(), loader())
     tracks = boxes(os.path.join(t.logger.log_dir, "phase_trace.json"))
-    assert [e["args"]["step"] for e in tracks[1]] == [2] * 4 + [3] * 4
+    assert [e["args"]["step"] for e in tracks[1]] == [2] * 5 + [3] * 5
 
 
 @pytest.mark.parametrize("bad", [(5, 5), (-1, 3), [1, 2], (1, 2, 3), (1.0, 2)])

@@ -1,0 +1,261 @@
+"""What each boundary of a training step means: the one definition of every phase, for both doors.
+
+The doors (``lightning.py``, ``loop.py``) only report what happened -- a batch was
+fetched, the forward started, ``backward()`` was called, an optimizer stepped --
+and :class:`Boundaries` turns that into marks on the core.  So a phase means the
+same whichever door measured it:
+
+=================  =================================================================
+phase              from -> to
+=================  =================================================================
+``data_wait``      host: time inside the loop's fetch of the batch
+``h2d``            the batch handed over -> the copy done / the model's forward
+``forward``        -> the loop's ``backward()`` call (the loss is forward's)
+``backward``       the ``backward()`` call -> its return (DDP/FSDP's end-of-backward
+                   work included)
+``optimizer``      -> the end of the batch's last optimizer step (clipping, unscaling,
+                   ``optimizer.step()``, a GradScaler's ``update()``)
+``idle``           accumulation: a micro-batch's end -> the next micro-batch
+``step``           the sum of the above device phases
+``between_steps``  the step's end -> the next fetch: schedulers, EMA, callbacks,
+                   logging, checkpoints (their device work, or the device waiting
+                   for their host work)
+=================  =================================================================
+
+A step ends *provisionally* at each optimizer step's end: if the same batch goes
+on (a second optimizer, SAM's second pass, a GAN's generator) the step continues,
+and the code in between is ``forward`` (or ``optimizer`` when the next boundary is
+another optimizer step).  The record closes when the next batch is fetched.
+Evaluation and validation pause the record: paused spans are nobody's time.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from phase_timer.core import TimingCore
+from phase_timer.metrics import BETWEEN, PAUSED
+
+log = logging.getLogger(__name__)
+
+H2D, FORWARD, BACKWARD, OPTIMIZER, IDLE = "h2d", "forward", "backward", "optimizer", "idle"
+
+
+class Boundaries:
+    """One run's step state: the boundaries the doors report, turned into the core's marks."""
+
+    def __init__(self, core: TimingCore) -> None:
+        self.core = core
+        #: A step has begun and its record is not closed (warm-up and skipped steps too).
+        self.open = False
+        #: The step has ended (at its last optimizer step so far): the next fetch closes the record.
+        self.ended = False
+        #: What runs now is after that end: between steps, unless the batch goes on.
+        self.trailing = False
+        #: The record is paused (evaluation, validation, an epoch's end).
+        self.paused = False
+        #: Inside the loop's ``backward()``: forwards now are recomputation (checkpointing), backward's.
+        self.in_backward = False
+        #: Steps closed so far: the plain door's step index.
+        self.steps = 0
+        self._auto = H2D  # the built-in phase the boundaries say runs now
+        self._explicit: list[str] = []  # user phases open, innermost last: they own the time
+        self._after_backward = False  # since the last backward: provisional `optimizer`
+        self._saw_forward = self._saw_backward = False
+        self._warned: set[str] = set()
+
+    # -- the step -------------------------------------------------------------------
+    def fetch(self) -> None:
+        """The loop asks for the next batch: a step that has ended is closed here."""
+        if self.paused:
+            self._wake()
+        if self.ended:
+            self._close()
+
+    def batch(self, step: int | None = None, data_wait_ms: float | None = None, sync_wait_ms: float = 0.0) -> None:
+        """A batch was handed over: a step begins with ``h2d``, or the open one takes another micro-batch.
+
+        ``step``: the index to log the step at (default: steps closed so far).
+        ``data_wait_ms``: the host's wait for this batch (``None``: not measured).
+        """
+        if self.paused:
+            self._wake()
+        if self.ended:  # no fetch was reported
+            self._close()
+        core = self.core
+        if self.open:  # another micro-batch: since the last boundary the device waited for the host
+            self._relabel(IDLE)
+            self._set(H2D)
+        else:
+            self._begin(self.steps if step is None else step, H2D)
+        if data_wait_ms is not None:
+            core.add_host("data_wait", data_wait_ms)
+        if sync_wait_ms:
+            core.add_host("sync_wait", sync_wait_ms)
+
+    def copied(self) -> None:
+        """The batch is on the device (the door copied it): ``forward`` begins."""
+        if self.open:
+            self._saw_forward = True
+            self._set(FORWARD)
+
+    def forward(self, *, begins: bool = False) -> None:
+        """The training forward starts.  ``begins``: there is no loader, so a forward begins the step."""
+        if self.in_backward:
+            return  # recomputation inside backward (activation checkpointing) is backward's
+        if self.paused:
+            self._wake()
+        if begins and self.ended:
+            self._close()
+        elif self.trailing:  # the batch goes on (a GAN's second model, SAM's second pass)
+            self._continue(FORWARD)
+        if not self.open:
+            if not begins:
+                return
+            self._begin(self.steps, FORWARD)
+        self._saw_forward = True
+        self._after_backward = False
+        self._set(FORWARD)
+
+    def backward_start(self) -> None:
+        """The loop called ``backward()`` (or Lightning's ``on_before_backward``)."""
+        if not self.open or self.in_backward:
+            return
+        if self.paused:
+            self._wake()
+        if self.trailing:
+            self._continue(FORWARD)
+        elif self._after_backward:  # a second backward: what ran since the first was loss math
+            self._relabel(FORWARD)
+        if not self._saw_forward:
+            self._warn_once(
+                "no-forward",
+                "phase-timer: a backward began in a step in which the attached module's forward never ran "
+                "(its hooks did not fire: `checkpoint_sequential`, or a module that is not the one the loop "
+                "calls), so the time before backward is counted as `h2d`. Attach the module the loop calls, "
+                "or pass copy_to_device=True so that `forward` begins when the batch is on the device.",
+            )
+        self._after_backward = False
+        self._saw_backward = True
+        self.in_backward = True
+        self._set(BACKWARD)
+
+    def backward_end(self) -> None:
+        """``backward()`` returned (or raised): what follows is the optimizer's until shown otherwise."""
+        if not self.in_backward:
+            return
+        self.in_backward = False
+        self._after_backward = True
+        self._set(OPTIMIZER)
+
+    def optimizer_start(self) -> None:
+        """An optimizer step begins (its step pre-hook)."""
+        if not self.open:
+            return
+        if self.paused:
+            self._wake()
+        if self.trailing:  # a second optimizer right after the first: the time between is the optimizers'
+            self._continue(OPTIMIZER)
+        if self._saw_forward and not self._saw_backward:
+            self._warn_once(
+                "no-backward",
+                "phase-timer: an optimizer step began with no `backward()` call seen in its step "
+                "(`torch.autograd.grad`, or a backward that does not go through `torch.autograd.backward`): "
+                "the gradients' computation is counted in `forward`, and `backward` is absent from such steps.",
+            )
+        self._after_backward = False
+        self._set(OPTIMIZER)
+
+    def step_end(self) -> None:
+        """The step's device part ends here (an optimizer step ended), unless the batch goes on."""
+        if not self.open:
+            return
+        if self.paused:
+            self._wake()
+        self.core.end()
+        self.ended = self.trailing = True
+        self._after_backward = False
+        self._auto = BETWEEN
+
+    # -- pauses and ends ---------------------------------------------------------------
+    def pause(self) -> None:
+        """Evaluation or validation begins: neither the record nor ``period`` counts what follows."""
+        if self.paused:
+            return
+        self.paused = True
+        self.core.pause()
+        if self.open:
+            self.core.phase(PAUSED)
+
+    def resume(self) -> None:
+        """The pause is over: the record goes on with the phase that ran before it."""
+        if self.paused:
+            self._wake()
+            if self.open and not self._explicit:
+                self.core.phase(self._auto)
+
+    def epoch_end(self) -> None:
+        """The loader ran out (or the loop left it): an ended step closes, a cut-off one is dropped."""
+        if self.ended:
+            self._close()
+        elif self.open:
+            self.core.discard()  # a step abandoned half-way, or micro-batches never stepped
+            self.open = False
+        self.pause()
+
+    def finish(self) -> None:
+        """End of training: the last step closes if it ended; a half-done one is dropped by the core."""
+        if self.ended:
+            self._close()
+
+    # -- user phases ---------------------------------------------------------------------
+    def enter(self, name: str) -> None:
+        """A user phase opens: it owns the time until it closes (built-in boundaries wait)."""
+        self._explicit.append(name)
+        if self.open and not self.paused:
+            self.core.phase(name)
+
+    def exit(self) -> None:
+        """The innermost user phase closes: back to the enclosing one, or to the built-in phase."""
+        self._explicit.pop()
+        if self.open and not self.paused:
+            self.core.phase(self._explicit[-1] if self._explicit else self._auto)
+
+    # -- internals -----------------------------------------------------------------------
+    def _set(self, phase: str) -> None:
+        self._auto = phase
+        if not self._explicit:
+            self.core.phase(phase)
+
+    def _relabel(self, phase: str) -> None:
+        if not self._explicit:
+            self.core.relabel(phase)
+
+    def _continue(self, phase: str) -> None:
+        """After a provisional end, the batch went on: the time since the end was ``phase``'s."""
+        self.trailing = False
+        self._relabel(phase)
+
+    def _wake(self) -> None:
+        self.paused = False
+        self.core.resume()
+        if self.open and self._explicit:
+            self.core.phase(self._explicit[-1])
+
+    def _begin(self, step: int, phase: str) -> None:
+        self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
+        self.open, self.ended, self.trailing, self._auto = True, False, False, phase
+        self._after_backward = self._saw_forward = self._saw_backward = False
+
+    def _close(self) -> None:
+        self.core.close()
+        self.open = self.ended = self.trailing = False
+        self.steps += 1
+        self._auto = H2D
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
