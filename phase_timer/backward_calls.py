@@ -31,8 +31,8 @@ class Listener(Protocol):
     def _backward_began(self) -> bool:
         """A backward call starts on this thread: True if this listener takes it (and wants its end)."""
 
-    def _backward_ended(self) -> None:
-        """The call it took returned or raised."""
+    def _backward_ended(self, failed: bool) -> None:
+        """The call it took returned, or raised (``failed``)."""
 
 
 _listeners: tuple[Listener, ...] = ()
@@ -46,12 +46,15 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
         return _original(*args, **kwargs)
     _local.depth = 1
     took = [listener for listener in listeners if listener._backward_began()]
+    failed = True
     try:
-        return _original(*args, **kwargs)
+        out = _original(*args, **kwargs)
+        failed = False
+        return out
     finally:
         _local.depth = 0
         for listener in took:  # also when backward raised: the next step starts clean
-            listener._backward_ended()
+            listener._backward_ended(failed)
 
 
 def listen(listener: Listener) -> None:

@@ -63,15 +63,28 @@ class Boundaries:
         self._explicit: list[str] = []  # user phases open, innermost last: they own the time
         self._after_backward = False  # since the last backward: provisional `optimizer`
         self._saw_forward = self._saw_backward = False
+        self._failed = False  # the last backward raised: a batch that never steps after it is dropped
+        self._fetched = False  # a fetch was reported since the last batch
         self._warned: set[str] = set()
 
     # -- the step -------------------------------------------------------------------
     def fetch(self) -> None:
-        """The loop asks for the next batch: a step that has ended is closed here."""
+        """The loop asks for the next batch: a step that has ended is closed here.
+
+        A batch whose backward raised and that never stepped ("skip the batch on error")
+        is dropped, so that the next step is timed as if nothing had happened.
+        """
+        self._fetched = True
         if self.paused:
             self._wake()
         if self.ended:
             self._close()
+        elif self.open and self._failed:
+            self._drop()
+        elif self.open:  # accumulating: the fetch is data_wait's, not the step's (as between steps)
+            self.micro_batch_end()
+            if not self._explicit:
+                self.core.phase(PAUSED)
 
     def batch(self, step: int | None = None, data_wait_ms: float | None = None, sync_wait_ms: float = 0.0) -> None:
         """A batch was handed over: a step begins with ``h2d``, or the open one takes another micro-batch.
@@ -79,13 +92,11 @@ class Boundaries:
         ``step``: the index to log the step at (default: steps closed so far).
         ``data_wait_ms``: the host's wait for this batch (``None``: not measured).
         """
-        if self.paused:
-            self._wake()
-        if self.ended:  # no fetch was reported
-            self._close()
+        if not self._fetched:  # the door reported no fetch: what it would have done
+            self.fetch()
+        self._fetched = False
         core = self.core
-        if self.open:  # another micro-batch: since the last boundary the device waited for the host
-            self._relabel(IDLE)
+        if self.open:  # another micro-batch of an accumulated step
             self._set(H2D)
         else:
             self._begin(self.steps if step is None else step, H2D)
@@ -93,6 +104,12 @@ class Boundaries:
             core.add_host("data_wait", data_wait_ms)
         if sync_wait_ms:
             core.add_host("sync_wait", sync_wait_ms)
+
+    def micro_batch_end(self) -> None:
+        """A batch ended without an optimizer step (accumulation): until the next one, the device waits."""
+        if self.open and not self.ended:
+            self._relabel(IDLE)
+            self._auto = IDLE
 
     def copied(self) -> None:
         """The batch is on the device (the door copied it): ``forward`` begins."""
@@ -141,11 +158,12 @@ class Boundaries:
         self.in_backward = True
         self._set(BACKWARD)
 
-    def backward_end(self) -> None:
+    def backward_end(self, *, failed: bool = False) -> None:
         """``backward()`` returned (or raised): what follows is the optimizer's until shown otherwise."""
         if not self.in_backward:
             return
         self.in_backward = False
+        self._failed = failed
         self._after_backward = True
         self._set(OPTIMIZER)
 
@@ -200,8 +218,7 @@ class Boundaries:
         if self.ended:
             self._close()
         elif self.open:
-            self.core.discard()  # a step abandoned half-way, or micro-batches never stepped
-            self.open = False
+            self._drop()  # a step abandoned half-way, or micro-batches never stepped
         self.pause()
 
     def finish(self) -> None:
@@ -246,7 +263,11 @@ class Boundaries:
     def _begin(self, step: int, phase: str) -> None:
         self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
         self.open, self.ended, self.trailing, self._auto = True, False, False, phase
-        self._after_backward = self._saw_forward = self._saw_backward = False
+        self._after_backward = self._saw_forward = self._saw_backward = self._failed = False
+
+    def _drop(self) -> None:
+        self.core.discard()
+        self.open = self.ended = self.trailing = self._failed = False
 
     def _close(self) -> None:
         self.core.close()

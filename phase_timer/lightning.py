@@ -295,10 +295,14 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         bounds = self._bounds
-        if bounds is not None and bounds.open and not bounds.ended and trainer.global_step != self._global_step_at_batch:
+        if bounds is None or not bounds.open or bounds.ended:
+            return
+        if trainer.global_step != self._global_step_at_batch:
             # The optimizer stepped where no torch step hook saw it (a custom `optimizer_step`):
             # the step ends here, late, rather than merging into the next batch.
             bounds.step_end()
+        else:
+            bounds.micro_batch_end()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sync_wait_ns = 0  # a broadcast before the last epoch's end belongs to no batch

@@ -226,9 +226,9 @@ class LoopTimer:
         bounds.backward_start()
         return bounds.in_backward
 
-    def _backward_ended(self) -> None:
+    def _backward_ended(self, failed: bool) -> None:
         if self._bounds is not None:
-            self._bounds.backward_end()
+            self._bounds.backward_end(failed=failed)
 
     def _on_optimizer_end(self, opt: torch.optim.Optimizer) -> None:
         # With a loader, any optimizer step may be the batch's last (the next fetch says);

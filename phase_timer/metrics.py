@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 #: The device time from a step's end (its last optimizer step) to the next batch's fetch.
 BETWEEN = "between_steps"
-#: The label of paused spans (evaluation, validation inside a record): nobody's time, never reported.
+#: The label of spans that are nobody's time, never reported: evaluation and validation inside a
+#: record, and the fetch of an accumulated step's next micro-batch (data_wait's, on the host).
 PAUSED = "paused"
 #: Built-in phases inside a step.  After the step's end they fold into ``between_steps``.
 STEP_PHASES = ("h2d", "forward", "backward", "optimizer", "idle")

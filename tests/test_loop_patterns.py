@@ -1,0 +1,740 @@
+"""Every loop users write is timed right: a conformance suite of loop patterns, both doors.
+
+Each pattern is a real loop (or a real ``Trainer``) with named places where a sleep
+can be planted.  Each row runs the pattern once with no sleep and once per place,
+with one 10 ms sleep planted there, and checks, on the run's own medians, that the
+planted time landed in the expected phase(s) and nowhere else (every other phase,
+``step`` and ``period`` within a fraction of the sleep of the unplanted run).
+
+A new pattern is one ``Pattern`` row: a function that runs the loop with a
+``plant`` to call at each place, and where each place's time must land
+(``{}``: nowhere -- evaluation and validation are in no phase and not in ``period``).
+The same table, in words, is ``docs/loop_patterns.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+import phase_timer
+from phase_timer.metrics import BETWEEN, HOST_PHASES
+
+pytestmark = pytest.mark.timeout(300)
+
+SLEEP_MS = 10.0
+STEPS, WARMUP = 8, 2
+#: Where a plant's time must land when it is in no phase and not in ``period`` (evaluation,
+#: validation); its count says how often it sleeps a step (it still ran: the tolerance counts it).
+NOWHERE = "(paused)"
+
+
+class Plant:
+    """Sleeps ``SLEEP_MS`` where it was planted: ``plant("forward")`` sleeps only in the run planted there."""
+
+    def __init__(self, where: str | None) -> None:
+        self.where = where
+
+    def __call__(self, here: str) -> None:
+        if here == self.where:
+            time.sleep(SLEEP_MS / 1e3)
+
+
+class _Planted(torch.autograd.Function):
+    """Identity whose backward calls ``plant(where)``: a known amount of backward time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, plant: Plant, where: str) -> torch.Tensor:
+        ctx.plant, ctx.where = plant, where
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.plant(ctx.where)
+        return grad, None, None
+
+
+class Net(nn.Module):
+    """Forward sleeps at ``forward``, its backward at ``backward``; ``outputs="dict"`` returns two heads."""
+
+    def __init__(self, plant: Plant, outputs: str = "tensor") -> None:
+        super().__init__()
+        self.plant, self.outputs = plant, outputs
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.head, self.proj = nn.Linear(32, 1), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        self.plant("forward")
+        h = self.body(x)
+        out = _Planted.apply(self.head(h), self.plant, "backward")
+        return {"proj": self.proj(h), "logits": out} if self.outputs == "dict" else out
+
+
+class PlantedLayer(nn.Module):
+    """A layer that sleeps at ``forward`` and, in backward, at ``backward`` (for nn.Sequential models)."""
+
+    def __init__(self, plant: Plant) -> None:
+        super().__init__()
+        self.plant = plant
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.plant("forward")
+        return _Planted.apply(self.lin(x), self.plant, "backward")
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor, plant: Plant) -> torch.Tensor:
+    """The loss: its math sleeps at ``loss``, its own backward at ``loss_backward``."""
+    plant("loss")
+    return _Planted.apply(nn.functional.mse_loss(out, y), plant, "loss_backward")
+
+
+class PlantedSGD(torch.optim.SGD):
+    def __init__(self, params: Any, plant: Plant, where: str = "optimizer") -> None:
+        super().__init__(params, lr=0.01)
+        self.plant, self.where = plant, where
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        self.plant(self.where)
+        return out
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization, the usual shape: ``first_step`` ascends, ``second_step`` steps the base."""
+
+    def __init__(self, params: Any, base: Callable[..., torch.optim.Optimizer], plant: Plant, rho: float = 0.05) -> None:
+        super().__init__(params, {"rho": rho})
+        self.base_optimizer = base(self.param_groups)
+        self.plant = plant
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        self.plant("ascent")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    e = p.grad * group["rho"]
+                    p.add_(e)
+                    self.state[p]["e"] = e
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "e" in self.state[p]:
+                    p.sub_(self.state[p]["e"])
+        self.base_optimizer.step()
+
+
+class Loader:
+    """Batches whose fetch sleeps at ``data``."""
+
+    def __init__(self, plant: Plant, n: int = 64, width: int = 16) -> None:
+        self.plant, self.n, self.width = plant, n, width
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(self.n):
+            self.plant("data")
+            yield torch.randn(8, self.width, generator=g), torch.randn(8, 1, generator=g)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def attach(model: Any, opt: Any, loader: Any, tmp: Any, **kw: Any) -> phase_timer.LoopTimer:
+    kw.setdefault("warmup_steps", WARMUP)
+    return phase_timer.attach(model, opt, loader, log_dir=tmp, window=100, summary=False, **kw)
+
+
+# -- the plain door's patterns ------------------------------------------------------------
+def plain_loop(plant: Plant, tmp: Any, *, copy: bool = False, outputs: str = "tensor") -> Any:
+    model = Net(plant, outputs)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp, copy_to_device=copy) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            plant("h2d")  # the loop's own copy
+            out = model(x)
+            loss = loss_of(out["logits"] if outputs == "dict" else out, y, plant)
+            loss.backward()
+            plant("clip")
+            opt.step()
+            opt.zero_grad()
+            plant("between")  # a scheduler, logging
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_accumulation(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            (loss_of(model(x), y, plant) / 4).backward()
+            plant("after_backward")  # non-stepping micro-batches: the device waits (idle)
+            if (i + 1) % 4 == 0:
+                opt.step()
+                opt.zero_grad()
+                plant("between")
+            if i + 1 == 4 * STEPS:
+                break
+    return timer
+
+
+def plain_grad_scaler(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    scaler = torch.amp.GradScaler("cpu")
+    with attach(model, opt, Loader(plant), tmp, scaler=scaler) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            scaler.scale(loss_of(out.float(), y, plant)).backward()
+            scaler.unscale_(opt)
+            plant("clip")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            plant("between")
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_gan(plant: Plant, tmp: Any) -> Any:
+    d, g = Net(plant), Net(Plant(None))
+    opt_d, opt_g = PlantedSGD(d.parameters(), plant, "d_step"), PlantedSGD(g.parameters(), plant, "g_step")
+    with attach([d, g], [opt_d, opt_g], Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            loss_of(d(x), y, plant).backward()
+            opt_d.step()
+            opt_d.zero_grad()
+            plant("noise")  # between the two models' updates
+            nn.functional.mse_loss(g(x), y).backward()
+            opt_g.step()
+            opt_g.zero_grad()
+            plant("between")
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_sam(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    sam = SAM(model.parameters(), lambda groups: PlantedSGD(groups, plant), plant)
+    with attach(model, sam, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            loss_of(model(x), y, plant).backward()
+            sam.first_step()
+            sam.zero_grad()
+            loss_of(model(x), y, Plant(None)).backward()
+            sam.second_step()
+            sam.zero_grad()
+            plant("between")
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_two_losses(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            out = model(x)
+            nn.functional.mse_loss(out, y).backward(retain_graph=True)
+            plant("second_loss")  # math between the two backward() calls
+            loss_of(out, y * 2, Plant(None)).backward()
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+class _Flaky(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
+        ctx.fail = fail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.fail:
+            raise RuntimeError("planted failure inside backward")
+        return grad, None
+
+
+def plain_skip_failed_batch(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        done = 0
+        for i, (x, y) in enumerate(timer.loader):
+            loss = _Flaky.apply(loss_of(model(x), y, plant), i in (3, 6))
+            try:
+                loss.backward()
+            except RuntimeError:  # skip the batch (the OOM-retry pattern)
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == STEPS:
+                break
+    return timer
+
+
+def plain_gradient_penalty(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            xi = x.clone().requires_grad_(True)
+            (grad,) = torch.autograd.grad(model(xi).sum(), xi, create_graph=True)
+            plant("penalty")
+            penalty = (grad.norm(dim=1) - 1).square().mean()
+            (loss_of(model(x), y, plant) + penalty).backward()
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_grad_only(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    params = list(model.parameters())
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            grads = torch.autograd.grad(loss_of(model(x), y, plant), params, allow_unused=True)
+            for p, gr in zip(params, grads):
+                p.grad = gr
+            opt.step()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_checkpoint(plant: Plant, tmp: Any, *, reentrant: bool) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            x.requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
+            out = checkpoint(model, x, use_reentrant=reentrant)
+            loss_of(out, y, Plant(None)).backward()
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_checkpoint_sequential(plant: Plant, tmp: Any, *, copy: bool) -> Any:
+    model = nn.Sequential(PlantedLayer(plant), nn.ReLU(), nn.Linear(16, 1))
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp, copy_to_device=copy) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            out = checkpoint_sequential(model, 2, x, use_reentrant=False)  # calls the children, not the model
+            nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_evaluation(plant: Plant, tmp: Any, *, where: str) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    val_x = torch.randn(8, 16)
+
+    def evaluate() -> None:
+        model.eval()
+        with torch.no_grad():
+            model.plant = Plant("forward" if plant.where == "eval" else None)  # the eval forwards are slow
+            model(val_x)
+            model(val_x)
+            model.plant = plant
+        model.train()
+
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            if where == "top":
+                evaluate()
+            loss_of(model(x), y, plant).backward()
+            opt.step()
+            opt.zero_grad()
+            if where == "after":
+                evaluate()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_break_mid_epoch(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant, n=6), tmp) as timer:
+        for _epoch in range(2):
+            for i, (x, y) in enumerate(timer.loader):
+                loss = loss_of(model(x), y, plant)
+                if i == 5:
+                    break  # leave the epoch half-way through a step
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    return timer
+
+
+def plain_recursive_phase(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp) as timer:
+
+        @timer.phase("walk")
+        def walk(depth: int) -> None:
+            plant("walk")
+            if depth:
+                walk(depth - 1)
+                plant("walk_after")  # work after the inner call returned: still `walk`
+
+        for i, (x, y) in enumerate(timer.loader):
+            loss_of(model(x), y, plant).backward()
+            walk(2)
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_ema(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
+    ema = [p.detach().clone() for p in model.parameters()]
+    with attach(model, opt, Loader(plant), tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            loss_of(model(x), y, plant).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            plant("scheduler")
+            with timer.phase("ema"), torch.no_grad():
+                for e, p in zip(ema, model.parameters()):
+                    e.mul_(0.99).add_(p, alpha=0.01)
+                plant("ema")
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_no_loader(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, None, tmp) as timer:
+        for i, (x, y) in enumerate(Loader(plant)):  # the loop's own loading: between steps
+            loss_of(model(x), y, plant).backward()
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+def plain_manual_end(plant: Plant, tmp: Any) -> Any:
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp, end_step="manual") as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            loss_of(model(x), y, plant).backward()
+            opt.step()
+            plant("before_end")  # still the step: it ends at end_step()
+            timer.end_step()
+            plant("between")
+            if i + 1 == STEPS:
+                break
+    return timer
+
+
+# -- the Lightning door's patterns -----------------------------------------------------------
+def _module_class(ns: str) -> type:
+    pl = importlib.import_module(ns)
+
+    class Planted(pl.LightningModule):
+        def __init__(self, plant: Plant, manual: int = 0, scheduler: bool = False) -> None:
+            super().__init__()
+            self.plant = plant
+            self.net = Net(plant)
+            self.automatic_optimization = manual == 0
+            self.n_opt = max(1, manual)
+            self.scheduler = scheduler
+
+        def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+            if self.trainer.training:
+                self.plant("h2d")
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            if self.automatic_optimization:
+                return loss_of(self.net(x), y, self.plant)
+            opts = self.optimizers()
+            for opt in opts if isinstance(opts, list) else [opts]:
+                opt.zero_grad()
+                self.manual_backward(loss_of(self.net(x), y, self.plant))
+                opt.step()
+            self.plant("after_steps")  # training_step goes on after its last optimizer step
+            return None
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.plant("clip")
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.plant("module_batch_end")  # an EMA in the module's own hook
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.plant("val")
+
+        def configure_optimizers(self) -> Any:
+            opts = [PlantedSGD(self.parameters(), self.plant) for _ in range(self.n_opt)]
+            if self.scheduler:
+                sched = SlowScheduler(opts[0], self.plant)
+                return {"optimizer": opts[0], "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+            return opts if len(opts) > 1 else opts[0]
+
+    return Planted
+
+
+class SlowScheduler(torch.optim.lr_scheduler.StepLR):
+    def __init__(self, opt: torch.optim.Optimizer, plant: Plant) -> None:
+        self.plant = plant
+        super().__init__(opt, step_size=1000)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.plant("scheduler")
+        super().step(*args, **kwargs)
+
+
+def _callback(ns: str, plant: Plant, where: str) -> Any:
+    pl = importlib.import_module(ns)
+
+    class Busy(pl.Callback):  # checkpointing, image logging, a profiler: host work at the batch end
+        def on_train_batch_end(self, *args: Any) -> None:
+            plant(where)
+
+    return Busy()
+
+
+def lightning_fit(plant: Plant, tmp: Any, *, ns: str = "lightning.pytorch", manual: int = 0, accumulate: int = 1,
+                  val_every: int | None = None, scheduler: bool = False) -> Any:
+    pl = importlib.import_module(ns)
+    timer = phase_timer.PhaseTimer(warmup_steps=WARMUP, summary=False, log_every_n_steps=100)
+    callbacks = [_callback(ns, plant, "callback_before"), timer, _callback(ns, plant, "callback_after")]
+    steps = STEPS * (manual or 1)  # manual optimization: Lightning counts every optimizer's step
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp), accelerator="cpu", devices=1, max_steps=steps, logger=False,
+        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        num_sanity_val_steps=0, accumulate_grad_batches=accumulate, val_check_interval=val_every,
+        limit_val_batches=1 if val_every else 0, check_val_every_n_epoch=None if val_every else 1,
+    )
+    val = Loader(Plant(None), n=4) if val_every else None
+    trainer.fit(_module_class(ns)(plant, manual=manual, scheduler=scheduler), Loader(plant, n=256), val)
+    return timer
+
+
+# -- the table ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    run: Callable[[Plant, Any], Any]
+    #: where a sleep is planted -> the phases it must land in, and how many times a step
+    plants: dict[str, dict[str, float]]
+    #: custom phases that run between steps: neither in `step` nor folded into between_steps
+    outside: tuple[str, ...] = ()
+    #: a warning every run gives (a regex), or None for no warning from phase-timer at all
+    warns: str | None = None
+    #: phases that must not appear at all
+    absent: tuple[str, ...] = ()
+    steps: int = STEPS - WARMUP
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _p(fn: Callable[..., Any], **kw: Any) -> Callable[[Plant, Any], Any]:
+    return lambda plant, tmp: fn(plant, tmp, **kw)
+
+
+FWD, BWD, OPT, BETWEEN_ = {"forward": 1}, {"backward": 1}, {"optimizer": 1}, {BETWEEN: 1}
+PATTERNS = [
+    Pattern("plain loop", _p(plain_loop), {
+        "data": {"data_wait": 1}, "h2d": {"h2d": 1}, "forward": FWD, "loss": FWD, "loss_backward": BWD,
+        "backward": BWD, "clip": OPT, "optimizer": OPT, "between": BETWEEN_}),
+    Pattern("plain, copy_to_device=True", _p(plain_loop, copy=True), {
+        "data": {"data_wait": 1}, "h2d": FWD, "forward": FWD, "loss_backward": BWD, "between": BETWEEN_}),
+    Pattern("plain, model returns a dict, the loss uses its second output", _p(plain_loop, outputs="dict"), {
+        "forward": FWD, "loss": FWD, "loss_backward": BWD, "backward": BWD, "optimizer": OPT}),
+    Pattern("plain, gradient accumulation x4", _p(plain_accumulation), {
+        "data": {"data_wait": 4}, "forward": {"forward": 4}, "backward": {"backward": 4},
+        "after_backward": {"idle": 3, "optimizer": 1}, "optimizer": OPT, "between": BETWEEN_}),
+    Pattern("plain, bf16 autocast + GradScaler (scaler=)", _p(plain_grad_scaler), {
+        "forward": FWD, "backward": BWD, "clip": OPT, "optimizer": OPT, "between": BETWEEN_}),
+    Pattern("plain, GAN: two models, two optimizers", _p(plain_gan), {
+        "forward": FWD, "backward": BWD, "d_step": OPT, "noise": FWD, "g_step": OPT, "between": BETWEEN_}),
+    Pattern("plain, SAM first_step/second_step, SAM attached", _p(plain_sam), {
+        "forward": {"forward": 2}, "backward": {"backward": 2}, "loss_backward": BWD, "ascent": OPT,
+        "optimizer": OPT, "between": BETWEEN_}),
+    Pattern("plain, two losses, two backward() calls", _p(plain_two_losses), {
+        "forward": FWD, "backward": {"backward": 2}, "second_loss": FWD}),
+    Pattern("plain, a batch whose backward raises is skipped", _p(plain_skip_failed_batch), {
+        "forward": FWD, "backward": BWD, "loss_backward": BWD, "optimizer": OPT}, absent=("idle",)),
+    Pattern("plain, gradient penalty through torch.autograd.grad", _p(plain_gradient_penalty), {
+        "forward": {"forward": 2}, "penalty": FWD, "loss_backward": BWD, "optimizer": OPT}),
+    Pattern("plain, gradients only from torch.autograd.grad", _p(plain_grad_only), {
+        "forward": FWD, "loss_backward": FWD, "optimizer": OPT}, warns="no `backward\\(\\)` call seen",
+        absent=("backward",)),
+    Pattern("plain, checkpoint(model) non-reentrant", _p(plain_checkpoint, reentrant=False), {
+        "forward": {"forward": 1, "backward": 1}, "backward": BWD}),
+    Pattern("plain, checkpoint(model) reentrant", _p(plain_checkpoint, reentrant=True), {
+        "forward": {"forward": 1, "backward": 1}, "backward": BWD}),
+    Pattern("plain, checkpoint_sequential, copy_to_device=True", _p(plain_checkpoint_sequential, copy=True), {
+        "forward": {"forward": 1, "backward": 1}, "backward": BWD}),
+    Pattern("plain, checkpoint_sequential, the loop's own copy", _p(plain_checkpoint_sequential, copy=False), {
+        "forward": {"h2d": 1, "backward": 1}, "backward": BWD}, warns="forward never ran"),
+    Pattern("plain, no-grad evaluation at the top of each iteration", _p(plain_evaluation, where="top"), {
+        "eval": {NOWHERE: 2}, "forward": FWD}),
+    Pattern("plain, no-grad evaluation after the optimizer step", _p(plain_evaluation, where="after"), {
+        "eval": {NOWHERE: 2}, "forward": FWD}),
+    Pattern("plain, break out of the loader mid-step, next epoch", _p(plain_break_mid_epoch), {
+        "forward": FWD, "backward": BWD, "optimizer": OPT}, absent=("idle",), steps=10 - WARMUP),
+    Pattern("plain, @timer.phase re-entered (recursion)", _p(plain_recursive_phase), {
+        "walk": {"walk": 3}, "walk_after": {"walk": 2}, "optimizer": OPT}),
+    Pattern("plain, scheduler + EMA in timer.phase after the step", _p(plain_ema), {
+        "scheduler": BETWEEN_, "ema": {"ema": 1}, "optimizer": OPT}, outside=("ema",)),
+    Pattern("plain, no loader attached", _p(plain_no_loader), {
+        "data": BETWEEN_, "forward": FWD, "backward": BWD, "optimizer": OPT}),
+    Pattern("plain, end_step='manual'", _p(plain_manual_end), {
+        "optimizer": OPT, "before_end": OPT, "between": BETWEEN_}),
+    Pattern("lightning, automatic optimization", _p(lightning_fit, scheduler=True), {
+        "data": {"data_wait": 1}, "h2d": {"h2d": 1}, "forward": FWD, "loss": FWD, "backward": BWD,
+        "loss_backward": BWD, "clip": OPT, "optimizer": OPT, "scheduler": BETWEEN_, "callback_before": BETWEEN_,
+        "callback_after": BETWEEN_, "module_batch_end": BETWEEN_}),
+    Pattern("lightning (pytorch_lightning), automatic optimization", _p(lightning_fit, ns="pytorch_lightning"), {
+        "data": {"data_wait": 1}, "forward": FWD, "optimizer": OPT, "callback_before": BETWEEN_}),
+    Pattern("lightning, accumulate 2, validation after every batch", _p(lightning_fit, accumulate=2, val_every=1), {
+        "val": {NOWHERE: 2}, "forward": {"forward": 2}, "optimizer": OPT, "callback_before": {"idle": 1, BETWEEN: 1}}),
+    Pattern("lightning, manual optimization, two optimizers", _p(lightning_fit, manual=2), {
+        "forward": {"forward": 2}, "backward": {"backward": 2}, "optimizer": {"optimizer": 2},
+        "after_steps": BETWEEN_, "module_batch_end": BETWEEN_}),
+]
+
+
+# -- running the table ---------------------------------------------------------------------------
+_BASE: dict[str, tuple[dict[str, float], int]] = {}
+
+
+def measure(pattern: Pattern, where: str | None, tmp: Any) -> tuple[dict[str, float], int]:
+    """One run: each phase's median ms over the timed steps, and the number of timed steps."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        timer = pattern.run(Plant(where), tmp)
+    ours = [str(w.message) for w in caught if "phase-timer" in str(w.message)]
+    if pattern.warns is None:
+        assert ours == [], ours
+    else:
+        assert any(re.search(pattern.warns, m) for m in ours), ours
+    totals = timer.totals
+    for phase in pattern.absent:
+        assert phase not in totals.phases, (pattern.name, where, phase)
+    return {p: t.quantile(50) for p, t in totals.phases.items()}, totals.steps
+
+
+def base(pattern: Pattern, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, float], int]:
+    if pattern.name not in _BASE:
+        _BASE[pattern.name] = measure(pattern, None, tmp_path_factory.mktemp("base"))
+    return _BASE[pattern.name]
+
+
+ROWS = [(p, where) for p in PATTERNS for where in p.plants]
+
+
+@pytest.mark.parametrize(("pattern", "where"), ROWS, ids=[f"{p.name} | {w}" for p, w in ROWS])
+def test_planted_time_lands_in_its_phase_and_nowhere_else(pattern, where, tmp_path, tmp_path_factory):
+    got, steps = measure(pattern, where, tmp_path)
+    want, base_steps = base(pattern, tmp_path_factory)
+    assert steps == base_steps == pattern.steps
+    expected = {p: k * SLEEP_MS for p, k in pattern.plants[where].items()}
+    slept = sum(expected.values())  # a step's sleeps, paused ones too
+    expected.pop(NOWHERE, None)
+    in_step = sum(ms for p, ms in expected.items() if p not in HOST_PHASES and p != BETWEEN and p not in pattern.outside)
+    expected["period"] = sum(expected.values())
+    expected["step"] = in_step
+    for phase in sorted(set(got) | set(want)):
+        delta = got.get(phase, 0.0) - want.get(phase, 0.0)
+        target = expected.get(phase, 0.0)
+        # A fraction of what was slept: the work right after a sleep runs a little slower (cold
+        # caches), and step and period add that up over every phase.
+        tolerance = 0.3 * SLEEP_MS + (0.3 if phase in ("step", "period") else 0.15) * slept
+        assert abs(delta - target) <= tolerance, (
+            f"{pattern.name}: {SLEEP_MS} ms planted at {where!r} -> {phase} moved by {delta:+.2f} ms, "
+            f"expected {target:+.1f} (medians: planted {got}, none {want})"
+        )
+
+
+# -- the pieces the table cannot show --------------------------------------------------------------
+def test_a_phase_entered_on_two_threads_at_once_times_the_loop_thread_only(tmp_path):
+    plant = Plant(None)
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    inside = threading.Barrier(2)
+    with attach(model, opt, Loader(plant), tmp_path) as timer:
+        phase = timer.phase("walk")
+
+        def other_thread() -> None:
+            with phase:
+                inside.wait()  # both threads inside the phase at once
+                time.sleep(0.02)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, (x, y) in enumerate(timer.loader):
+                loss_of(model(x), y, plant).backward()
+                t = threading.Thread(target=other_thread)
+                t.start()
+                with phase:
+                    inside.wait()
+                    time.sleep(SLEEP_MS / 1e3)
+                t.join()  # the other thread's time is not the loop's (it waits here, in `optimizer`)
+                opt.step()
+                if i + 1 == STEPS:
+                    break
+    walk = timer.totals.phases["walk"].quantile(50)
+    assert SLEEP_MS <= walk < SLEEP_MS + 0.3 * SLEEP_MS + 2
+    assert any("another thread" in str(w.message) or "other than the training loop" in str(w.message) for w in caught)
+
+
+def test_the_backward_wrapper_is_one_however_many_timers_and_goes_away(tmp_path):
+    original = torch.autograd.backward
+    a = attach(Net(Plant(None)), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), None, tmp_path / "a")
+    wrapped = torch.autograd.backward
+    b = attach(Net(Plant(None)), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), None, tmp_path / "b")
+    assert wrapped is not original and torch.autograd.backward is wrapped
+    a.close()
+    assert torch.autograd.backward is wrapped  # b still listens
+    b.close()
+    assert torch.autograd.backward is original
