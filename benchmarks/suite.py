@@ -362,6 +362,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--only", default="overhead,accuracy,stalls,memory,fine,host,insitu")
     parser.add_argument("--doors", default="plain,lightning", help="which doors the overhead runs use")
+    parser.add_argument("--models", default="launch-bound,gpu-bound", help="which models the overhead runs use")
+    parser.add_argument("--no-competitors", action="store_true", help="overhead of phase-timer only (no other tools)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     only = set(args.only.split(","))
@@ -373,12 +375,17 @@ def main() -> None:
     table: list[str] = []
     results: dict[str, Any] = {}
     if "overhead" in only:
+        models = set(args.models.split(","))
         for spec, steps in ((LAUNCH_BOUND, 400), (GPU_BOUND, 100)):
+            if spec.name not in models:
+                continue
             res_by_door = {}
+            plain_v = ["phase-timer"] + ([] if args.no_competitors else ["sync-every-batch", "torch.profiler"])
+            lightning_v = ["phase-timer"] + ([] if args.no_competitors else ["SimpleProfiler", "torch.profiler"])
             if "plain" in doors:
-                res_by_door["plain"] = interleaved_blocks(spec, ["phase-timer", "sync-every-batch", "torch.profiler"], pairs, steps)
+                res_by_door["plain"] = interleaved_blocks(spec, plain_v, pairs, steps)
             if "lightning" in doors:
-                res_by_door["lightning"] = interleaved_trainers(spec, ["phase-timer", "SimpleProfiler", "torch.profiler"], max(3, pairs - 4), 2 * steps)
+                res_by_door["lightning"] = interleaved_trainers(spec, lightning_v, max(3, pairs - 4), 2 * steps)
             say(f"{spec.name}: {res_by_door}")
             results[f"overhead/{spec.name}"] = res_by_door
             for door, res in res_by_door.items():
