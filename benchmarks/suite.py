@@ -8,7 +8,9 @@ runs, each its own process writing its own file, its table copied into the last 
 ``fine`` (``launch_bound.py`` and ``lightning_launch_bound.py``: the launch-bound
 overhead of both doors resolved to ~0.5%), ``host`` (``host_cost.py``: host time per
 step in a hot loop) and ``insitu`` (``in_situ_primitives.py``: the driver calls'
-cost inside a real launch-bound loop).
+cost inside a real launch-bound loop) and ``truth`` (``truth.py``: every phase of both doors
+against markers at the boundaries a user means, on a 32k-vocabulary LM and a host-bound
+conv net, read from the profiler's timeline and from timing events).
 
 Overhead: the same loop with and without a timer, runs interleaved (A B A B ...),
 median of the per-pair ratios, for a launch-bound and a GPU-bound model, through
@@ -51,20 +53,22 @@ def say(msg: str) -> None:
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# section -> [(script, its arguments for a --quick run; a full run takes its defaults)]
+# section -> [(script, its arguments, more for a --quick run; a full run takes the script's defaults)]
 SCRIPTS = {
     "fine": [
-        ("launch_bound.py", ["--rounds", "30", "--inside-steps", "500"]),
-        ("lightning_launch_bound.py", ["--rounds", "20", "--inside-steps", "500"]),
+        ("launch_bound.py", [], ["--rounds", "30", "--inside-steps", "500"]),
+        ("lightning_launch_bound.py", [], ["--rounds", "20", "--inside-steps", "500"]),
     ],
-    "host": [("host_cost.py", ["--steps", "2000"])],
-    "insitu": [("in_situ_primitives.py", ["--steps", "500"])],
+    "host": [("host_cost.py", [], ["--steps", "2000"])],
+    "insitu": [("in_situ_primitives.py", [], ["--steps", "500"])],
+    # Phase boundaries against markers at the user's boundaries, both truths (truth.py's docstring).
+    "truth": [("truth.py", ["--truth", "profiler"], ["--steps", "40"]), ("truth.py", ["--truth", "events"], ["--steps", "40"])],
 }
 
 
 def run_script(name: str, args: list[str], out_dir: str) -> list[str]:
     """Run one of the finer benchmarks in its own process; its table, for the last one."""
-    out = os.path.join(out_dir, name.replace(".py", ".txt"))
+    out = os.path.join(out_dir, "_".join([name.replace(".py", ""), *(a for a in args if not a.startswith("-"))]) + ".txt")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
     proc = subprocess.run([sys.executable, os.path.join(HERE, name), *args, "--out", out], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -360,7 +364,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer pairs and steps (a smoke run)")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--only", default="overhead,accuracy,stalls,memory,fine,host,insitu")
+    parser.add_argument("--only", default="overhead,accuracy,stalls,memory,fine,host,insitu,truth")
     parser.add_argument("--doors", default="plain,lightning", help="which doors the overhead runs use")
     parser.add_argument("--models", default="launch-bound,gpu-bound", help="which models the overhead runs use")
     parser.add_argument("--no-competitors", action="store_true", help="overhead of phase-timer only (no other tools)")
@@ -413,9 +417,9 @@ def main() -> None:
         table.append("memory    step, RSS MB, live events, pending: " + "; ".join(f"{i}: {r:.0f} {e} {p}" for i, r, e, p in samples))
     for section, scripts in SCRIPTS.items():
         if section in only:
-            for name, quick in scripts:
-                lines = run_script(name, quick if args.quick else [], args.out)
-                results[section + "/" + name] = lines
+            for name, always, quick in scripts:
+                lines = run_script(name, always + (quick if args.quick else []), args.out)
+                results[section + "/" + " ".join([name, *always])] = lines
                 table += lines
     tag = "-".join(sorted(only)) + ("" if doors == {"plain", "lightning"} else "-" + "-".join(sorted(doors)))
     with open(os.path.join(args.out, f"suite-{tag}.json"), "w") as f:

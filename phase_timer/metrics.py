@@ -128,8 +128,20 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer")
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     rule = "-" * len(line(head))
     body = "\n".join(line(r) for r in rows)
-    note = share_note(clock)
+    note = share_note(clock) + _between_note(totals)
     return f"{title}: {totals.steps} steps timed\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{note}"
+
+
+def _between_note(totals: RunTotals) -> str:
+    """A line naming the time between steps, when it is a material part of ``period`` (>= 10%)."""
+    between, period = totals.phases.get(BETWEEN), totals.phases.get("period")
+    if between is None or period is None or period.total <= 0 or between.total < 0.1 * period.total:
+        return ""
+    return (
+        f"\nbetween_steps: {between.mean:.3f} ms a step ({100 * between.total / period.total:.0f}% of period) from the "
+        "optimizer step's end to the next batch's fetch: what runs there (schedulers, EMA, callbacks, logging, "
+        "checkpoints), or the device waiting for it"
+    )
 
 
 def format_rank_table(totals: RankTotals, title: str = "phase-timer") -> str:

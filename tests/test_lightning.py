@@ -258,3 +258,24 @@ def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, name):
 def test_positional_arguments_are_refused():
     with pytest.raises(TypeError):
         PhaseTimer(10)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("place", ["before", "after"])
+def test_a_busy_callback_is_named_between_steps_not_optimizer(tmp_path, place):
+    """Issue 17: host work in another callback's on_train_batch_end, listed before or after PhaseTimer."""
+    import time
+
+    pl = importlib.import_module("lightning.pytorch")
+
+    class Busy(pl.Callback):
+        def on_train_batch_end(self, *args):
+            time.sleep(0.02)
+
+    timer = PhaseTimer(warmup_steps=2)
+    callbacks = [Busy(), timer] if place == "before" else [timer, Busy()]
+    t = trainer("lightning.pytorch", str(tmp_path), callbacks, max_steps=10, log_every_n_steps=5, logger=False)
+    t.fit(module_class("lightning.pytorch")(optimizer=0.002), loader())
+    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
+    assert 20 <= p50["between_steps"] < 20 + 15
+    assert p50["optimizer"] < 2 + 10 and p50["data_wait"] < 10  # neither holds the callback's 20 ms
+    assert "between_steps: " in timer.last_summary and "% of period" in timer.last_summary
