@@ -7,6 +7,12 @@ the amortized cost of writing a window to TensorBoard; with the C engine (the
 default) and the Python one, on the native clock and torch's events.
 
     python benchmarks/host_cost.py [--steps 20000] [--out FILE]
+    python benchmarks/host_cost.py --host-clock [--out FILE]     # no GPU needed
+
+``--host-clock`` times only the core step on the host clock (the C engine, no driver
+calls): what the Python and C around the driver calls cost, on any machine.  It also
+runs against the previous release's ``phase_timer`` (``PYTHONPATH`` chooses), whose
+core closes a step with ``end_step()``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import contextlib
 import torch
 
 import phase_timer.engine
-from phase_timer.clock import CudaClock, NativeCudaClock
+from phase_timer.clock import CudaClock, HostClock, NativeCudaClock
 from phase_timer.core import TimingCore
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, open_event_file
 
@@ -136,8 +142,11 @@ def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C
     with python_engine() if engine == "Python" else contextlib.nullcontext():
         core = TimingCore(clock_type(), sinks, window=window, warmup_steps=0, max_pending=64)
     assert (type(core._engine).__name__ == "PyEngine") == (engine == "Python" or clock_type is CudaClock)
-    x = torch.randn(256, 256, device="cuda")
+    cuda = clock_type is not HostClock
+    x = torch.randn(256, 256, device="cuda") if cuda else None
     state = {"i": 0}
+    # The previous release closed a step with end_step(): no separate end (5 marks a step).
+    end, close = (core.end, core.close) if hasattr(core, "close") else (lambda: None, core.end_step)
 
     def step() -> None:
         i = state["i"] = state["i"] + 1
@@ -146,27 +155,45 @@ def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C
         core.phase("forward")
         core.phase("backward")
         core.phase("optimizer")
-        core.end()  # the step ends (its last optimizer step)
-        core.close()  # the next fetch: the time between steps ends
+        end()  # the step ends (its last optimizer step)
+        close()  # the next fetch: the time between steps ends
 
     for _ in range(200):  # warm the pool
         step()
-    torch.cuda.synchronize()
-    # A little device work per step, so the events complete while the host runs.
-    x.mul_(1.0)
+    if cuda:
+        torch.cuda.synchronize()
+        # A little device work per step, so the events complete while the host runs.
+        x.mul_(1.0)
     us = per_call_us(step, n)
     core.finish()
     return us
+
+
+def host_clock_rows(n: int, repeats: int = 5) -> list[str]:
+    """The core step on the host clock, C engine, five runs each: min and median."""
+    import os
+
+    import phase_timer
+
+    lines = [f"phase_timer from {os.path.dirname(phase_timer.__file__)}  torch {torch.__version__}  "
+             f"{time.strftime('%Y-%m-%d')}", f"core step on the host clock, C engine, {n} steps, {repeats} runs: min / median"]
+    for sink in ("none", "event file (default)"):
+        runs = [core_step(n, sink, 50, HostClock, "C") for _ in range(repeats)]
+        lines.append(f"{sink:24s} {min(runs):6.2f} / {statistics.median(runs):6.2f} us")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--host-clock", action="store_true", help="only the core step on the host clock (no GPU)")
     args = parser.parse_args()
+    if args.host_clock:
+        print_and_save("\n".join(host_clock_rows(args.steps)), args.out)
+        return
     rows = primitives(args.steps)
     rows.update(engine_calls(args.steps))
-    from phase_timer.clock import HostClock
 
     rows["core step, C engine, HostClock, none"] = [core_step(args.steps, "none", 50, HostClock, "C")]
     combos = [("C", NativeCudaClock)] if NativeCudaClock is not None else []

@@ -35,7 +35,8 @@ def test_lightning_launch_bound(tmp_path):
                          "--warmup-rounds", "1", "--inside-steps", "60")
     for row in ("none", "empty Callback", "PhaseTimer (default)", "python burn"):
         assert f"\n{row}" in text
-    for hook in ("batch_to_device wrapper", "on_before_backward", "on_after_backward", "on_train_batch_end"):
+    for hook in ("batch_to_device wrapper", "on_before_backward", "on_after_backward", "on_train_batch_end",
+                 "fetch hook _on_before_fetch", "step end (optimizer post-hook)"):
         assert hook in text
 
 
@@ -54,3 +55,11 @@ def test_in_situ_primitives(tmp_path):
     for call in ("mark", "done (record 2 steps back)", "spans (6 marks)", "release (6 marks)"):
         assert f"\n{call} " in text
     assert "the engine's driver calls per step" in text
+
+
+@pytest.mark.timeout(300)
+def test_host_cost_on_the_host_clock(tmp_path):
+    text = run_benchmark("host_cost.py", tmp_path, "--host-clock", "--steps", "300")
+    assert "core step on the host clock" in text
+    for sink in ("none", "event file (default)"):
+        assert f"\n{sink} " in text
