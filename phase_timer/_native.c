@@ -733,20 +733,24 @@ static PyObject *Steps_switch(Steps *self, PyObject *phase) {
     Py_RETURN_NONE;
 }
 
-/* end(): the step's device part ends here (a mark); what follows, until close(), is between steps.
- * A later end() moves the end there.  A second end() with nothing switched in between
- * continues the label that ran into the first (a GradScaler's update after the step). */
-static PyObject *Steps_end(Steps *self, PyObject *Py_UNUSED(ignored)) {
+/* end([phase]): the step's device part ends here (a mark); what follows, until close(), is
+ * between steps, labelled `phase` (default: between).  A later end() moves the end there.
+ * A second end() with nothing switched in between continues the label that ran into the
+ * first (a GradScaler's update after the step). */
+static PyObject *Steps_end(Steps *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 1) { PyErr_SetString(PyExc_TypeError, "end([phase])"); return NULL; }
     if (!self->open) Py_RETURN_NONE;
+    int32_t next = self->between_id;
+    if (nargs == 1 && (next = phase_id(self, args[0])) < 0) return NULL;
     Rec *r = &self->cur;
     int32_t label = self->current;
     if (label == self->between_id && r->end >= 0) label = self->pre_end;
-    else self->pre_end = label;
     if (rec_reserve(r, r->n + 1) < 0 || take_mark(self, &r->marks[r->n]) < 0) return NULL;
+    self->pre_end = label;
     r->labels[r->n - 1] = label;
     r->end = r->n;
     r->n++;
-    self->current = self->between_id;
+    self->current = next;
     Py_RETURN_NONE;
 }
 
@@ -1014,7 +1018,7 @@ static PyMethodDef Steps_methods[] = {
     {"open", (PyCFunction)(void (*)(void))Steps_open, METH_FASTCALL, "open(step, phase): start a record."},
     {"switch", (PyCFunction)Steps_switch, METH_O, "switch(phase): end the running span, start `phase`."},
     {"relabel", (PyCFunction)Steps_relabel, METH_O, "relabel(phase): rename the running span."},
-    {"end", (PyCFunction)Steps_end, METH_NOARGS, "end(): the step's device part ends here; then between steps."},
+    {"end", (PyCFunction)(void (*)(void))Steps_end, METH_FASTCALL, "end([phase]): the step's device part ends here; then between steps."},
     {"add_host", (PyCFunction)(void (*)(void))Steps_add_host, METH_FASTCALL, "add_host(phase, ms): a host-clock phase."},
     {"close", (PyCFunction)Steps_close, METH_O, "close(period_ms) -> bool: queue the record (period_ms < 0: none)."},
     {"discard", (PyCFunction)Steps_discard, METH_NOARGS, "Drop the open record."},

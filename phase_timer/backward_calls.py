@@ -17,14 +17,21 @@ Calls are counted once: a call made while another is running on the same thread
 backward) passes straight through, and each listener ignores calls from threads
 other than its training loop's.  ``torch.autograd.grad`` is not a backward call:
 it is counted in whatever phase calls it (``forward``, for a gradient penalty).
+
+The timer must never break the training it measures: a listener that raises is
+reported once and skipped, and the wrapper's own state is restored whatever happens.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import warnings
 from typing import Any, Protocol
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class Listener(Protocol):
@@ -36,40 +43,60 @@ class Listener(Protocol):
 
 
 _listeners: tuple[Listener, ...] = ()
-_original: Any = None
+_installed: Any = None  # what torch.autograd.backward was when the wrapper went in
+_in_chain = False  # the wrapper is installed (maybe under another tool's wrapper of it)
 _local = threading.local()
+_warned = False
+
+
+def _safely(call: Any, *args: Any) -> Any:
+    """A listener's call; an error in it is reported once and never reaches the training loop."""
+    global _warned
+    try:
+        return call(*args)
+    except Exception as err:  # noqa: BLE001 - the timer must not break training
+        if not _warned:
+            _warned = True
+            msg = f"phase-timer: a backward() boundary failed ({type(err).__name__}: {err}); training goes on"
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _backward(*args: Any, **kwargs: Any) -> Any:
-    listeners = _listeners
+    original, listeners = _installed, _listeners
     if not listeners or getattr(_local, "depth", 0):
-        return _original(*args, **kwargs)
+        return original(*args, **kwargs)
     _local.depth = 1
-    took = [listener for listener in listeners if listener._backward_began()]
+    took: list[Listener] = []
     failed = True
     try:
-        out = _original(*args, **kwargs)
+        took = [listener for listener in listeners if _safely(listener._backward_began)]
+        out = original(*args, **kwargs)
         failed = False
         return out
     finally:
         _local.depth = 0
         for listener in took:  # also when backward raised: the next step starts clean
-            listener._backward_ended(failed)
+            _safely(listener._backward_ended, failed)
 
 
 def listen(listener: Listener) -> None:
     """Start telling ``listener`` about backward calls (installs the wrapper if needed)."""
-    global _listeners, _original
-    if _original is None:  # the function torch shipped, taken once
-        _original = torch.autograd.backward
-    if torch.autograd.backward is not _backward:
+    global _listeners, _installed, _in_chain
+    if not _in_chain:
+        _installed = torch.autograd.backward  # whatever is there now: torch's, or another tool's wrapper
         torch.autograd.backward = _backward
+        _in_chain = True
     _listeners = (*_listeners, listener)
 
 
 def unlisten(listener: Listener) -> None:
-    """Stop telling ``listener``; the last one out puts ``torch.autograd.backward`` back."""
-    global _listeners
+    """Stop telling ``listener``; the last one out puts back what the wrapper replaced."""
+    global _listeners, _in_chain
     _listeners = tuple(x for x in _listeners if x is not listener)
     if not _listeners and torch.autograd.backward is _backward:
-        torch.autograd.backward = _original
+        torch.autograd.backward = _installed
+        _in_chain = False
+    # If another tool wrapped ours since, its wrapper stays and ours, under it, passes
+    # straight through; a later listen() finds ours still in the chain.

@@ -72,11 +72,14 @@ class Boundaries:
         """The loop asks for the next batch: a step that has ended is closed here.
 
         A batch whose backward raised and that never stepped ("skip the batch on error")
-        is dropped, so that the next step is timed as if nothing had happened.
+        is dropped, so that the next step is timed as if nothing had happened.  A second
+        report before the batch arrives (Lightning's broadcast, then its fetch) changes nothing.
         """
-        self._fetched = True
         if self.paused:
             self._wake()
+        if self._fetched:
+            return
+        self._fetched = True
         if self.ended:
             self._close()
         elif self.open and self._failed:
@@ -118,13 +121,23 @@ class Boundaries:
             self._set(FORWARD)
 
     def forward(self, *, begins: bool = False) -> None:
-        """The training forward starts.  ``begins``: there is no loader, so a forward begins the step."""
+        """The training forward starts.
+
+        ``begins``: there is no loader, so a forward begins the step: after an ended step it
+        closes that one and begins the next; after a backward with no optimizer step since
+        (accumulation), the micro-batch in between is ``idle``; after a failed backward the
+        batch is dropped.
+        """
         if self.in_backward:
             return  # recomputation inside backward (activation checkpointing) is backward's
         if self.paused:
             self._wake()
         if begins and self.ended:
             self._close()
+        elif begins and self.open and self._failed:
+            self._drop()
+        elif begins and self.open and self._after_backward:
+            self.micro_batch_end()
         elif self.trailing:  # the batch goes on (a GAN's second model, SAM's second pass)
             self._continue(FORWARD)
         if not self.open:
@@ -191,7 +204,8 @@ class Boundaries:
             return
         if self.paused:
             self._wake()
-        self.core.end()
+        # A user phase still open runs on, between steps, under its own name.
+        self.core.end(self._explicit[-1]) if self._explicit else self.core.end()
         self.ended = self.trailing = True
         self._after_backward = False
         self._auto = BETWEEN
@@ -220,6 +234,11 @@ class Boundaries:
         elif self.open:
             self._drop()  # a step abandoned half-way, or micro-batches never stepped
         self.pause()
+
+    def drop(self) -> None:
+        """Drop the open record, if any: what it measured cannot be trusted (a door found out too late)."""
+        if self.open:
+            self._drop()
 
     def finish(self) -> None:
         """End of training: the last step closes if it ended; a half-done one is dropped by the core."""

@@ -77,11 +77,6 @@ class TimingCore:
 
     # -- the step ---------------------------------------------------------------
     @property
-    def in_step(self) -> bool:
-        """A step has begun and not ended (recorded or not: warm-up and skipped steps count)."""
-        return self._in_step
-
-    @property
     def recording(self) -> bool:
         return self._engine.is_open
 
@@ -135,9 +130,14 @@ class TimingCore:
                 self._write_ranks(self.ranks.exchange())
 
     def discard(self) -> None:
-        """Drop the open record: a step abandoned before its end has no honest total."""
+        """Drop the open record: a step abandoned before its end has no honest total.
+
+        The next step's ``period`` starts here, so it does not carry the dropped batch either.
+        """
         self._engine.discard()
         self._in_step = False
+        if self._last_end is not None:
+            self._last_end = time.perf_counter_ns()
 
     def _skip(self) -> None:
         self.skipped += 1

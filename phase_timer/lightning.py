@@ -7,7 +7,9 @@ where Lightning tells us each boundary happened:
 boundary            Lightning event
 ==================  ================================================================
 fetch               the training epoch loop's fetch of the next batch (the hooks it
-                    calls around ``next(data_fetcher)``); ``data_wait`` is the time inside
+                    calls around ``next(data_fetcher)``); ``data_wait`` is the time inside,
+                    and Lightning's own hooks after it up to the transfer
+                    (``on_before_batch_transfer``: batch preparation on the host)
 batch (``h2d``)     entry of ``trainer.strategy.batch_to_device`` (wrapped on the instance)
 copied (forward)    exit of that wrapper
 backward            ``on_before_backward`` .. ``on_after_backward``
@@ -139,11 +141,12 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         self.last_summary: str | None = None
         self.log_dir: str | None = None
         self._bounds: Boundaries | None = None
-        self._originals: list[tuple[Any, str, Any, bool]] = []
+        self._originals: list[tuple[Any, str, Any, bool, Any]] = []
         self._hooks: list[Any] = []
         self._sync_wait_ns = 0
         self._fetch_ns = 0  # host time inside Lightning's fetch since the last batch
         self._fetch_t0 = 0
+        self._fetch_end = 0  # when the last fetch returned (0: none since the last batch)
         self._fetch_hooked = False
         self._global_step_at_batch = 0
         self.totals = None
@@ -152,7 +155,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self.enabled or stage != "fit":
             return
-        self._sync_wait_ns = self._fetch_ns = 0
+        self._sync_wait_ns = self._fetch_ns = self._fetch_end = 0
         original = trainer.strategy.batch_to_device
 
         def batch_to_device(batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
@@ -180,7 +183,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
 
             def on_after_fetch() -> None:
                 after()
-                self._fetch_ns += time.perf_counter_ns() - self._fetch_t0
+                self._fetch_end = time.perf_counter_ns()
+                self._fetch_ns += self._fetch_end - self._fetch_t0
 
             self._patch(epoch_loop, "_on_before_fetch", on_before_fetch)
             self._patch(epoch_loop, "_on_after_fetch", on_after_fetch)
@@ -203,11 +207,13 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def _patch(self, obj: Any, name: str, replacement: Any) -> None:
         """Replace ``obj.name`` on the instance; :meth:`_restore` puts back what was there."""
-        self._originals.append((obj, name, obj.__dict__.get(name), name in obj.__dict__))
+        self._originals.append((obj, name, obj.__dict__.get(name), name in obj.__dict__, replacement))
         setattr(obj, name, replacement)
 
     def _restore(self) -> None:
-        for obj, name, previous, had_attr in reversed(self._originals):
+        for obj, name, previous, had_attr, replacement in reversed(self._originals):
+            if obj.__dict__.get(name) is not replacement:
+                continue  # wrapped again since (another timer): ours stays under it, passing through
             if had_attr:
                 setattr(obj, name, previous)
             else:
@@ -280,6 +286,9 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
     def _on_batch(self, trainer: pl.Trainer, bounds: Boundaries) -> None:
         sync_ns, self._sync_wait_ns = self._sync_wait_ns, 0
         fetch_ns, self._fetch_ns = self._fetch_ns, 0
+        if self._fetch_end:  # Lightning's hooks between its fetch and the transfer prepare the batch
+            fetch_ns += time.perf_counter_ns() - self._fetch_end
+            self._fetch_end = 0
         # The step Lightning logs this batch's metrics at.
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
         bounds.batch(step, fetch_ns / 1e6 if self._fetch_hooked else None, sync_ns / 1e6)
@@ -305,7 +314,9 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             bounds.micro_batch_end()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync_wait_ns = 0  # a broadcast before the last epoch's end belongs to no batch
+        # A broadcast or a fetch (the one that found the loader empty) before the last epoch's
+        # end belongs to no batch.
+        self._sync_wait_ns = self._fetch_ns = self._fetch_end = 0
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._bounds is not None:

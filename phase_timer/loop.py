@@ -130,11 +130,15 @@ class LoopTimer:
         self._copy = copy_to_device
         self._end_on_optimizer = end_step == "optimizer"
         self._handles: list[Any] = []
-        self._scaler, self._scaler_update = scaler, None
+        self._scaler, self._scaler_update, self._scaler_wrapper = scaler, None, None
         self._listening = False
-        #: The training loop's thread: hooks and phases from other threads are not its steps.
-        self._thread = threading.get_ident()
-        self._other_thread_warned = False
+        #: The training loop's thread, bound at the model's first forward or the first backward()
+        #: call: hooks, backward calls and phases from other threads are not its steps.
+        self._thread: int | None = None
+        self._loader_thread: int | None = None  # where timer.loader was last iterated
+        #: The loader's fetches are the loop's (False once it is found iterated on another thread).
+        self._loader_active = loader is not None
+        self._warned: set[str] = set()
         self.log_dir: str | None = None
         self.core: TimingCore | None = None
         self._bounds: Boundaries | None = None
@@ -189,39 +193,82 @@ class LoopTimer:
                     self._bounds.step_end()  # after the step; the only end of a step skipped for inf/nan
                 return out
 
-            self._scaler.update = update
+            self._scaler.update = self._scaler_wrapper = update
+
+    def _loader_here(self) -> bool:
+        """The loader is iterated on the training loop's thread (else its fetches are not the loop's)."""
+        if not self._loader_active:
+            return False
+        ident = threading.get_ident()
+        if self._thread is None:  # not known yet: the first forward or backward() will say
+            self._loader_thread = ident
+            return True
+        if ident == self._thread:
+            return True
+        self._loader_elsewhere()
+        return False
+
+    def _loader_elsewhere(self) -> None:
+        """timer.loader runs on another thread (a prefetching wrapper): time steps as without a loader."""
+        self._loader_active = False
+        if self._bounds is not None:
+            self._bounds.drop()
+        self._warn_once(
+            "loader thread",
+            "phase-timer: timer.loader is iterated on a thread other than the training loop's (a prefetching "
+            "wrapper around it?), so its fetches are not the loop's: data_wait and h2d are not timed and each "
+            "step begins at the model's forward. Attach the loader the loop iterates instead, e.g. "
+            "attach(model, opt, BackgroundGenerator(loader)).",
+        )
+
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     def _fetch(self) -> None:
-        if self._bounds is not None:
+        if self._bounds is not None and self._loader_here():
             self._bounds.fetch()
 
     def _on_batch(self, batch: Any, t0: int) -> Any:
         bounds = self._bounds
-        if bounds is None:
-            return _to_device(batch, self.device) if self._copy else batch
-        self._thread = threading.get_ident()
-        bounds.batch(None, (time.perf_counter_ns() - t0) / 1e6)
+        timed = bounds is not None and self._loader_here()
+        if timed:
+            bounds.batch(None, (time.perf_counter_ns() - t0) / 1e6)
         if self._copy:
             batch = _to_device(batch, self.device)
-            bounds.copied()
+            if timed:
+                bounds.copied()
         return batch
 
     def _epoch_end(self) -> None:
-        if self._bounds is not None:
+        if self._bounds is not None and self._loader_here():
             self._bounds.epoch_end()
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         bounds = self._bounds
-        if bounds is None or bounds.in_backward or threading.get_ident() != self._thread:
+        if bounds is None or bounds.in_backward:
             return
-        if not torch.is_grad_enabled() and (not module.training or not bounds.open):
+        if not self._on_loop_thread():
+            return
+        if not torch.is_grad_enabled() and (not module.training or not bounds.open or bounds.trailing):
             bounds.pause()  # evaluation: in eval mode, or between steps
             return
-        bounds.forward(begins=self.loader is None)
+        bounds.forward(begins=not self._loader_active)
+
+    def _on_loop_thread(self) -> bool:
+        """True on the training loop's thread: the first forward or backward() call binds it."""
+        ident = threading.get_ident()
+        if self._thread is None:
+            self._thread = ident
+            if self._loader_active and self._loader_thread not in (None, ident):
+                self._loader_elsewhere()
+        return ident == self._thread
 
     def _backward_began(self) -> bool:
         bounds = self._bounds
-        if bounds is None or threading.get_ident() != self._thread:
+        if bounds is None or not self._on_loop_thread():
             return False
         bounds.backward_start()
         return bounds.in_backward
@@ -233,7 +280,7 @@ class LoopTimer:
     def _on_optimizer_end(self, opt: torch.optim.Optimizer) -> None:
         # With a loader, any optimizer step may be the batch's last (the next fetch says);
         # without one, the last optimizer given ends the step.
-        if self._end_on_optimizer and self._bounds is not None and (self.loader is not None or opt is self.optimizers[-1]):
+        if self._end_on_optimizer and self._bounds is not None and (self._loader_active or opt is self.optimizers[-1]):
             self._bounds.step_end()
 
     # -- public ---------------------------------------------------------------------
@@ -265,13 +312,12 @@ class LoopTimer:
         """A user phase opens on this thread: True if it is timed."""
         if self._bounds is None:
             return False
-        if threading.get_ident() != self._thread:
-            if not self._other_thread_warned:
-                self._other_thread_warned = True
-                msg = (f"phase-timer: timer.phase({name!r}) was entered on a thread other than the training "
-                       "loop's; phases are timed on the loop's thread only, so this one is not timed")
-                log.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        if self._thread is not None and threading.get_ident() != self._thread:
+            self._warn_once(
+                "phase thread",
+                f"phase-timer: timer.phase({name!r}) was entered on a thread other than the training loop's; "
+                "phases are timed on the loop's thread only, so this one is not timed",
+            )
             return False
         self._bounds.enter(name)
         return True
@@ -289,10 +335,13 @@ class LoopTimer:
             backward_calls.unlisten(self)
             self._listening = False
         if self._scaler is not None:
-            if self._scaler_update is None:
-                self._scaler.__dict__.pop("update", None)
-            else:
-                self._scaler.update = self._scaler_update
+            # Put back what was there, unless something wrapped ours since: then ours stays,
+            # passing straight through (no timer is left behind it).
+            if self._scaler.__dict__.get("update") is self._scaler_wrapper:
+                if self._scaler_update is None:
+                    self._scaler.__dict__.pop("update", None)
+                else:
+                    self._scaler.update = self._scaler_update
             self._scaler = None
 
     def close(self, *, interrupted: bool = False) -> RunTotals | None:

@@ -25,19 +25,20 @@ TOTALS = ("step", "period")
 
 
 def share_base(phase: str) -> str | None:
-    """What a phase's share is of: the step's phases of ``step``; the rest of ``period``, the time per step."""
+    """What a phase's share is of: the step's built-in phases of ``step``; the rest of ``period``.
+
+    ``period`` is the time per step, so any span of a step's record is part of it; a
+    custom phase may run inside the step or between steps, so its share is of ``period``.
+    """
     if phase in TOTALS:
         return None
-    return "period" if phase in HOST_PHASES or phase == BETWEEN else "step"
+    return "step" if phase in STEP_PHASES else "period"
 
 
 def share_note(clock: str | None = None) -> str:
     """The footnote that says what the share column is, on this clock (``None``: not known)."""
-    if clock == "host":
-        return "share: the step's phases of `step`; data_wait, sync_wait, between_steps of `period` (all host clock)"
-    if clock is None:
-        return "share: the step's phases of `step`; between_steps, data_wait, sync_wait of `period`"
-    return "share: the step's device phases of `step`; between_steps (device), data_wait, sync_wait (host) of `period`"
+    note = "share: h2d, forward, backward, optimizer, idle of `step`; the rest of `period`"
+    return note + " (all host clock)" if clock == "host" else note
 
 WINDOW_PREFIX = "phase_time"
 STEP_PREFIX = "phase_time_step"

@@ -93,9 +93,10 @@ class Recorder:
         self._labels.append(self._current)
         self._current = phase
 
-    def end(self) -> None:
+    def end(self, phase: str = BETWEEN) -> None:
         """The step's device part ends here (a mark); until :meth:`close`, spans are between steps.
 
+        What runs next is labelled ``phase`` (a user phase still open; else ``between_steps``).
         A later ``end()`` moves the end there; a second one with nothing switched in
         between continues the label that ran into the first (a GradScaler's update).
         """
@@ -105,14 +106,13 @@ class Recorder:
         label = self._current
         if label == BETWEEN and self._end >= 0:
             label = self._pre_end
-        else:
-            self._pre_end = label
         if self._host_ns is not None:
             self._host_ns.append(time.perf_counter_ns())
         marks.append(self._mark())
+        self._pre_end = label
         self._labels.append(label)
         self._end = len(marks) - 1
-        self._current = BETWEEN
+        self._current = phase
 
     def relabel(self, phase: str) -> None:
         """Rename the running span (no mark): what it turned out to be is known only later."""
@@ -186,11 +186,11 @@ class NvtxRecorder(Recorder):
             self._push(phase)
         super().relabel(phase)
 
-    def end(self) -> None:
+    def end(self, phase: str = BETWEEN) -> None:
         if self._marks is not None:
             self._pop()
-            super().end()
-            self._push(BETWEEN)
+            super().end(phase)
+            self._push(phase)
 
     def close(self) -> Record | None:
         if self._marks is not None:

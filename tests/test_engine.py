@@ -50,8 +50,10 @@ def script(seed: int, n_ops: int = 3000) -> list[tuple]:
                 ops.append(("switch", rng.choice(phases)))
             elif r < 0.65:
                 ops.append(("relabel", rng.choice(phases)))
-            elif r < 0.8:
+            elif r < 0.75:
                 ops.append(("end",))  # the step's end; later ends move it, later spans are between steps
+            elif r < 0.8:
+                ops.append(("end", rng.choice(phases)))  # ... with a user phase still open after it
             else:
                 ops.append(("add_host", rng.choice(["data_wait", "sync_wait"]), rng.random() * 3))
         if rng.random() < 0.05:

@@ -279,3 +279,16 @@ def test_a_busy_callback_is_named_between_steps_not_optimizer(tmp_path, place):
     assert 20 <= p50["between_steps"] < 20 + 15
     assert p50["optimizer"] < 2 + 10 and p50["data_wait"] < 10  # neither holds the callback's 20 ms
     assert "between_steps: " in timer.last_summary and "% of period" in timer.last_summary
+
+
+def test_two_phase_timers_in_one_trainer_leave_it_working(tmp_path):
+    """Both time the run; their patches are undone or left passing through, and a second fit works."""
+    ns = "lightning.pytorch"
+    a, b = PhaseTimer(warmup_steps=1, summary=False), PhaseTimer(warmup_steps=1, summary=False)
+    t = trainer(ns, str(tmp_path), [a, b], max_steps=6, log_every_n_steps=3, logger=False)
+    t.fit(module_class(ns)(), loader())
+    assert a.totals.steps == b.totals.steps == 5
+    assert a.core is None and b.core is None
+    t2 = trainer(ns, str(tmp_path / "again"), [PhaseTimer(warmup_steps=1, summary=False)], max_steps=4,
+                 log_every_n_steps=2, logger=False)
+    t2.fit(module_class(ns)(), loader())

@@ -322,3 +322,52 @@ def test_optimizer_subclass_calling_super_step_counts_as_one_step(tmp_path):
         train(timer, model, [opt], steps=6)
     assert timer.totals.steps == 6
     assert timer.totals.phases["optimizer"].min >= 4  # the subclass's part of step() is inside the step
+
+
+def test_a_loader_iterated_on_a_prefetch_thread_is_named_and_steps_still_timed(tmp_path):
+    """timer.loader wrapped by a BackgroundGenerator-style thread: its fetches are not the loop's."""
+    import queue
+    import threading
+
+    def prefetched(iterable, depth=2):
+        q: queue.Queue = queue.Queue(depth)
+
+        def fill():
+            for item in iterable:
+                q.put(item)
+            q.put(None)
+
+        threading.Thread(target=fill, daemon=True).start()
+        while (item := q.get()) is not None:
+            yield item
+
+    model = SleepyNet(forward_s=0.003, backward_s=0.004)
+    opt = SlowSGD(model.parameters(), lr=0.01, sleep_s=0.005)
+    with pytest.warns(RuntimeWarning, match="iterated on a thread other than the training loop's"):
+        with phase_timer.attach(model, opt, loader(n=8 * 12), log_dir=tmp_path, warmup_steps=2, summary=False) as timer:
+            for x, y in prefetched(timer.loader):
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    p50 = p50s(timer)
+    assert timer.totals.steps >= 8
+    for phase, ms in {"forward": 3, "backward": 4, "optimizer": 5}.items():
+        assert ms <= p50[phase] < 3 * ms + 25, (phase, p50)
+    assert "data_wait" not in p50 and "h2d" not in p50  # not the loop's: not timed
+
+
+def test_two_timers_sharing_a_scaler_detached_first_in_first_out(tmp_path):
+    """The first timer's wrapper sits under the second's: it stays, passing through, and drives nothing."""
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    a = phase_timer.attach(model, opt, scaler=scaler, log_dir=tmp_path / "a", summary=False)
+    b = phase_timer.attach(model, opt, scaler=scaler, log_dir=tmp_path / "b", summary=False)
+    a.close()
+    b.close()
+    assert a.core is None and b.core is None and a._bounds is None and b._bounds is None
+    for _ in range(3):  # training goes on with the scaler as it was
+        scaler.scale(nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1))).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert float(scaler.get_scale()) > 0
