@@ -45,8 +45,12 @@ H2D, FORWARD, BACKWARD, OPTIMIZER, IDLE = "h2d", "forward", "backward", "optimiz
 class Boundaries:
     """One run's step state: the boundaries the doors report, turned into the core's marks."""
 
-    def __init__(self, core: TimingCore) -> None:
+    def __init__(self, core: TimingCore, *, no_end_hint: str = "") -> None:
         self.core = core
+        #: What to tell a user whose steps begin but never end (the door knows what ends them).
+        self.no_end_hint = no_end_hint
+        #: Steps begun so far (warm-up and skipped ones too).
+        self.begun = 0
         #: A step has begun and its record is not closed (warm-up and skipped steps too).
         self.open = False
         #: The step has ended (at its last optimizer step so far): the next fetch closes the record.
@@ -89,20 +93,24 @@ class Boundaries:
             if not self._explicit:
                 self.core.phase(PAUSED)
 
-    def batch(self, step: int | None = None, data_wait_ms: float | None = None, sync_wait_ms: float = 0.0) -> None:
+    def batch(self, step: int | None = None, data_wait_ms: float | None = None, sync_wait_ms: float = 0.0,
+              *, first: str = H2D) -> None:
         """A batch was handed over: a step begins with ``h2d``, or the open one takes another micro-batch.
 
         ``step``: the index to log the step at (default: steps closed so far).
         ``data_wait_ms``: the host's wait for this batch (``None``: not measured).
+        ``first``: ``forward`` when the loop itself copies the batch inside the step (no ``h2d``).
         """
         if not self._fetched:  # the door reported no fetch: what it would have done
             self.fetch()
         self._fetched = False
         core = self.core
         if self.open:  # another micro-batch of an accumulated step
-            self._set(H2D)
+            self._set(first)
         else:
-            self._begin(self.steps if step is None else step, H2D)
+            self._begin(self.steps if step is None else step, first)
+        if first == FORWARD:
+            self._saw_forward = True
         if data_wait_ms is not None:
             core.add_host("data_wait", data_wait_ms)
         if sync_wait_ms:
@@ -241,9 +249,24 @@ class Boundaries:
             self._drop()
 
     def finish(self) -> None:
-        """End of training: the last step closes if it ended; a half-done one is dropped by the core."""
+        """End of training: the last step closes if it ended; a half-done one is dropped by the core.
+
+        When nothing was timed, the core's summary says why; a run whose steps never ended
+        (or that saw no batch) also warns once.
+        """
         if self.ended:
             self._close()
+        warmup = self.core.warmup_steps
+        if self.begun == 0:
+            self.core.untimed_reason = "no batch came through the timer"
+        elif self.steps == 0:
+            self.core.untimed_reason = f"{self.begun} step(s) began but none ended: {self.no_end_hint}"
+            self._warn_once("no-end", f"phase-timer: no step was timed: {self.core.untimed_reason}")
+        elif self.steps <= warmup:
+            self.core.untimed_reason = (
+                f"the run ended {self.steps} step(s), all within the warm-up (warmup_steps={warmup}); "
+                "pass a smaller warmup_steps (0 times every step) to time a run this short"
+            )
 
     # -- user phases ---------------------------------------------------------------------
     def enter(self, name: str) -> None:
@@ -280,6 +303,7 @@ class Boundaries:
             self.core.phase(self._explicit[-1])
 
     def _begin(self, step: int, phase: str) -> None:
+        self.begun += 1
         self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
         self.open, self.ended, self.trailing, self._auto = True, False, False, phase
         self._after_backward = self._saw_forward = self._saw_backward = self._failed = False

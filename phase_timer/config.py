@@ -17,8 +17,16 @@ def disabled_by_env() -> bool:
     return env_flag(DISABLE_ENV, default=False)
 
 
-def _fail(owner: str, name: str, value: Any, expected: str) -> None:
-    raise ValueError(f"{owner}({name}={value!r}): `{name}` must be {expected}, got {value!r} ({type(value).__name__})")
+def _fail(owner: str, name: str, value: Any, expected: str, why: str = "") -> None:
+    shown = _shown(value)
+    got = f"got {shown} ({type(value).__name__}){why}"
+    raise ValueError(f"{owner}({name}={shown}): `{name}` must be {expected}, {got}")
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """The value as given, cut short: an error names what the user passed, not a transformation of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
@@ -38,9 +46,27 @@ def check_seconds(owner: str, name: str, value: Any) -> None:
         _fail(owner, name, value, "a finite number of seconds > 0")
 
 
-def check_path(owner: str, name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, (str, os.PathLike)):
+def check_path(owner: str, name: str, value: Any, *, kind: str = "file") -> None:
+    """None, or a path that is not an existing thing of the other kind (``kind``: "file" or "directory")."""
+    if value is None:
+        return
+    if not isinstance(value, (str, os.PathLike)):
         _fail(owner, name, value, "a path (str or os.PathLike) or None")
+    if kind == "directory" and os.path.exists(value) and not os.path.isdir(value):
+        _fail(owner, name, value, "a directory (or a path to make one)", ", which is an existing file")
+    if kind == "file" and os.path.isdir(value):
+        _fail(owner, name, value, "a file path", ", which is an existing directory")
+
+
+def check_nvtx(owner: str) -> None:
+    """``nvtx=True`` needs torch's NVTX functions (a CUDA build); a CPU build lacks them."""
+    try:
+        import torch.cuda.nvtx as nvtx
+
+        nvtx.range_push("phase-timer")
+        nvtx.range_pop()
+    except Exception as err:  # noqa: BLE001 - any failure means the ranges would fail mid-run
+        _fail(owner, "nvtx", True, "False on this torch build", f": its NVTX ranges fail here ({err})")
 
 
 @dataclass(frozen=True)
@@ -69,8 +95,10 @@ class TimerConfig:
         check_bool(o, "per_step", self.per_step)
         check_bool(o, "summary", self.summary)
         check_bool(o, "nvtx", self.nvtx)
-        check_path(o, "log_dir", self.log_dir)
-        check_path(o, "trace_path", self.trace_path)
+        if self.nvtx:
+            check_nvtx(o)
+        check_path(o, "log_dir", self.log_dir, kind="directory")
+        check_path(o, "trace_path", self.trace_path, kind="file")
         check_seconds(o, "rank_timeout_s", self.rank_timeout_s)
         ts = self.trace_steps
         if ts is not None and not (

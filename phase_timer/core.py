@@ -66,6 +66,8 @@ class TimingCore:
         self.ranks = ranks
         self.skipped = 0
         self.closed = False
+        #: Why no step was timed, when none was (set at the end; the summary says it).
+        self.untimed_reason: str | None = None
         self._in_step = False
         self._last_end: int | None = None
         self._paused_at: int | None = None
@@ -234,10 +236,16 @@ class TimingCore:
             log.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
+    @property
+    def warmup_steps(self) -> int:
+        return self._warmup
+
     def summary_table(self, title: str = "phase-timer") -> str:
+        reason = self.untimed_reason
         if self.ranks is None:
-            return format_summary(self.totals, clock=self.clock.kind, title=title)
-        table = format_summary(self.totals, clock=self.clock.kind, title=f"{title} (rank {self.ranks.rank})")
+            return format_summary(self.totals, clock=self.clock.kind, title=title, untimed_reason=reason)
+        table = format_summary(self.totals, clock=self.clock.kind, title=f"{title} (rank {self.ranks.rank})",
+                               untimed_reason=reason)
         if self.ranks.totals is not None:
             table += "\n\n" + format_rank_table(self.ranks.totals, title=title)
         return table

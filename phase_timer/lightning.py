@@ -12,6 +12,9 @@ fetch               the training epoch loop's fetch of the next batch (the hooks
                     (``on_before_batch_transfer``: batch preparation on the host)
 batch (``h2d``)     entry of ``trainer.strategy.batch_to_device`` (wrapped on the instance)
 copied (forward)    exit of that wrapper
+                    (``training_step(self, dataloader_iter)``: the step begins with
+                    ``forward`` at ``on_train_batch_start``; its fetches inside the step
+                    are ``data_wait`` on the host, and ``forward`` on the device)
 backward            ``on_before_backward`` .. ``on_after_backward``
 optimizer           after backward (automatic); manual: the torch optimizers' step pre-hooks
 step end            the torch optimizers' step post-hooks, and the precision plugin's
@@ -23,8 +26,10 @@ pause               validation (``on_validation_start`` .. ``on_validation_end``
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from phase_timer.boundaries import Boundaries
@@ -38,6 +43,8 @@ from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSi
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
 
 _NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -147,6 +154,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         self._fetch_ns = 0  # host time inside Lightning's fetch since the last batch
         self._fetch_t0 = 0
         self._fetch_end = 0  # when the last fetch returned (0: none since the last batch)
+        self._iter_mode = False  # training_step(self, dataloader_iter): the step fetches its own batch
         self._fetch_hooked = False
         self._global_step_at_batch = 0
         self.totals = None
@@ -176,15 +184,20 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         if self._fetch_hooked:
 
             def on_before_fetch() -> None:
-                if self._bounds is not None:
+                if self._bounds is not None and not self._iter_mode:
                     self._bounds.fetch()
                 self._fetch_t0 = time.perf_counter_ns()
                 before()
 
             def on_after_fetch() -> None:
                 after()
-                self._fetch_end = time.perf_counter_ns()
-                self._fetch_ns += self._fetch_end - self._fetch_t0
+                now = time.perf_counter_ns()
+                if self._iter_mode:  # inside the step: its data_wait, now
+                    if self._bounds is not None:
+                        self._bounds.core.add_host("data_wait", (now - self._fetch_t0) / 1e6)
+                    return
+                self._fetch_end = now
+                self._fetch_ns += now - self._fetch_t0
 
             self._patch(epoch_loop, "_on_before_fetch", on_before_fetch)
             self._patch(epoch_loop, "_on_after_fetch", on_after_fetch)
@@ -241,7 +254,10 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             trace=cfg.make_trace(self.log_dir or trainer.default_root_dir, clock.kind) if trainer.is_global_zero else None,
             ranks=ranks,
         )
-        bounds = self._bounds = Boundaries(self.core)
+        bounds = self._bounds = Boundaries(
+            self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"
+        )
+        self._iter_mode = type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ == "_DataLoaderIterDataFetcher"
         # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
         # step.  Automatic optimization calls `optimizer.step(closure)` before it runs
         # training_step, so only manual optimization takes the pre-hook as `optimizer`.
@@ -274,7 +290,12 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             sinks.append(sink)
         if not sinks:
             self.log_dir = self._own_log_dir(trainer)
-            sinks.append(open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks))
+            try:
+                sinks.append(open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks))
+            except OSError as err:  # the run goes on: the summary and timer.totals still say it all
+                msg = f"phase-timer: cannot write TensorBoard files in {self.log_dir} ({type(err).__name__}: {err}); timing goes on without them"
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return sinks
 
     def _own_log_dir(self, trainer: pl.Trainer) -> str:
@@ -292,6 +313,18 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         # The step Lightning logs this batch's metrics at.
         step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
         bounds.batch(step, fetch_ns / 1e6 if self._fetch_hooked else None, sync_ns / 1e6)
+        self._global_step_at_batch = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        bounds = self._bounds
+        if bounds is None or not self._iter_mode:
+            return
+        # training_step(self, dataloader_iter): no batch_to_device; the step fetches and copies
+        # its own batch, so it begins here, with forward.
+        bounds.fetch()
+        sync_ns, self._sync_wait_ns = self._sync_wait_ns, 0
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        bounds.batch(step, None, sync_ns / 1e6, first="forward")
         self._global_step_at_batch = trainer.global_step
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:

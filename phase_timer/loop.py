@@ -39,7 +39,7 @@ from torch import nn
 from phase_timer import backward_calls
 from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
-from phase_timer.config import TimerConfig, disabled_by_env
+from phase_timer.config import TimerConfig, _fail, check_bool, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
@@ -121,9 +121,12 @@ class LoopTimer:
         scaler: Any,
         enabled: bool,
     ) -> None:
-        self.models = [models] if isinstance(models, nn.Module) else list(models)
-        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-        _check_attach_args(self.models, self.optimizers, end_step, scaler, copy_to_device, enabled)
+        self.models = _checked_list(models, nn.Module, "model", "an nn.Module or a list of them")
+        optimizers = () if optimizers is None else optimizers  # no optimizer: end_step="manual"
+        self.optimizers = _checked_list(optimizers, torch.optim.Optimizer, "optimizer",
+                                        "a torch.optim.Optimizer, a list of them, or None with end_step='manual'",
+                                        empty_ok=True)
+        _check_attach_args(self.optimizers, loader, device, writer, end_step, scaler, copy_to_device, enabled)
         self.config = config
         self.enabled = enabled and not disabled_by_env()
         self.device = torch.device(device) if device is not None else self._model_device()
@@ -157,7 +160,12 @@ class LoopTimer:
                 nvtx=config.nvtx, trace=config.make_trace(self.log_dir, clock.kind) if self.is_rank_zero else None,
                 ranks=ranks,
             )
-            self._bounds = Boundaries(self.core)
+            hint = (
+                "call timer.end_step() where each step ends (end_step='manual')" if end_step == "manual" else
+                "the attached optimizers' step() never ran; attach the optimizer the loop steps (an optimizer "
+                "that steps another is followed through its `base_optimizer`), or use end_step='manual'"
+            )
+            self._bounds = Boundaries(self.core, no_end_hint=hint)
             self._install()
 
     def _model_device(self) -> torch.device:
@@ -172,7 +180,12 @@ class LoopTimer:
             self.log_dir = writer.log_dir
             return [BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), "SummaryWriter")]
         self.log_dir = next_version_dir(self.config.log_dir or "phase_timer_logs")
-        return [open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks)]
+        try:
+            return [open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks)]
+        except OSError as err:  # before any training: a clear error naming the argument
+            _fail("attach", "log_dir", self.config.log_dir, "a directory phase-timer can write",
+                  f" ({type(err).__name__}: {err})")
+            raise
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
@@ -356,8 +369,12 @@ class LoopTimer:
         if core is None or bounds is None:
             return self.totals
         bounds.finish()
+        if bounds.begun == 0 and self._thread is not None and self._loader_active:
+            core.untimed_reason = "the model trained, but no batch came through timer.loader"
+            self._warn_once("no batch", "phase-timer: no step was timed: the model trained, but no batch came "
+                            "through timer.loader; iterate timer.loader (the wrapped loader), not the loader passed to attach()")
         self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
-        self.last_summary = core.summary_table()
+        self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
         if self.config.summary and self.is_rank_zero:
             print(self.last_summary, flush=True)
         return self.totals
@@ -395,23 +412,54 @@ class _PhaseContext(contextlib.ContextDecorator):
             self._timer._exit()
 
 
-def _check_attach_args(models: list[Any], optimizers: list[Any], end_step: Any, scaler: Any, copy: Any, enabled: Any) -> None:
-    if not models or not all(isinstance(m, nn.Module) for m in models):
-        raise ValueError(f"attach(model={models!r}): `model` must be an nn.Module or a list of them, got {models!r}")
-    if not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
-        raise ValueError(
-            f"attach(optimizer={optimizers!r}): `optimizer` must be a torch.optim.Optimizer or a list of them, "
-            f"got {optimizers!r}"
-        )
-    if end_step not in _END_STEP:
-        raise ValueError(f"attach(end_step={end_step!r}): `end_step` must be one of {_END_STEP}, got {end_step!r}")
-    if end_step == "optimizer" and not optimizers and scaler is None:
-        raise ValueError("attach(end_step='optimizer'): no optimizer given; pass one, or end_step='manual'")
-    if scaler is not None and not callable(getattr(scaler, "update", None)):
-        raise ValueError(f"attach(scaler={scaler!r}): `scaler` must be a torch.amp.GradScaler, got {scaler!r}")
+def _checked_list(value: Any, kind: type, name: str, expected: str, *, empty_ok: bool = False) -> list[Any]:
+    """``value`` as a list of ``kind`` (one, or a list or tuple of them), or a ValueError naming it as given."""
+    if isinstance(value, kind):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, kind) for v in value) and (value or empty_ok):
+        return list(value)
+    _fail("attach", name, value, expected)
+    raise AssertionError  # unreachable: _fail raises
+
+
+def _check_attach_args(optimizers: list[Any], loader: Any, device: Any, writer: Any, end_step: Any, scaler: Any,
+                       copy: Any, enabled: Any) -> None:
+    """Everything attach() takes besides the config, checked before anything is hooked."""
     for name, value in (("copy_to_device", copy), ("enabled", enabled)):
-        if not isinstance(value, bool):
-            raise ValueError(f"attach({name}={value!r}): `{name}` must be True or False, got {value!r}")
+        check_bool("attach", name, value)
+    if end_step not in _END_STEP:
+        _fail("attach", "end_step", end_step, f"one of {_END_STEP}")
+    if end_step == "optimizer" and not optimizers and scaler is None:
+        _fail("attach", "optimizer", optimizers or None, "given: a step ends at its step(); or pass "
+              "end_step='manual' and call timer.end_step()")
+    if loader is not None and (isinstance(loader, (str, bytes)) or not hasattr(loader, "__iter__")):
+        _fail("attach", "loader", loader, "an iterable of batches (a DataLoader) or None")
+    if copy and loader is None:
+        _fail("attach", "copy_to_device", copy, "False without a loader", " (there is no batch to copy)")
+    _check_device(device)
+    if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+        _fail("attach", "writer", writer, "a torch.utils.tensorboard.SummaryWriter or None")
+    if scaler is not None:
+        if not isinstance(scaler, torch.amp.GradScaler):
+            _fail("attach", "scaler", scaler, "a torch.amp.GradScaler or None")
+        if end_step != "optimizer":
+            _fail("attach", "scaler", scaler, "None with end_step='manual'",
+                  " (the scaler only ends steps at its update(); with end_step='manual' you end them)")
+
+
+def _check_device(device: Any) -> None:
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        _fail("attach", "device", device, "a torch.device, a device string such as 'cuda:0', or None", f" ({err})")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            _fail("attach", "device", device, "a device this machine has", " (CUDA is not available)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            _fail("attach", "device", device, "a device this machine has",
+                  f" (it has {torch.cuda.device_count()} CUDA device(s))")
 
 
 def attach(

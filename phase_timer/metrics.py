@@ -104,7 +104,7 @@ def custom_scalars_layout(per_step: bool, ranks: bool = False) -> dict[str, dict
     return layout
 
 
-def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer") -> str:
+def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer", untimed_reason: str | None = None) -> str:
     """The end-of-training table: per phase mean, p50, p90, max and share.
 
     Device phases show their share of ``step`` (total over total); ``data_wait`` its
@@ -112,7 +112,7 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer")
     """
     phases = ordered(list(totals.phases))
     if not phases:
-        return f"{title}: no step was timed (warm-up longer than the run?)"
+        return f"{title}: no step was timed: {untimed_reason or 'no step ended'}"
     head = ("phase", "clock", "mean ms", "p50 ms", "p90 ms", "max ms", "share")
     rows = []
     for p in phases:

@@ -247,7 +247,13 @@ def test_a_failing_logger_warns_once_and_training_goes_on(tmp_path):
         ({"per_step": 1}, "per_step"),
         ({"summary": None}, "summary"),
         ({"log_dir": 3}, "log_dir"),
+        ({"log_dir": __file__}, "log_dir"),
         ({"enabled": "yes"}, "enabled"),
+        ({"trace_steps": (2, 1)}, "trace_steps"),
+        ({"trace_steps": (1, 3), "trace_path": os.path.dirname(__file__)}, "trace_path"),
+        ({"rank_timeout_s": float("inf")}, "rank_timeout_s"),
+        pytest.param({"nvtx": True}, "nvtx", marks=pytest.mark.skipif(
+            importlib.import_module("torch").cuda.is_available(), reason="NVTX works on a CUDA build")),
     ],
 )
 def test_bad_arguments_fail_at_construction_naming_the_argument(kwargs, name):
@@ -292,3 +298,73 @@ def test_two_phase_timers_in_one_trainer_leave_it_working(tmp_path):
     t2 = trainer(ns, str(tmp_path / "again"), [PhaseTimer(warmup_steps=1, summary=False)], max_steps=4,
                  log_every_n_steps=2, logger=False)
     t2.fit(module_class(ns)(), loader())
+
+
+def test_a_dataloader_iter_training_step_is_timed(tmp_path):
+    """training_step(self, dataloader_iter): no batch_to_device; the step begins with forward."""
+    import time
+
+    import torch
+    from torch import nn
+
+    pl = importlib.import_module("lightning.pytorch")
+
+    class IterModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(16, 1)
+
+        def training_step(self, dataloader_iter):
+            (x, y), _, _ = next(dataloader_iter)
+            time.sleep(0.004)
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    timer = PhaseTimer(warmup_steps=1)
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=8, log_every_n_steps=4, logger=False)
+    t.fit(IterModule(), loader(sleep_s=0.001))
+    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
+    assert timer.totals.steps == 7 and "h2d" not in p50
+    assert 8 <= p50["data_wait"] < 8 + 10  # 8 items of 1 ms, fetched inside the step
+    assert p50["forward"] >= p50["data_wait"] + 4  # on the device (here the host) the fetch is inside forward
+
+
+def test_fast_dev_run_says_why_nothing_was_timed(tmp_path):
+    timer = PhaseTimer()
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], fast_dev_run=True, logger=False)
+    t.fit(module_class("lightning.pytorch")(), loader())
+    assert "within the warm-up (warmup_steps=5)" in timer.last_summary
+    assert "pass a smaller warmup_steps" in timer.last_summary
+
+
+def test_sigterm_flushes_restores_and_closes(tmp_path):
+    """Lightning turns SIGTERM into SIGTERMException at the batch's end: as Ctrl+C, the run's timing is kept."""
+    ns = "lightning.pytorch"
+    pl = importlib.import_module(ns)
+
+    class Terminate(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 12:
+                os.kill(os.getpid(), signal.SIGTERM)  # what a cluster scheduler sends
+
+    timer = PhaseTimer(warmup_steps=1)
+    t = trainer(ns, str(tmp_path), [timer, Terminate()], max_steps=40, log_every_n_steps=5, logger=False)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit):
+            t.fit(module_class(ns)(), loader())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _assert_closed_and_flushed(t, timer, tmp_path, expect_steps=11)
+
+
+def test_an_unwritable_log_dir_warns_and_timing_goes_on(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    timer = PhaseTimer(warmup_steps=1, log_dir=blocker / "runs")  # cannot be made: found out at fit
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=6, log_every_n_steps=3, logger=False)
+    with pytest.warns(RuntimeWarning, match="cannot write TensorBoard files.*timing goes on"):
+        t.fit(module_class("lightning.pytorch")(), loader())
+    assert timer.totals.steps == 5 and "forward" in timer.last_summary

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -284,23 +286,67 @@ def test_disabled_timer_still_copies_batches_when_asked(tmp_path, monkeypatch, h
     assert not list(tmp_path.iterdir())
 
 
+def _a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("")
+    return path
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "name"),
+    ("make", "name"),
     [
-        ({"model": "net"}, "model"),
-        ({"optimizer": [object()]}, "optimizer"),
-        ({"end_step": "epoch"}, "end_step"),
-        ({"window": 0}, "window"),
-        ({"warmup_steps": 1.5}, "warmup_steps"),
-        ({"copy_to_device": "yes"}, "copy_to_device"),
-        ({"scaler": 3}, "scaler"),
+        (lambda t: {"model": "notamodel"}, "model"),
+        (lambda t: {"model": []}, "model"),
+        (lambda t: {"optimizer": [object()]}, "optimizer"),
+        (lambda t: {"optimizer": None}, "optimizer"),
+        (lambda t: {"loader": 3}, "loader"),
+        (lambda t: {"loader": "data.csv"}, "loader"),
+        (lambda t: {"end_step": "epoch"}, "end_step"),
+        (lambda t: {"window": 0}, "window"),
+        (lambda t: {"window": 2.0}, "window"),
+        (lambda t: {"warmup_steps": 1.5}, "warmup_steps"),
+        (lambda t: {"max_pending": 0}, "max_pending"),
+        (lambda t: {"per_step": "yes"}, "per_step"),
+        (lambda t: {"summary": 1}, "summary"),
+        (lambda t: {"copy_to_device": "yes"}, "copy_to_device"),
+        (lambda t: {"copy_to_device": True, "loader": None}, "copy_to_device"),
+        (lambda t: {"enabled": None}, "enabled"),
+        (lambda t: {"scaler": 3}, "scaler"),
+        (lambda t: {"scaler": torch.amp.GradScaler("cpu"), "end_step": "manual"}, "scaler"),
+        (lambda t: {"device": "gpu0"}, "device"),
+        (lambda t: {"device": 3.5}, "device"),
+        (lambda t: {"device": "cuda:0"} if not torch.cuda.is_available() else {"device": f"cuda:{torch.cuda.device_count()}"}, "device"),
+        (lambda t: {"writer": "runs/"}, "writer"),
+        (lambda t: {"log_dir": 3}, "log_dir"),
+        (lambda t: {"log_dir": _a_file(t)}, "log_dir"),
+        (lambda t: {"trace_steps": (5, 5)}, "trace_steps"),
+        (lambda t: {"trace_steps": (-1, 3)}, "trace_steps"),
+        (lambda t: {"trace_steps": (1, 3), "trace_path": t}, "trace_path"),
+        (lambda t: {"rank_timeout_s": 0}, "rank_timeout_s"),
+        pytest.param(lambda t: {"nvtx": True}, "nvtx", marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="NVTX works on a CUDA build")),
     ],
 )
-def test_bad_arguments_name_the_argument(kwargs, name, tmp_path):
-    model = kwargs.pop("model", SleepyNet())
-    opt = kwargs.pop("optimizer", torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))
-    with pytest.raises(ValueError, match=rf"attach\({name}=.*`{name}` must be"):
-        phase_timer.attach(model, opt, log_dir=tmp_path, **kwargs)
+def test_bad_arguments_name_the_argument(make, name, tmp_path):
+    kwargs = {"model": SleepyNet(), "optimizer": torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), "loader": loader(n=16),
+              "log_dir": tmp_path / "logs", **make(tmp_path)}
+    with pytest.raises(ValueError, match=rf"attach\({name}=.*`{name}` must be .*got"):
+        phase_timer.attach(kwargs.pop("model"), kwargs.pop("optimizer"), kwargs.pop("loader"), **kwargs)
+    assert not (tmp_path / "logs").exists()  # raised before anything was made
+
+
+def test_no_optimizer_with_a_manual_end_is_supported(tmp_path):
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with phase_timer.attach(model, None, loader(), log_dir=tmp_path, end_step="manual", warmup_steps=0,
+                            summary=False) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()  # not attached: the loop says where its step ends
+            timer.end_step()
+            if i == 4:
+                break
+    assert timer.totals.steps == 5 and "optimizer" in timer.totals.phases  # backward's end to the step's end
 
 
 @pytest.mark.parametrize("name", ["step", "data_wait", "period", "idle", "not a name", 3])
@@ -371,3 +417,132 @@ def test_two_timers_sharing_a_scaler_detached_first_in_first_out(tmp_path):
         scaler.step(opt)
         scaler.update()
     assert float(scaler.get_scale()) > 0
+
+
+@pytest.mark.parametrize("case", ["manual, never ended", "optimizer not attached", "loader not iterated", "warm-up"])
+def test_never_silent_when_nothing_is_timed(case, tmp_path):
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    other = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.01)  # a different optimizer than the one stepped
+    kwargs = {"end_step": "manual"} if case == "manual, never ended" else {}
+    data = loader(n=8 * 6)
+    timer = phase_timer.attach(model, other if case == "optimizer not attached" else opt, data, log_dir=tmp_path,
+                               warmup_steps=5 if case == "warm-up" else 1, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = data if case == "loader not iterated" else timer.loader
+        for i, (x, y) in enumerate(batches):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if case == "warm-up" and i == 2:
+                break
+        timer.close()
+    ours = [str(w.message) for w in caught if "phase-timer" in str(w.message)]
+    assert timer.totals.steps == 0
+    reason = timer.last_summary
+    if case == "warm-up":  # said in the summary, how to change it included; not a mistake to warn about
+        assert "within the warm-up (warmup_steps=5)" in reason and "pass a smaller warmup_steps" in reason and not ours
+        return
+    assert len(ours) == 1 and "no step was timed" in ours[0], ours
+    expected = {"manual, never ended": "call timer.end_step()", "optimizer not attached": "attach the optimizer the loop steps",
+                "loader not iterated": "iterate timer.loader"}[case]
+    assert expected in ours[0] and "no step was timed" in reason
+
+
+def test_a_wrapping_optimizer_without_base_optimizer_is_named(tmp_path):
+    """An optimizer whose own step() is never called (it steps an inner one it does not expose)."""
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+            self.inner = torch.optim.SGD(self.param_groups, lr=0.01)
+
+        def apply(self):  # the loop calls this, never step()
+            self.inner.step()
+
+    model = SleepyNet()
+    wrapper = Wrapper(model.parameters())
+    with pytest.warns(RuntimeWarning, match="none ended: the attached optimizers' step\\(\\) never ran"):
+        with phase_timer.attach(model, wrapper, loader(n=8 * 6), log_dir=tmp_path, warmup_steps=0, summary=False) as timer:
+            for x, y in timer.loader:
+                nn.functional.mse_loss(model(x), y).backward()
+                wrapper.apply()
+
+
+def test_a_log_dir_that_cannot_be_made_fails_at_attach_naming_it(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a log dir under a file cannot be made, whoever runs this
+    with pytest.raises(ValueError, match=r"attach\(log_dir=.*`log_dir` must be a directory phase-timer can write"):
+        phase_timer.attach(SleepyNet(), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), log_dir=blocker / "runs")
+
+
+def test_a_full_disk_mid_run_warns_once_and_training_goes_on(tmp_path):
+    import errno
+
+    class FullDisk:
+        def __init__(self, file, after):
+            self.file, self.after = file, after
+
+        def write(self, data):
+            self.after -= 1
+            if self.after < 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = phase_timer.attach(model, opt, loader(), log_dir=tmp_path, warmup_steps=0, window=2, summary=False)
+    event_file = timer.core._sinks[0].sink.sink  # BackgroundSink -> GuardedSink -> EventFileSink
+    event_file._file = FullDisk(event_file._file, after=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(timer, model, [opt], steps=20)
+        timer.close()
+    full = [w for w in caught if "No space left" in str(w.message)]
+    assert len(full) == 1 and "training goes on" in str(full[0].message)
+    assert timer.totals.steps == 20  # every step timed, the summary complete
+    assert open_files_under(str(tmp_path)) == []
+
+
+def test_the_device_failing_at_the_final_drain_keeps_what_was_resolved(tmp_path):
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = phase_timer.attach(model, opt, loader(), log_dir=tmp_path, warmup_steps=0, window=4, summary=False)
+    engine = timer.core._engine
+
+    class DyingDevice:  # the engine, whose drain meets a device error (an Xid, an illegal access)
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def drain(self):
+            raise RuntimeError("phase-timer: cuEventSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)")
+
+    timer.core._engine = DyingDevice()
+    with pytest.warns(RuntimeWarning, match="could not resolve the last steps.*ILLEGAL_ADDRESS"):
+        train(timer, model, [opt], steps=10)
+        timer.close()
+    assert timer.totals.steps >= 8  # the host clock resolves at once: all but the undrained tail is kept
+    assert window_tag("step", "mean") in read_scalars(timer.log_dir)
+    assert open_files_under(str(tmp_path)) == []
+
+
+def test_ctrl_c_in_a_plain_loop_flushes_detaches_and_says_interrupted(tmp_path, capsys):
+    model = SleepyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before = hook_state(model, [opt])
+    original_backward = torch.autograd.backward
+    with pytest.raises(KeyboardInterrupt):
+        with phase_timer.attach(model, opt, loader(), log_dir=tmp_path, warmup_steps=0, window=100) as timer:
+            for i, (x, y) in enumerate(timer.loader):
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                if i == 6:
+                    raise KeyboardInterrupt
+    assert hook_state(model, [opt]) == before and torch.autograd.backward is original_backward
+    assert "phase-timer (interrupted): 7 steps timed" in timer.last_summary
+    assert timer.totals.steps == 7 and [s for s, _ in read_scalars(timer.log_dir)[window_tag("step", "mean")]] == [6]
+    assert open_files_under(str(tmp_path)) == []
