@@ -107,8 +107,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         rank_timeout_s: distributed runs: how long rank zero waits, at the end of ``fit``,
             for the other ranks' last reports (after an exception: no wait at all).
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
-            torch.distributed it must be the same on every rank (setting up creates a
-            process group, a collective); only rank zero writes anyway.
+            torch.distributed it must be the same on every rank (rank zero expects every
+            rank's reports); only rank zero writes anyway.
     """
 
     def __init__(
@@ -241,7 +241,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             return
         cfg = self.config
         clock = make_clock(trainer.strategy.root_device)
-        ranks = RankExchange.create()  # None unless distributed; a collective: every rank is here
+        ranks = RankExchange.create()  # None unless distributed; not a collective, never waits
         sinks = self._make_sinks(trainer, ranks is not None) if trainer.is_global_zero else []
         self.core = TimingCore(
             clock,

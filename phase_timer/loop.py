@@ -150,7 +150,7 @@ class LoopTimer:
         if self.enabled:
             clock = make_clock(self.device)
             # Under torch.distributed every rank times itself and reports to rank zero,
-            # which alone writes (a collective: every rank attaches at the same point).
+            # which alone writes.  Not a collective: no rank waits here for the others.
             ranks = RankExchange.create()
             self.is_rank_zero = ranks is None or ranks.rank == 0
             sinks = self._make_sinks(writer, ranks is not None) if self.is_rank_zero else []
@@ -503,8 +503,8 @@ def attach(
         rank_timeout_s: under torch.distributed, how long ``close()`` waits for the other
             ranks' last reports (not at all when the ``with`` block raised).
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
-            torch.distributed it must be the same on every rank (attaching creates a
-            process group, a collective); only rank zero writes anyway.
+            torch.distributed it must be the same on every rank (rank zero expects every
+            rank's reports); only rank zero writes anyway.
     """
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,

@@ -1,44 +1,54 @@
-"""Every rank's phases side by side: a small exchange at window boundaries, never waited on.
+"""Every rank's phases side by side: a small exchange through the job's own store, never waited on.
 
 Each rank times its own steps with its own core.  When a rank writes a window, it
-puts the window's per-phase sums and counts in an outbox.  Every ``window`` ended
-steps (the same step on every rank, since the ranks step together) it sends the
-outbox to rank zero with an asynchronous ``gather`` on a gloo group of our own.
-The gather starts at one boundary and is read at a later one. ``is_completed()``
-never blocks, and the training step never waits for another rank.
+puts the window's per-phase sums and counts (about 30 bytes a phase) in an outbox.
+Every ``window`` ended steps (the same step on every rank, since the ranks step
+together) it hands the outbox to a thread of its own, which appends it to one key of
+the c10d store that ``init_process_group`` already set up (``phase_timer/<n>/<k>`` for
+the k-th exchange) and bumps that key's counter: two small requests a window, however
+many ranks there are.  Rank zero's thread reads the counter, fetches every rank's
+report for that exchange in one request when they are all in, writes them, and
+deletes the keys.
 
-* The group is separate, so our collectives never interleave with the run's own
-  (NCCL or gloo) in a way the ranks could disagree on.  Gloo works on host
-  tensors, so no device work and no host-device sync is involved.
-* Rank zero gets one report per rank for each window.  A window is written
-  (``phase_time_ranks/<phase>_ms/{min,median,max,slowest_rank}``) once every rank
-  has reported it or has moved past it.
-* ``finish()`` sends the last, partial window and waits a bounded time for the
-  reports still in flight.  This is a wait on the other ranks, not on the device,
-  and it happens only at the end.  A rank that never reports (it ran fewer steps
-  or died) costs that timeout and a warning; nothing hangs.
+* No process group of our own: creating one builds a full mesh of connections
+  (O(N²) over the job, N−1 sockets a rank), which large jobs avoid.  Set-up is one
+  thread a rank, whatever N is; the requests go over the store connection the rank
+  already has.
+* The training thread only puts on a queue and reads what arrived: no barrier, no
+  collective, no device work, no host-device sync.
+* A window is written (``phase_time_ranks/<phase>_ms/{min,median,max,slowest_rank}``)
+  once every rank has reported it or has moved past it.  A rank silent for
+  ``STALE_EXCHANGES`` exchanges and ``STALE_S`` seconds is taken as gone (one
+  warning): the others go on.
+* ``finish()`` sends the last, partial window and waits a bounded time for the reports
+  still missing.  This is a wait on the other ranks, not on the device, and it happens
+  only at the end; after an exception nothing is sent and nothing is waited for.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import queue
 import statistics
 import struct
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 log = logging.getLogger(__name__)
 
-#: Bytes per report.  A window is ~30 bytes per phase, so this holds dozens of windows.
-CAPACITY = 16384
-#: Reports that may be in flight before the exchange is given up (normally 1 or 2).
-MAX_IN_FLIGHT = 16
-_HEADER = struct.Struct("<I")
+#: A rank silent this many exchanges and ``STALE_S`` seconds is taken as gone (it died, or stopped).
+STALE_EXCHANGES = 8
+STALE_S = 30.0
+#: A frame: the sending rank, whether it is its final report, and the JSON's length.
+_FRAME = struct.Struct("<IBI")
+#: One exchange namespace per timer of this process: every rank creates its timers in the same order.
+_INSTANCES = itertools.count()
+
 
 @dataclass
 class RankWindow:
@@ -82,67 +92,88 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def encode(windows: list[bytes], *, final: bool = False) -> torch.Tensor:
-    """A report as a ``CAPACITY``-byte tensor: length, then JSON ``{"final": .., "windows": [..]}``.
+def encode(rank: int, windows: list[bytes], *, final: bool = False) -> bytes:
+    """One rank's report as a frame: its rank, the final flag, then JSON ``[window, ...]``.
 
     ``windows`` are already JSON-encoded (each once, when it was added).
     """
-    data = b'{"final":' + (b"true" if final else b"false") + b',"windows":[' + b",".join(windows) + b"]}"
-    out = torch.zeros(CAPACITY, dtype=torch.uint8)
-    out[: _HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(data))), dtype=torch.uint8)
-    if data:
-        out[_HEADER.size : _HEADER.size + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out
+    data = b"[" + b",".join(windows) + b"]"
+    return _FRAME.pack(rank, int(final), len(data)) + data
 
 
-def decode(buf: torch.Tensor) -> dict[str, Any]:
-    raw = buf.numpy().tobytes()
-    (n,) = _HEADER.unpack_from(raw)
-    return json.loads(raw[_HEADER.size : _HEADER.size + n]) if n else {"final": False, "windows": []}
-
-
-#: Bytes of a report besides its windows (header, braces, the final flag, commas).
-_OVERHEAD = _HEADER.size + 64
+def decode(buf: bytes, offset: int = 0) -> tuple[list[tuple[int, bool, list[Any]]], int]:
+    """The whole frames in ``buf`` from ``offset``: ``[(rank, final, windows)]`` and where they end."""
+    out = []
+    while offset + _FRAME.size <= len(buf):
+        rank, final, n = _FRAME.unpack_from(buf, offset)
+        start = offset + _FRAME.size
+        if start + n > len(buf):
+            break  # a frame still being appended
+        out.append((rank, bool(final), json.loads(buf[start : start + n])))
+        offset = start + n
+    return out, offset
 
 
 class RankExchange:
-    """The asynchronous gather of window reports to rank zero (see the module's text)."""
+    """The exchange of window reports to rank zero through the job's store (see the module's text)."""
 
-    def __init__(self, group: Any, rank: int, world_size: int) -> None:
-        self.group = group
+    def __init__(self, store: Any, rank: int, world_size: int, namespace: str) -> None:
+        self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.namespace = namespace
         self.totals = RankTotals(world_size) if rank == 0 else None
         self.broken = False
-        self._outbox: list[bytes] = []  # windows not sent yet, JSON-encoded
         self.finished: set[int] = set()  # ranks whose final report arrived (rank zero)
-        self._in_flight: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
+        self.gone: set[int] = set()  # ranks taken as gone (rank zero's thread adds them)
+        self._gone_said: set[int] = set()  # ... of which the training thread has warned
+        self._outbox: list[bytes] = []  # windows not sent yet, JSON-encoded
+        self._sent = 0  # exchanges this rank has made
         self._reports: dict[int, dict[int, list[Any]]] = {}  # key -> rank -> [key, step, steps, sums]
         self._latest: dict[int, int] = {}  # rank -> newest key it reported
         self._written = -1  # newest key written
+        # The exchange's thread: what to do, and (rank zero) what arrived.
+        self._todo: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[int, bool, list[Any]]] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._sent_event = threading.Event()  # set when the newest request is done
+        self._sent_event.set()
+        # Rank zero's thread only:
+        self._next = 0  # the oldest exchange not fully read
+        self._touched = -1  # the newest exchange read
+        self._read: dict[int, int] = {}  # exchange -> bytes of it already read
+        self._counted: dict[int, int] = {}  # exchange -> reports it holds
+        self._heard: dict[int, tuple[int, float]] = {}  # rank -> (newest exchange it was heard in, when)
+        self._final_at: dict[int, int] = {}  # rank -> the exchange of its final report
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"phase-timer-ranks-{rank}", daemon=True)
+        self._thread.start()
 
     @classmethod
     def create(cls) -> RankExchange | None:
         """The exchange of this process's default group, or None when not distributed.
 
-        A collective (``new_group``): every rank must call it at the same point.
+        Not a collective, and no new connection: each rank uses the store connection
+        ``init_process_group`` gave it.
         """
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         try:
-            group = dist.new_group(backend="gloo")
-        except Exception as err:  # noqa: BLE001 - e.g. a build without gloo: time this rank alone
-            msg = f"phase-timer: no gloo group for the exchange between ranks ({type(err).__name__}: {err}); each rank is timed alone"
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+        except Exception as err:  # noqa: BLE001 - time this rank alone
+            msg = f"phase-timer: no store for the exchange between ranks ({type(err).__name__}: {err}); each rank is timed alone"
             log.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return None
-        return cls(group, dist.get_rank(), dist.get_world_size())
+        return cls(store, dist.get_rank(), dist.get_world_size(), f"phase_timer/{next(_INSTANCES)}")
 
     # -- the training thread, once a window -------------------------------------------
     def add(self, key: int, last_step: int, steps: int, values: dict[str, list[float]]) -> None:
-        """A window this rank has written (its ms per phase); it goes out with the next report.
+        """A window this rank has written (its ms per phase); it goes out with the next exchange.
 
         Rank zero keeps its own.
         """
@@ -155,96 +186,104 @@ class RankExchange:
             self._outbox.append(_json(report))
 
     def exchange(self) -> list[RankWindow]:
-        """Read the reports that have arrived, send a new one; never waits."""
+        """Read the reports that have arrived, hand this rank's to the thread; never waits."""
         if self.broken:
             return []
-        try:
-            out = self._collect(block_until=None)
-            if len(self._in_flight) >= MAX_IN_FLIGHT:
-                self._give_up(f"{MAX_IN_FLIGHT} reports in flight: another rank stopped reporting")
-                return out
-            self._send(final=False)
-            return out
-        except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self._give_up(f"{type(err).__name__}: {err}")
+        if self._error is not None:
+            self._give_up(f"{type(self._error).__name__}: {self._error}")
             return []
+        out = self._arrived(final=False)
+        self._post(final=False)
+        return out
 
     def finish(self, timeout_s: float, *, interrupted: bool = False) -> list[RankWindow]:
-        """Send the last windows, wait up to ``timeout_s`` for the reports in flight, write the rest.
+        """Send the last windows, wait up to ``timeout_s`` for the reports still missing, write the rest.
 
         A wait on the other ranks (not on the device), at the end of training only.
-        ``interrupted`` (an exception): send nothing more and wait for nothing, since a
-        rank that raised must not leave a collective behind that its peers, stuck in the
-        run's own collectives, can never answer; what has arrived is written.
+        ``interrupted`` (an exception): send nothing more and wait for nothing; what has
+        arrived is written.
         """
         out: list[RankWindow] = []
         try:
+            if self._error is not None:
+                self._give_up(f"{type(self._error).__name__}: {self._error}")
             if not self.broken and not interrupted:
-                self._send(final=True)
-                out = self._collect(block_until=time.monotonic() + timeout_s)
-                if self._in_flight and not self.broken:
-                    self._give_up(
-                        f"{len(self._in_flight)} report(s) did not arrive within {timeout_s:g} s "
-                        "(did the ranks run different numbers of steps?)"
-                    )
-            elif not self.broken:
-                out = self._collect(block_until=None)
+                self._post(final=True)
+                if self.rank == 0:
+                    out = self._await_finals(timeout_s)
+                else:  # the final report is out (or the deadline passed) before this returns: the process
+                    # may go on to a blocking store request of its own, which would queue our send behind it
+                    self._sent_event.wait(timeout_s)
             if self.rank == 0:
+                out += self._arrived(final=False)
                 self.finished.add(0)
-                late = sorted(set(range(self.world_size)) - self.finished)
-                if late and not interrupted:
+                late = sorted(set(range(self.world_size)) - self.finished - self.gone)
+                if late and not interrupted and not self.broken:
                     self._warn(f"rank(s) {late} had not finished when rank 0 did: their last windows are missing")
-            out += self._ready(final=True)
-        except Exception as err:  # noqa: BLE001
-            self._give_up(f"{type(err).__name__}: {err}")
-        return out
-
-    # -- internals ----------------------------------------------------------------------
-    def _send(self, *, final: bool) -> None:
-        import torch.distributed as dist
-
-        size, n = _OVERHEAD, 0
-        for window in self._outbox:
-            if size + len(window) + 1 > CAPACITY:
-                break
-            size += len(window) + 1
-            n += 1
-        batch, self._outbox = self._outbox[:n], self._outbox[n:]
-        if final and self._outbox:
-            self._warn(f"{len(self._outbox)} window(s) of rank {self.rank} did not fit the last report")
-            self._outbox = []
-        payload = encode(batch, final=final)
-        gather_list = [torch.empty_like(payload) for _ in range(self.world_size)] if self.rank == 0 else None
-        try:
-            work = dist.gather(payload, gather_list, dst=dist.get_global_rank(self.group, 0), group=self.group, async_op=True)
+                out += self._ready(final=True)
+                self._ask("forget")  # delete the keys of exchanges never completed
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             self._give_up(f"{type(err).__name__}: {err}")
-            return
-        self._in_flight.append((work, payload, gather_list))
+        self._todo.put(("stop",))
+        # A thread still inside a store request when the interpreter exits aborts the
+        # process (SIGABRT as it is torn down): let it finish, a bounded time.
+        self._thread.join(1.0 if interrupted else timeout_s)
+        return out
 
-    def _collect(self, *, block_until: float | None) -> list[RankWindow]:
-        """Reports whose gather has completed, oldest first; waits only until ``block_until``."""
-        while self._in_flight:
-            work, _, gather_list = self._in_flight[0]
+    # -- the training thread: internals ------------------------------------------------
+    def _post(self, *, final: bool) -> None:
+        """This rank's part of the next exchange, to the thread (rank zero: read up to it)."""
+        k = self._sent
+        self._sent += 1
+        if self.rank == 0:
+            self._sent_event = self._ask("read", k, final)
+            return
+        batch, self._outbox = self._outbox, []
+        self._sent_event = self._ask("send", k, encode(self.rank, batch, final=final))
+
+    def _ask(self, *item: Any) -> threading.Event:
+        """A request to the exchange's thread, and an event set once it is done (or failed)."""
+        done = threading.Event()
+        self._todo.put((*item, done))
+        return done
+
+    def _arrived(self, *, final: bool) -> list[RankWindow]:
+        """What rank zero's thread has read, into the windows (rank zero only)."""
+        if self.rank != 0:
+            return []
+        for r in sorted(self.gone - self._gone_said):  # warnings belong on the training thread
+            self._gone_said.add(r)
+            self._warn(f"rank {r} has not reported for {STALE_EXCHANGES} exchanges: taken as gone, the others go on")
+        while True:
             try:
-                if not work.is_completed():
-                    if block_until is None or time.monotonic() >= block_until:
-                        break
-                    time.sleep(0.001)  # end of training only: waiting on the other ranks
-                    continue
-                work.wait()  # completed: returns at once, raises if the gather failed
-            except Exception as err:  # noqa: BLE001
-                self._give_up(f"{type(err).__name__}: {err}")
+                rank, is_final, windows = self._inbox.get_nowait()
+            except queue.Empty:
                 break
-            self._in_flight.pop(0)
-            if gather_list is not None:
-                for rank, buf in enumerate(gather_list):
-                    report = decode(buf)
-                    for window in report["windows"]:
-                        self._receive(rank, window)
-                    if report["final"]:
-                        self.finished.add(rank)
-        return self._ready(final=False)
+            for window in windows:
+                self._receive(rank, window)
+            if is_final:
+                self.finished.add(rank)
+        return self._ready(final=final)
+
+    def _await_finals(self, timeout_s: float) -> list[RankWindow]:
+        """Rank zero at the end: read until every rank's final report is in, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        out: list[RankWindow] = []
+        while True:
+            out += self._arrived(final=False)
+            missing = set(range(1, self.world_size)) - self.finished - self.gone
+            left = deadline - time.monotonic()
+            if not missing or self.broken or self._error is not None or left <= 0:
+                break
+            # End of training only: waiting on the other ranks (not on the device).  The read
+            # asked last must be done before the next is asked, and reads come 10 ms apart.
+            self._sent_event.wait(left)
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+            self._sent_event = self._ask("read", self._sent - 1, True)
+        if missing and not self.broken and self._error is None:
+            self._warn(f"rank(s) {sorted(missing)} sent no final report within {timeout_s:g} s "
+                       "(did the ranks run different numbers of steps?)")
+        return out
 
     def _receive(self, rank: int, report: list[Any]) -> None:
         key = int(report[0])
@@ -257,7 +296,8 @@ class RankExchange:
         """Windows every rank has reported or moved past (all of them when ``final``)."""
         if self.rank != 0:
             return []
-        horizon = min(self._latest.get(r, -1) for r in range(self.world_size))
+        waiting = [r for r in range(self.world_size) if r not in self.gone and r not in self.finished]
+        horizon = min((self._latest.get(r, -1) for r in waiting), default=max(self._reports, default=-1))
         out = []
         for key in sorted(self._reports):
             if not final and key > horizon:
@@ -275,11 +315,81 @@ class RankExchange:
             out.append(RankWindow(key, step, means, len(reports)))
         return out
 
+    # -- the exchange's own thread -----------------------------------------------------
+    def _run(self) -> None:
+        item: tuple[Any, ...] = ()
+        try:
+            while True:
+                item = self._todo.get()
+                if item[0] == "stop":
+                    return
+                if item[0] == "send":  # two small requests, whatever the number of ranks
+                    _, k, frame, _ = item
+                    self.store.append(f"{self.namespace}/{k}", frame)
+                    self.store.add(f"{self.namespace}/{k}/n", 1)
+                elif item[0] == "read":
+                    self._read_up_to(item[1], beyond=item[2])
+                elif item[0] == "forget":
+                    for k in range(self._next, max(self._sent, self._touched + 1)):
+                        self.store.delete_key(f"{self.namespace}/{k}")
+                        self.store.delete_key(f"{self.namespace}/{k}/n")
+                item[-1].set()
+        except Exception as err:  # noqa: BLE001 - the training thread gives up at its next exchange
+            self._error = err
+            while item[0] != "stop":  # nothing more is done, and nobody waits for it
+                item[-1].set()
+                item = self._todo.get()
+
+    def _read_up_to(self, last: int, *, beyond: bool = False) -> None:
+        """Rank zero: read every exchange from the oldest not fully read to ``last``; delete what is done.
+
+        ``beyond`` (at the end): also the exchanges after ``last`` that exist, those of
+        ranks that ran more steps than rank zero.
+        """
+        ns, store = self.namespace, self.store
+        k = self._next - 1
+        while True:
+            k += 1
+            if k > last and not (beyond and store.check([f"{ns}/{k}/n"])):
+                break
+            self._touched = max(self._touched, k)
+            count = int(store.add(f"{ns}/{k}/n", 0))
+            if count > self._counted.get(k, 0):
+                frames, self._read[k] = decode(store.get(f"{ns}/{k}"), self._read.get(k, 0))
+                self._counted[k] = count
+                now = time.monotonic()
+                for rank, final, windows in frames:
+                    self._heard[rank] = (k, now)
+                    if final:
+                        self._final_at[rank] = k
+                    self._inbox.put((rank, final, windows))
+            self._mark_gone(last)
+            if k == self._next and self._counted.get(k, 0) >= self._expected(k):
+                store.delete_key(f"{ns}/{k}")
+                store.delete_key(f"{ns}/{k}/n")
+                self._read.pop(k, None)
+                self._counted.pop(k, None)
+                self._next = k + 1
+
+    def _expected(self, k: int) -> int:
+        """Reports exchange ``k`` will hold: every other rank not finished before it, and not gone."""
+        return sum(1 for r in range(1, self.world_size) if self._final_at.get(r, k) >= k and r not in self.gone)
+
+    def _mark_gone(self, now: int) -> None:
+        """Ranks silent for STALE_EXCHANGES exchanges and STALE_S seconds (the training thread warns)."""
+        clock = time.monotonic()
+        for r in range(1, self.world_size):
+            if r in self.gone or r in self._final_at:
+                continue
+            k, when = self._heard.get(r, (-1, self._started))
+            if now - k > STALE_EXCHANGES and clock - when > STALE_S:
+                self.gone.add(r)
+
     def _give_up(self, why: str) -> None:
         if self.broken:
             return
         self.broken = True
-        self._in_flight = []  # buffers of an abandoned gather are simply dropped
+        self._todo.put(("stop",))
         self._warn(f"the exchange between ranks stopped ({why}); each rank's own timing goes on")
 
     def _warn(self, why: str) -> None:

@@ -63,3 +63,16 @@ def test_host_cost_on_the_host_clock(tmp_path):
     assert "core step on the host clock" in text
     for sink in ("none", "event file (default)"):
         assert f"\n{sink} " in text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kill", [False, True], ids=["all-ranks", "a-rank-killed"])
+def test_rank_exchange_at_four_ranks(tmp_path, kill):
+    # Four real processes over a real TCPStore: every window written with every rank
+    # (or, with rank 1 killed mid-run, with the other three, and rank 1 named gone); the
+    # script exits non-zero when a check fails.  The 32-rank figures are in docs/benchmarks.md.
+    args = ["--ranks", "4", "--windows", "20", "--rank0-model", "64"] + (["--kill"] if kill else [])
+    text = run_benchmark("rank_exchange.py", tmp_path, *args)
+    assert f"windows 20/20 with {3 if kill else 4} ranks: yes" in text and "slowest named: rank 3" in text
+    assert ("killed rank 1: gone=[1]" in text) == kill
+    assert "rank 0 at    64 ranks (in-process model)" in text

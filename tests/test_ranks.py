@@ -1,14 +1,22 @@
-"""The cross-rank bookkeeping on its own (the real 2-process runs are in test_distributed)."""
+"""The exchange between ranks on its own, through a real c10d TCPStore in this process.
+
+Each simulated rank has its own RankExchange and its own store connection, as on a
+real job; the real multi-process runs are in test_distributed.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import time
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from phase_timer.metrics import RANKS_TAG, format_rank_table, rank_scalars
-from phase_timer.ranks import CAPACITY, RankExchange, RankWindow, decode, encode
+from phase_timer.ranks import STALE_EXCHANGES, RankExchange, RankWindow, decode, encode
 
 
 def sums(**ms: float) -> dict[str, list[float]]:
@@ -16,16 +24,129 @@ def sums(**ms: float) -> dict[str, list[float]]:
     return {p: [v] * 5 for p, v in ms.items()}
 
 
-def test_report_round_trips_through_a_byte_tensor() -> None:
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    yield server
+
+
+def ranks(store, n: int, namespace: str = "phase_timer/test") -> list[RankExchange]:
+    return [RankExchange(store.clone(), r, n, namespace) for r in range(n)]
+
+
+def run_windows(exchanges: list[RankExchange], windows: int, ms: dict[int, float], *, stop_after: dict[int, int] | None = None):
+    """Each rank writes ``windows`` windows (rank r's forward: ms[r]) and exchanges after each, in lockstep."""
+    written: list[RankWindow] = []
+    for w in range(windows):
+        for ex in exchanges:
+            if stop_after and w >= stop_after.get(ex.rank, windows):
+                continue
+            ex.add(w, 5 * w + 4, 5, sums(forward=ms[ex.rank], step=2 * ms[ex.rank]))
+            written += ex.exchange()
+        for ex in exchanges:  # a real job leaves seconds between windows: the threads keep up
+            ex._sent_event.wait(5)
+    return written
+
+
+def test_frames_round_trip_and_a_partial_one_waits() -> None:
     windows = [[3, 19, 5, {"forward": [10.5, 5], "step": [50.25, 5]}], [4, 24, 5, {"forward": [1.0, 5]}]]
-    buf = encode([json.dumps(w).encode() for w in windows], final=True)
-    assert buf.dtype == torch.uint8 and buf.numel() == CAPACITY
-    assert decode(buf) == {"final": True, "windows": windows}
-    assert decode(encode([])) == {"final": False, "windows": []}
+    a = encode(2, [json.dumps(w).encode() for w in windows], final=True)
+    b = encode(7, [])
+    frames, end = decode(a + b)
+    assert frames == [(2, True, windows), (7, False, [])] and end == len(a + b)
+    frames, end = decode(a + b[:-1])  # the second frame is not complete yet
+    assert frames == [(2, True, windows)] and end == len(a)
 
 
-def test_after_the_exchange_stops_nothing_more_is_kept() -> None:
-    ex = RankExchange(group=None, rank=1, world_size=2)
+def test_every_rank_is_written_and_the_store_is_left_clean(store) -> None:
+    exchanges = ranks(store, 4)
+    before = store.num_keys()
+    written = run_windows(exchanges, 6, {0: 1.0, 1: 3.0, 2: 2.0, 3: 1.5})
+    for ex in reversed(exchanges):  # rank 0 last, as the slowest to finish
+        written += ex.finish(timeout_s=5)
+    assert [w.key for w in written] == list(range(6))
+    assert all(w.ranks == 4 for w in written)
+    assert all(w.stats("forward")["slowest_rank"] == 1.0 for w in written)
+    assert exchanges[0].totals.mean(2, "forward") == pytest.approx(2.0)
+    assert exchanges[0].finished == {0, 1, 2, 3}
+    exchanges[0]._thread.join(5)  # rank 0's thread deletes what is left, then stops
+    assert store.num_keys() == before  # every exchange's keys deleted
+
+
+def test_a_rank_that_stops_reporting_is_named_and_the_others_go_on(store, monkeypatch) -> None:
+    monkeypatch.setattr("phase_timer.ranks.STALE_S", 0.0)  # exchanges are milliseconds apart here
+    exchanges = ranks(store, 3)
+    with pytest.warns(RuntimeWarning, match="rank 2 has not reported"):
+        written = run_windows(exchanges, 2 * STALE_EXCHANGES + 4, {0: 1.0, 1: 2.0, 2: 3.0}, stop_after={2: 2})
+    exchanges[1].finish(timeout_s=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        written += exchanges[0].finish(timeout_s=1)
+    assert not [w for w in caught if "no final report" in str(w.message)]  # a gone rank is not waited for
+    assert 2 in exchanges[0].gone
+    keys = [w.key for w in written]
+    assert keys == sorted(set(keys)) and keys[-1] == 2 * STALE_EXCHANGES + 3  # windows kept flowing
+    assert written[-1].ranks == 2
+
+
+def test_ranks_that_ran_fewer_windows_do_not_hold_the_end(store) -> None:
+    exchanges = ranks(store, 3)
+    run_windows(exchanges[1:2], 3, {1: 2.0})  # rank 1 ran 3 windows ...
+    exchanges[1].finish(timeout_s=5)  # ... and finished
+    run_windows([exchanges[0], exchanges[2]], 6, {0: 1.0, 2: 3.0})
+    exchanges[2].finish(timeout_s=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exchanges[0].finish(timeout_s=20)
+    assert exchanges[0].finished == {0, 1, 2}
+    assert not [w for w in caught if "no final report" in str(w.message)]  # no wait to the deadline
+
+
+def test_a_rank_that_ran_more_windows_is_read_at_the_end(store) -> None:
+    # Rank 1 made 6 exchanges and its final report went to a 7th; rank 0 made 3.  At
+    # its end rank 0 reads past its own exchanges: rank 1's last windows are written.
+    exchanges = ranks(store, 2)
+    run_windows(exchanges[1:], 6, {1: 2.0})
+    exchanges[1].finish(timeout_s=5)
+    written = run_windows(exchanges[:1], 3, {0: 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        written += exchanges[0].finish(timeout_s=5)
+    assert not caught, [str(w.message) for w in caught]
+    assert exchanges[0].finished == {0, 1}
+    assert [(w.key, w.ranks) for w in written] == [(0, 2), (1, 2), (2, 2), (3, 1), (4, 1), (5, 1)]
+    assert exchanges[0].totals.steps == {0: 15, 1: 30}
+
+
+class SlowStore:
+    """A store connection whose appends take ``delay_s``: the final report is still on its way."""
+
+    def __init__(self, store, delay_s: float) -> None:
+        self._store, self.delay_s = store, delay_s
+
+    def append(self, *args):
+        time.sleep(self.delay_s)
+        return self._store.append(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def test_finish_returns_once_the_final_report_is_in_the_store(store) -> None:
+    # After finish() the process may make a blocking store request of its own (a
+    # barrier, a new group): a send still queued behind it would leave rank 0 waiting.
+    ex = RankExchange(SlowStore(store.clone(), 0.1), 1, 2, "phase_timer/slow")
+    for w in range(3):
+        ex.add(w, 5 * w + 4, 5, sums(forward=1.0))
+        ex.exchange()  # three sends queued, 0.1 s each
+    ex.finish(timeout_s=10)
+    assert [int(store.add(f"phase_timer/slow/{k}/n", 0)) for k in range(4)] == [1, 1, 1, 1]
+    frames, _ = decode(store.get("phase_timer/slow/3"))
+    assert frames == [(1, True, [])]
+
+
+def test_after_the_exchange_stops_nothing_more_is_kept(store) -> None:
+    ex = ranks(store, 2)[1]
     with pytest.warns(RuntimeWarning, match="stopped"):
         ex._give_up("test")
     for key in range(100):
@@ -33,8 +154,25 @@ def test_after_the_exchange_stops_nothing_more_is_kept() -> None:
     assert ex._outbox == [] and ex.exchange() == []
 
 
-def test_a_window_is_written_once_every_rank_reported_it_or_moved_past() -> None:
-    ex = RankExchange(group=None, rank=0, world_size=3)
+def test_a_store_that_fails_stops_the_exchange_with_a_warning_not_an_error() -> None:
+    class Broken:
+        def append(self, *a):
+            raise ConnectionError("store unreachable")
+
+        add = get = delete_key = append
+
+    ex = RankExchange(Broken(), 1, 2, "phase_timer/x")
+    ex.add(0, 4, 5, sums(forward=1.0))
+    ex.exchange()
+    ex._sent_event.wait(5)
+    with pytest.warns(RuntimeWarning, match="stopped.*store unreachable"):
+        ex.add(1, 9, 5, sums(forward=1.0))
+        assert ex.exchange() == []
+    assert ex.broken
+
+
+def test_a_window_is_written_once_every_rank_reported_it_or_moved_past(store) -> None:
+    ex = ranks(store, 3)[0]
     ex.add(0, 4, 5, sums(forward=1.0, backward=2.0))  # rank zero keeps its own
     ex.add(1, 9, 5, sums(forward=1.0, backward=2.0))
     ex._receive(1, [0, 4, 5, {"forward": [15.0, 5], "backward": [10.0, 5]}])
@@ -45,21 +183,12 @@ def test_a_window_is_written_once_every_rank_reported_it_or_moved_past() -> None
     w = ready[0]
     assert w.ranks == 2 and w.step == 4
     assert w.means["forward"] == {0: 1.0, 1: 3.0}
-    # a late report of a written window is dropped, not double counted
-    ex._receive(2, [0, 4, 5, {"forward": [500.0, 5]}])
+    ex._receive(2, [0, 4, 5, {"forward": [500.0, 5]}])  # a late report of a written window is dropped
     last = ex._ready(final=True)
     assert [w.key for w in last] == [1] and last[0].ranks == 2
-    assert ex.totals is not None
     assert ex.totals.mean(1, "forward") == pytest.approx(3.0)
     assert ex.totals.mean(2, "forward") == pytest.approx(1.0)
     assert ex.totals.steps == {0: 10, 1: 5, 2: 5}
-
-
-def test_other_ranks_send_their_windows_and_write_nothing() -> None:
-    ex = RankExchange(group=None, rank=1, world_size=2)
-    ex.add(0, 4, 5, sums(forward=1.0))
-    assert ex._outbox and ex.totals is None
-    assert ex._ready(final=True) == []
 
 
 def test_cross_rank_statistics_and_tags() -> None:
@@ -72,12 +201,11 @@ def test_cross_rank_statistics_and_tags() -> None:
     assert scalars[RANKS_TAG] == 3.0
 
 
-def test_rank_table_names_the_slowest_rank_and_missing_ranks() -> None:
-    ex = RankExchange(group=None, rank=0, world_size=3)
+def test_rank_table_names_the_slowest_rank_and_missing_ranks(store) -> None:
+    ex = ranks(store, 3)[0]
     ex.add(0, 4, 5, sums(forward=1.0, step=3.0))
     ex._receive(1, [0, 4, 5, {"forward": [20.0, 5], "step": [30.0, 5]}])
     ex._ready(final=True)
-    assert ex.totals is not None
     table = format_rank_table(ex.totals)
     lines = table.splitlines()
     head = next(line for line in lines if line.startswith("rank")).split()
