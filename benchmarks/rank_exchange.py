@@ -125,6 +125,11 @@ def worker(rank: int, n: int, port: int, windows: int, period_s: float, kill: bo
         gloo_ms = (time.perf_counter_ns() - t) / 1e6
     out["gloo_group_ms"] = gloo_ms
     results.put(out)
+    # A job ends together: without this, a rank done with new_group exits while a peer still
+    # connects its mesh ("Connection closed by peer", seen at 32 ranks on 2 cores).
+    store.add("bench/done", 1)
+    while int(store.add("bench/done", 0)) < n - (1 if kill else 0):
+        time.sleep(0.005)
     dist.destroy_process_group()
 
 

@@ -20,6 +20,10 @@ deletes the keys.
   once every rank has reported it or has moved past it.  A rank silent for
   ``STALE_EXCHANGES`` exchanges and ``STALE_S`` seconds is taken as gone (one
   warning): the others go on.
+* Every rank must make its timers alike (the same ``enabled``, in the same order): the
+  exchange's keys are named by the timer's number in its process.  Keys a rank still
+  running appends after rank zero has ended are left in the store (a few hundred bytes a
+  window); the store goes away with the job.
 * ``finish()`` sends the last, partial window and waits a bounded time for the reports
   still missing.  This is a wait on the other ranks, not on the device, and it happens
   only at the end; after an exception nothing is sent and nothing is waited for.
@@ -145,6 +149,10 @@ class RankExchange:
         self._counted: dict[int, int] = {}  # exchange -> reports it holds
         self._heard: dict[int, tuple[int, float]] = {}  # rank -> (newest exchange it was heard in, when)
         self._final_at: dict[int, int] = {}  # rank -> the exchange of its final report
+        self._in: dict[int, set[int]] = {}  # exchange -> the ranks read in it
+        self._want: dict[int, int] = {}  # rank -> the exchange of its next frame to pass on
+        self._held: dict[int, dict[int, tuple[bool, list[Any]]]] = {}  # rank -> frames that came early
+        self._gone_from: dict[int, int] = {}  # gone rank -> the first exchange closed without it
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"phase-timer-ranks-{rank}", daemon=True)
         self._thread.start()
@@ -187,10 +195,8 @@ class RankExchange:
 
     def exchange(self) -> list[RankWindow]:
         """Read the reports that have arrived, hand this rank's to the thread; never waits."""
+        self._check_error()
         if self.broken:
-            return []
-        if self._error is not None:
-            self._give_up(f"{type(self._error).__name__}: {self._error}")
             return []
         out = self._arrived(final=False)
         self._post(final=False)
@@ -204,16 +210,17 @@ class RankExchange:
         arrived is written.
         """
         out: list[RankWindow] = []
+        deadline = time.monotonic() + timeout_s
         try:
-            if self._error is not None:
-                self._give_up(f"{type(self._error).__name__}: {self._error}")
+            self._check_error()
             if not self.broken and not interrupted:
                 self._post(final=True)
                 if self.rank == 0:
-                    out = self._await_finals(timeout_s)
+                    out = self._await_finals(deadline, timeout_s)
                 else:  # the final report is out (or the deadline passed) before this returns: the process
                     # may go on to a blocking store request of its own, which would queue our send behind it
                     self._sent_event.wait(timeout_s)
+                self._check_error()
             if self.rank == 0:
                 out += self._arrived(final=False)
                 self.finished.add(0)
@@ -221,14 +228,19 @@ class RankExchange:
                 if late and not interrupted and not self.broken:
                     self._warn(f"rank(s) {late} had not finished when rank 0 did: their last windows are missing")
                 out += self._ready(final=True)
-                self._ask("forget")  # delete the keys of exchanges never completed
+                if not self.broken:
+                    self._ask("forget")  # delete the keys of exchanges never completed
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             self._give_up(f"{type(err).__name__}: {err}")
         self._todo.put(("stop",))
         # A thread still inside a store request when the interpreter exits aborts the
         # process (SIGABRT as it is torn down): let it finish, a bounded time.
-        self._thread.join(1.0 if interrupted else timeout_s)
+        self._thread.join(1.0 if interrupted else max(1.0, deadline - time.monotonic()))
         return out
+
+    def _check_error(self) -> None:
+        if self._error is not None:
+            self._give_up(f"{type(self._error).__name__}: {self._error}")
 
     # -- the training thread: internals ------------------------------------------------
     def _post(self, *, final: bool) -> None:
@@ -236,7 +248,8 @@ class RankExchange:
         k = self._sent
         self._sent += 1
         if self.rank == 0:
-            self._sent_event = self._ask("read", k, final)
+            if self._sent_event.is_set():  # else the read still running is followed by the next one
+                self._sent_event = self._ask("read", k, final)
             return
         batch, self._outbox = self._outbox, []
         self._sent_event = self._ask("send", k, encode(self.rank, batch, final=final))
@@ -265,9 +278,8 @@ class RankExchange:
                 self.finished.add(rank)
         return self._ready(final=final)
 
-    def _await_finals(self, timeout_s: float) -> list[RankWindow]:
-        """Rank zero at the end: read until every rank's final report is in, or ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
+    def _await_finals(self, deadline: float, timeout_s: float) -> list[RankWindow]:
+        """Rank zero at the end: read until every rank's final report is in, or the deadline passed."""
         out: list[RankWindow] = []
         while True:
             out += self._arrived(final=False)
@@ -331,8 +343,7 @@ class RankExchange:
                     self._read_up_to(item[1], beyond=item[2])
                 elif item[0] == "forget":
                     for k in range(self._next, max(self._sent, self._touched + 1)):
-                        self.store.delete_key(f"{self.namespace}/{k}")
-                        self.store.delete_key(f"{self.namespace}/{k}/n")
+                        self._forget(k)
                 item[-1].set()
         except Exception as err:  # noqa: BLE001 - the training thread gives up at its next exchange
             self._error = err
@@ -341,7 +352,7 @@ class RankExchange:
                 item = self._todo.get()
 
     def _read_up_to(self, last: int, *, beyond: bool = False) -> None:
-        """Rank zero: read every exchange from the oldest not fully read to ``last``; delete what is done.
+        """Rank zero: read every exchange from the oldest not complete to ``last``; delete what is complete.
 
         ``beyond`` (at the end): also the exchanges after ``last`` that exist, those of
         ranks that ran more steps than rank zero.
@@ -357,23 +368,55 @@ class RankExchange:
             if count > self._counted.get(k, 0):
                 frames, self._read[k] = decode(store.get(f"{ns}/{k}"), self._read.get(k, 0))
                 self._counted[k] = count
-                now = time.monotonic()
-                for rank, final, windows in frames:
-                    self._heard[rank] = (k, now)
-                    if final:
-                        self._final_at[rank] = k
-                    self._inbox.put((rank, final, windows))
-            self._mark_gone(last)
-            if k == self._next and self._counted.get(k, 0) >= self._expected(k):
-                store.delete_key(f"{ns}/{k}")
-                store.delete_key(f"{ns}/{k}/n")
-                self._read.pop(k, None)
-                self._counted.pop(k, None)
-                self._next = k + 1
+                for frame in frames:
+                    self._take(k, *frame)
+            if k == self._next and self._in.get(k, set()) >= self._expected(k):
+                self._close(k)
+        self._mark_gone(last)
 
-    def _expected(self, k: int) -> int:
-        """Reports exchange ``k`` will hold: every other rank not finished before it, and not gone."""
-        return sum(1 for r in range(1, self.world_size) if self._final_at.get(r, k) >= k and r not in self.gone)
+    def _take(self, k: int, rank: int, final: bool, windows: list[Any]) -> None:
+        """A rank's frame of exchange ``k``, passed on in the order the rank sent its frames.
+
+        A rank appends to exchange k before k+1, but a read of k can come before that
+        append and the read of k+1 after it: a frame that comes early waits for the ones before.
+        """
+        self._in.setdefault(k, set()).add(rank)
+        if rank in self.gone:  # it was only slow: it counts again (a new set: the training thread reads it)
+            self.gone = self.gone - {rank}
+            for old in range(self._gone_from.pop(rank, k), self._next):  # its late appends made these again
+                self._forget(old)
+        held = self._held.setdefault(rank, {})
+        held[k] = (final, windows)
+        while self._want.get(rank, 0) in held:
+            j = self._want.get(rank, 0)
+            is_final, ws = held.pop(j)
+            self._want[rank] = j + 1
+            self._heard[rank] = (j, time.monotonic())
+            if is_final:
+                self._final_at[rank] = j
+            self._inbox.put((rank, is_final, ws))
+
+    def _close(self, k: int) -> None:
+        """Exchange ``k`` holds every report it will get: delete it; gone ranks' frames of it are given up."""
+        for r in self.gone:
+            if r not in self._in[k]:
+                self._want[r] = max(self._want.get(r, 0), k + 1)
+                self._gone_from.setdefault(r, k)
+                for j in [j for j in self._held.get(r, {}) if j <= k]:
+                    del self._held[r][j]
+        self._forget(k)
+        self._read.pop(k, None)
+        self._counted.pop(k, None)
+        self._in.pop(k, None)
+        self._next = k + 1
+
+    def _forget(self, k: int) -> None:
+        self.store.delete_key(f"{self.namespace}/{k}")
+        self.store.delete_key(f"{self.namespace}/{k}/n")
+
+    def _expected(self, k: int) -> set[int]:
+        """The ranks whose report exchange ``k`` will hold: every other rank not finished before it, and not gone."""
+        return {r for r in range(1, self.world_size) if self._final_at.get(r, k) >= k and r not in self.gone}
 
     def _mark_gone(self, now: int) -> None:
         """Ranks silent for STALE_EXCHANGES exchanges and STALE_S seconds (the training thread warns)."""
@@ -383,7 +426,7 @@ class RankExchange:
                 continue
             k, when = self._heard.get(r, (-1, self._started))
             if now - k > STALE_EXCHANGES and clock - when > STALE_S:
-                self.gone.add(r)
+                self.gone = self.gone | {r}  # a new set: the training thread reads it
 
     def _give_up(self, why: str) -> None:
         if self.broken:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
 import warnings
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from phase_timer.metrics import RANKS_TAG, format_rank_table, rank_scalars
-from phase_timer.ranks import STALE_EXCHANGES, RankExchange, RankWindow, decode, encode
+from phase_timer.ranks import STALE_EXCHANGES, RankExchange, RankWindow, _json, decode, encode
 
 
 def sums(**ms: float) -> dict[str, list[float]]:
@@ -143,6 +144,132 @@ def test_finish_returns_once_the_final_report_is_in_the_store(store) -> None:
     assert [int(store.add(f"phase_timer/slow/{k}/n", 0)) for k in range(4)] == [1, 1, 1, 1]
     frames, _ = decode(store.get("phase_timer/slow/3"))
     assert frames == [(1, True, [])]
+
+
+class HookedStore:
+    """Rank zero's store connection, running ``before(key)`` ahead of each counter read."""
+
+    def __init__(self, store, before) -> None:
+        self._store, self._before = store, before
+
+    def add(self, key, value):
+        if value == 0:
+            self._before(key)
+        return self._store.add(key, value)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def send_by_hand(store, ns: str, k: int, rank: int, window: int | None, *, final: bool = False) -> None:
+    """What rank ``rank``'s thread sends for exchange ``k``: its window ``window`` (forward 3 ms)."""
+    windows = [] if window is None else [_json([window, 5 * window + 4, 5, {"forward": [15.0, 5]}])]
+    store.append(f"{ns}/{k}", encode(rank, windows, final=final))
+    store.add(f"{ns}/{k}/n", 1)
+
+
+def test_a_ranks_frames_read_out_of_order_are_taken_in_order(store) -> None:
+    # Rank 0 reads exchange 0 before rank 1 has appended to it; rank 1 then appends to
+    # 0 and 1 at once (its thread was held up), and rank 0 reads 1: rank 1's frame of 1
+    # comes first.  Taken as it came, window 0 would be written without rank 1.
+    ns = "phase_timer/order"
+    other = store.clone()
+    fired = []
+
+    def before(key: str) -> None:
+        if key == f"{ns}/1/n" and not fired:
+            fired.append(key)
+            send_by_hand(other, ns, 0, 1, 0)
+            send_by_hand(other, ns, 1, 1, 1)
+
+    zero = RankExchange(HookedStore(store.clone(), before), 0, 3, ns)
+    two = RankExchange(store.clone(), 2, 3, ns)
+    written = []
+    for w in range(2):
+        zero.add(w, 5 * w + 4, 5, sums(forward=1.0))
+        two.add(w, 5 * w + 4, 5, sums(forward=2.0))
+        two.exchange()
+        two._sent_event.wait(5)
+        written += zero.exchange()
+        zero._sent_event.wait(5)
+    assert fired
+    send_by_hand(other, ns, 2, 1, None, final=True)
+    two.finish(timeout_s=5)
+    written += zero.finish(timeout_s=5)
+    assert [(w.key, w.ranks) for w in written] == [(0, 3), (1, 3)]
+    assert zero.totals.steps == {0: 10, 1: 10, 2: 10}
+
+
+class GatedStore:
+    """A store connection whose appends wait for ``gate``: the rank's thread is held up."""
+
+    def __init__(self, store) -> None:
+        self._store, self.gate = store, threading.Event()
+
+    def append(self, *args):
+        self.gate.wait(30)
+        return self._store.append(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def test_a_rank_taken_as_gone_that_was_only_held_up_counts_again_and_leaves_no_keys(store, monkeypatch) -> None:
+    monkeypatch.setattr("phase_timer.ranks.STALE_S", 0.0)
+    ns = "phase_timer/held"
+    before = store.num_keys()
+    gated = GatedStore(store.clone())
+    exchanges = [RankExchange(store.clone(), 0, 3, ns), RankExchange(store.clone(), 1, 3, ns), RankExchange(gated, 2, 3, ns)]
+    written = []
+    held_for = STALE_EXCHANGES + 4
+    with pytest.warns(RuntimeWarning, match="rank 2 has not reported"):
+        for w in range(2 * held_for):
+            if w == held_for:
+                gated.gate.set()  # rank 2's thread sends its backlog at once, into exchanges already closed
+                exchanges[2]._sent_event.wait(10)
+            for ex in exchanges:
+                ex.add(w, 5 * w + 4, 5, sums(forward=1.0 + ex.rank))
+                written += ex.exchange()
+            for ex in exchanges[:2]:
+                ex._sent_event.wait(5)
+    assert 2 in exchanges[0]._gone_said
+    for ex in reversed(exchanges):
+        written += ex.finish(timeout_s=5)
+    assert 2 not in exchanges[0].gone and exchanges[0].finished == {0, 1, 2}
+    assert [w.ranks for w in written[-3:]] == [3, 3, 3]  # counted again once it was heard
+    exchanges[0]._thread.join(5)
+    assert store.num_keys() == before  # its late appends made closed exchanges' keys again: deleted
+
+
+def test_a_store_failing_at_the_final_report_warns(store) -> None:
+    class FailsSecond:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def append(self, *a):
+            self.calls += 1
+            if self.calls == 2:
+                raise ConnectionError("store went away")
+
+        def add(self, *a):
+            return 1
+
+    ex = RankExchange(FailsSecond(), 1, 2, "phase_timer/f")
+    ex.add(0, 4, 5, sums(forward=1.0))
+    ex.exchange()
+    with pytest.warns(RuntimeWarning, match="stopped.*store went away"):
+        ex.finish(timeout_s=5)
+    assert ex.broken
+
+
+def test_finish_keeps_to_its_timeout(store) -> None:
+    zero = ranks(store, 2, "phase_timer/late")[0]  # rank 1 never reports
+    zero.add(0, 4, 5, sums(forward=1.0))
+    zero.exchange()
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="no final report within 1 s"):
+        zero.finish(timeout_s=1)
+    assert time.monotonic() - t0 < 1.5
 
 
 def test_after_the_exchange_stops_nothing_more_is_kept(store) -> None:
