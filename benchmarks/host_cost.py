@@ -169,6 +169,67 @@ def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C
     return us
 
 
+def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
+    """What the diagnosis's samples cost: a whole step through the boundaries, every step sampled or none.
+
+    Modes: ``off`` (nothing sampled), ``self-timing`` (every step's own host time timed, as one
+    step in ~64 is), ``in flight`` (every close counts the steps in flight, as one in 16 does, on a
+    CUDA clock).  A sampled step's extra cost over ``off``, divided by its gap, is what each step
+    pays on average.  A little device work per step lets the device finish each step soon, so
+    counting the steps in flight takes its query path (the dearer one).
+    """
+    import phase_timer.boundaries as b
+    from phase_timer.boundaries import Boundaries
+
+    cuda = clock_type is not HostClock
+    x = torch.randn(64, 64, device="cuda") if cuda else None
+    gaps = {"self-timing": sum(b.SAMPLE_GAP) / 2, "in flight": b.FLIGHT_EVERY}
+
+    def run(mode: str) -> float:
+        saved = b.SAMPLE_GAP, b.FLIGHT_EVERY
+        b.SAMPLE_GAP = (1, 1) if mode == "self-timing" else (10**9, 10**9)
+        b.FLIGHT_EVERY = 1 if mode == "in flight" else 10**9
+        try:
+            core = TimingCore(clock_type(), [], window=50, warmup_steps=0, max_pending=64)
+            bounds = Boundaries(core)
+            state = {"i": 0}
+
+            def step() -> None:
+                i = state["i"] = state["i"] + 1
+                bounds.fetch()
+                bounds.batch(i, 0.1)
+                bounds.copied()
+                if x is not None:
+                    x.mul_(1.0)
+                bounds.backward_start()
+                bounds.backward_end()
+                bounds.optimizer_start()
+                bounds.step_end()
+
+            for _ in range(200):
+                step()
+            us = per_call_us(step, n, repeats=3)
+            core.finish()
+            return us
+        finally:
+            b.SAMPLE_GAP, b.FLIGHT_EVERY = saved
+
+    modes = ("off", "self-timing", "in flight") if cuda else ("off", "self-timing")
+    runs: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(repeats):  # interleaved
+        for m in modes:
+            runs[m].append(run(m))
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    lines = [f"a step through the boundaries ({clock_type.__name__}, C engine), {repeats} interleaved runs, median "
+             "(min-max); amortized = extra per sampled step / its mean gap"]
+    for m in modes:
+        extra = med[m] - med["off"]
+        amort = "" if m == "off" else (f"   extra {extra:6.2f} us a sampled step / {gaps[m]:.0f} = amortized "
+                                       f"{extra / gaps[m]:5.2f} us/step")
+        lines.append(f"  {m:26s} {med[m]:7.2f} us ({min(runs[m]):.2f}-{max(runs[m]):.2f}){amort}")
+    return lines
+
+
 def host_clock_rows(n: int, repeats: int = 5) -> list[str]:
     """The core step on the host clock, C engine, five runs each: min and median."""
     import os
@@ -180,6 +241,10 @@ def host_clock_rows(n: int, repeats: int = 5) -> list[str]:
     for sink in ("none", "event file (default)"):
         runs = [core_step(n, sink, 50, HostClock, "C") for _ in range(repeats)]
         lines.append(f"{sink:24s} {min(runs):6.2f} / {statistics.median(runs):6.2f} us")
+    try:
+        lines += sampling_rows(n, HostClock)
+    except ImportError:  # the previous release: no sampled steps
+        pass
     return lines
 
 
@@ -207,6 +272,8 @@ def main() -> None:
     lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}"]
     lines.append("core step: begin + add_host + 3 switches + end + close (6 marks), window 50; two runs, interleaved")
     lines += [f"{k:72s} " + " ".join(f"{x:8.2f}" for x in (v if isinstance(v, list) else [v])) + " us" for k, v in rows.items()]
+    if NativeCudaClock is not None:
+        lines += sampling_rows(args.steps, NativeCudaClock)
     print_and_save("\n".join(lines), args.out)
 
 

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 from phase_timer.clock import CudaClock, HostClock, make_clock
 from phase_timer.config import DISABLE_ENV
 from phase_timer.core import TimingCore
+from phase_timer.diagnosis import Diagnosis
 from phase_timer.loop import LoopTimer, attach
 
 if TYPE_CHECKING:
     from phase_timer.lightning import PhaseTimer
 
-__all__ = ["DISABLE_ENV", "CudaClock", "HostClock", "LoopTimer", "PhaseTimer", "TimingCore", "attach", "make_clock"]
+__all__ = ["DISABLE_ENV", "CudaClock", "Diagnosis", "HostClock", "LoopTimer", "PhaseTimer", "TimingCore", "attach", "make_clock"]
 __version__ = "0.1.0"
 
 

@@ -500,6 +500,7 @@ typedef struct {
     Rec *ring;              /* pending records, oldest at head */
     Py_ssize_t ring_cap, head, count;
     Py_ssize_t max_pending, lag, max_per_poll;
+    int blocked;            /* the last poll stopped at a record the device had not finished */
     int per_step;
     int64_t window;
     /* the window being filled */
@@ -965,11 +966,15 @@ static int rec_done(Steps *self, Rec *r) {
  * driver flush the stream's batched launches); at most max_per_poll per call. */
 static PyObject *Steps_poll(Steps *self, PyObject *Py_UNUSED(ignored)) {
     Py_ssize_t done = 0;
+    self->blocked = 0;
     while (self->count > self->lag && done < self->max_per_poll) {
         Rec *r = &self->ring[self->head];
         int ready = rec_done(self, r);
         if (ready < 0) return NULL;
-        if (!ready) break;
+        if (!ready) {
+            self->blocked = 1;
+            break;
+        }
         int bad = resolve(self, r);
         self->head = (self->head + 1) % self->ring_cap;
         self->count--;
@@ -977,6 +982,38 @@ static PyObject *Steps_poll(Steps *self, PyObject *Py_UNUSED(ignored)) {
         if (bad) return NULL;
     }
     return take_out(self);
+}
+
+/* in_flight() -> int: the closed records before the newest that the device has not finished.
+ * Never waits.  After a poll that stopped at an unfinished record, every younger one is
+ * unfinished too (one stream completes in order): no query at all.  Else a binary search,
+ * at most log2(pending) queries, never of the newest record (querying an event just
+ * recorded makes the driver flush the stream's batched launches). */
+static PyObject *Steps_in_flight(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t n = self->count - 1;
+    if (n <= 0) return PyLong_FromLong(0);
+    if (self->blocked) return PyLong_FromSsize_t(n);
+    Py_ssize_t lo = 0, hi = n;  /* the first unfinished record is in [lo, hi] */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        int d = rec_done(self, &self->ring[(self->head + mid) % self->ring_cap]);
+        if (d < 0) return NULL;
+        if (d) lo = mid + 1; else hi = mid;
+    }
+    return PyLong_FromSsize_t(n - lo);
+}
+
+/* newest_done() -> bool | None: whether the device has finished the newest record's step (its end
+ * mark, or its last without one).  Never waits; one query.  Only asked when every older
+ * record is done, on a sampled close. */
+static PyObject *Steps_newest_done(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->count == 0) Py_RETURN_NONE;
+    if (self->clock == NULL) Py_RETURN_TRUE;
+    Rec *r = &self->ring[(self->head + self->count - 1) % self->ring_cap];
+    Py_ssize_t i = r->end >= 0 ? r->end : r->n - 1;
+    int d = query_slot(self->clock, (Py_ssize_t)r->marks[i]);
+    if (d < 0) return NULL;
+    return PyBool_FromLong(d);
 }
 
 /* drain() -> list | None: resolve every pending record, waiting for the device.
@@ -1023,6 +1060,8 @@ static PyMethodDef Steps_methods[] = {
     {"close", (PyCFunction)Steps_close, METH_O, "close(period_ms) -> bool: queue the record (period_ms < 0: none)."},
     {"discard", (PyCFunction)Steps_discard, METH_NOARGS, "Drop the open record."},
     {"poll", (PyCFunction)Steps_poll, METH_NOARGS, "Resolve finished records without waiting: results or None."},
+    {"newest_done", (PyCFunction)Steps_newest_done, METH_NOARGS, "The device finished the newest record's step (one query, never waits)."},
+    {"in_flight", (PyCFunction)Steps_in_flight, METH_NOARGS, "Closed records before the newest the device has not finished (never waits)."},
     {"drain", (PyCFunction)Steps_drain, METH_NOARGS, "Resolve every record, waiting for the device (end of training)."},
     {"flush", (PyCFunction)Steps_flush, METH_NOARGS, "The window being filled, as a result (end of training)."},
     {NULL, NULL, 0, NULL},

@@ -32,7 +32,10 @@ Evaluation and validation pause the record: paused spans are nobody's time.
 from __future__ import annotations
 
 import logging
+import random
+import time
 import warnings
+from typing import Any
 
 from phase_timer.core import TimingCore
 from phase_timer.metrics import BETWEEN, PAUSED
@@ -40,6 +43,13 @@ from phase_timer.metrics import BETWEEN, PAUSED
 log = logging.getLogger(__name__)
 
 H2D, FORWARD, BACKWARD, OPTIMIZER, IDLE = "h2d", "forward", "backward", "optimizer", "idle"
+
+#: One step in ~64 (at random, 32-96 steps apart, so that no periodic work aliases with the
+#: samples) is a *sampled* step: phase-timer times its own host work on it, and the host's time
+#: to issue it.  The other steps pay a countdown.
+SAMPLE_GAP = (32, 96)
+#: Every FLIGHT_EVERY-th close also counts the steps in flight (one query at most, never a wait).
+FLIGHT_EVERY = 16
 
 
 class Boundaries:
@@ -70,6 +80,8 @@ class Boundaries:
         self._failed = False  # the last backward raised: a batch that never steps after it is dropped
         self._fetched = False  # a fetch was reported since the last batch
         self._warned: set[str] = set()
+        self._rng = random.Random()
+        self._sample_in = self._rng.randint(*SAMPLE_GAP)  # closes until the next sampled step
 
     # -- the step -------------------------------------------------------------------
     def fetch(self) -> None:
@@ -313,7 +325,14 @@ class Boundaries:
         self.open = self.ended = self.trailing = self._failed = False
 
     def _close(self) -> None:
-        self.core.close()
+        self._close_record(self.steps % FLIGHT_EVERY == 0)
+        self._sample_in -= 1
+        if self._sample_in <= 0:  # the next step is sampled: from here to its close
+            self._sample_in = self._rng.randint(*SAMPLE_GAP)
+            _SampledBoundaries.start(self)
+
+    def _close_record(self, count_in_flight: bool) -> None:
+        self.core.close(count_in_flight)
         self.open = self.ended = self.trailing = False
         self.steps += 1
         self._auto = H2D
@@ -323,3 +342,101 @@ class Boundaries:
             self._warned.add(key)
             log.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def _pair_ns() -> int:
+    """What one timed call adds to its own reading: the cheapest of a few back-to-back clock reads."""
+    clock = time.perf_counter_ns
+    best = 1 << 62
+    for _ in range(50):
+        t = clock()
+        best = min(best, clock() - t)
+    return best
+
+
+class _SampledBoundaries(Boundaries):
+    """A sampled step's boundaries: the same calls, each timed (the instance's class is swapped in and out).
+
+    From the close of the step before to the sampled step's own close, every call a door makes
+    is timed from entry to return, outermost only: the host time phase-timer spends on the
+    training thread (boundaries, marks, poll and resolve, window statistics, writes queued,
+    the rank exchange).  The host time from the step's begin to its (last) end is kept too:
+    the device's step over it says whether the device keeps pace with the host.
+    """
+
+    _PAIR_NS: int | None = None
+
+    @classmethod
+    def start(cls, bounds: Boundaries) -> None:
+        if cls._PAIR_NS is None:
+            cls._PAIR_NS = _pair_ns()
+        bounds.__class__ = cls
+        bounds._depth = 0
+        bounds._own_ns = 0
+        bounds._calls = 0
+        bounds._t_begin = bounds._t_end = 0
+        bounds._sample_state = None  # "closed" or "dropped" once the sample is over
+
+    def _begin(self, step: int, phase: str) -> None:
+        self._t_begin = time.perf_counter_ns()
+        super()._begin(step, phase)
+
+    def step_end(self) -> None:
+        if self.open:
+            self._t_end = time.perf_counter_ns()
+        super().step_end()
+
+    def forward(self, *, begins: bool = False) -> None:
+        super().forward(begins=begins)
+        if self.open and "autocast" not in self.core.context:  # inside the loop's autocast, if any
+            from phase_timer.runinfo import autocast_dtype
+
+            self.core.context["autocast"] = autocast_dtype(self.core.context.get("device_type", "cuda"))
+
+    def _close(self) -> None:
+        recorded = self.core.recording
+        self._close_record(self.steps % FLIGHT_EVERY == 0)
+        self._sample_state = "closed" if recorded else "dropped"
+
+    def _drop(self) -> None:
+        super()._drop()
+        self._sample_state = "dropped"
+
+    def finish(self) -> None:
+        super().finish()
+        self._sample_state = self._sample_state or "dropped"
+
+    def _end_sample(self) -> None:
+        """Back to the plain class; a closed, recorded step's sample goes to the core."""
+        state, self._sample_state = self._sample_state, None
+        own = max(0, self._own_ns - self._calls * (_SampledBoundaries._PAIR_NS or 0))
+        self.__class__ = Boundaries
+        if state == "closed" and self._t_begin and self._t_end > self._t_begin:
+            self.core.add_sample(own, (self._t_end - self._t_begin) / 1e6)
+
+
+def _timed(name: str) -> Any:
+    inner = _SampledBoundaries.__dict__.get(name) or getattr(Boundaries, name)
+
+    def method(self: _SampledBoundaries, *args: Any, **kwargs: Any) -> Any:
+        if self._depth:  # called from another boundary: the outer call times it
+            return inner(self, *args, **kwargs)
+        self._depth = 1
+        t0 = time.perf_counter_ns()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            self._own_ns += time.perf_counter_ns() - t0
+            self._calls += 1
+            self._depth = 0
+            if self._sample_state is not None:
+                self._end_sample()
+
+    method.__name__ = name
+    method.__doc__ = inner.__doc__
+    return method
+
+
+for _name in ("fetch", "batch", "micro_batch_end", "copied", "forward", "backward_start", "backward_end",
+              "optimizer_start", "step_end", "pause", "resume", "epoch_end", "drop", "finish", "enter", "exit"):
+    setattr(_SampledBoundaries, _name, _timed(_name))

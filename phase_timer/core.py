@@ -16,8 +16,11 @@ import warnings
 from collections.abc import Sequence
 
 from phase_timer.clock import Clock
+from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
 from phase_timer.engine import make_engine
 from phase_timer.metrics import (
+    DIAGNOSIS_TAG,
+    IN_FLIGHT_TAG,
     SKIPPED_TAG,
     WINDOW_STEPS_TAG,
     format_rank_table,
@@ -68,6 +71,19 @@ class TimingCore:
         self.closed = False
         #: Why no step was timed, when none was (set at the end; the summary says it).
         self.untimed_reason: str | None = None
+        #: What the diagnosis reads: sampled steps, windows' spread, the ranks' windows.
+        self.signals = Signals()
+        #: What the door knows of the run (loader settings, precision, optimizers, configuration).
+        self.context: dict = {}
+        #: Where rank zero writes the run summary file at the end (None: nowhere).
+        self.summary_dir: str | None = None
+        self.diagnosis: Diagnosis | None = None
+        self.summary_path: str | None = None
+        self.interrupted = False
+        # Steps in flight are read on the device's clock only: on the host's, nothing is in flight.
+        self._flight = clock.kind != "host"
+        self._flight_sum = self._flight_n = 0
+        self._last_written_step = 0
         self._in_step = False
         self._last_end: int | None = None
         self._paused_at: int | None = None
@@ -113,8 +129,11 @@ class TimingCore:
         else:
             engine.open(step, phase)
 
-    def close(self) -> None:
-        """Close the record (after :meth:`end`, the time between steps ends here); resolve what the device finished."""
+    def close(self, count_in_flight: bool = False) -> None:
+        """Close the record (after :meth:`end`, the time between steps ends here); resolve what the device finished.
+
+        ``count_in_flight`` (one close in 16): also count the steps in flight, after the poll.
+        """
         if not self._in_step:
             return
         self._in_step = False
@@ -123,6 +142,15 @@ class TimingCore:
         engine = self._engine
         engine.close((now - last) / 1e6 if last is not None else -1.0)
         results = engine.poll()  # None unless a window (or, per_step, a step) is ready
+        if count_in_flight and self._flight:
+            # No wait: the poll's own answer, or a query of an older step's last mark.
+            n = engine.in_flight()
+            if n == 0:  # every earlier step is done: is the one just ended done too (the device idle now)?
+                self.signals.tail_checked += 1
+                self.signals.tail_busy += not engine.newest_done()
+            self.signals.flight[n] += 1
+            self._flight_sum += n
+            self._flight_n += 1
         if results is not None:
             self._consume(results)
         if self.ranks is not None:
@@ -140,6 +168,17 @@ class TimingCore:
         self._in_step = False
         if self._last_end is not None:
             self._last_end = time.perf_counter_ns()
+
+    def add_sample(self, own_ns: int, host_step_ms: float) -> None:
+        """A sampled step: phase-timer's own host time on it, and the host's time from its begin to its end."""
+        self.signals.own_ns.append(own_ns)
+        self.signals.host_step_ms.append(host_step_ms)
+
+    @property
+    def own_us_per_step(self) -> float | None:
+        """phase-timer's own host time per step (µs, mean over the sampled steps), or None before a sample."""
+        own = self.signals.own_ns
+        return sum(own) / len(own) / 1e3 if own else None
 
     def _skip(self) -> None:
         self.skipped += 1
@@ -181,17 +220,25 @@ class TimingCore:
         self.totals.add_window(steps, columns)
         if self.ranks is not None:
             self.ranks.add(key, last_step, steps, columns)
-        scalars = window_scalars(summarize_columns(columns))
+        summary = summarize_columns(columns)
+        self.signals.add_window(steps, summary)
+        scalars = window_scalars(summary)
         scalars[WINDOW_STEPS_TAG] = float(steps)
+        if self._flight_n:  # the samples taken since the last window (none: no value, not a zero)
+            scalars[IN_FLIGHT_TAG] = self._flight_sum / self._flight_n
+            self._flight_sum = self._flight_n = 0
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
         self._write(last_step, scalars)
 
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
+            self.signals.add_rank_window(w.means)
             self._write(w.step, rank_scalars(w))
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
+        if step > self._last_written_step:
+            self._last_written_step = step
         for sink in self._sinks:
             sink.write(step, scalars)
 
@@ -220,10 +267,44 @@ class TimingCore:
         self._consume(self._engine.flush())
         if self.ranks is not None:
             self._write_ranks(self.ranks.finish(rank_timeout_s, interrupted=interrupted))
+        self.interrupted = interrupted
+        self._conclude()
         for sink in self._sinks:
             sink.close()
         self._write_trace()
         return self.totals
+
+    def _conclude(self) -> None:
+        """The verdict: once to TensorBoard as text, and (rank zero) the run summary file.  Never raises."""
+        try:
+            self.diagnosis = diagnose(
+                self.totals, self.signals, clock=self.clock.kind, context=self.context,
+                rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
+            )
+        except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
+            self._warn(f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
+            return
+        if self.totals.steps:
+            text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
+            for sink in self._sinks:
+                write_text = getattr(sink, "write_text", None)  # ours are guarded; a bare one may lack it
+                if callable(write_text):
+                    write_text(DIAGNOSIS_TAG, text, self.last_step)
+        if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0):
+            from phase_timer.run_summary import write_summary
+
+            try:
+                self.summary_path = write_summary(self, self.summary_dir)
+            except Exception as err:  # noqa: BLE001 - e.g. a full disk: the printed summary still says it all
+                self._warn(f"phase-timer: could not write the run summary file ({type(err).__name__}: {err})")
+
+    def _warn(self, msg: str) -> None:
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    @property
+    def last_step(self) -> int:
+        return self._last_written_step
 
     def _write_trace(self) -> None:
         if self.trace is None or self.trace.ref is None:
@@ -243,9 +324,37 @@ class TimingCore:
     def summary_table(self, title: str = "phase-timer") -> str:
         reason = self.untimed_reason
         if self.ranks is None:
-            return format_summary(self.totals, clock=self.clock.kind, title=title, untimed_reason=reason)
-        table = format_summary(self.totals, clock=self.clock.kind, title=f"{title} (rank {self.ranks.rank})",
-                               untimed_reason=reason)
-        if self.ranks.totals is not None:
-            table += "\n\n" + format_rank_table(self.ranks.totals, title=title)
+            table = format_summary(self.totals, clock=self.clock.kind, title=title, untimed_reason=reason)
+        else:
+            table = format_summary(self.totals, clock=self.clock.kind, title=f"{title} (rank {self.ranks.rank})",
+                                   untimed_reason=reason)
+            if self.ranks.totals is not None:
+                table += "\n\n" + format_rank_table(self.ranks.totals, title=title)
+        own = self.own_cost_line()
+        if own:
+            table += "\n" + own
+        if self.diagnosis is not None and self.totals.steps:
+            table += "\n" + format_verdict(self.diagnosis)
         return table
+
+    def own_cost_line(self) -> str | None:
+        """"phase-timer's own host time: X µs/step (Y% of period)", or None before a sampled step."""
+        own = self.own_us_per_step
+        if own is None:
+            return None
+        period = self.totals.phases.get("period")
+        pct = f" ({100 * own / 1e3 / period.mean:.2f}% of period)" if period is not None and period.mean > 0 else ""
+        line = f"phase-timer's own host time: {own:.1f} µs/step{pct}, sampled on {len(self.signals.own_ns)} steps"
+        if self.host_ahead:
+            line += ("; the host runs ahead of the device, so this time is hidden behind the device's work (it "
+                     "includes waits in the driver's full launch queue, which the next launch would make anyway)")
+        return line
+
+    @property
+    def host_ahead(self) -> bool | None:
+        """The host ran a step or more ahead of the device at most sampled closes (None: not known)."""
+        flight = self.signals.flight
+        n = sum(flight.values())
+        if not n:
+            return None
+        return n - flight[0] > n / 2

@@ -96,6 +96,12 @@ class PyEngine:
         results = self._resolver.poll()
         return (self._results(results) or None) if results else None
 
+    def in_flight(self) -> int:
+        return self._resolver.in_flight()
+
+    def newest_done(self) -> bool | None:
+        return self._resolver.newest_done()
+
     def drain(self) -> list[tuple] | None:
         """Resolve everything, waiting for the device: only the end of training calls it."""
         return self._results(self._resolver.drain()) or None

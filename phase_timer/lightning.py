@@ -39,6 +39,7 @@ from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.ranks import RankExchange
+from phase_timer.runinfo import config_dict, cpu_count, device_name, loader_info, optimizer_info
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
 
 if TYPE_CHECKING:
@@ -158,6 +159,10 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         self._fetch_hooked = False
         self._global_step_at_batch = 0
         self.totals = None
+        #: The verdict (:class:`phase_timer.Diagnosis`), set at the end of ``fit``.
+        self.diagnosis = None
+        #: Where rank zero wrote ``phase_timer_summary.json`` (None: not written).
+        self.summary_path: str | None = None
 
     # -- install / uninstall ------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -256,6 +261,14 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         )
         bounds = self._bounds = Boundaries(
             self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"
+        )
+        if trainer.is_global_zero:
+            self.core.summary_dir = self.log_dir or _first_log_dir(trainer) or trainer.default_root_dir
+        root = trainer.strategy.root_device
+        self.core.context.update(
+            door="lightning", config=config_dict(cfg, self.core._window_size), device_type=root.type,
+            device_name=device_name(root), cpu_count=cpu_count(), precision=str(trainer.precision),
+            optimizers=optimizer_info(trainer.optimizers), warmup_steps=cfg.warmup_steps,
         )
         self._iter_mode = type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ == "_DataLoaderIterDataFetcher"
         # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
@@ -371,6 +384,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         if core is None or bounds is None:
             return
         bounds.finish()
+        core.context["loader"] = _train_loader_info(trainer)
+        core.context.pop("autocast", None)  # Lightning says its precision itself
         # The one blocking wait: pending steps are resolved and written (and the other
         # ranks' last reports awaited, briefly when the run failed: a rank may be gone).
         core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
@@ -379,6 +394,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             if trainer.is_global_zero and self.config.summary:
                 print(self.last_summary, flush=True)
         self.totals = core.totals
+        self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -386,3 +402,27 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._finish(trainer, interrupted=True)
+
+
+def _first_log_dir(trainer: pl.Trainer) -> str | None:
+    for lg in trainer.loggers:
+        try:
+            path = lg.log_dir
+        except Exception:  # noqa: BLE001 - a logger without a directory
+            continue
+        if isinstance(path, str):
+            return path
+    return None
+
+
+def _train_loader_info(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """The training DataLoader's settings (the first one, when there are several)."""
+    try:
+        loaders = trainer.train_dataloader
+    except Exception:  # noqa: BLE001 - not set up (the run failed early)
+        return None
+    if isinstance(loaders, dict):
+        loaders = next(iter(loaders.values()), None)
+    elif isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    return loader_info(loaders)

@@ -41,9 +41,11 @@ from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, _fail, check_bool, disabled_by_env
 from phase_timer.core import TimingCore
+from phase_timer.diagnosis import Diagnosis
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.ranks import RankExchange
+from phase_timer.runinfo import config_dict, cpu_count, device_name, loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
 from phase_timer.stats import RunTotals
 
@@ -166,6 +168,12 @@ class LoopTimer:
                 "that steps another is followed through its `base_optimizer`), or use end_step='manual'"
             )
             self._bounds = Boundaries(self.core, no_end_hint=hint)
+            self.core.summary_dir = self.log_dir if self.is_rank_zero else None
+            self.core.context.update(
+                door="loop", config=config_dict(config, config.window or 50), device_type=self.device.type,
+                device_name=device_name(self.device), cpu_count=cpu_count(), loader=loader_info(loader),
+                optimizers=optimizer_info(self.optimizers), warmup_steps=config.warmup_steps,
+            )
             self._install()
 
     def _model_device(self) -> torch.device:
@@ -373,14 +381,27 @@ class LoopTimer:
             core.untimed_reason = "the model trained, but no batch came through timer.loader"
             self._warn_once("no batch", "phase-timer: no step was timed: the model trained, but no batch came "
                             "through timer.loader; iterate timer.loader (the wrapped loader), not the loader passed to attach()")
+        ctx = core.context
+        ctx["precision"] = precision_name(self._param_dtype(), ctx.pop("autocast", None))
         self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
+        self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
         self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
         if self.config.summary and self.is_rank_zero:
             print(self.last_summary, flush=True)
         return self.totals
 
+    def _param_dtype(self) -> torch.dtype | None:
+        for model in self.models:
+            for p in model.parameters():
+                return p.dtype
+        return None
+
     totals: RunTotals | None = None
     last_summary: str | None = None
+    #: The verdict (:class:`phase_timer.Diagnosis`), set by :meth:`close`.
+    diagnosis: Diagnosis | None = None
+    #: Where rank zero wrote ``phase_timer_summary.json`` (None: not written).
+    summary_path: str | None = None
     is_rank_zero: bool = True
 
     def __enter__(self) -> LoopTimer:

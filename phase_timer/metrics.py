@@ -48,6 +48,10 @@ RANK_STATS = ("min", "median", "max", "slowest_rank")
 RANKS_TAG = "phase_timer/ranks_reporting"
 SKIPPED_TAG = "phase_timer/skipped_steps"
 WINDOW_STEPS_TAG = "phase_timer/window_steps"
+#: Per window: the mean over its sampled steps of the closed steps the device had not finished.
+IN_FLIGHT_TAG = "phase_timer/steps_in_flight"
+#: Once, at the end: the verdict as text.
+DIAGNOSIS_TAG = "phase_timer/diagnosis"
 
 
 def ordered(phases: set[str] | list[str]) -> list[str]:

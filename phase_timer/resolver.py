@@ -71,6 +71,7 @@ class Resolver:
         # event the host has just recorded makes the driver flush the stream's
         # batched launches (~40 us a step on a launch-bound loop, measured).
         self._lag = min(lag, max_pending - 1)
+        self._blocked = False  # the last poll stopped at a record the device had not finished
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -89,15 +90,47 @@ class Resolver:
         if len(pending) <= lag:
             return []
         out: list[StepTimes] = []
-        done, clock = self._clock.done, self._clock
+        self._blocked = False
+        clock = self._clock
         while len(pending) > lag and len(out) < self._max_per_poll:
-            record = pending[0]
-            # One stream: events complete in order, so the last mark done means all are.
-            ready = done(record.marks[-1]) if record.single_stream else all(done(m) for m in record.marks)
-            if not ready:
+            if not self._done(pending[0]):
+                self._blocked = True
                 break
             out.append(resolve(clock, pending.popleft()))
         return out
+
+    def _done(self, record: Record) -> bool:
+        done = self._clock.done
+        # One stream: events complete in order, so the last mark done means all are.
+        return done(record.marks[-1]) if record.single_stream else all(done(m) for m in record.marks)
+
+    def in_flight(self) -> int:
+        """The closed records before the newest that the device has not finished; never waits.
+
+        After a poll that stopped at an unfinished record, every younger one is unfinished
+        too (no query); else a binary search, never asking the newest record (see ``lag``).
+        """
+        pending = self._pending
+        n = len(pending) - 1
+        if n <= 0:
+            return 0
+        if self._blocked:
+            return n
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._done(pending[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        return n - lo
+
+    def newest_done(self) -> bool | None:
+        """Whether the device has finished the newest record's step (its end mark); one query, never waits."""
+        if not self._pending:
+            return None
+        record = self._pending[-1]
+        return self._clock.done(record.marks[record.end if record.end >= 0 else -1])
 
     def drain(self) -> list[StepTimes]:
         """Resolve everything, waiting for the device: call once, at the end of training."""

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
+    """Optionally also ``write_text(tag, text, step)`` (once, the verdict); sinks without it skip text."""
+
     def write(self, step: int, scalars: dict[str, float]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
@@ -71,6 +73,9 @@ class SummaryWriterSink:
         summary = self._summary(value=[Value(tag=tag, simple_value=value) for tag, value in scalars.items()])
         self._file_writer.add_summary(summary, step)
 
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        self._writer.add_text(tag, text, step)
+
     def flush(self) -> None:
         self._writer.flush()
 
@@ -102,6 +107,10 @@ class GuardedSink:
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self._call("write", step, scalars)
 
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        if callable(getattr(self.sink, "write_text", None)):
+            self._call("write_text", tag, text, step)
+
     def flush(self) -> None:
         self._call("flush")
 
@@ -111,6 +120,13 @@ class GuardedSink:
 
 _FLUSH = object()
 _STOP = object()
+
+
+class _Text(tuple):
+    """A text write on the background queue: (tag, text, step)."""
+
+    def __new__(cls, tag: str, text: str, step: int) -> _Text:
+        return super().__new__(cls, (tag, text, step))
 
 
 class BackgroundSink:
@@ -136,11 +152,16 @@ class BackgroundSink:
             if isinstance(item, threading.Event):
                 self.sink.flush()
                 item.set()
+            elif isinstance(item, _Text):
+                self.sink.write_text(*item)
             else:
                 self.sink.write(*item)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self._queue.put((step, scalars))
+
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        self._queue.put(_Text(tag, text, step))
 
     def flush(self) -> None:
         done = threading.Event()
@@ -205,6 +226,13 @@ class EventFileSink:
         self._record(self._event(wall_time=time.time(), step=step, summary=summary))
         if time.monotonic() >= self._next_flush:
             self.flush()
+
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        """Text for TensorBoard's text dashboard (the verdict, once)."""
+        from torch.utils.tensorboard.summary import text as text_summary
+
+        self._record(self._event(wall_time=time.time(), step=step, summary=text_summary(tag, text)))
+        self.flush()
 
     def flush(self) -> None:
         self._file.flush()

@@ -71,6 +71,17 @@ def test_plain_torchrun_names_the_slow_rank_and_backward_holds_the_all_reduce(tm
     slowest = next(line for line in table if line.startswith("slowest")).split()
     assert slowest[head.index("forward")] == "1" and slowest[head.index("backward")] == "0"
     assert proc.stdout.count("per rank (2 of 2)") == 2  # printed once (rank 0), plus its RESULT copy
+    # The verdict names the slow rank, its phase, and the others' wait in backward
+    with open(os.path.join(result["log_dir"], "phase_timer_summary.json")) as f:
+        data = json.load(f)
+    d = data["diagnosis"]
+    assert d["kind"] == "RANK_STRAGGLER", d
+    assert (d["evidence"]["rank"], d["evidence"]["phase"]) == (1, "forward")
+    assert d["evidence"]["windows"] == d["evidence"]["of_windows"] == 5
+    assert d["evidence"]["margin_ms"] >= 7.5  # forward >= 30 ms against < 15 ms: half the gap, over the 2-rank median
+    assert d["evidence"]["others_backward_wait_ms"] >= 20.0
+    assert data["ranks"]["reported"] == [0, 1] and data["environment"]["world_size"] == 2
+    assert "verdict: RANK_STRAGGLER" in summary
 
 
 def test_plain_accumulation_with_no_sync_counts_optimizer_steps(tmp_path: pytest.TempPathFactory) -> None:

@@ -567,3 +567,160 @@ def test_plain_fp16_grad_scaler_host_bound_conv_net_near_marker_truth(event_trut
     """Host-bound: the GPU's clock follows the host, so marks a few host-us apart differ; the old
     placement (backward at the output's grad_fn) was 0.6-1.2 ms off here."""
     _assert_near_truth(event_truth.plain("conv", steps=60, window=(30, 55)), tolerance=0.35)
+
+
+# -- the verdict on real runs (issue 13): both doors --------------------------------------------
+VERDICT_STEPS = 400  # >= 4 self-timed steps even at the widest gap (96), after the warm-up
+
+
+def _mlp(width: int, depth: int) -> nn.Module:
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 1))
+
+
+def _pool_head() -> nn.Module:
+    return nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(48, 1))
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8 * VERDICT_STEPS
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(0.001)
+        return torch.randn(64), torch.randn(1)
+
+
+class _Batches:
+    """The same batches again: an iterable (a list would be read by Lightning as a list of loaders)."""
+
+    def __init__(self, batch, n):
+        self.batch, self.n = batch, n
+
+    def __iter__(self):
+        return iter([self.batch] * self.n)
+
+    def __len__(self):
+        return self.n
+
+
+def _case(name: str):
+    """(model, batches, item): the five runs the verdict must get right."""
+    g = torch.Generator().manual_seed(0)
+    if name == "gpu_bound" or name == "item":
+        x, y = torch.randn(512, 4096, device="cuda"), torch.randn(512, 1, device="cuda")
+        return _mlp(4096, 6), _Batches((x, y), VERDICT_STEPS), name == "item"
+    if name == "host_bound":
+        x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 1, device="cuda")
+        return _mlp(64, 3), _Batches((x, y), VERDICT_STEPS), False
+    if name == "h2d":  # 25 MB of pageable floats a batch, a model that barely computes
+        x, y = torch.randn(32, 3, 256, 256, generator=g), torch.randn(32, 1, generator=g)
+        return _pool_head(), _Batches((x, y), VERDICT_STEPS), False
+    if name == "input":
+        return _mlp(64, 3), DataLoader(_Slow(), batch_size=8), False
+    raise ValueError(name)
+
+
+EXPECTED = {"gpu_bound": "GPU_BOUND", "item": "GPU_BOUND", "host_bound": "HOST_BOUND", "h2d": "H2D_BOUND",
+            "input": "INPUT_BOUND"}
+
+
+def _verdict_plain(tmp_path, name):
+    import phase_timer
+
+    torch.manual_seed(0)
+    model, batches, item = _case(name)
+    model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    timer = phase_timer.attach(model, opt, batches, copy_to_device=True, device="cuda", log_dir=str(tmp_path),
+                               summary=False)
+    with timer:
+        for i, (x, y) in enumerate(timer.loader):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if item:
+                loss.item()  # a per-step read of the loss: the host waits for the device here
+            if i + 1 == VERDICT_STEPS:
+                break
+    return timer
+
+
+def _verdict_lightning(tmp_path, name):
+    import lightning.pytorch as pl
+
+    from phase_timer import PhaseTimer
+
+    torch.manual_seed(0)
+    model, batches, item = _case(name)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.model(x).float(), y)
+            if item:
+                loss.item()  # the host waits for the forward here, every step
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    timer = PhaseTimer(summary=False)
+    gpu_trainer(tmp_path, [timer], max_steps=VERDICT_STEPS, log_every_n_steps=50).fit(Module(), batches)
+    return timer
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("door", ["plain", "lightning"])
+def test_the_verdict_on_real_runs(tmp_path, door, name):
+    import json
+
+    timer = (_verdict_plain if door == "plain" else _verdict_lightning)(tmp_path, name)
+    d = timer.diagnosis
+    with open(timer.summary_path) as f:
+        data = json.load(f)
+    flight = data["steps_in_flight"]
+    print(f"VERDICT {door} {name}: {d.kind} | in flight {flight} | ratio {d.evidence.get('device_over_host_step')} | "
+          f"own {data['own_cost']} | {d.why}")
+    assert d.kind == EXPECTED[name], (d.why, d.evidence, [s.kind for s in d.secondary])
+    if name == "gpu_bound":
+        assert flight["median"] >= 1
+    if name == "item":  # plain: the read after optimizer.step(); Lightning: inside training_step
+        assert "waits for the GPU inside each step" in d.why or "still running each step" in d.why
+    if name == "input":
+        assert "num_workers=0" in d.next[0]
+    if name == "host_bound":
+        assert flight["histogram"].get("0", 0) >= flight["samples"] / 2
+    assert data["own_cost"]["host_ahead"] == (name == "gpu_bound")
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_steps_in_flight_on_a_busy_device_never_waits(engine):
+    from phase_timer.clock import CudaClock, NativeCudaClock
+    from phase_timer.engine import PyEngine, native_steps
+
+    if engine == "native" and NativeCudaClock is None:
+        pytest.skip("the C clock is not built")
+    clock = NativeCudaClock("cuda") if engine == "native" else CudaClock("cuda")
+    eng = native_steps(clock, 50, 16) if engine == "native" else PyEngine(clock, window=50, max_pending=16)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # ~0.3 s of device time ahead of the marks
+    for i in range(5):
+        eng.open(i, "forward")
+        eng.switch("backward")
+        eng.close(-1.0)
+    with sync_is_an_error():
+        assert eng.poll() is None  # nothing finished: the oldest record stops the poll
+        assert eng.in_flight() == 4  # every record but the newest
+        assert eng.newest_done() is False
+    torch.cuda.synchronize()
+    with sync_is_an_error():
+        eng.poll()  # resolves up to 4, leaving the newest `lag`
+        assert eng.in_flight() == 0
+        assert eng.newest_done() is True

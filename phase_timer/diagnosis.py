@@ -1,0 +1,367 @@
+"""The verdict: which bottleneck holds the run back, why, and what to try -- from the numbers we have.
+
+Every rule reads signals the timer already collects (the run totals, the sampled
+steps in flight and host step times, each window's spread, the ranks' windows, the
+loader's settings) and adds no sync.  A rule whose signal is missing abstains: a
+missing signal is never a zero.  The thresholds are the module's constants below;
+``docs/diagnosis.md`` explains each.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from phase_timer.metrics import BETWEEN
+
+#: Fewer timed steps than this, and no other rule speaks.
+MIN_STEPS = 20
+#: A share of ``period`` (or of ``step`` for ``h2d``) at or above this is material ...
+MATERIAL = 0.10
+#: ... and at or above this, high.
+HIGH = 0.30
+#: Sampled steps needed before the host/device rules speak.
+MIN_FLIGHT_SAMPLES = 4
+#: HOST_BOUND: in at least this share of sampled steps the device had finished every earlier step ...
+HOST_IDLE_SHARE = 0.5
+#: ... and the device's step lasted less than this many times the host's time to issue it.
+PACED_RATIO = 1.25
+#: UNSTABLE: a window is spiky when p90/p50 or max/p50 of ``step`` or ``period`` reach these ...
+SPIKE_P90 = 1.5
+SPIKE_MAX = 4.0
+#: ... counting windows of at least this many steps; it fires when more than this share of them are,
+SPIKY_SHARE = 0.5
+#: with at least this many windows.
+MIN_WINDOWS = 3
+#: RANK_STRAGGLER: the same rank slowest in one phase in at least this share of the windows (and 3) ...
+STRAGGLER_SHARE = 0.6
+#: ... by at least this share of the window's median ``period`` (and 0.05 ms).
+STRAGGLER_MARGIN = 0.05
+#: The optimizer's share of ``step`` above which a fused optimizer is suggested.
+OPTIMIZER_SHARE = 0.2
+#: Phases in which the other ranks' wait for a slow one shows; they are never the straggler's.
+WAIT_PHASES = frozenset({"backward", "sync_wait", "step", "period"})
+
+KINDS = (
+    "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "HOST_BOUND", "UNSTABLE",
+    "GPU_BOUND", "NO_FINDING",
+)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A finding: its ``kind``, ``severity`` (``high``, ``medium``, ``info``), ``why``, ``next`` steps and ``evidence``.
+
+    The primary finding also carries the other findings that fired, in order, as ``secondary``.
+    """
+
+    kind: str
+    severity: str
+    why: str
+    next: tuple[str, ...]
+    evidence: dict[str, Any] = field(default_factory=dict)
+    secondary: tuple[Diagnosis, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"kind": self.kind, "severity": self.severity, "why": self.why, "next": list(self.next),
+               "evidence": dict(self.evidence)}
+        out["secondary"] = [d.as_dict() for d in self.secondary]
+        return out
+
+
+class Signals:
+    """What the rules read, gathered during the run (per window or on sampled steps, never per step)."""
+
+    def __init__(self) -> None:
+        #: Steps in flight at each sampled close (CUDA clock only): earlier steps the device had not finished.
+        self.flight: Counter[int] = Counter()
+        #: Of the sampled closes with none in flight, those at which the step just ended was still running too.
+        self.tail_checked = 0
+        self.tail_busy = 0
+        #: Sampled steps' host time from the step's begin to its end (ms), and phase-timer's own host time (ns).
+        self.host_step_ms: list[float] = []
+        self.own_ns: list[int] = []
+        self.windows = 0
+        self.spiky_windows = 0
+        #: Per (phase, rank): windows in which the rank was slowest by a material margin, and the margins (ms).
+        self.slowest: Counter[tuple[str, int]] = Counter()
+        self.margins: dict[tuple[str, int], float] = {}
+        self.rank_windows = 0
+        self.rank_period_ms: list[float] = []
+
+    def add_window(self, steps: int, summary: dict[str, dict[str, float]]) -> None:
+        """One window's statistics: is it spiky?"""
+        if steps < 10:
+            return
+        self.windows += 1
+        for total in ("step", "period"):
+            s = summary.get(total)
+            if s and s["p50"] > 0 and (s["p90"] / s["p50"] >= SPIKE_P90 or s["max"] / s["p50"] >= SPIKE_MAX):
+                self.spiky_windows += 1
+                return
+
+    def add_rank_window(self, means: dict[str, dict[int, float]]) -> None:
+        """One window across ranks: which rank was slowest in each phase, by how much."""
+        scale_of = means.get("period") or means.get("step")
+        if not scale_of or len(scale_of) < 2:
+            return
+        scale = statistics.median(scale_of.values())
+        self.rank_windows += 1
+        self.rank_period_ms.append(scale)
+        for phase, by_rank in means.items():
+            if phase in WAIT_PHASES or len(by_rank) < 2:
+                continue
+            slow = max(by_rank, key=lambda r: (by_rank[r], -r))
+            margin = by_rank[slow] - statistics.median(by_rank.values())
+            if margin >= max(0.05, STRAGGLER_MARGIN * scale):
+                self.slowest[phase, slow] += 1
+                self.margins[phase, slow] = self.margins.get((phase, slow), 0.0) + margin
+
+
+def _share(totals: Any, phase: str, base: str) -> float | None:
+    p, b = totals.phases.get(phase), totals.phases.get(base)
+    if p is None or b is None or b.total <= 0:
+        return None
+    return p.total / b.total
+
+
+def _severity(share: float) -> str:
+    return "high" if share >= HIGH else "medium"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None = None,
+             rank_totals: Any = None, skipped: int = 0) -> Diagnosis:
+    """The primary finding (with the others as ``secondary``) for a run's totals and signals."""
+    ctx = context or {}
+    steps = totals.steps
+    if steps < MIN_STEPS:
+        warmup = ctx.get("warmup_steps")
+        need = f"at least {MIN_STEPS} timed steps" + (f" (run {MIN_STEPS + warmup}+ steps with warmup_steps={warmup})"
+                                                        if isinstance(warmup, int) else "")
+        return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
+                         (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS})
+    found = [f for f in (
+        _input_bound(totals, ctx), _h2d_bound(totals, ctx), _sync_wait(totals), _straggler(signals, rank_totals),
+    ) if f is not None]
+    found.sort(key=lambda f: -f.evidence["share_of_period"])
+    host = _host_bound(totals, signals, clock)
+    if host is not None:
+        found.append(host)
+    unstable = _unstable(signals)
+    if unstable is not None:
+        found.append(unstable)
+    if not any(f.kind in ("INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "HOST_BOUND") for f in found):
+        gpu = _gpu_bound(totals, signals, clock, ctx)
+        if gpu is not None:
+            found.append(gpu)
+    if not found:
+        why = ("no rule fired" + ("; the run is on the host clock, so the device rules (HOST_BOUND, GPU_BOUND) have "
+                                  "no signal" if clock == "host" else "; too few sampled steps for the device rules"))
+        return Diagnosis("NO_FINDING", "info", why, ("see the table: the largest phase is where the time goes",),
+                         {"steps_timed": steps, "skipped_steps": skipped})
+    first, *rest = found
+    return Diagnosis(first.kind, first.severity, first.why, first.next, first.evidence, tuple(rest))
+
+
+def _input_bound(totals: Any, ctx: dict[str, Any]) -> Diagnosis | None:
+    share = _share(totals, "data_wait", "period")
+    if share is None or share < MATERIAL:
+        return None
+    dw = totals.phases["data_wait"].mean
+    loader = ctx.get("loader")
+    cores = ctx.get("cpu_count")
+    tips = []
+    if not loader:
+        tips.append("the loader's settings are unknown here: more DataLoader workers, pinned memory, persistent workers")
+    elif loader.get("type") != "DataLoader":
+        tips.append(f"the loader is a {loader.get('type')}: give it more parallel workers or prefetching")
+    else:
+        nw = loader.get("num_workers")
+        if nw == 0:
+            tips.append(f"num_workers=0 on a {cores}-core machine: the loading runs in the training process; "
+                        f"try DataLoader(num_workers={max(2, min(8, (cores or 4) // 2))})")
+        elif isinstance(nw, int) and cores and nw < cores // 2:
+            tips.append(f"num_workers={nw} on a {cores}-core machine: more workers")
+        if nw and not loader.get("persistent_workers"):
+            tips.append("persistent_workers=False: the workers restart every epoch; persistent_workers=True")
+        if nw and loader.get("prefetch_factor") is not None and loader["prefetch_factor"] <= 2:
+            tips.append(f"prefetch_factor={loader['prefetch_factor']}: a deeper prefetch evens out slow batches")
+        if loader.get("pin_memory") is False and ctx.get("device_type") == "cuda":
+            tips.append("pin_memory=False: pinned batches copy faster and without blocking")
+        if nw:
+            tips.append("if the workers are already many: decode and augment less on the CPU (GPU augmentation, "
+                        "a faster format)")
+    why = f"the loop waits {dw:.2f} ms a step for its next batch: {_pct(share)} of the time per step (data_wait of period)"
+    ev = {"share_of_period": share, "data_wait_ms": dw, "loader": loader, "cpu_count": cores}
+    return Diagnosis("INPUT_BOUND", _severity(share), why, tuple(tips), ev)
+
+
+def _h2d_bound(totals: Any, ctx: dict[str, Any]) -> Diagnosis | None:
+    share = _share(totals, "h2d", "step")
+    if share is None or share < MATERIAL:
+        return None
+    h2d = totals.phases["h2d"].mean
+    loader = ctx.get("loader") or {}
+    tips = []
+    if loader.get("pin_memory") is False:
+        tips.append("pin_memory=False: pin the batches (DataLoader(pin_memory=True)) and copy with non_blocking=True")
+    else:
+        tips.append("copy from pinned memory with non_blocking=True, so the copy overlaps compute")
+    tips += ["send smaller dtypes (uint8 images, normalized on the GPU; int32 token ids)",
+             "augment on the GPU rather than shipping augmented float batches"]
+    why = f"the host-to-device copy takes {h2d:.2f} ms a step: {_pct(share)} of the step"
+    ev = {"share_of_step": share, "share_of_period": _share(totals, "h2d", "period") or share, "h2d_ms": h2d}
+    return Diagnosis("H2D_BOUND", _severity(share), why, tuple(tips), ev)
+
+
+def _sync_wait(totals: Any) -> Diagnosis | None:
+    share = _share(totals, "sync_wait", "period")
+    if share is None or share < MATERIAL:
+        return None
+    sw = totals.phases["sync_wait"].mean
+    why = (f"Lightning's per-batch broadcast waits {sw:.2f} ms a step ({_pct(share)} of period): the host waits there "
+           "for the device to finish and for the other ranks to arrive")
+    tips = ("it is Lightning's check for a SIGTERM on any rank, read with .item(): its wait is the slowest rank's "
+            "lead, or the device's queue draining; see the per-rank table for a slow rank",
+            "a host that cannot queue ahead across batches loses this time every step")
+    return Diagnosis("SYNC_WAIT", _severity(share), why, tips, {"share_of_period": share, "sync_wait_ms": sw})
+
+
+def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
+    n = signals.rank_windows
+    if n < 1 or not signals.slowest:
+        return None
+    (phase, rank), count = max(signals.slowest.items(), key=lambda kv: (kv[1], signals.margins[kv[0]]))
+    if count < max(MIN_WINDOWS, STRAGGLER_SHARE * n):
+        return None
+    margin = signals.margins[phase, rank] / count
+    period = statistics.median(signals.rank_period_ms)
+    share = margin / period if period > 0 else 0.0
+    ev: dict[str, Any] = {"rank": rank, "phase": phase, "margin_ms": margin, "windows": count, "of_windows": n,
+                          "share_of_period": share}
+    why = (f"rank {rank} is the slowest in {phase} in {count} of {n} windows, {margin:.2f} ms a step above the "
+           f"median rank ({_pct(share)} of period)")
+    tips = [f"look at rank {rank}'s {phase}: its data shard, its host (other jobs, CPU affinity), its GPU (clocks, "
+            "thermals, PCIe)"]
+    if rank_totals is not None:
+        mine = rank_totals.mean(rank, "backward")
+        others = [m for r in rank_totals.sums if r != rank and (m := rank_totals.mean(r, "backward")) is not None]
+        if mine is not None and others:
+            wait = statistics.median(others) - mine
+            ev["others_backward_wait_ms"] = wait
+            if wait > 0:
+                tips.append(f"the other ranks' backward is {wait:.2f} ms longer than rank {rank}'s: their wait for it "
+                            "in the gradient all-reduce")
+    if phase == "data_wait":
+        tips.append("an uneven input pipeline: the same loader settings on every rank, shards of even cost")
+    return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
+
+
+def _flight(signals: Signals) -> tuple[int, float, float] | None:
+    """(samples, share at 0 in flight, median in flight), or None when too few samples."""
+    n = sum(signals.flight.values())
+    if n < MIN_FLIGHT_SAMPLES:
+        return None
+    values = sorted(signals.flight.elements())
+    return n, signals.flight[0] / n, float(statistics.median(values))
+
+
+def _paced_ratio(totals: Any, signals: Signals) -> float | None:
+    """The device's mean step over the sampled steps' mean host time to issue one (None: no samples)."""
+    step = totals.phases.get("step")
+    if step is None or len(signals.host_step_ms) < MIN_FLIGHT_SAMPLES:
+        return None
+    host = statistics.fmean(signals.host_step_ms)
+    return step.mean / host if host > 0 else None
+
+
+def _tail_busy(signals: Signals) -> bool:
+    """At most sampled closes with nothing earlier in flight, the device was still running the step just ended."""
+    return signals.tail_checked > 0 and signals.tail_busy >= HOST_IDLE_SHARE * signals.tail_checked
+
+
+def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
+    flight = _flight(signals) if clock != "host" else None
+    ratio = _paced_ratio(totals, signals)
+    if flight is None or ratio is None:
+        return None
+    n, idle, _ = flight
+    if idle < HOST_IDLE_SHARE or ratio >= PACED_RATIO or _tail_busy(signals):
+        return None
+    why = (f"the device keeps pace with the host: in {_pct(idle)} of {n} sampled steps it had finished every earlier "
+           f"step when the host ended one, and its step ({totals.phases['step'].mean:.2f} ms) lasts {ratio:.2f}x the "
+           "host's time to issue it; the device phases then include the GPU's wait for launches")
+    tips = ("find host-device syncs inside the step: torch.cuda.set_sync_debug_mode('warn')",
+            "do more per launch: a bigger batch, torch.compile (mode='reduce-overhead' adds CUDA graphs)",
+            "a fused or foreach optimizer (e.g. AdamW(fused=True)); fewer small ops on the host")
+    ev = {"samples": n, "share_at_zero_in_flight": idle, "device_over_host_step": ratio,
+          "host_step_ms": statistics.fmean(signals.host_step_ms), "tail_busy": signals.tail_busy,
+          "tail_checked": signals.tail_checked}
+    return Diagnosis("HOST_BOUND", "high" if idle >= 0.9 and ratio < 1.1 else "medium", why, tips, ev)
+
+
+def _unstable(signals: Signals) -> Diagnosis | None:
+    n = signals.windows
+    if n < MIN_WINDOWS or signals.spiky_windows <= SPIKY_SHARE * n:
+        return None
+    why = (f"{signals.spiky_windows} of {n} windows are spiky (step or period p90/p50 >= {SPIKE_P90} or "
+           f"max/p50 >= {SPIKE_MAX}): the mean hides slow steps")
+    tips = ("look for periodic host work: garbage collection (gc.freeze() after set-up), checkpoints, logging or "
+            ".item() every step, data stalls (see data_wait's max)",
+            "the per-step view (per_step=True) or a trace (trace_steps=...) shows which steps are slow")
+    return Diagnosis("UNSTABLE", "medium", why, tips, {"spiky_windows": signals.spiky_windows, "windows": n})
+
+
+def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -> Diagnosis | None:
+    flight = _flight(signals) if clock != "host" else None
+    ratio = _paced_ratio(totals, signals)
+    if flight is None:
+        return None
+    n, idle, median = flight
+    busy = _tail_busy(signals)
+    if median < 1 and (ratio is None or ratio < PACED_RATIO) and not busy:
+        return None
+    step = totals.phases["step"]
+    inner = {p: t for p, t in totals.phases.items() if p not in ("step", "period", BETWEEN, "data_wait", "sync_wait")}
+    largest = max(inner, key=lambda p: inner[p].total) if inner else "step"
+    share = inner[largest].total / step.total if inner and step.total > 0 else 1.0
+    if median >= 1:
+        lead = f"the host runs ahead (median {median:g} earlier step(s) in flight)"
+    elif ratio is not None and ratio >= PACED_RATIO:
+        lead = f"the device's step ({step.mean:.2f} ms) lasts {ratio:.2f}x the host's time to issue it"
+    else:
+        lead = "the device is still running each step when the host ends it"
+    why = f"the GPU is the bottleneck: {lead}; {largest} is {_pct(share)} of the step"
+    tips = [f"make {largest} cheaper on the GPU: it is the largest phase"]
+    opt = _share(totals, "optimizer", "step")
+    if opt is not None and opt >= OPTIMIZER_SHARE:
+        tips.append(f"the optimizer is {_pct(opt)} of the step: a fused optimizer (fused=True) or foreach")
+    precision = ctx.get("precision")
+    if precision in ("32", "32-true", "fp32", "float32"):
+        tips.append("the run is in fp32: bf16 autocast (precision='bf16-mixed') or TF32 matmuls "
+                    "(torch.set_float32_matmul_precision('high'))")
+    ev = {"samples": n, "median_in_flight": median, "largest_phase": largest, "largest_share_of_step": share,
+          "precision": precision, "tail_busy": signals.tail_busy, "tail_checked": signals.tail_checked}
+    if ratio is not None:
+        ev["device_over_host_step"] = ratio
+    if idle >= HOST_IDLE_SHARE:
+        why += (f"; but the host never got a step ahead in {_pct(idle)} of sampled steps: something waits for the GPU "
+                "inside each step (.item(), .cpu(), printing a tensor), or the host issues a step about as fast "
+                "as the device runs it, so the host cannot queue ahead")
+        tips.append("find a per-step sync with torch.cuda.set_sync_debug_mode('warn'); read values every N steps")
+    return Diagnosis("GPU_BOUND", "info", why, tuple(tips), ev)
+
+
+def format_verdict(d: Diagnosis) -> str:
+    """The verdict in a few lines: the kind and why, what to try, the other findings."""
+    lines = [f"verdict: {d.kind} ({d.severity}): {d.why}"]
+    lines += [f"  next: {tip}" for tip in d.next[:3]]
+    if d.secondary:
+        lines.append("  also: " + "; ".join(f"{s.kind} ({s.why.split(':')[0]})" for s in d.secondary))
+    return "\n".join(lines)

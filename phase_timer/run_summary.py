@@ -1,0 +1,150 @@
+"""The run summary file: ``phase_timer_summary.json``, written by rank zero at the end (also after an exception).
+
+One JSON object, described by ``phase_timer/summary_schema.json`` (``docs/diagnosis.md``
+explains each field).  Written atomically: a temporary file in the same directory, then
+a rename, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from phase_timer.metrics import HOST_PHASES, ordered, share_base
+
+if TYPE_CHECKING:
+    from phase_timer.core import TimingCore
+
+FILE_NAME = "phase_timer_summary.json"
+SCHEMA = "phase-timer/run-summary"
+SCHEMA_VERSION = 1
+
+
+def build_summary(core: TimingCore) -> dict[str, Any]:
+    """The file's content, from the core's totals, signals, diagnosis and the door's context."""
+    ctx = dict(core.context)
+    totals = core.totals
+    phases: dict[str, Any] = {}
+    for p in ordered(list(totals.phases)):
+        t = totals.phases[p]
+        base_name = share_base(p)
+        base = totals.phases.get(base_name) if base_name else None
+        share = t.total / base.total if base is not None and base.total > 0 else None
+        phases[p] = {
+            "clock": "host" if p in HOST_PHASES else core.clock.kind,
+            "count": t.count, "total_ms": t.total, "mean_ms": t.mean, "p50_ms": t.quantile(50),
+            "p90_ms": t.quantile(90), "p99_ms": t.quantile(99), "max_ms": t.max,
+            "share": share, "share_of": base_name if share is not None else None,
+        }
+    flight = core.signals.flight
+    n_flight = sum(flight.values())
+    own = core.own_us_per_step
+    period = totals.phases.get("period")
+    ranks = core.ranks
+    per_rank = None
+    if ranks is not None and ranks.totals is not None:
+        rt = ranks.totals
+        per_rank = {
+            "world_size": rt.world_size,
+            "reported": sorted(rt.steps),
+            "gone": sorted(getattr(ranks, "gone", ()) or ()),
+            "per_rank": {str(r): {"steps": rt.steps[r],
+                                  "mean_ms": {p: rt.mean(r, p) for p in ordered(list(rt.sums.get(r, {})))}}
+                         for r in sorted(rt.steps)},
+        }
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "interrupted": core.interrupted,
+        "door": ctx.pop("door", None),
+        "config": ctx.pop("config", {}),
+        "environment": _environment(core, ctx),
+        "steps": {"timed": totals.steps, "skipped": core.skipped, "warmup": core.warmup_steps,
+                  "untimed_reason": core.untimed_reason},
+        "phases": phases,
+        "steps_in_flight": None if not n_flight else {
+            "samples": n_flight,
+            "histogram": {str(k): v for k, v in sorted(flight.items())},
+            "mean": sum(k * v for k, v in flight.items()) / n_flight,
+            "median": float(statistics.median(sorted(flight.elements()))),
+            "tail_checked": core.signals.tail_checked,
+            "tail_busy": core.signals.tail_busy,
+        },
+        "own_cost": None if own is None else {
+            "us_per_step": own,
+            "share_of_period": own / 1e3 / period.mean if period is not None and period.mean > 0 else None,
+            "samples": len(core.signals.own_ns),
+            "host_ahead": core.host_ahead,
+        },
+        "ranks": per_rank,
+        "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
+    }
+
+
+def _environment(core: TimingCore, ctx: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "clock": core.clock.kind,
+        "device": ctx.pop("device_name", None),
+        "world_size": core.ranks.world_size if core.ranks is not None else 1,
+        "rank": core.ranks.rank if core.ranks is not None else 0,
+        "precision": ctx.pop("precision", None),
+        "lightning": None,
+        "cpu_count": ctx.pop("cpu_count", None),
+        "loader": ctx.pop("loader", None),
+        "optimizers": ctx.pop("optimizers", None),
+    }
+    for name in ("lightning", "pytorch_lightning"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__version__", None):
+            env["lightning"] = mod.__version__
+            break
+    return env
+
+
+def write_summary(core: TimingCore, directory: str | os.PathLike[str]) -> str:
+    """Write the file atomically in ``directory``; returns its path."""
+    data = _finite(build_summary(core))
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(os.fspath(directory), FILE_NAME)
+    fd, tmp = tempfile.mkstemp(prefix=".phase_timer_summary.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, allow_nan=False, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN or infinity: such a value is written as null (unknown), never as a number."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def schema() -> dict[str, Any]:
+    """The documented JSON Schema of the file."""
+    with open(os.path.join(os.path.dirname(__file__), "summary_schema.json")) as f:
+        return json.load(f)

@@ -1,0 +1,80 @@
+"""What the doors know of a run beyond the timings: for the verdict's advice and the summary file.
+
+Read once, at the start or the end of training, never per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+
+def cpu_count() -> int | None:
+    """The cores this process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def loader_info(loader: Any) -> dict[str, Any] | None:
+    """A DataLoader's settings as the loader itself holds them; for another iterable, its type."""
+    if loader is None:
+        return None
+    if isinstance(loader, torch.utils.data.DataLoader):
+        workers = loader.num_workers
+        return {
+            "type": "DataLoader", "num_workers": workers, "pin_memory": bool(loader.pin_memory),
+            "persistent_workers": bool(loader.persistent_workers),
+            "prefetch_factor": loader.prefetch_factor if workers else None, "batch_size": loader.batch_size,
+        }
+    return {"type": type(loader).__name__}
+
+
+def optimizer_info(optimizers: Any) -> list[dict[str, Any]]:
+    out = []
+    for opt in optimizers or ():
+        defaults = getattr(opt, "defaults", {}) or {}
+        out.append({"type": type(opt).__name__, "fused": defaults.get("fused"), "foreach": defaults.get("foreach")})
+    return out
+
+
+def device_name(device: Any) -> str | None:
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            return torch.cuda.get_device_name(dev)
+        return dev.type
+    except Exception:  # noqa: BLE001 - a name is only a label
+        return None
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype in effect now on ``device_type``, or None when autocast is off."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # an older torch
+        return None
+
+
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "16", torch.float32: "32", torch.float64: "64"}
+
+
+def precision_name(param_dtype: torch.dtype | None, autocast: torch.dtype | None) -> str | None:
+    """Lightning's names: ``bf16-mixed`` (autocast), ``32-true`` (the weights' dtype, no autocast)."""
+    if autocast is not None:
+        return f"{_NAMES.get(autocast, str(autocast))}-mixed"
+    if param_dtype is None:
+        return None
+    return f"{_NAMES.get(param_dtype, str(param_dtype))}-true"
+
+
+def config_dict(config: Any, window: int) -> dict[str, Any]:
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("owner", "window_arg")}
+    out["window"] = window
+    return {k: (os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in out.items()}

@@ -1,0 +1,381 @@
+"""The verdict: every rule from crafted totals (abstaining on missing signals), then real runs.
+
+Real runs: a loader with a planted sleep is INPUT_BOUND and names ``num_workers=0`` (both
+doors); a short run is TOO_FEW_STEPS; the summary file validates against its schema and is
+written after an exception too; the verdict reaches TensorBoard as text.  The 2-rank
+straggler is in ``test_distributed.py``; the GPU verdicts in ``test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import jsonschema
+import pytest
+import torch
+from torch import nn
+
+import phase_timer
+from phase_timer import PhaseTimer
+from phase_timer.diagnosis import MIN_STEPS, Diagnosis, Signals, diagnose, format_verdict
+from phase_timer.resolver import Resolver
+from phase_timer.run_summary import FILE_NAME, schema
+from phase_timer.stats import RunTotals
+from tests.fakes import FakeClock
+from tests.helpers import loader, module_class, trainer
+
+
+def totals(steps: int = 100, **means: float) -> RunTotals:
+    """Run totals of ``steps`` steps with these mean ms per phase (``step`` and ``period`` derived if absent)."""
+    device = sum(v for p, v in means.items() if p in ("h2d", "forward", "backward", "optimizer"))
+    means.setdefault("step", device)
+    means.setdefault("period", means["step"] + means.get("data_wait", 0.0) + means.get("sync_wait", 0.0)
+                     + means.get("between_steps", 0.0))
+    t = RunTotals()
+    t.add_window(steps, {p: [v] * steps for p, v in means.items()})
+    return t
+
+
+GPU_STEP = {"h2d": 0.5, "forward": 10.0, "backward": 20.0, "optimizer": 2.0}
+
+
+def signals(flight: dict[int, int] | None = None, host_step_ms: float | None = None, n: int = 10) -> Signals:
+    s = Signals()
+    if flight:
+        s.flight.update(flight)
+    if host_step_ms is not None:
+        s.host_step_ms = [host_step_ms] * n
+    return s
+
+
+# -- each rule --------------------------------------------------------------------------
+def test_too_few_steps_says_how_many_are_needed():
+    d = diagnose(totals(MIN_STEPS - 1, data_wait=50.0, **GPU_STEP), Signals(), clock="cuda",
+                 context={"warmup_steps": 5})
+    assert d.kind == "TOO_FEW_STEPS"
+    assert f"{MIN_STEPS}" in d.next[0] and f"{MIN_STEPS + 5}" in d.next[0]
+    assert d.secondary == ()  # no other rule speaks on so few steps
+
+
+def test_input_bound_names_the_loaders_settings():
+    loader_info = {"type": "DataLoader", "num_workers": 0, "pin_memory": False, "persistent_workers": False,
+                   "prefetch_factor": None, "batch_size": 32}
+    d = diagnose(totals(data_wait=10.0, **GPU_STEP), Signals(), clock="cuda",
+                 context={"loader": loader_info, "cpu_count": 16, "device_type": "cuda"})
+    assert d.kind == "INPUT_BOUND" and d.severity == "medium"
+    assert "num_workers=0 on a 16-core machine" in d.next[0]
+    assert any("pin_memory=False" in tip for tip in d.next)
+    assert d.evidence["share_of_period"] == pytest.approx(10 / 42.5)
+
+
+def test_input_bound_with_workers_suggests_more_and_persistent_ones():
+    info = {"type": "DataLoader", "num_workers": 2, "pin_memory": True, "persistent_workers": False,
+            "prefetch_factor": 2, "batch_size": 32}
+    d = diagnose(totals(data_wait=40.0, **GPU_STEP), Signals(), clock="cuda", context={"loader": info, "cpu_count": 32})
+    text = " ".join(d.next)
+    assert d.severity == "high"
+    assert "num_workers=2 on a 32-core machine" in text and "persistent_workers=True" in text and "prefetch_factor=2" in text
+
+
+def test_without_a_data_wait_the_input_rule_abstains():
+    d = diagnose(totals(**GPU_STEP), signals({3: 10}), clock="cuda")
+    assert d.kind == "GPU_BOUND"
+    assert all(f.kind != "INPUT_BOUND" for f in (d, *d.secondary))
+
+
+def test_h2d_bound_on_its_share_of_step():
+    d = diagnose(totals(h2d=8.0, forward=10.0, backward=20.0, optimizer=2.0), signals({2: 10}), clock="cuda",
+                 context={"loader": {"type": "DataLoader", "pin_memory": False, "num_workers": 4}})
+    assert d.kind == "H2D_BOUND"
+    assert "pin_memory=False" in d.next[0] and "non_blocking=True" in d.next[0]
+    assert d.evidence["share_of_step"] == pytest.approx(0.2)
+
+
+def test_sync_wait_is_lightnings_broadcast():
+    d = diagnose(totals(sync_wait=10.0, **GPU_STEP), Signals(), clock="cuda")
+    assert d.kind == "SYNC_WAIT" and "broadcast" in d.why
+
+
+def test_host_bound_needs_both_the_idle_device_and_the_paced_step():
+    t = totals(**GPU_STEP)  # device step 32.5 ms
+    d = diagnose(t, signals({0: 9, 1: 1}, host_step_ms=31.0), clock="cuda")
+    assert d.kind == "HOST_BOUND"
+    assert "set_sync_debug_mode" in " ".join(d.next) and "CUDA graphs" in " ".join(d.next)
+    assert d.evidence["share_at_zero_in_flight"] == pytest.approx(0.9)
+    # The device idle at each step's end, but its step far longer than the host's: a per-step
+    # sync on a busy GPU (loss.item()), not a host-bound run.
+    d = diagnose(t, signals({0: 10}, host_step_ms=10.0), clock="cuda")
+    assert d.kind == "GPU_BOUND" and "waits for the GPU inside each step" in d.why
+
+
+def test_a_device_still_running_the_step_just_ended_is_not_host_bound():
+    # Nothing earlier in flight, the host's step about as long as the device's (the host waited
+    # inside it: a .item() mid-step), but the device still ran the step when the host ended it.
+    s = signals({0: 10}, host_step_ms=30.0)
+    s.tail_checked, s.tail_busy = 10, 9
+    d = diagnose(totals(**GPU_STEP), s, clock="cuda")
+    assert d.kind == "GPU_BOUND" and "still running each step" in d.why
+    s.tail_busy = 2  # the device had finished it at most closes: it waits for the host
+    assert diagnose(totals(**GPU_STEP), s, clock="cuda").kind == "HOST_BOUND"
+
+
+def test_device_rules_abstain_without_their_signals():
+    t = totals(**GPU_STEP)
+    # the host clock: nothing is in flight there
+    assert diagnose(t, signals({0: 10}, host_step_ms=32.0), clock="host").kind == "NO_FINDING"
+    # too few sampled steps
+    assert diagnose(t, signals({0: 3}, host_step_ms=32.0, n=3), clock="cuda").kind == "NO_FINDING"
+    # samples of steps in flight but no host step times: HOST_BOUND cannot say the device is paced
+    d = diagnose(t, signals({0: 10}), clock="cuda")
+    assert d.kind == "NO_FINDING" and "HOST_BOUND" not in [f.kind for f in d.secondary]
+
+
+def test_gpu_bound_names_the_largest_phase_and_what_to_try():
+    t = totals(h2d=0.1, forward=5.0, backward=4.0, optimizer=4.0)
+    d = diagnose(t, signals({4: 8, 5: 2}), clock="cuda", context={"precision": "32-true"})
+    assert d.kind == "GPU_BOUND" and d.severity == "info"
+    assert d.evidence["largest_phase"] == "forward" and d.evidence["median_in_flight"] == 4
+    text = " ".join(d.next)
+    assert "fused=True" in text  # optimizer 31% of step
+    assert "bf16" in text  # fp32
+    d = diagnose(t, signals({4: 10}), clock="cuda", context={"precision": "bf16-mixed"})
+    assert "bf16" not in " ".join(d.next)
+
+
+def test_unstable_windows():
+    s = Signals()
+    spiky = {"step": {"p50": 10.0, "p90": 18.0, "max": 30.0}, "period": {"p50": 11.0, "p90": 12.0, "max": 13.0}}
+    calm = {"step": {"p50": 10.0, "p90": 11.0, "max": 12.0}, "period": {"p50": 11.0, "p90": 12.0, "max": 13.0}}
+    for summary in (spiky, spiky, calm):
+        s.add_window(50, summary)
+    s.add_window(5, spiky)  # too short a window to judge
+    assert (s.windows, s.spiky_windows) == (3, 2)
+    d = diagnose(totals(**GPU_STEP), s, clock="host")
+    assert d.kind == "UNSTABLE" and "gc.freeze()" in d.next[0]
+    s2 = Signals()
+    for summary in (spiky, spiky):  # two windows are too few
+        s2.add_window(50, summary)
+    assert diagnose(totals(**GPU_STEP), s2, clock="host").kind == "NO_FINDING"
+
+
+def test_rank_straggler_from_windows_not_from_the_ranks_that_wait():
+    s = Signals()
+    for _ in range(5):
+        # rank 2 is slow in forward; ranks 0 and 1 wait for it in backward (never the straggler's phase)
+        s.add_rank_window({"forward": {0: 10.0, 1: 10.2, 2: 16.0}, "backward": {0: 26.0, 1: 25.8, 2: 20.0},
+                           "period": {0: 40.0, 1: 40.0, 2: 40.1}})
+    s.add_rank_window({"forward": {0: 10.0, 1: 10.1, 2: 10.0}, "period": {0: 30.0, 1: 30.0, 2: 30.0}})
+
+    class Rt:  # the per-rank run totals the exchange keeps
+        sums = {0: {}, 1: {}, 2: {}}
+
+        def mean(self, rank, phase):
+            return {0: 26.0, 1: 25.8, 2: 20.0}[rank] if phase == "backward" else None
+
+    d = diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=Rt())
+    assert d.kind == "RANK_STRAGGLER"
+    assert (d.evidence["rank"], d.evidence["phase"], d.evidence["windows"], d.evidence["of_windows"]) == (2, "forward", 5, 6)
+    assert d.evidence["margin_ms"] == pytest.approx(5.8)
+    assert d.evidence["others_backward_wait_ms"] == pytest.approx(5.9)
+    assert "rank 2" in d.why and "all-reduce" in " ".join(d.next)
+    # a margin below 5% of period is no straggler
+    s3 = Signals()
+    for _ in range(5):
+        s3.add_rank_window({"forward": {0: 10.0, 1: 10.5}, "period": {0: 40.0, 1: 40.0}})
+    assert diagnose(totals(**GPU_STEP), s3, clock="host").kind == "NO_FINDING"
+
+
+def test_what_the_host_waits_for_comes_first_and_the_rest_is_secondary():
+    t = totals(data_wait=30.0, h2d=8.0, forward=10.0, backward=20.0, optimizer=2.0)
+    d = diagnose(t, signals({0: 10}, host_step_ms=40.0), clock="cuda")
+    assert [d.kind, *[f.kind for f in d.secondary]] == ["INPUT_BOUND", "H2D_BOUND", "HOST_BOUND"]
+    text = format_verdict(d)
+    assert text.startswith("verdict: INPUT_BOUND") and "also: H2D_BOUND" in text
+    assert 3 <= len(text.splitlines()) <= 6
+    # a frozen dataclass, as documented
+    assert isinstance(d, Diagnosis)
+    with pytest.raises(AttributeError):
+        d.kind = "X"  # type: ignore[misc]
+
+
+# -- steps in flight (the Python engine, on a fake clock) ------------------------------------
+def test_steps_in_flight_from_the_poll_or_a_query_of_an_older_step():
+    clock = FakeClock(lag=1000)  # nothing completes until told
+    r = Resolver(clock, max_pending=16, lag=2)
+    from phase_timer.recorder import Recorder
+
+    rec = Recorder(clock)
+    records = []
+    for i in range(6):
+        rec.open(i, "forward")
+        rec.switch("backward")
+        records.append(rec.close())
+        r.push(records[-1])
+    assert r.poll() == []  # the oldest is not done: the poll stopped there
+    q = clock.queries
+    assert r.in_flight() == 5 and clock.queries == q  # no query: the poll said it
+    clock.wait(records[3].marks[-1])  # the device finished steps 0..3
+    assert len(r.poll()) == 4  # max_per_poll
+    assert r.in_flight() == 1  # step 4 unfinished; step 5 (the newest) not counted
+    clock.wait(records[4].marks[-1])
+    q = clock.queries
+    assert r.in_flight() == 0
+    assert clock.queries - q == 1  # one query, of step 4's last mark; never the newest's
+
+
+# -- real runs ---------------------------------------------------------------------------
+def _plain_run(tmp_path, steps: int, sleep_s: float = 0.0, fail_at: int | None = None, warmup: int = 2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = phase_timer.attach(model, opt, loader(batch_size=4, sleep_s=sleep_s, n=4 * steps), log_dir=str(tmp_path),
+                               window=10, warmup_steps=warmup, summary=False)
+    try:
+        with timer:
+            for i, (x, y) in enumerate(timer.loader):
+                if fail_at is not None and i == fail_at:
+                    raise RuntimeError("planted")
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    except RuntimeError as err:
+        assert "planted" in str(err)
+    return timer
+
+
+def _validated(path: str) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    jsonschema.validate(data, schema())
+    return data
+
+
+def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypatch):
+    import phase_timer.boundaries
+
+    monkeypatch.setattr(phase_timer.boundaries, "SAMPLE_GAP", (8, 8))  # a sampled step every 9th close
+    timer = _plain_run(tmp_path, steps=40, sleep_s=0.002)  # 4 items x 2 ms a batch
+    d = timer.diagnosis
+    assert d.kind == "INPUT_BOUND"
+    assert "num_workers=0 on a" in d.next[0]
+    assert d.evidence["loader"]["num_workers"] == 0 and d.evidence["share_of_period"] > 0.5
+    data = _validated(timer.summary_path)
+    assert timer.summary_path == os.path.join(timer.log_dir, FILE_NAME)
+    assert data["diagnosis"]["kind"] == "INPUT_BOUND" and data["door"] == "loop" and not data["interrupted"]
+    assert data["steps"]["timed"] == 38 and data["phases"]["data_wait"]["count"] == 38
+    assert data["phases"]["data_wait"]["share_of"] == "period"
+    assert data["environment"]["loader"]["type"] == "DataLoader" and data["environment"]["precision"] == "32-true"
+    assert data["config"]["window"] == 10 and data["config"]["warmup_steps"] == 2
+    assert data["steps_in_flight"] is None  # the host clock: nothing in flight, not a zero
+    # phase-timer's own cost, timed on the sampled steps: those closed 9th, 18th, 27th and 36th
+    own = data["own_cost"]
+    assert own["samples"] == 4 and own["us_per_step"] > 0
+    assert own["share_of_period"] == pytest.approx(own["us_per_step"] / 1e3 / data["phases"]["period"]["mean_ms"])
+    assert "phase-timer's own host time" in timer.last_summary
+    assert timer.last_summary.rstrip().splitlines()[-len(format_verdict(d).splitlines()):] == format_verdict(d).splitlines()
+
+
+def test_the_verdict_reaches_tensorboard_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    timer = _plain_run(tmp_path, steps=30, sleep_s=0.002)
+    acc = EventAccumulator(timer.log_dir, size_guidance={"tensors": 0})
+    acc.Reload()
+    events = acc.Tensors("phase_timer/diagnosis/text_summary")  # torch names text tags so (add_text too)
+    assert len(events) == 1
+    text = events[0].tensor_proto.string_val[0].decode()
+    assert text.startswith("verdict: INPUT_BOUND")
+
+
+def test_a_short_run_is_too_few_steps(tmp_path):
+    timer = _plain_run(tmp_path, steps=12)
+    assert timer.diagnosis.kind == "TOO_FEW_STEPS"
+    assert "10 step(s) timed" in timer.diagnosis.why and "22+" in timer.diagnosis.next[0]
+
+
+def test_an_exception_still_writes_the_summary_marked_interrupted(tmp_path):
+    timer = _plain_run(tmp_path, steps=40, fail_at=25)
+    data = _validated(timer.summary_path)
+    assert data["interrupted"] is True
+    assert data["steps"]["timed"] == 23  # 25 steps closed (fetching batch 25 closed step 24), 2 warm-up
+    assert not [f for f in os.listdir(timer.log_dir) if f.endswith(".tmp")]
+
+
+def test_lightning_slow_loader_is_input_bound(tmp_path):
+    ns = "lightning.pytorch"
+    timer = PhaseTimer(warmup_steps=2, summary=False)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=30, log_every_n_steps=10)
+    t.fit(module_class(ns)(), loader(batch_size=4, sleep_s=0.002))
+    assert timer.diagnosis.kind == "INPUT_BOUND" and "num_workers=0" in timer.diagnosis.next[0]
+    data = _validated(timer.summary_path)
+    assert os.path.dirname(timer.summary_path) == timer.log_dir  # beside the TensorBoard files
+    assert data["door"] == "lightning" and data["environment"]["precision"] == "32-true"
+    assert data["environment"]["lightning"] and data["config"]["window"] == 10
+
+
+def test_lightning_exception_writes_the_summary_marked_interrupted(tmp_path):
+    ns = "lightning.pytorch"
+    timer = PhaseTimer(warmup_steps=1, summary=False)
+    t = trainer(ns, str(tmp_path), [timer], max_steps=40, log_every_n_steps=5)
+    with pytest.raises(RuntimeError, match="planted"):
+        t.fit(module_class(ns)(fail_at=12), loader())
+    data = _validated(timer.summary_path)
+    assert data["interrupted"] is True and data["steps"]["timed"] == 11
+    assert data["diagnosis"]["kind"] == "TOO_FEW_STEPS"
+
+
+def test_a_rule_that_fails_warns_and_the_run_keeps_its_numbers(tmp_path, monkeypatch):
+    import phase_timer.core as core_module
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug in a rule")
+
+    monkeypatch.setattr(core_module, "diagnose", broken)
+    with pytest.warns(RuntimeWarning, match="could not diagnose"):
+        timer = _plain_run(tmp_path, steps=25)
+    assert timer.diagnosis is None and timer.totals.steps == 23
+    assert not os.path.exists(os.path.join(timer.log_dir, FILE_NAME)) or _validated(os.path.join(timer.log_dir, FILE_NAME))
+
+
+def test_steps_in_flight_is_logged_per_window_from_the_counted_closes():
+    from phase_timer.boundaries import FLIGHT_EVERY, Boundaries
+    from phase_timer.core import TimingCore
+    from phase_timer.metrics import IN_FLIGHT_TAG
+
+    class Sink:
+        def __init__(self):
+            self.rows = []
+
+        def write(self, step, scalars):
+            self.rows.append((step, scalars))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    sink = Sink()
+    clock = FakeClock(lag=1)  # each mark is done only after a poll has found it not done: the device behind
+    core = TimingCore(clock, [sink], window=10, warmup_steps=0, max_pending=64)
+    bounds = Boundaries(core)
+    for i in range(100):
+        bounds.fetch()
+        bounds.batch(i, 0.1)
+        bounds.copied()
+        bounds.backward_start()
+        bounds.backward_end()
+        bounds.optimizer_start()
+        bounds.step_end()
+    bounds.finish()
+    core.finish()
+    windows = [s for _, s in sink.rows if "phase_timer/window_steps" in s]
+    counted = sum(core.signals.flight.values())
+    assert counted == 100 // FLIGHT_EVERY + 1  # closes 0, 16, ..., 96 (the 100th closes at finish)
+    logged = [s[IN_FLIGHT_TAG] for s in windows if IN_FLIGHT_TAG in s]
+    assert len(windows) == 10 and core.skipped == 0
+    assert logged and any(v >= 1 for v in logged)  # the fake device lags: steps are in flight
+    assert len(logged) < len(windows)  # 7 counts, 10 windows: a window without a count has no value, not 0
