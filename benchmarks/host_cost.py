@@ -173,7 +173,7 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
     """What the diagnosis's samples cost: a whole step through the boundaries, every step sampled or none.
 
     Modes: ``off`` (nothing sampled), ``self-timing`` (every step's own host time timed, as one
-    step in ~64 is), ``in flight`` (every close counts the steps in flight, as one in 16 does, on a
+    step in ~96 is), ``in flight`` (every close counts the steps in flight, as one in 16 does, on a
     CUDA clock).  A sampled step's extra cost over ``off``, divided by its gap, is what each step
     pays on average.  A little device work per step lets the device finish each step soon, so
     counting the steps in flight takes its query path (the dearer one).

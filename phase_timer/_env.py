@@ -1,8 +1,10 @@
-"""Switches read from the environment, so a run can be changed without touching code."""
+"""Small shared pieces: switches read from the environment, and how the timer warns."""
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -12,3 +14,16 @@ def env_flag(name: str, default: bool) -> bool:
     """``name`` as a boolean: 1/true/yes/on or 0/false/no/off (any case); otherwise ``default``."""
     value = os.environ.get(name, "").strip().lower()
     return True if value in _TRUE else False if value in _FALSE else default
+
+
+def warn(log: logging.Logger, msg: str, stacklevel: int = 2) -> None:
+    """Log ``msg`` and raise it as a RuntimeWarning at ``stacklevel`` (as counted from the caller)."""
+    log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def warn_once(log: logging.Logger, warned: set[str], key: str, msg: str, stacklevel: int = 2) -> None:
+    """:func:`warn`, the first time ``key`` is seen in ``warned``."""
+    if key not in warned:
+        warned.add(key)
+        warn(log, msg, stacklevel + 1)

@@ -593,6 +593,16 @@ static int32_t phase_id(Steps *self, PyObject *name) {
     return bad ? -1 : (int32_t)id;
 }
 
+/* The ids of two phase names, taken as new references (either may be NULL: an error already set). */
+static int two_ids(Steps *self, PyObject *a, PyObject *b, int32_t *ia, int32_t *ib) {
+    if (a == NULL || b == NULL) { Py_XDECREF(a); Py_XDECREF(b); return -1; }
+    *ia = phase_id(self, a);
+    *ib = phase_id(self, b);
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return *ia < 0 || *ib < 0 ? -1 : 0;
+}
+
 /* A mark now: an event slot, or host nanoseconds.  0 on success. */
 static int take_mark(Steps *self, int64_t *mark) {
     if (self->clock != NULL) {
@@ -650,25 +660,15 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     self->ids = PyDict_New();
     self->names = PyList_New(0);
     if (self->ids == NULL || self->names == NULL) return -1;
-    PyObject *s = PyUnicode_InternFromString("step"), *p = PyUnicode_InternFromString("period");
-    if (s == NULL || p == NULL) { Py_XDECREF(s); Py_XDECREF(p); return -1; }
-    self->step_id = phase_id(self, s);
-    self->period_id = phase_id(self, p);
-    Py_DECREF(s);
-    Py_DECREF(p);
-    if (self->step_id < 0 || self->period_id < 0) return -1;
+    if (two_ids(self, PyUnicode_InternFromString("step"), PyUnicode_InternFromString("period"),
+                &self->step_id, &self->period_id) < 0) return -1;
     if (folded != NULL) {
         self->folded = PySequence_Tuple(folded);
         if (self->folded == NULL) return -1;
     }
-    PyObject *b = between != NULL ? (Py_INCREF(between), between) : PyUnicode_InternFromString("between_steps");
-    PyObject *q = paused != NULL ? (Py_INCREF(paused), paused) : PyUnicode_InternFromString("paused");
-    if (b == NULL || q == NULL) { Py_XDECREF(b); Py_XDECREF(q); return -1; }
-    self->between_id = phase_id(self, b);
-    self->paused_id = phase_id(self, q);
-    Py_DECREF(b);
-    Py_DECREF(q);
-    if (self->between_id < 0 || self->paused_id < 0) return -1;
+    if (two_ids(self, between != NULL ? (Py_INCREF(between), between) : PyUnicode_InternFromString("between_steps"),
+                paused != NULL ? (Py_INCREF(paused), paused) : PyUnicode_InternFromString("paused"),
+                &self->between_id, &self->paused_id) < 0) return -1;
     self->pre_end = self->between_id;
     self->cur.end = -1;
     self->ring_cap = max_pending;

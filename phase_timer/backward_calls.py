@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from typing import Any, Protocol
 
 import torch
+
+from phase_timer._env import warn
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,7 @@ def _safely(call: Any, *args: Any) -> Any:
         if not _warned:
             _warned = True
             msg = f"phase-timer: a backward() boundary failed ({type(err).__name__}: {err}); training goes on"
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            warn(log, msg, 3)
         return None
 
 

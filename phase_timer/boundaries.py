@@ -34,9 +34,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-import warnings
 from typing import Any
 
+from phase_timer._env import warn_once
 from phase_timer.core import TimingCore
 from phase_timer.metrics import BETWEEN, PAUSED
 
@@ -44,10 +44,10 @@ log = logging.getLogger(__name__)
 
 H2D, FORWARD, BACKWARD, OPTIMIZER, IDLE = "h2d", "forward", "backward", "optimizer", "idle"
 
-#: One step in ~64 (at random, 32-96 steps apart, so that no periodic work aliases with the
+#: One step in ~96 (at random, 48-144 steps apart, so that no periodic work aliases with the
 #: samples) is a *sampled* step: phase-timer times its own host work on it, and the host's time
 #: to issue it.  The other steps pay a countdown.
-SAMPLE_GAP = (32, 96)
+SAMPLE_GAP = (48, 144)
 #: Every FLIGHT_EVERY-th close also counts the steps in flight (one query at most, never a wait).
 FLIGHT_EVERY = 16
 
@@ -325,23 +325,21 @@ class Boundaries:
         self.open = self.ended = self.trailing = self._failed = False
 
     def _close(self) -> None:
-        self._close_record(self.steps % FLIGHT_EVERY == 0)
-        self._sample_in -= 1
-        if self._sample_in <= 0:  # the next step is sampled: from here to its close
-            self._sample_in = self._rng.randint(*SAMPLE_GAP)
-            _SampledBoundaries.start(self)
-
-    def _close_record(self, count_in_flight: bool) -> None:
-        self.core.close(count_in_flight)
+        self.core.close(self.steps % FLIGHT_EVERY == 0)
         self.open = self.ended = self.trailing = False
         self.steps += 1
         self._auto = H2D
+        self._sample_in -= 1
+        if self._sample_in <= 0:
+            self._start_sample()
+
+    def _start_sample(self) -> None:
+        """The next step is sampled: from here to its close."""
+        self._sample_in = self._rng.randint(*SAMPLE_GAP)
+        _SampledBoundaries.start(self)
 
     def _warn_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warn_once(log, self._warned, key, msg, 4)
 
 
 def _pair_ns() -> int:
@@ -376,6 +374,7 @@ class _SampledBoundaries(Boundaries):
         bounds._calls = 0
         bounds._t_begin = bounds._t_end = 0
         bounds._sample_state = None  # "closed" or "dropped" once the sample is over
+        bounds._restart = False  # the gap ran out on this sample's own close: the next one starts at its end
 
     def _begin(self, step: int, phase: str) -> None:
         self._t_begin = time.perf_counter_ns()
@@ -395,8 +394,11 @@ class _SampledBoundaries(Boundaries):
 
     def _close(self) -> None:
         recorded = self.core.recording
-        self._close_record(self.steps % FLIGHT_EVERY == 0)
+        super()._close()
         self._sample_state = "closed" if recorded else "dropped"
+
+    def _start_sample(self) -> None:
+        self._restart = True
 
     def _drop(self) -> None:
         super()._drop()
@@ -413,6 +415,8 @@ class _SampledBoundaries(Boundaries):
         self.__class__ = Boundaries
         if state == "closed" and self._t_begin and self._t_end > self._t_begin:
             self.core.add_sample(own, (self._t_end - self._t_begin) / 1e6)
+        if self._restart:
+            self._start_sample()
 
 
 def _timed(name: str) -> Any:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 
+from phase_timer._env import warn
 from phase_timer.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
 from phase_timer.engine import make_engine
@@ -188,8 +188,7 @@ class TimingCore:
                 "`max_pending` bound; steps are left untimed until the device catches up (counted in "
                 f"{SKIPPED_TAG}). Raise `max_pending` to time them all."
             )
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            warn(log, msg, 3)
 
     def pause(self) -> None:
         """Stop the host clock of ``period`` (validation inside training, epoch ends)."""
@@ -262,8 +261,7 @@ class TimingCore:
             self._consume(self._engine.drain())
         except Exception as err:  # noqa: BLE001 - e.g. the device died: keep what was resolved
             msg = f"phase-timer: could not resolve the last steps ({type(err).__name__}: {err})"
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            warn(log, msg, 2)
         self._consume(self._engine.flush())
         if self.ranks is not None:
             self._write_ranks(self.ranks.finish(rank_timeout_s, interrupted=interrupted))
@@ -280,31 +278,24 @@ class TimingCore:
             self.diagnosis = diagnose(
                 self.totals, self.signals, clock=self.clock.kind, context=self.context,
                 rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
+                warmup_steps=self._warmup,
             )
         except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
-            self._warn(f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
+            warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
             return
         if self.totals.steps:
             text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
             for sink in self._sinks:
                 write_text = getattr(sink, "write_text", None)  # ours are guarded; a bare one may lack it
                 if callable(write_text):
-                    write_text(DIAGNOSIS_TAG, text, self.last_step)
+                    write_text(DIAGNOSIS_TAG, text, self._last_written_step)
         if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0):
             from phase_timer.run_summary import write_summary
 
             try:
                 self.summary_path = write_summary(self, self.summary_dir)
             except Exception as err:  # noqa: BLE001 - e.g. a full disk: the printed summary still says it all
-                self._warn(f"phase-timer: could not write the run summary file ({type(err).__name__}: {err})")
-
-    def _warn(self, msg: str) -> None:
-        log.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-
-    @property
-    def last_step(self) -> int:
-        return self._last_written_step
+                warn(log, f"phase-timer: could not write the run summary file ({type(err).__name__}: {err})")
 
     def _write_trace(self) -> None:
         if self.trace is None or self.trace.ref is None:
@@ -314,12 +305,16 @@ class TimingCore:
             log.info("phase-timer: trace of steps %d..%d in %s", self.trace.first, self.trace.stop - 1, path)
         except OSError as err:
             msg = f"phase-timer: could not write the trace ({err})"
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            warn(log, msg, 3)
 
     @property
     def warmup_steps(self) -> int:
         return self._warmup
+
+    @property
+    def window(self) -> int:
+        """Steps per logging window."""
+        return self._window_size
 
     def summary_table(self, title: str = "phase-timer") -> str:
         reason = self.untimed_reason

@@ -136,14 +136,14 @@ def _pct(x: float) -> str:
 
 
 def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None = None,
-             rank_totals: Any = None, skipped: int = 0) -> Diagnosis:
+             rank_totals: Any = None, skipped: int = 0, warmup_steps: int | None = None) -> Diagnosis:
     """The primary finding (with the others as ``secondary``) for a run's totals and signals."""
     ctx = context or {}
     steps = totals.steps
     if steps < MIN_STEPS:
-        warmup = ctx.get("warmup_steps")
+        warmup = warmup_steps
         need = f"at least {MIN_STEPS} timed steps" + (f" (run {MIN_STEPS + warmup}+ steps with warmup_steps={warmup})"
-                                                        if isinstance(warmup, int) else "")
+                                                        if warmup is not None else "")
         return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS})
     found = [f for f in (

@@ -29,9 +29,9 @@ import importlib
 import logging
 import os
 import time
-import warnings
 from typing import TYPE_CHECKING, Any
 
+from phase_timer._env import warn
 from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, disabled_by_env
@@ -266,9 +266,9 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             self.core.summary_dir = self.log_dir or _first_log_dir(trainer) or trainer.default_root_dir
         root = trainer.strategy.root_device
         self.core.context.update(
-            door="lightning", config=config_dict(cfg, self.core._window_size), device_type=root.type,
+            door="lightning", config=config_dict(cfg), device_type=root.type,
             device_name=device_name(root), cpu_count=cpu_count(), precision=str(trainer.precision),
-            optimizers=optimizer_info(trainer.optimizers), warmup_steps=cfg.warmup_steps,
+            optimizers=optimizer_info(trainer.optimizers),
         )
         self._iter_mode = type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ == "_DataLoaderIterDataFetcher"
         # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
@@ -307,8 +307,7 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
                 sinks.append(open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks))
             except OSError as err:  # the run goes on: the summary and timer.totals still say it all
                 msg = f"phase-timer: cannot write TensorBoard files in {self.log_dir} ({type(err).__name__}: {err}); timing goes on without them"
-                log.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                warn(log, msg, 2)
         return sinks
 
     def _own_log_dir(self, trainer: pl.Trainer) -> str:

@@ -29,7 +29,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from phase_timer import backward_calls
+from phase_timer._env import warn_once
 from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, _fail, check_bool, disabled_by_env
@@ -131,7 +131,8 @@ class LoopTimer:
         _check_attach_args(self.optimizers, loader, device, writer, end_step, scaler, copy_to_device, enabled)
         self.config = config
         self.enabled = enabled and not disabled_by_env()
-        self.device = torch.device(device) if device is not None else self._model_device()
+        first = self._first_param()
+        self.device = torch.device(device) if device is not None else first.device if first is not None else torch.device("cpu")
         self._copy = copy_to_device
         self._end_on_optimizer = end_step == "optimizer"
         self._handles: list[Any] = []
@@ -170,17 +171,15 @@ class LoopTimer:
             self._bounds = Boundaries(self.core, no_end_hint=hint)
             self.core.summary_dir = self.log_dir if self.is_rank_zero else None
             self.core.context.update(
-                door="loop", config=config_dict(config, config.window or 50), device_type=self.device.type,
+                door="loop", config=config_dict(config), device_type=self.device.type,
                 device_name=device_name(self.device), cpu_count=cpu_count(), loader=loader_info(loader),
-                optimizers=optimizer_info(self.optimizers), warmup_steps=config.warmup_steps,
+                optimizers=optimizer_info(self.optimizers),
             )
             self._install()
 
-    def _model_device(self) -> torch.device:
-        for model in self.models:
-            for p in model.parameters():
-                return p.device
-        return torch.device("cpu")
+    def _first_param(self) -> torch.nn.Parameter | None:
+        """The models' first parameter: its device is the default device, its dtype the weights' precision."""
+        return next((p for model in self.models for p in model.parameters()), None)
 
     def _make_sinks(self, writer: SummaryWriter | None, ranks: bool) -> list[Sink]:
         layout = custom_scalars_layout(self.config.per_step, ranks)
@@ -243,10 +242,7 @@ class LoopTimer:
         )
 
     def _warn_once(self, key: str, msg: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warn_once(log, self._warned, key, msg, 4)
 
     def _fetch(self) -> None:
         if self._bounds is not None and self._loader_here():
@@ -382,19 +378,14 @@ class LoopTimer:
             self._warn_once("no batch", "phase-timer: no step was timed: the model trained, but no batch came "
                             "through timer.loader; iterate timer.loader (the wrapped loader), not the loader passed to attach()")
         ctx = core.context
-        ctx["precision"] = precision_name(self._param_dtype(), ctx.pop("autocast", None))
+        first = self._first_param()
+        ctx["precision"] = precision_name(first.dtype if first is not None else None, ctx.pop("autocast", None))
         self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
         self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
         if self.config.summary and self.is_rank_zero:
             print(self.last_summary, flush=True)
         return self.totals
-
-    def _param_dtype(self) -> torch.dtype | None:
-        for model in self.models:
-            for p in model.parameters():
-                return p.dtype
-        return None
 
     totals: RunTotals | None = None
     last_summary: str | None = None

@@ -39,9 +39,10 @@ import statistics
 import struct
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from phase_timer._env import warn
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +175,7 @@ class RankExchange:
             store = _get_default_store()
         except Exception as err:  # noqa: BLE001 - time this rank alone
             msg = f"phase-timer: no store for the exchange between ranks ({type(err).__name__}: {err}); each rank is timed alone"
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            warn(log, msg, 2)
             return None
         return cls(store, dist.get_rank(), dist.get_world_size(), f"phase_timer/{next(_INSTANCES)}")
 
@@ -437,5 +437,4 @@ class RankExchange:
 
     def _warn(self, why: str) -> None:
         msg = f"phase-timer (rank {self.rank}): {why}"
-        log.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        warn(log, msg, 3)

@@ -87,10 +87,10 @@ class Resolver:
     def poll(self) -> list[StepTimes]:
         """Resolve what the device has finished, oldest first, without waiting."""
         pending, lag = self._pending, self._lag
+        self._blocked = False
         if len(pending) <= lag:
             return []
         out: list[StepTimes] = []
-        self._blocked = False
         clock = self._clock
         while len(pending) > lag and len(out) < self._max_per_poll:
             if not self._done(pending[0]):

@@ -64,7 +64,7 @@ def build_summary(core: TimingCore) -> dict[str, Any]:
         "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "interrupted": core.interrupted,
         "door": ctx.pop("door", None),
-        "config": ctx.pop("config", {}),
+        "config": {**ctx.pop("config", {}), "window": core.window},  # the window in effect
         "environment": _environment(core, ctx),
         "steps": {"timed": totals.steps, "skipped": core.skipped, "warmup": core.warmup_steps,
                   "untimed_reason": core.untimed_reason},

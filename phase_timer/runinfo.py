@@ -74,7 +74,7 @@ def precision_name(param_dtype: torch.dtype | None, autocast: torch.dtype | None
     return f"{_NAMES.get(param_dtype, str(param_dtype))}-true"
 
 
-def config_dict(config: Any, window: int) -> dict[str, Any]:
+def config_dict(config: Any) -> dict[str, Any]:
+    """The timer's arguments as given (``window``: None means the framework's logging interval)."""
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("owner", "window_arg")}
-    out["window"] = window
     return {k: (os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in out.items()}

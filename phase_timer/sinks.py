@@ -18,8 +18,9 @@ import socket
 import struct
 import threading
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, Protocol
+
+from phase_timer._env import warn
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -101,8 +102,7 @@ class GuardedSink:
             self.failures += 1
             if self.failures == 1:
                 msg = f"phase-timer: {what} to {self.name} failed ({type(err).__name__}: {err}); training goes on, further failures of this sink are silent"
-                log.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                warn(log, msg, 2)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self._call("write", step, scalars)
@@ -118,7 +118,6 @@ class GuardedSink:
         self._call("close")
 
 
-_FLUSH = object()
 _STOP = object()
 
 

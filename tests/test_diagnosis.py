@@ -52,8 +52,7 @@ def signals(flight: dict[int, int] | None = None, host_step_ms: float | None = N
 
 # -- each rule --------------------------------------------------------------------------
 def test_too_few_steps_says_how_many_are_needed():
-    d = diagnose(totals(MIN_STEPS - 1, data_wait=50.0, **GPU_STEP), Signals(), clock="cuda",
-                 context={"warmup_steps": 5})
+    d = diagnose(totals(MIN_STEPS - 1, data_wait=50.0, **GPU_STEP), Signals(), clock="cuda", warmup_steps=5)
     assert d.kind == "TOO_FEW_STEPS"
     assert f"{MIN_STEPS}" in d.next[0] and f"{MIN_STEPS + 5}" in d.next[0]
     assert d.secondary == ()  # no other rule speaks on so few steps
@@ -270,7 +269,8 @@ def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypat
     assert data["environment"]["loader"]["type"] == "DataLoader" and data["environment"]["precision"] == "32-true"
     assert data["config"]["window"] == 10 and data["config"]["warmup_steps"] == 2
     assert data["steps_in_flight"] is None  # the host clock: nothing in flight, not a zero
-    # phase-timer's own cost, timed on the sampled steps: those closed 9th, 18th, 27th and 36th
+    # phase-timer's own cost, timed on the sampled steps: those closed 9th, 17th, 25th and 33rd (the gap
+    # counts the sampled close itself)
     own = data["own_cost"]
     assert own["samples"] == 4 and own["us_per_step"] > 0
     assert own["share_of_period"] == pytest.approx(own["us_per_step"] / 1e3 / data["phases"]["period"]["mean_ms"])
@@ -379,3 +379,9 @@ def test_steps_in_flight_is_logged_per_window_from_the_counted_closes():
     assert len(windows) == 10 and core.skipped == 0
     assert logged and any(v >= 1 for v in logged)  # the fake device lags: steps are in flight
     assert len(logged) < len(windows)  # 7 counts, 10 windows: a window without a count has no value, not 0
+
+
+def test_the_schema_names_every_kind_the_rules_give():
+    from phase_timer.diagnosis import KINDS
+
+    assert schema()["$defs"]["finding"]["properties"]["kind"]["enum"] == list(KINDS)
