@@ -31,7 +31,7 @@ from phase_timer.metrics import (
 )
 from phase_timer.ranks import RankExchange, RankWindow
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
-from phase_timer.stats import RunTotals, sorted_columns, summarize_columns
+from phase_timer.stats import RunTotals, WindowSeries, sorted_columns, summarize_columns
 from phase_timer.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class TimingCore:
         self._window_size = window
         self._warmup = warmup_steps
         self.totals = RunTotals()
+        #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
+        self.series = WindowSeries()
         self.steps_begun = 0
         self.steps_ended = 0
         self.ranks = ranks
@@ -221,6 +223,7 @@ class TimingCore:
             self.ranks.add(key, last_step, steps, columns)
         summary = summarize_columns(columns)
         self.signals.add_window(steps, summary)
+        self.series.add(last_step, steps, summary, {p: len(v) for p, v in columns.items()})
         scalars = window_scalars(summary)
         scalars[WINDOW_STEPS_TAG] = float(steps)
         if self._flight_n:  # the samples taken since the last window (none: no value, not a zero)

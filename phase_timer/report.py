@@ -507,9 +507,20 @@ def build_parser(prog: str = PROG, *, subcommand: bool = True) -> argparse.Argum
         parser = argparse.ArgumentParser(prog=prog, description=_REPORT_HELP)
         _add_report_args(parser)
         return parser
+    from phase_timer.compare import __doc__ as compare_doc
+    from phase_timer.compare import add_compare_args
+
     parser = argparse.ArgumentParser(prog=prog, description="phase-timer tools")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_report_args(sub.add_parser("report", help="summarize phase-timer TensorBoard logs", description=_REPORT_HELP))
+    _add_report_args(sub.add_parser("report", help="summarize phase-timer runs", description=_REPORT_HELP))
+    add_compare_args(
+        sub.add_parser(
+            "compare",
+            help="is a candidate run slower than a baseline, where, and beyond noise (a CI gate)",
+            description=(compare_doc or "").split("\n\n", 2)[-1],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     return parser
 
 
@@ -538,13 +549,16 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, *, subcommand: bool = True) -> int:
-    """The ``phase-timer`` console script: ``phase-timer report LOGDIR ...``.  Returns the exit status."""
+    """The ``phase-timer`` console script: ``phase-timer report|compare ...``.  Returns the exit status."""
+    from phase_timer.compare import CompareError, run_compare
+
     prog = PROG if subcommand else "python -m phase_timer.report"
     args = build_parser(prog, subcommand=subcommand).parse_args(argv)
+    command = getattr(args, "command", None) or "report"
     try:
-        return run_report(args)
-    except ReportError as err:
-        print(f"{PROG} report: error: {err}", file=sys.stderr)
+        return run_compare(args) if command == "compare" else run_report(args)
+    except (ReportError, CompareError) as err:
+        print(f"{PROG} {command}: error: {err}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # `phase-timer report ... | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

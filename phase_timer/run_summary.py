@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def build_summary(core: TimingCore) -> dict[str, Any]:
@@ -85,6 +86,7 @@ def build_summary(core: TimingCore) -> dict[str, Any]:
         },
         "ranks": per_rank,
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
+        "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }
 
 
@@ -121,7 +123,7 @@ def write_summary(core: TimingCore, directory: str | os.PathLike[str]) -> str:
     fd, tmp = tempfile.mkstemp(prefix=".phase_timer_summary.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, allow_nan=False, default=str)
+            f.write(_one_line_lists(json.dumps(data, indent=1, allow_nan=False, default=str)))
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -131,6 +133,16 @@ def write_summary(core: TimingCore, directory: str | os.PathLike[str]) -> str:
             pass
         raise
     return path
+
+
+_SCALAR = r"(?:-?[0-9][0-9.eE+-]*|null|true|false)"
+#: An indented list of numbers: a raw newline after each comma, which no JSON string holds.
+_SCALAR_LIST = re.compile(rf"\[\n *({_SCALAR}(?:,\n *{_SCALAR})*)\n *\]")
+
+
+def _one_line_lists(text: str) -> str:
+    """Lists of numbers on one line each (the window columns), the rest indented."""
+    return _SCALAR_LIST.sub(lambda m: "[" + ", ".join(re.split(r",\n *", m.group(1))) + "]", text)
 
 
 def _finite(obj: Any) -> Any:

@@ -171,3 +171,71 @@ class RunTotals:
             if totals is None:
                 totals = self.phases[phase] = PhaseTotals()
             totals.extend(values)
+
+
+#: Statistics a :class:`WindowSeries` keeps per phase and batch.
+SERIES_STATS = ("mean", "p50", "p90")
+
+
+class WindowSeries:
+    """Each logging window's mean, p50 and p90 per phase, in bounded memory: the run's own noise.
+
+    ``phase-timer compare`` reads how much a phase's window statistics spread to tell a
+    real change from noise (the batch-means method: see :mod:`phase_timer.compare`).
+    Windows are kept as they come until there are ``max_batches`` of them; then adjacent
+    pairs merge (halving the count, doubling ``windows_per_batch``) and later windows are
+    gathered that many to a batch.  A merged batch's mean is exact (weighted by each
+    phase's count); its p50 and p90 are its windows' values averaged, count-weighted.
+    A batch still filling at the end is left out.  One call per window, never per step.
+    """
+
+    def __init__(self, max_batches: int = 256) -> None:
+        if max_batches < 2 or max_batches % 2:
+            raise ValueError(f"max_batches must be an even number >= 2, got {max_batches}")
+        self.max_batches = max_batches
+        self.windows_per_batch = 1
+        #: Complete batches: (steps, last step, {phase: (count, mean, p50, p90)}).
+        self.batches: list[tuple[int, int, dict[str, tuple[int, float, float, float]]]] = []
+        self._open: tuple[int, int, dict[str, tuple[int, float, float, float]]] | None = None
+        self._open_windows = 0
+
+    def add(self, last_step: int, steps: int, summary: dict[str, dict[str, float]], counts: dict[str, int]) -> None:
+        """One window: its steps, its last step, each phase's statistics and value count."""
+        window = (steps, last_step, {p: (counts[p], s["mean"], s["p50"], s["p90"]) for p, s in summary.items()})
+        self._open = window if self._open is None else _merge(self._open, window)
+        self._open_windows += 1
+        if self._open_windows < self.windows_per_batch:
+            return
+        self.batches.append(self._open)
+        self._open, self._open_windows = None, 0
+        if len(self.batches) == self.max_batches:
+            self.batches = [_merge(a, b) for a, b in zip(self.batches[::2], self.batches[1::2])]
+            self.windows_per_batch *= 2
+
+    def as_dict(self) -> dict:
+        """Columns, one entry per batch (a phase absent from a batch: null)."""
+        phases = sorted({p for _, _, ph in self.batches for p in ph})
+        cols: dict[str, dict[str, list[float | None]]] = {}
+        for p in phases:
+            cols[p] = {}
+            for i, stat in enumerate(SERIES_STATS, start=1):
+                cols[p][f"{stat}_ms"] = [round(ph[p][i], 6) if p in ph else None for _, _, ph in self.batches]
+        return {
+            "windows_per_batch": self.windows_per_batch,
+            "steps": [s for s, _, _ in self.batches],
+            "last_step": [ls for _, ls, _ in self.batches],
+            "phases": cols,
+        }
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+    """Two adjacent batches as one: steps add up, the later last step, count-weighted statistics."""
+    phases = dict(a[2])
+    for p, (nb, *vb) in b[2].items():
+        if p not in phases:
+            phases[p] = (nb, *vb)
+            continue
+        na, *va = phases[p]
+        n = na + nb
+        phases[p] = (n, *((x * na + y * nb) / n for x, y in zip(va, vb)))
+    return (a[0] + b[0], max(a[1], b[1]), phases)

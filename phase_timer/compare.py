@@ -1,0 +1,442 @@
+"""``phase-timer compare BASELINE CANDIDATE``: is the candidate slower, where, and beyond noise?
+
+Usage::
+
+    phase-timer compare BASELINE CANDIDATE [--metric mean|p50|p90] [--fail-above PCT]
+                        [--phase NAME ...] [--json]
+
+Each side is a run directory (its ``phase_timer_summary.json``, else its TensorBoard
+files) or a summary file.  Where a side has no summary file (a run from before it
+existed) its numbers come from the TensorBoard windows, and the output says so.
+
+The noise band (batch means).  A run's logging windows are consecutive batches of
+steps; the spread of a phase's window statistic from batch to batch says how much
+that statistic moves by chance *within the run*.  For each side, the standard error
+of the run's value is ``stdev(batch values) / sqrt(batches)``; the band of the
+difference is ``Z * sqrt(se_baseline**2 + se_candidate**2)``, as a percentage of
+the baseline (``Z`` = 3: about 99.7% for a normal spread).  Batches shorter
+than half the median batch (a last, partial window) are left out; with fewer than
+3 batches on a side the band is unknown.  Noise *between* runs (a
+different machine, GPU clocks, a busier host) is not in it: that is what the
+threshold is for.
+
+The gate.  ``--fail-above PCT`` (off by default) checks ``step``, or each ``--phase``:
+exit status 1 when the candidate's value is higher by more than ``PCT`` percent **and**
+beyond the band (a phase whose band is unknown is gated on ``PCT`` alone, and the
+output says so); 0 otherwise; 2 on bad input (a missing or corrupt run, no phase-timer
+data, a gated phase missing on one side, runs on different clocks), with one line on
+stderr.  Warnings (stderr) name what makes the runs hard to compare: a different
+device, torch, world size, precision, batch size, door or set of phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phase_timer.metrics import STEP_PHASES, TOTALS, ordered, share_base
+from phase_timer.run_summary import FILE_NAME, SCHEMA
+from phase_timer.stats import percentile
+
+#: Width of the band in standard errors of the difference.
+Z = 3.0
+#: Fewer batches than this on a side: the band is unknown.
+MIN_BATCHES = 3
+METRICS = ("mean", "p50", "p90")
+#: The summary file versions this reads (1 has no window columns: its band comes from TensorBoard).
+READS_VERSIONS = (1, 2)
+EXIT_SLOWER = 1
+
+
+class CompareError(Exception):
+    """Bad input: one line on stderr, exit status 2."""
+
+
+@dataclass
+class Side:
+    """One run as ``compare`` reads it."""
+
+    path: str
+    #: "summary" (the run's own totals), "per-step" or "windows" (TensorBoard fallbacks).
+    source: str
+    steps: int | None
+    clock: str | None
+    #: phase -> metric -> the run's value (ms).
+    values: dict[str, dict[str, float]]
+    #: phase -> metric -> one value per batch of windows (ms), with each batch's steps.
+    batches: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
+    #: Where the batches came from, when not from the summary file.
+    batches_from: str | None = None
+    environment: dict[str, Any] | None = None
+    door: str | None = None
+    interrupted: bool = False
+
+
+# -- reading a side ---------------------------------------------------------------------
+def load_side(path: str) -> Side:
+    """A run directory or a summary file; the TensorBoard windows where no summary file is."""
+    if not os.path.exists(path):
+        raise CompareError(f"{path}: no such file or directory")
+    if os.path.isfile(path):
+        return _from_summary(path, _read_summary(path))
+    summary = find_summary(path)
+    if summary is not None:
+        return _from_summary(summary, _read_summary(summary))
+    return _from_tensorboard(path)
+
+
+def find_summary(directory: str) -> str | None:
+    """The run summary file in ``directory`` or, failing that, the one below it (several: an error)."""
+    direct = os.path.join(directory, FILE_NAME)
+    if os.path.isfile(direct):
+        return direct
+    found = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames.sort()
+        if FILE_NAME in filenames:
+            found.append(os.path.join(dirpath, FILE_NAME))
+    if len(found) > 1:
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise CompareError(f"{directory}: holds {len(found)} run summaries ({shown}); name one run")
+    return found[0] if found else None
+
+
+def _read_summary(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise CompareError(f"{path}: cannot read ({err.strerror or err})") from err
+    except ValueError as err:
+        raise CompareError(f"{path}: not JSON ({err})") from err
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise CompareError(f"{path}: not a phase-timer run summary (no \"schema\": \"{SCHEMA}\")")
+    if data.get("schema_version") not in READS_VERSIONS:
+        raise CompareError(f"{path}: run summary version {data.get('schema_version')!r}; this phase-timer reads "
+                           f"{', '.join(map(str, READS_VERSIONS))}")
+    return data
+
+
+def _from_summary(path: str, data: dict[str, Any]) -> Side:
+    phases = data.get("phases") or {}
+    values = {
+        p: {m: float(row[f"{m}_ms"]) for m in METRICS if isinstance(row.get(f"{m}_ms"), (int, float))}
+        for p, row in phases.items()
+    }
+    steps = (data.get("steps") or {}).get("timed")
+    if not steps or not values:
+        raise CompareError(f"{path}: the run timed no steps ({(data.get('steps') or {}).get('untimed_reason') or 'none'})")
+    env = data.get("environment") or {}
+    side = Side(path=path, source="summary", steps=steps, clock=env.get("clock"), values=values,
+                environment=env, door=data.get("door"), interrupted=bool(data.get("interrupted")))
+    windows = data.get("windows")
+    if windows:
+        side.batches = _summary_batches(windows)
+    else:  # a version-1 file: the windows are in the TensorBoard files beside it, if anywhere
+        try:
+            side.batches = _tensorboard_side(os.path.dirname(path) or ".").batches
+            side.batches_from = "TensorBoard windows beside the summary file"
+        except CompareError:
+            side.batches_from = "none (a version-1 summary file and no TensorBoard files beside it)"
+    return side
+
+
+def _summary_batches(windows: dict[str, Any]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    steps = windows.get("steps") or []
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for p, cols in (windows.get("phases") or {}).items():
+        out[p] = {m: [(n, v) for n, v in zip(steps, cols.get(f"{m}_ms") or []) if v is not None] for m in METRICS}
+    return out
+
+
+def _from_tensorboard(path: str) -> Side:
+    side = _tensorboard_side(path)
+    side.batches_from = None
+    return side
+
+
+def _tensorboard_side(path: str) -> Side:
+    """A run's values and batches from its TensorBoard files (one run only)."""
+    from phase_timer.report import ReportError, check_event_file, event_dirs, read_phase_scalars
+
+    try:
+        found = []
+        for run_dir, files in event_dirs(path).items():
+            for f in files:
+                check_event_file(f)
+            scalars = read_phase_scalars(run_dir)
+            if not scalars.empty:
+                found.append((run_dir, scalars))
+    except ReportError as err:
+        raise CompareError(f"no {FILE_NAME} and {err}") from err
+    if not found:
+        raise CompareError(f"{path}: no {FILE_NAME} and no phase-timer scalars in its TensorBoard files")
+    if len(found) > 1:
+        raise CompareError(f"{path}: holds {len(found)} phase-timer runs ({', '.join(d for d, _ in found[:3])}); name one")
+    run_dir, scalars = found[0]
+    from phase_timer.metrics import WINDOW_STEPS_TAG
+
+    window_steps = dict(_points_of_tag(run_dir, WINDOW_STEPS_TAG))
+    batches: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for p, stats in scalars.window.items():
+        batches[p] = {m: [(int(window_steps.get(s, 1)), v) for s, v in stats.get(m, [])] for m in METRICS}
+    if scalars.step:  # per-step values: the run's exact statistics
+        values = {}
+        for p, pts in scalars.step.items():
+            vs = sorted(v for _, v in pts)
+            values[p] = {"mean": statistics.fmean(vs), "p50": percentile(vs, 50), "p90": percentile(vs, 90)}
+        steps: int | None = len({s for pts in scalars.step.values() for s, _ in pts})
+        source = "per-step"
+    else:  # window statistics only: step-weighted means; p50 and p90 the windows' averaged
+        values = {p: {m: _weighted(b[m]) for m in METRICS if b[m]} for p, b in batches.items()}
+        steps = int(sum(window_steps.values())) or None
+        source = "windows"
+    return Side(path=run_dir, source=source, steps=steps, clock=None, values=values, batches=batches)
+
+
+def _points_of_tag(run_dir: str, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags().get("scalars", []):
+        return []
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _weighted(batches: list[tuple[int, float]]) -> float:
+    total = sum(n for n, _ in batches)
+    return sum(n * v for n, v in batches) / total
+
+
+# -- the comparison ---------------------------------------------------------------------
+def standard_error(batches: list[tuple[int, float]]) -> float | None:
+    """The batch-means standard error of a run's value; None with fewer than MIN_BATCHES full batches."""
+    if not batches:
+        return None
+    half = statistics.median(n for n, _ in batches) / 2
+    values = [v for n, v in batches if n >= half]
+    if len(values) < MIN_BATCHES:
+        return None
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
+@dataclass
+class Row:
+    phase: str
+    baseline_ms: float | None
+    candidate_ms: float | None
+    delta_ms: float | None
+    delta_pct: float | None
+    noise_pct: float | None
+
+    @property
+    def beyond_noise(self) -> bool | None:
+        if self.delta_pct is None or self.noise_pct is None:
+            return None
+        return abs(self.delta_pct) > self.noise_pct
+
+
+def compare_phase(phase: str, base: Side, cand: Side, metric: str) -> Row:
+    b = base.values.get(phase, {}).get(metric)
+    c = cand.values.get(phase, {}).get(metric)
+    if b is None or c is None:
+        return Row(phase, b, c, None, None, None)
+    delta = c - b
+    pct = 100.0 * delta / b if b > 0 else None
+    se_b = standard_error(base.batches.get(phase, {}).get(metric, []))
+    se_c = standard_error(cand.batches.get(phase, {}).get(metric, []))
+    noise = None
+    if se_b is not None and se_c is not None and b > 0:
+        noise = 100.0 * Z * math.hypot(se_b, se_c) / b
+    return Row(phase, b, c, delta, pct, noise)
+
+
+@dataclass
+class Comparison:
+    base: Side
+    cand: Side
+    metric: str
+    rows: dict[str, Row]
+    gated: list[str]
+    fail_above: float | None
+    warnings: list[str]
+    failed: list[str]
+    verdicts: list[str]
+
+
+def parts_of(phase: str, rows: dict[str, Row]) -> list[str]:
+    """The phases that make up a total: the step's phases for ``step``, everything in the period for ``period``."""
+    if phase == "step":
+        return [p for p in rows if p in STEP_PHASES or (p not in TOTALS and share_base(p) == "step")]
+    if phase == "period":
+        return [p for p in rows if p not in TOTALS]
+    return []
+
+
+def verdict_line(phase: str, row: Row, rows: dict[str, Row], metric: str) -> str:
+    """"step +7.9% slower (beyond noise ±1.2%): backward +12.4%, optimizer +0.3%"."""
+    name = phase if metric == "mean" else f"{phase} {metric}"
+    if row.delta_pct is None:
+        return f"{name}: not comparable (a zero or missing baseline)"
+    pct = f"{row.delta_pct:+.1f}%"
+    if row.noise_pct is None:
+        head = f"{name} {pct} {'slower' if row.delta_pct > 0 else 'faster'} (noise unknown: too few windows)"
+    elif row.beyond_noise:
+        head = f"{name} {pct} {'slower' if row.delta_pct > 0 else 'faster'} (beyond noise ±{row.noise_pct:.1f}%)"
+    else:
+        return f"{name} {pct}, within noise ±{row.noise_pct:.1f}%: no change beyond noise"
+    parts = [rows[p] for p in parts_of(phase, rows) if rows[p].delta_pct is not None]
+    if not parts:
+        return head
+    parts.sort(key=lambda r: -abs(r.delta_ms or 0.0))
+    moved = [r for r in parts if r.beyond_noise is not False][:3]
+    shown = ", ".join(f"{r.phase} {r.delta_pct:+.1f}% ({r.delta_ms:+.3f} ms)" for r in moved)
+    rest = len(parts) - len(moved)
+    if not moved:
+        return head + ": no phase of it beyond its own noise"
+    return head + ": " + shown + ("; the rest within noise" if rest else "")
+
+
+def comparability(base: Side, cand: Side, phases_b: set[str], phases_c: set[str]) -> list[str]:
+    """What makes the two runs hard to compare (warnings)."""
+    out = []
+    for side in (base, cand):
+        if side.source != "summary":
+            what = "per-step values" if side.source == "per-step" else "window summaries"
+            out.append(f"{side.path}: no {FILE_NAME}; its numbers come from the TensorBoard {what}")
+        elif side.batches_from:
+            out.append(f"{side.path}: noise band from {side.batches_from}")
+        if side.interrupted:
+            out.append(f"{side.path}: the run was interrupted; its numbers cover the steps before that")
+    eb, ec = base.environment or {}, cand.environment or {}
+    checks = (("device", "device"), ("torch", "torch version"), ("world_size", "world size"),
+              ("precision", "precision"), ("cuda", "CUDA version"))
+    for key, label in checks:
+        if eb and ec and eb.get(key) != ec.get(key):
+            out.append(f"different {label}: baseline {eb.get(key)!r}, candidate {ec.get(key)!r}")
+    bb, bc = ((e.get("loader") or {}).get("batch_size") for e in (eb, ec))
+    if bb is not None and bc is not None and bb != bc:
+        out.append(f"different batch size: baseline {bb}, candidate {bc}")
+    if base.door and cand.door and base.door != cand.door:
+        out.append(f"different doors: baseline {base.door}, candidate {cand.door} (their boundaries differ slightly)")
+    if phases_b != phases_c:
+        only_b, only_c = sorted(phases_b - phases_c), sorted(phases_c - phases_b)
+        what = "; ".join(s for s in (f"only the baseline has {', '.join(only_b)}" if only_b else "",
+                                     f"only the candidate has {', '.join(only_c)}" if only_c else "") if s)
+        out.append(f"different phases: {what}")
+    if base.source != cand.source and "summary" in (base.source, cand.source):
+        out.append("one side from its summary file, the other from TensorBoard: p50 and p90 are estimated differently")
+    return out
+
+
+def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str] = ("step",),
+            fail_above: float | None = None) -> Comparison:
+    if base.clock and cand.clock and base.clock != cand.clock:
+        raise CompareError(f"the baseline was timed on the {base.clock} clock and the candidate on the {cand.clock} "
+                           "clock: their phases do not measure the same thing")
+    pb, pc = set(base.values), set(cand.values)
+    for phase in gated:
+        for side, have in ((base, pb), (cand, pc)):
+            if phase not in have:
+                raise CompareError(f"phase {phase!r} is not in {side.path} (it has: {', '.join(ordered(list(have)))})")
+    rows = {p: compare_phase(p, base, cand, metric) for p in ordered(list(pb | pc))}
+    failed = []
+    if fail_above is not None:
+        for phase in gated:
+            r = rows[phase]
+            if r.delta_pct is not None and r.delta_pct > fail_above and r.beyond_noise is not False:
+                failed.append(phase)
+    return Comparison(base, cand, metric, rows, list(gated), fail_above, comparability(base, cand, pb, pc), failed,
+                      [verdict_line(p, rows[p], rows, metric) for p in gated])
+
+
+# -- output ------------------------------------------------------------------------------
+def _num(v: float | None, fmt: str) -> str:
+    return "" if v is None else format(v, fmt)
+
+
+def format_comparison(c: Comparison) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for r in c.rows.values():
+        mark = "" if r.beyond_noise is None else ("slower" if r.delta_ms > 0 else "faster") if r.beyond_noise else "~"
+        rows.append((r.phase, _num(r.baseline_ms, ".3f"), _num(r.candidate_ms, ".3f"), _num(r.delta_ms, "+.3f"),
+                     _num(r.delta_pct, "+.1f"), "" if r.noise_pct is None else f"±{r.noise_pct:.1f}", mark))
+    heads = ("phase", f"baseline {c.metric} ms", f"candidate {c.metric} ms", "delta ms", "delta %", "noise %", "")
+    table = tabulate(rows, headers=heads, disable_numparse=True, colalign=("left",) + ("right",) * 5 + ("left",))
+    lines = [f"baseline:  {_describe(c.base)}", f"candidate: {_describe(c.cand)}", table,
+             "noise: the band of the difference, 3 standard errors from each run's window-to-window spread "
+             "(~ within noise; blank: too few windows)"]
+    lines += c.verdicts
+    if c.fail_above is not None:
+        lines.append(_gate_line(c))
+    return "\n".join(lines)
+
+
+def _describe(side: Side) -> str:
+    what = {"summary": FILE_NAME, "per-step": "TensorBoard per-step values", "windows": "TensorBoard windows"}[side.source]
+    steps = f"{side.steps} steps" if side.steps else "steps unknown"
+    return f"{side.path} ({what}, {steps})"
+
+
+def _gate_line(c: Comparison) -> str:
+    if c.failed:
+        names = ", ".join(p if c.metric == "mean" else f"{p} {c.metric}" for p in c.failed)
+        return f"FAIL: {names} slower by more than {c.fail_above:g}% and beyond noise"
+    unknown = [p for p in c.gated if c.rows[p].noise_pct is None]
+    note = f" ({', '.join(unknown)}: noise unknown, gated on the threshold alone)" if unknown else ""
+    return f"pass: no gated phase ({', '.join(c.gated)}) slower by more than {c.fail_above:g}% beyond noise{note}"
+
+
+def to_json(c: Comparison) -> dict[str, Any]:
+    def side(s: Side) -> dict[str, Any]:
+        return {"path": s.path, "source": s.source, "steps": s.steps, "clock": s.clock}
+
+    return {
+        "metric": c.metric,
+        "baseline": side(c.base),
+        "candidate": side(c.cand),
+        "phases": {p: {"baseline_ms": r.baseline_ms, "candidate_ms": r.candidate_ms, "delta_ms": r.delta_ms,
+                       "delta_pct": r.delta_pct, "noise_pct": r.noise_pct, "beyond_noise": r.beyond_noise}
+                   for p, r in c.rows.items()},
+        "gate": {"phases": c.gated, "fail_above_pct": c.fail_above, "failed": c.failed},
+        "verdicts": c.verdicts,
+        "warnings": c.warnings,
+    }
+
+
+# -- command line --------------------------------------------------------------------------
+def add_compare_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("baseline", metavar="BASELINE", help=f"a run directory or its {FILE_NAME}")
+    parser.add_argument("candidate", metavar="CANDIDATE", help=f"a run directory or its {FILE_NAME}")
+    parser.add_argument("--metric", choices=METRICS, default="mean", help="what is compared per phase (default mean)")
+    parser.add_argument("--fail-above", type=float, metavar="PCT", default=None,
+                        help="exit 1 when a gated phase is slower by more than PCT percent and beyond noise (default: off)")
+    parser.add_argument("--phase", action="append", metavar="NAME",
+                        help="a phase to gate and give a verdict on (repeatable; default step)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    if args.fail_above is not None and not (math.isfinite(args.fail_above) and args.fail_above >= 0):
+        raise CompareError(f"--fail-above must be a percentage >= 0, got {args.fail_above}")
+    if not args.json:
+        try:
+            import tabulate  # noqa: F401
+        except ImportError as err:
+            raise CompareError(f"tabulate is not installed ({err}): pip install 'phase-timer[report]'") from err
+    base, cand = load_side(args.baseline), load_side(args.candidate)
+    result = compare(base, cand, metric=args.metric, gated=args.phase or ["step"], fail_above=args.fail_above)
+    for w in result.warnings:
+        print(f"phase-timer compare: warning: {w}", file=sys.stderr)
+    print(json.dumps(to_json(result), indent=2) if args.json else format_comparison(result))
+    return EXIT_SLOWER if result.failed else 0

@@ -1,0 +1,311 @@
+"""``phase-timer compare``: the regression gate, on real runs of a plain-PyTorch loop (CPU).
+
+Every number comes from a run: a loop whose phases take known amounts of time, timed
+by the plain door into real TensorBoard files and a real summary file.  "Noisy" runs add
+a seeded random wait to every step (the same seed on both sides, so the runs differ by
+the planted change alone while each run's window-to-window spread is wide).
+
+The waits spin on the clock rather than sleep: on a small VM the work right after a
+long sleep runs several milliseconds slower (the CPU's wake-up), which would move the
+phases around the planted one by more than the change under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import phase_timer
+from phase_timer.compare import MIN_BATCHES, Z, load_side, standard_error
+from phase_timer.report import main
+from phase_timer.run_summary import FILE_NAME
+from phase_timer.stats import WindowSeries
+from tests.helpers import loader
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 60
+WINDOW = 6
+FORWARD_MS = 8.0
+OPTIMIZER_MS = 10.0
+JITTER_MS = 40.0  # noisy runs: up to this much more in forward, uniform, seeded
+
+
+def spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+class SpinSGD(torch.optim.SGD):
+    def __init__(self, params, lr: float, ms: float) -> None:
+        super().__init__(params, lr=lr)
+        self.ms = ms
+
+    def step(self, closure=None):  # type: ignore[override]
+        spin(self.ms)
+        return super().step(closure)
+
+
+class Spinner(nn.Module):
+    def __init__(self, jitter_ms: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.jitter_ms = jitter_ms
+        self.rng = random.Random(1234)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spin(FORWARD_MS + self.rng.random() * self.jitter_ms)
+        return self.net(x)
+
+
+def train(log_dir: Path, *, extra_optimizer_ms: float = 0.0, jitter_ms: float = 0.0, batch_size: int = 8) -> Path:
+    """One real run of the plain door; returns its run directory (TensorBoard files and summary file)."""
+    model = Spinner(jitter_ms)
+    opt = SpinSGD(model.parameters(), lr=0.01, ms=OPTIMIZER_MS + extra_optimizer_ms)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread, no waits on a pool thread another process preempted
+    try:
+        with phase_timer.attach(model, opt, loader(batch_size), log_dir=log_dir, window=WINDOW, warmup_steps=2,
+                                summary=False) as timer:
+            for i, (x, y) in enumerate(timer.loader):
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if i == STEPS + 1:
+                    break
+    finally:
+        torch.set_num_threads(threads)
+    return Path(timer.log_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    plan = {
+        "base": {},
+        "same": {},
+        "slow_optimizer": {"extra_optimizer_ms": 10.0},
+        "other_batch": {"batch_size": 16},
+        "noisy": {"jitter_ms": JITTER_MS},
+        "noisy_small": {"jitter_ms": JITTER_MS, "extra_optimizer_ms": 3.0},
+        "noisy_large": {"jitter_ms": JITTER_MS, "extra_optimizer_ms": 15.0},
+    }
+    return {name: train(root / name, **kw) for name, kw in plan.items()}
+
+
+def compare(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main(["compare", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def compare_json(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, dict, str]:
+    code, out, err = compare(capsys, "--json", *args)
+    assert code in (0, 1), err
+    return code, json.loads(out), err
+
+
+# -- the gate ---------------------------------------------------------------------------
+def test_two_runs_of_the_same_loop_pass_the_gate(runs, capsys):
+    code, out, err = compare(capsys, runs["base"], runs["same"], "--fail-above", "5")
+    assert code == 0, out + err
+    assert "pass: no gated phase (step)" in out
+    assert "warning" not in err  # same machine, same loop: nothing to warn about
+
+
+def test_a_planted_sleep_in_optimizer_fails_the_gate_and_is_named(runs, capsys):
+    code, out, err = compare(capsys, runs["base"], runs["slow_optimizer"], "--fail-above", "5")
+    assert code == 1, out + err
+    verdict = next(line for line in out.splitlines() if line.startswith("step +"))
+    assert "slower (beyond noise" in verdict
+    # The planted 10 ms is named first: the largest change (work right after a longer sleep
+    # also runs a little slower on a CPU, so other phases may move too).
+    assert verdict.split(": ", 1)[1].startswith("optimizer +"), verdict
+    assert "FAIL: step slower by more than 5%" in out
+    code, doc, _ = compare_json(capsys, runs["base"], runs["slow_optimizer"], "--fail-above", "5")
+    opt = doc["phases"]["optimizer"]
+    assert 8.0 <= opt["delta_ms"] <= 14.0, opt
+    assert opt["beyond_noise"] is True
+    assert doc["gate"]["failed"] == ["step"]
+    # Gated on optimizer (10 -> 20 ms: about +95%) and step (far less, relatively) above 85%: optimizer alone fails.
+    code, doc, _ = compare_json(capsys, runs["base"], runs["slow_optimizer"], "--fail-above", "85", "--phase",
+                                "optimizer", "--phase", "step")
+    assert code == 1 and doc["gate"]["failed"] == ["optimizer"], doc["phases"]
+
+
+def test_without_a_threshold_the_gate_never_fails(runs, capsys):
+    code, out, _ = compare(capsys, runs["base"], runs["slow_optimizer"])
+    assert code == 0
+    assert "FAIL" not in out and "step +" in out  # the verdict is still stated
+
+
+def test_a_change_inside_the_noise_band_passes_and_a_larger_one_fails(runs, capsys):
+    """The band comes from the runs: seeded jitter widens it; a 3 ms change stays inside, 15 ms does not.
+
+    ``--fail-above 0``: any slowdown beyond noise fails, so a pass is the band's doing.
+    """
+    code, doc, _ = compare_json(capsys, runs["noisy"], runs["noisy_small"], "--fail-above", "0")
+    step = doc["phases"]["step"]
+    assert step["delta_pct"] > 0, step  # slower, above the threshold...
+    assert step["beyond_noise"] is False and step["noise_pct"] > step["delta_pct"], step  # ...but inside the band
+    assert code == 0
+    code, doc, _ = compare_json(capsys, runs["noisy"], runs["noisy_large"], "--fail-above", "0")
+    assert code == 1 and doc["phases"]["step"]["beyond_noise"] is True
+    # Two quiet runs have a narrower band: the band is the runs' own.
+    _, quiet, _ = compare_json(capsys, runs["base"], runs["same"])
+    assert quiet["phases"]["step"]["noise_pct"] < doc["phases"]["step"]["noise_pct"]
+
+
+def test_the_band_is_the_batch_means_standard_error_of_each_run(runs):
+    base, noisy = load_side(str(runs["base"])), load_side(str(runs["noisy"]))
+    for side in (base, noisy):
+        batches = side.batches["step"]["mean"]
+        assert max(n for n, _ in batches) == WINDOW
+        full = [v for n, v in batches if n >= WINDOW / 2]  # a window cut short by warmup or the end: left out
+        assert len(full) >= MIN_BATCHES
+        assert standard_error(batches) == pytest.approx(statistics.stdev(full) / len(full) ** 0.5)
+    # Seeded jitter of up to 40 ms a step: the noisy run's windows spread more.
+    assert standard_error(noisy.batches["step"]["mean"]) > standard_error(base.batches["step"]["mean"])
+
+
+def test_the_verdict_reads_as_documented(runs, capsys):
+    _, doc, _ = compare_json(capsys, runs["base"], runs["slow_optimizer"])
+    step = doc["phases"]["step"]
+    expected = f"step {step['delta_pct']:+.1f}% slower (beyond noise ±{step['noise_pct']:.1f}%): optimizer +"
+    assert doc["verdicts"][0].startswith(expected), doc["verdicts"]
+    assert step["noise_pct"] == pytest.approx(
+        100 * Z * (standard_error(load_side(str(runs["base"])).batches["step"]["mean"]) ** 2
+                   + standard_error(load_side(str(runs["slow_optimizer"])).batches["step"]["mean"]) ** 2) ** 0.5
+        / step["baseline_ms"])
+
+
+# -- sources ----------------------------------------------------------------------------
+def test_a_summary_file_a_run_dir_and_the_dir_above_are_the_same_side(runs, capsys):
+    a = compare_json(capsys, runs["base"] / FILE_NAME, runs["same"])[1]
+    b = compare_json(capsys, runs["base"], runs["same"].parent)[1]
+    assert a["phases"] == b["phases"]
+    assert a["baseline"]["source"] == "summary"
+
+
+def test_without_a_summary_file_the_tensorboard_windows_are_used_and_said(runs, capsys, tmp_path):
+    old = tmp_path / "old_run"
+    shutil.copytree(runs["base"], old)
+    (old / FILE_NAME).unlink()
+    code, doc, err = compare_json(capsys, runs["base"], old)
+    assert code == 0
+    assert doc["candidate"]["source"] == "windows"
+    assert "no phase_timer_summary.json; its numbers come from the TensorBoard window summaries" in err
+    # The step-weighted window means are the run's mean (TensorBoard keeps float32).
+    for p, row in doc["phases"].items():
+        assert row["candidate_ms"] == pytest.approx(row["baseline_ms"], rel=1e-5), p
+        assert row["noise_pct"] is not None
+
+
+def test_warns_when_the_runs_are_not_comparable(runs, capsys):
+    code, out, err = compare(capsys, runs["base"], runs["other_batch"])
+    assert code == 0
+    assert "warning: different batch size: baseline 8, candidate 16" in err
+
+
+# -- bad input: exit 2, one line ---------------------------------------------------------
+def _edited_copy(run: Path, dest: Path, edit) -> Path:
+    shutil.copytree(run, dest)
+    data = json.loads((dest / FILE_NAME).read_text())
+    edit(data)
+    (dest / FILE_NAME).write_text(json.dumps(data))
+    return dest
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "no such file or directory"),
+        ("empty_dir", "no phase_timer_summary.json and"),
+        ("corrupt_summary", "not JSON"),
+        ("other_json", "not a phase-timer run summary"),
+        ("future_version", "run summary version 99"),
+        ("no_such_phase", "phase 'nope' is not in"),
+        ("other_clock", "timed on the host clock and the candidate on the cuda clock"),
+        ("negative_threshold", "--fail-above must be a percentage >= 0"),
+        ("two_runs_below", "run summaries ("),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(runs, capsys, tmp_path, case, message):
+    base, cand, extra = runs["base"], runs["same"], []
+    if case == "missing":
+        cand = tmp_path / "nowhere"
+    elif case == "empty_dir":
+        cand = tmp_path / "empty"
+        cand.mkdir()
+    elif case == "corrupt_summary":
+        cand = tmp_path / FILE_NAME
+        cand.write_text('{"schema": "phase-timer/run-summary", "schema_ver')
+    elif case == "other_json":
+        cand = tmp_path / "x.json"
+        cand.write_text('{"hello": 1}')
+    elif case == "future_version":
+        cand = _edited_copy(runs["same"], tmp_path / "v99", lambda d: d.update(schema_version=99))
+    elif case == "no_such_phase":
+        extra = ["--phase", "nope"]
+    elif case == "other_clock":
+        cand = _edited_copy(runs["same"], tmp_path / "gpu", lambda d: d["environment"].update(clock="cuda"))
+    elif case == "negative_threshold":
+        extra = ["--fail-above", "-1"]
+    elif case == "two_runs_below":
+        cand = runs["same"].parents[1]  # the root above every run
+    code, out, err = compare(capsys, base, cand, *extra)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("phase-timer compare: error: ") and message in lines[0], err
+
+
+def test_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "only-one"])
+    assert exc.value.code == 2
+
+
+# -- the window series behind the band ----------------------------------------------------
+def test_window_series_keeps_at_most_its_batches_and_merges_exactly():
+    rng = random.Random(7)
+    series = WindowSeries(max_batches=8)
+    windows = []
+    for k in range(37):
+        values = sorted(rng.uniform(1, 3) for _ in range(5))
+        summary = {"step": {"mean": statistics.fmean(values), "p50": values[2], "p90": values[4]}}
+        series.add(5 * (k + 1), 5, summary, {"step": 5})
+        windows.append(values)
+    assert 4 <= len(series.batches) <= 8 and series.windows_per_batch == 8
+    # Complete batches only: 37 windows -> 4 batches of 8 (32 windows), 5 left filling.
+    assert [s for s, _, _ in series.batches] == [40] * 4
+    done = [v for w in windows[:32] for v in w]
+    merged = statistics.fmean(ph["step"][1] for _, _, ph in series.batches)
+    assert merged == pytest.approx(statistics.fmean(done))
+    assert series.batches[-1][1] == 5 * 32
+    d = series.as_dict()
+    assert d["windows_per_batch"] == 8 and d["steps"] == [40] * 4 and len(d["phases"]["step"]["p90_ms"]) == 4
+
+
+def test_the_summary_file_carries_the_windows(runs):
+    data = json.loads((runs["base"] / FILE_NAME).read_text())
+    w = data["windows"]
+    assert w["steps_per_window"] == WINDOW and w["windows_per_batch"] == 1
+    assert sum(w["steps"]) == data["steps"]["timed"]
+    means = w["phases"]["step"]["mean_ms"]
+    weighted = sum(n * m for n, m in zip(w["steps"], means)) / sum(w["steps"])
+    assert weighted == pytest.approx(data["phases"]["step"]["mean_ms"], rel=1e-6)
+    # Lists of numbers are written one to a line: the file stays short.
+    text = (runs["base"] / FILE_NAME).read_text()
+    assert f'"steps": [{", ".join(map(str, w["steps"]))}]' in text
+    assert os.path.getsize(runs["base"] / FILE_NAME) < 20_000
