@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.metrics import STEP_PHASES, TOTALS, ordered, share_base
+from phase_timer.report import ReportError
 from phase_timer.run_summary import FILE_NAME, SCHEMA
 from phase_timer.stats import percentile
 
@@ -55,8 +56,8 @@ READS_VERSIONS = (1, 2)
 EXIT_SLOWER = 1
 
 
-class CompareError(Exception):
-    """Bad input: one line on stderr, exit status 2."""
+#: Bad input: one line on stderr, exit status 2 (the report's error: one kind for both commands).
+CompareError = ReportError
 
 
 @dataclass
@@ -85,10 +86,10 @@ def load_side(path: str) -> Side:
     if not os.path.exists(path):
         raise CompareError(f"{path}: no such file or directory")
     if os.path.isfile(path):
-        return _from_summary(path, _read_summary(path))
+        return _from_summary(path, read_summary(path))
     summary = find_summary(path)
     if summary is not None:
-        return _from_summary(summary, _read_summary(summary))
+        return _from_summary(summary, read_summary(summary))
     return _from_tensorboard(path)
 
 
@@ -108,7 +109,8 @@ def find_summary(directory: str) -> str | None:
     return found[0] if found else None
 
 
-def _read_summary(path: str) -> dict[str, Any]:
+def read_summary(path: str) -> dict[str, Any]:
+    """A run summary file's content, checked to be one (a version this reads)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -164,7 +166,7 @@ def _from_tensorboard(path: str) -> Side:
 
 def _tensorboard_side(path: str) -> Side:
     """A run's values and batches from its TensorBoard files (one run only)."""
-    from phase_timer.report import ReportError, check_event_file, event_dirs, read_phase_scalars
+    from phase_timer.report import check_event_file, event_dirs, read_phase_scalars
 
     try:
         found = []

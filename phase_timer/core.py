@@ -23,6 +23,7 @@ from phase_timer.metrics import (
     IN_FLIGHT_TAG,
     SKIPPED_TAG,
     WINDOW_STEPS_TAG,
+    format_own_cost,
     format_rank_table,
     format_summary,
     rank_scalars,
@@ -341,12 +342,8 @@ class TimingCore:
         if own is None:
             return None
         period = self.totals.phases.get("period")
-        pct = f" ({100 * own / 1e3 / period.mean:.2f}% of period)" if period is not None and period.mean > 0 else ""
-        line = f"phase-timer's own host time: {own:.1f} µs/step{pct}, sampled on {len(self.signals.own_ns)} steps"
-        if self.host_ahead:
-            line += ("; the host runs ahead of the device, so this time is hidden behind the device's work (it "
-                     "includes waits in the driver's full launch queue, which the next launch would make anyway)")
-        return line
+        share = own / 1e3 / period.mean if period is not None and period.mean > 0 else None
+        return format_own_cost(own, share, len(self.signals.own_ns), self.host_ahead)
 
     @property
     def host_ahead(self) -> bool | None:

@@ -70,6 +70,12 @@ class Diagnosis:
         out["secondary"] = [d.as_dict() for d in self.secondary]
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Diagnosis:
+        """The finding :meth:`as_dict` wrote (as the run summary file holds it)."""
+        return cls(d["kind"], d["severity"], d["why"], tuple(d.get("next") or ()), dict(d.get("evidence") or {}),
+                   tuple(cls.from_dict(s) for s in d.get("secondary") or ()))
+
 
 class Signals:
     """What the rules read, gathered during the run (per window or on sampled steps, never per step)."""

@@ -37,8 +37,11 @@ def share_base(phase: str) -> str | None:
 
 def share_note(clock: str | None = None) -> str:
     """The footnote that says what the share column is, on this clock (``None``: not known)."""
+    if clock == "host":  # no device clock: no idle, and each phase is host time (on a CPU, the work itself)
+        return ("share: h2d, forward, backward, optimizer of `step`; the rest of `period`. All on the host clock: "
+                "a phase is the host's time between its boundaries (on a CPU, the work itself)")
     note = "share: h2d, forward, backward, optimizer, idle of `step`; the rest of `period`"
-    return note + " (all host clock)" if clock == "host" else note
+    return note if clock is None else note.replace("`step`", "`step` (device clock)")
 
 WINDOW_PREFIX = "phase_time"
 STEP_PREFIX = "phase_time_step"
@@ -178,3 +181,14 @@ def format_rank_table(totals: RankTotals, title: str = "phase-timer") -> str:
         note += f"\nno report from rank(s) {missing}"
     body = "\n".join(line(r) for r in rows[:-1])
     return f"{title}: per rank ({len(ranks)} of {totals.world_size})\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{line(rows[-1])}\n{rule}\n{note}"
+
+
+def format_own_cost(us_per_step: float, share_of_period: float | None, samples: int, host_ahead: bool | None) -> str:
+    """"phase-timer's own host time: X µs/step (Y% of period), sampled on N steps" (+ why it may be hidden)."""
+    pct = f" ({100 * share_of_period:.2f}% of period)" if share_of_period is not None else ""
+    line = f"phase-timer's own host time: {us_per_step:.1f} µs/step{pct}, sampled on {samples} steps"
+    if host_ahead:
+        line += ("; the host runs ahead of the device, so this time is hidden behind the device's work (it "
+                 "includes waits in the driver's full launch queue, which the next launch would make anyway)")
+    return line
+

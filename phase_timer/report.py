@@ -62,7 +62,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import SKIPPED_TAG, STEP_PREFIX, TOTALS, WINDOW_PREFIX, ordered, share_base, share_note
+from phase_timer.metrics import (
+    SKIPPED_TAG,
+    STEP_PREFIX,
+    TOTALS,
+    WINDOW_PREFIX,
+    format_own_cost,
+    ordered,
+    share_base,
+    share_note,
+)
+from phase_timer.run_summary import FILE_NAME
 from phase_timer.stats import WINDOW_STATS, percentile
 
 EXIT_ERROR = 2
@@ -70,6 +80,8 @@ PROG = "phase-timer"
 _WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
 _STAT_KEYS = ("mean_ms", "p50_ms", "p90_ms", "max_ms")
+#: What ``--json`` copies from a run summary file as it is there.
+_SUMMARY_KEYS = ("interrupted", "steps_in_flight", "own_cost", "diagnosis")
 
 Points = list[tuple[int, float]]
 
@@ -85,6 +97,8 @@ class PhaseStats:
     p90_ms: float | None
     max_ms: float | None
     share: float | None = None
+    #: From a run summary file only.
+    p99_ms: float | None = None
 
 
 @dataclass
@@ -97,6 +111,10 @@ class RunReport:
     phases: dict[str, PhaseStats]
     #: Window mean of each phase at each window's last step (what the figure draws).
     timeline: dict[str, Points] = field(default_factory=dict)
+    #: The clock of the step's phases ("cuda", "host"), where known (from a run summary file).
+    clock: str | None = None
+    #: The run summary file's content (``source == "summary"``).
+    summary: dict[str, Any] | None = None
 
 
 @dataclass
@@ -184,22 +202,58 @@ def read_phase_scalars(run_dir: str) -> PhaseScalars:
     return out
 
 
+def run_dirs(logdir: str) -> dict[str, tuple[list[str], str | None]]:
+    """Runs at or under ``logdir``: each directory with event files or a run summary file, with both.
+
+    ``logdir`` may also be a run summary file (any ``.json`` name): that run.
+    """
+    if os.path.isfile(logdir) and logdir.endswith(".json"):
+        run_dir = os.path.dirname(os.path.abspath(logdir))
+        files = sorted(os.path.join(run_dir, f) for f in os.listdir(run_dir) if _is_event_file(f))
+        return {os.path.normpath(os.path.dirname(logdir) or "."): (files, logdir)}
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        raise ReportError(f"{logdir}: not a directory (nor a run summary .json file)")
+    summaries = set()
+    if os.path.isdir(logdir):
+        for dirpath, dirnames, filenames in os.walk(logdir, onerror=_raise_walk_error):
+            dirnames.sort()
+            if FILE_NAME in filenames:
+                summaries.add(os.path.normpath(dirpath))
+    try:
+        events = event_dirs(logdir)
+    except ReportError:
+        if not summaries:
+            raise
+        events = {}
+    runs = sorted(set(events) | summaries)
+    return {d: (events.get(d, []), os.path.join(d, FILE_NAME) if d in summaries else None) for d in runs}
+
+
 def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
     """One report per phase-timer run found under the log dirs, in the order given."""
+    from phase_timer.compare import read_summary
+
     reports: list[RunReport] = []
     seen: set[str] = set()
     for logdir in logdirs:
         found = 0
-        for run_dir, files in event_dirs(logdir).items():
+        for run_dir, (files, summary_path) in run_dirs(logdir).items():
             for path in files:
                 check_event_file(path)
             key = os.path.realpath(run_dir)
-            scalars = read_phase_scalars(run_dir)
-            if scalars.empty:
+            scalars = read_phase_scalars(run_dir) if files else PhaseScalars(window={}, step={}, skipped=[])
+            use_summary = summary_path is not None and source in ("auto", "summary")
+            if scalars.empty and not use_summary:
                 continue
             found += 1
-            if key not in seen:
-                seen.add(key)
+            if key in seen:
+                continue
+            seen.add(key)
+            if use_summary:
+                reports.append(summary_report(run_dir, read_summary(summary_path), scalars))
+            elif source == "summary":
+                raise ReportError(f"{run_dir}: no {FILE_NAME} (a run from before phase-timer wrote one: use --source auto)")
+            else:
                 reports.append(build_report(run_dir, scalars, source))
         if not found:
             raise ReportError(f"{logdir}: event files hold no phase-timer scalars ({WINDOW_PREFIX}/...)")
@@ -286,6 +340,51 @@ def build_report(run_dir: str, scalars: PhaseScalars, source: str = "auto") -> R
     )
 
 
+def summary_report(run_dir: str, data: dict[str, Any], scalars: PhaseScalars) -> RunReport:
+    """A run from its summary file: the run's own statistics over every timed step, and its verdict."""
+    phases = {}
+    rows = data.get("phases") or {}
+    for p in ordered(list(rows)):
+        r = rows[p]
+        phases[p] = PhaseStats(r.get("mean_ms"), r.get("p50_ms"), r.get("p90_ms"), r.get("max_ms"),
+                               1.0 if p == "step" else r.get("share"), p99_ms=r.get("p99_ms"))
+    steps = data.get("steps") or {}
+    windows = data.get("windows") or {}
+    if scalars.empty:  # no TensorBoard files: the summary's own window columns draw the figure
+        last = windows.get("last_step") or []
+        timeline = {p: [(s, v) for s, v in zip(last, cols.get("mean_ms") or []) if v is not None]
+                    for p, cols in (windows.get("phases") or {}).items()}
+        timeline = {p: timeline[p] for p in ordered(list(timeline))}
+        n_windows = len(last) * int(windows.get("windows_per_batch") or 1)
+    else:
+        timeline, n_windows = _timeline(scalars), _window_count(scalars)
+    return RunReport(
+        run=run_dir, source="summary", steps=steps.get("timed"), windows=n_windows,
+        skipped_steps=int(steps.get("skipped") or 0), phases=phases, timeline=timeline,
+        clock=(data.get("environment") or {}).get("clock"), summary=data,
+    )
+
+
+def summary_lines(data: dict[str, Any]) -> list[str]:
+    """What a summary file adds below the table: steps in flight, phase-timer's own cost, the verdict."""
+    from phase_timer.diagnosis import Diagnosis, format_verdict
+
+    lines = []
+    if data.get("interrupted"):
+        lines.append("the run was interrupted: these numbers cover the steps timed before that")
+    flight = data.get("steps_in_flight")
+    if flight:
+        ahead = "the host ran ahead of the GPU" if flight["median"] >= 1 else "the GPU mostly caught up at each step's end"
+        lines.append(f"steps in flight: median {flight['median']:g}, mean {flight['mean']:.1f}, over "
+                     f"{flight['samples']} sampled step ends ({ahead})")
+    own = data.get("own_cost")
+    if own:
+        lines.append(format_own_cost(own["us_per_step"], own.get("share_of_period"), own["samples"], own.get("host_ahead")))
+    if data.get("diagnosis"):
+        lines.append(format_verdict(Diagnosis.from_dict(data["diagnosis"])))
+    return lines
+
+
 def _window_count(scalars: PhaseScalars) -> int:
     return len({s for stats in scalars.window.values() for s, _ in stats.get("mean", [])})
 
@@ -298,6 +397,7 @@ def _timeline(scalars: PhaseScalars) -> dict[str, Points]:
 
 # -- output: tables, JSON --------------------------------------------------------------
 _HEADERS = {
+    "summary": ("mean ms", "p50 ms", "p90 ms", "p99 ms", "max ms"),
     "step": ("mean ms", "p50 ms", "p90 ms", "max ms"),
     "window": (
         "mean ms\n(mean of\nwindow means)",
@@ -317,7 +417,13 @@ def _pct(v: float | None) -> str:
 
 
 def _describe(report: RunReport) -> str:
-    if report.source == "step":
+    if report.source == "summary":
+        steps = (report.summary or {}).get("steps") or {}
+        what = (f"{report.steps} steps timed ({steps.get('warmup', 0)} warm-up steps before them); the run's own "
+                f"statistics over every timed step, from its {FILE_NAME} (percentiles within 0.5%)")
+        if report.clock:
+            what += f"; the step's phases on the {report.clock} clock"
+    elif report.source == "step":
         what = f"{report.steps} steps timed; exact statistics over per-step values"
     else:
         what = f"{report.windows} logging windows; summaries of the window summaries (per-step values not logged)"
@@ -330,12 +436,16 @@ def format_run(report: RunReport) -> str:
     """One run's table: phase, four statistics in ms, share."""
     from tabulate import tabulate
 
+    exact = report.source == "summary"
     rows = [
-        (p, _ms(s.mean_ms), _ms(s.p50_ms), _ms(s.p90_ms), _ms(s.max_ms), _pct(s.share)) for p, s in report.phases.items()
+        (p, _ms(s.mean_ms), _ms(s.p50_ms), _ms(s.p90_ms), *((_ms(s.p99_ms),) if exact else ()), _ms(s.max_ms),
+         _pct(s.share))
+        for p, s in report.phases.items()
     ]
     headers = ("phase", *_HEADERS[report.source], "share")
-    table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * 5)
-    return f"{_describe(report)}\n{table}\n{share_note()}"
+    table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
+    extra = summary_lines(report.summary) if report.summary is not None else []
+    return "\n".join([_describe(report), table, share_note(report.clock), *extra])
 
 
 def run_labels(reports: Sequence[RunReport]) -> list[str]:
@@ -381,19 +491,20 @@ def to_json(reports: Sequence[RunReport]) -> dict[str, Any]:
     """The ``--json`` document (schema in the module docstring)."""
     runs = []
     for r in reports:
-        phases = {
-            p: {**{k: _finite(getattr(s, k)) for k in _STAT_KEYS}, "share": _finite(s.share)} for p, s in r.phases.items()
+        keys = _STAT_KEYS + (("p99_ms",) if r.source == "summary" else ())
+        phases = {p: {**{k: _finite(getattr(s, k)) for k in keys}, "share": _finite(s.share)} for p, s in r.phases.items()}
+        run = {
+            "run": r.run,
+            "source": r.source,
+            "steps": r.steps,
+            "windows": r.windows,
+            "skipped_steps": r.skipped_steps,
+            "phases": phases,
         }
-        runs.append(
-            {
-                "run": r.run,
-                "source": r.source,
-                "steps": r.steps,
-                "windows": r.windows,
-                "skipped_steps": r.skipped_steps,
-                "phases": phases,
-            }
-        )
+        if r.summary is not None:
+            run.update({k: r.summary.get(k) for k in _SUMMARY_KEYS})
+            run["clock"] = r.clock
+        runs.append(run)
     return {"runs": runs}
 
 
@@ -486,10 +597,11 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", metavar="FILE", help="also write a figure: phase shares and phase times over steps")
     parser.add_argument(
         "--source",
-        choices=("auto", "window", "step"),
+        choices=("auto", "summary", "step", "window"),
         default="auto",
-        help="statistics from per-step values (exact; needs per_step=True), from the window summaries, "
-        "or auto: per-step when present (default)",
+        help=f"statistics from the run's {FILE_NAME} (its own totals over every step, with its verdict), from "
+        "per-step values (exact; needs per_step=True), from the window summaries, or auto: the first of these "
+        "the run has (default)",
     )
 
 
@@ -497,7 +609,8 @@ _REPORT_HELP = (
     "Tables of where each step's time went, per phase: mean, p50, p90, max (ms) and share of the step. "
     "From per-step values (runs logged with per_step=True) the statistics are exact; from the window summaries "
     "alone the columns are: mean = mean of window means (every window weighs the same), p50 = median of window p50, "
-    "p90 = max of window p90, max = max of window max.  Share: device phases of `step`, host phases of `period`."
+    "p90 = max of window p90, max = max of window max.  Share: the step's phases (h2d, forward, backward, "
+    "optimizer, idle) of `step`, the rest of `period`."
 )
 
 

@@ -35,6 +35,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         timer = PhaseTimer(warmup_steps=1, per_step=per_step, summary=False)
         t = trainer(NS, str(root), [timer], max_steps=STEPS, log_every_n_steps=WINDOW)
         t.fit(module_class(NS)(), loader())
+        os.unlink(timer.summary_path)  # runs from before the summary file: TensorBoard alone
     return {"root": root, "window": root / "logs" / "version_0", "step": root / "logs" / "version_1"}
 
 
@@ -144,6 +145,88 @@ def test_source_can_be_forced(runs, capsys):
     assert report_json(capsys, "--source", "window", runs["step"])["runs"][0]["source"] == "window"
     code, _, err = report(capsys, "--source", "step", runs["window"])
     assert code == 2 and str(runs["window"]) in err and "per_step=True" in err
+
+
+# -- from the run summary file ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def summary_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A real Lightning run that keeps its summary file, with per-step values to check it against."""
+    from phase_timer import PhaseTimer
+
+    os.environ.setdefault("PL_DISABLE_FORK", "1")
+    root = tmp_path_factory.mktemp("report_summary")
+    timer = PhaseTimer(warmup_steps=1, per_step=True, summary=False)
+    t = trainer(NS, str(root), [timer], max_steps=STEPS, log_every_n_steps=WINDOW)
+    t.fit(module_class(NS)(), loader())
+    return {"dir": Path(timer.log_dir), "file": Path(timer.summary_path), "diagnosis": timer.diagnosis}
+
+
+def test_with_a_summary_file_the_report_is_the_runs_own(summary_run, capsys):
+    from phase_timer.diagnosis import format_verdict
+
+    code, out, err = report(capsys, summary_run["dir"])
+    assert code == 0, err
+    assert f"{STEPS - 1} steps timed" in out and "the run's own statistics over every timed step" in out
+    assert "p99 ms" in out and "window means" not in out
+    scalars = read_scalars(str(summary_run["dir"]))
+    rows = table_rows(out)
+    for phase in phases_of(scalars, "phase_time_step/"):
+        exact = sorted(v for _, v in scalars[f"phase_time_step/{phase}_ms"])
+        mean, p50, p90, p99, mx = (float(c) for c in rows[phase][:5])
+        assert mean == pytest.approx(statistics.fmean(exact), abs=1e-3), phase
+        assert mx == pytest.approx(exact[-1], abs=1e-3), phase
+        for got, q in ((p50, 50), (p90, 90), (p99, 99)):
+            # The run's histogram (1% buckets): within 0.5% of a step's value at that rank (+ the 3 decimals).
+            pos = (len(exact) - 1) * q / 100
+            lo, hi = exact[int(pos)], exact[min(int(pos) + 1, len(exact) - 1)]
+            assert lo * 0.995 - 1e-3 <= got <= hi * 1.005 + 1e-3, (phase, q, got, lo, hi)
+    assert "All on the host clock" in out
+    assert format_verdict(summary_run["diagnosis"]) in out  # the verdict, as the run printed it
+    own = json.loads(summary_run["file"].read_text())["own_cost"]  # 1 step in ~96 is sampled: maybe none here
+    assert ("phase-timer's own host time:" in out) == (own is not None)
+
+
+def test_summary_json_carries_the_verdict_and_the_exact_columns(summary_run, capsys):
+    run = report_json(capsys, summary_run["file"])["runs"][0]  # the file itself names the run
+    assert run["source"] == "summary" and run["clock"] == "host" and run["steps"] == STEPS - 1
+    assert run["diagnosis"] == summary_run["diagnosis"].as_dict()
+    assert run["interrupted"] is False and run["steps_in_flight"] is None  # nothing is in flight on the host clock
+    assert set(run["phases"]["step"]) == {"mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "share"}
+    data = json.loads(summary_run["file"].read_text())
+    assert run["own_cost"] == data["own_cost"]
+    for p, stats in run["phases"].items():
+        assert stats["mean_ms"] == data["phases"][p]["mean_ms"]
+
+
+def test_source_summary_on_a_run_without_one_is_an_error(runs, summary_run, capsys):
+    assert report_json(capsys, "--source", "step", summary_run["dir"])["runs"][0]["source"] == "step"
+    code, _, err = report(capsys, "--source", "summary", runs["window"])
+    assert code == 2 and "no phase_timer_summary.json" in err
+
+
+def test_a_summary_file_alone_is_a_run_with_its_own_windows(summary_run, tmp_path, capsys):
+    alone = tmp_path / "ci_artifact"
+    alone.mkdir()
+    shutil.copy(summary_run["file"], alone / "phase_timer_summary.json")
+    png = tmp_path / "alone.png"
+    code, out, err = report(capsys, alone, "--png", png)
+    assert code == 0, err
+    assert "the run's own statistics" in out and png.read_bytes()[:8] == PNG_MAGIC
+    doc = report_json(capsys, alone)
+    assert doc["runs"][0]["windows"] == len(json.loads(summary_run["file"].read_text())["windows"]["steps"])
+
+
+def test_an_interrupted_run_says_so_and_a_corrupt_summary_is_an_error(summary_run, tmp_path, capsys):
+    data = json.loads(summary_run["file"].read_text())
+    data["interrupted"] = True
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "phase_timer_summary.json").write_text(json.dumps(data))
+    code, out, _ = report(capsys, cut)
+    assert code == 0 and "the run was interrupted" in out
+    (cut / "phase_timer_summary.json").write_text('{"schema": "phase-timer/run-')
+    code, out, err = report(capsys, cut)
+    assert code == 2 and out == "" and "not JSON" in err and len(err.strip().splitlines()) == 1
 
 
 # -- several runs ----------------------------------------------------------------------------
