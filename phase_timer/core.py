@@ -224,7 +224,7 @@ class TimingCore:
             self.ranks.add(key, last_step, steps, columns)
         summary = summarize_columns(columns)
         self.signals.add_window(steps, summary)
-        self.series.add(last_step, steps, summary, {p: len(v) for p, v in columns.items()})
+        self.series.add(last_step, steps, summary, columns)
         scalars = window_scalars(summary)
         scalars[WINDOW_STEPS_TAG] = float(steps)
         if self._flight_n:  # the samples taken since the last window (none: no value, not a zero)

@@ -509,13 +509,18 @@ def to_json(reports: Sequence[RunReport]) -> dict[str, Any]:
 
 
 # -- output: figure --------------------------------------------------------------------
-def _phase_colors(phases: list[str]) -> dict[str, Any]:
-    import matplotlib
+#: One colour per built-in phase, the same in every panel and every figure (the TensorBoard
+#: layout's order); custom phases take the colours after them.
+_BUILTIN_COLORS = {
+    "data_wait": "#8c564b", "sync_wait": "#e377c2", "h2d": "#9467bd", "forward": "#1f77b4", "backward": "#ff7f0e",
+    "optimizer": "#2ca02c", "idle": "#7f7f7f", "between_steps": "#bcbd22", "step": "black", "period": "grey",
+}
+_OTHER_COLORS = ("#17becf", "#d62728", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2")
 
-    cmap = matplotlib.colormaps["tab10"]
-    colors = {p: cmap(i % 10) for i, p in enumerate(p for p in phases if p not in TOTALS)}
-    colors.update({"step": "black", "period": "grey"})
-    return colors
+
+def _phase_colors(phases: list[str]) -> dict[str, Any]:
+    custom = [p for p in phases if p not in _BUILTIN_COLORS]
+    return {**_BUILTIN_COLORS, **{p: _OTHER_COLORS[i % len(_OTHER_COLORS)] for i, p in enumerate(custom)}}
 
 
 def _device_phases(reports: Sequence[RunReport]) -> list[str]:
@@ -524,7 +529,7 @@ def _device_phases(reports: Sequence[RunReport]) -> list[str]:
 
 
 def _draw_shares(ax: Any, reports: Sequence[RunReport], labels: list[str], colors: dict[str, Any]) -> None:
-    """Stacked horizontal bars: each device phase's share of ``step``, one bar per run."""
+    """Stacked horizontal bars: each step phase's share of ``step``, one bar per run."""
     y = list(range(len(reports)))[::-1]  # the first run on top
     lefts = [0.0] * len(reports)
     for phase in _device_phases(reports):
@@ -540,24 +545,89 @@ def _draw_shares(ax: Any, reports: Sequence[RunReport], labels: list[str], color
     ax.set_ylim(-1, len(reports))  # bars of a sensible thickness for one run or many
     ax.set_xlim(0, max(100.0, *lefts))
     ax.set_xlabel("share of step (%)")
-    ax.set_title("where the step goes (device phases)", fontsize=10)
+    ax.set_title("where the step goes (mean)", fontsize=10)
+
+
+def _draw_distribution(ax: Any, reports: Sequence[RunReport], labels: list[str], colors: dict[str, Any]) -> None:
+    """Per phase and run: p50 to p90 (thick), on to p99 or max (thin), the mean (dot); log scale in ms."""
+    phases = ordered({p for r in reports for p in r.phases})
+    n = len(reports)
+    markers = ("o", "s", "^", "D", "v", "P")
+    ticks, where = [], []
+    for i, phase in enumerate(phases):
+        base = (len(phases) - 1 - i) * (n + 1)
+        for j, r in enumerate(reports):
+            st = r.phases.get(phase)
+            if st is None or st.p50_ms is None:
+                continue
+            yv = base + (n - 1 - j)
+            top = st.p99_ms if st.p99_ms is not None else st.max_ms
+            lo = max(st.p50_ms, 1e-3)
+            ax.plot([lo, max(st.p90_ms or lo, 1e-3)], [yv, yv], color=colors[phase], linewidth=5, solid_capstyle="butt")
+            if top is not None:
+                ax.plot([max(st.p90_ms or lo, 1e-3), max(top, 1e-3)], [yv, yv], color=colors[phase], linewidth=1.2)
+            if st.mean_ms is not None:
+                ax.plot([max(st.mean_ms, 1e-3)], [yv], marker=markers[j % len(markers)], color="black", markersize=4)
+        ticks.append(phase)
+        where.append(base + (n - 1) / 2)
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
+
+    ax.set_yticks(where, ticks, fontsize=8)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+    ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel("ms per step (log scale)")
+    exact = all(r.source in ("summary", "step") for r in reports)
+    top = "p99" if all(r.source == "summary" for r in reports) else "max"
+    how = "over every step" if exact else "(window summaries where no per-step values)"
+    title = f"distribution {how}: p50 to p90 thick, on to {top} thin, mean marked"
+    if n > 1:
+        shapes = ("●", "■", "▲", "◆", "▼", "✚")
+        title += "\nruns, top to bottom: " + ", ".join(f"{lab} {shapes[j % len(shapes)]}" for j, lab in enumerate(labels))
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3, which="both")
+
+
+def _aligned(points: Points, xs: list[int]) -> list[float]:
+    at = dict(points)
+    return [at.get(x, 0.0) for x in xs]
 
 
 def _draw_timeline(ax: Any, report: RunReport, label: str, colors: dict[str, Any]) -> None:
-    for phase, points in report.timeline.items():
-        if not points:
-            continue
-        xs, ys = zip(*points)
-        style = {"linestyle": "--", "linewidth": 1.2} if phase in TOTALS else {"linewidth": 1.6}
-        ax.plot(xs, ys, marker="o", markersize=3, color=colors[phase], label=phase, **style)
-    ax.set_title(f"{label}: window mean per phase" if report.windows else f"{label}: per step", fontsize=10)
-    ax.set_ylabel("ms")
+    """The step's phases stacked over the run (window means), the host's waits stacked above them up to
+    ``period``; ``step`` and ``period`` as lines; custom phases as thin lines."""
+    tl = {p: pts for p, pts in report.timeline.items() if pts}
+    xs = sorted({s for pts in tl.values() for s, _ in pts})
+    if not xs:
+        return
+    inside = [p for p in tl if share_base(p) == "step" and p in _BUILTIN_COLORS]
+    waits = [p for p in ("data_wait", "sync_wait", "between_steps") if p in tl]
+    if inside:
+        ax.stackplot(xs, *(_aligned(tl[p], xs) for p in inside), colors=[colors[p] for p in inside], labels=inside,
+                     alpha=0.9)
+    base = _aligned(tl["step"], xs) if "step" in tl else [sum(v) for v in zip(*(_aligned(tl[p], xs) for p in inside))]
+    for p in waits:
+        top = [b + v for b, v in zip(base, _aligned(tl[p], xs))]
+        ax.fill_between(xs, base, top, color=colors[p], alpha=0.45, label=p, linewidth=0)
+        base = top
+    for p in TOTALS:
+        if p in tl:
+            style = {"color": colors[p], "linewidth": 1.4, "linestyle": "-" if p == "step" else "--"}
+            ax.plot(*zip(*tl[p]), label=p, **style)
+    for p in tl:
+        if p not in _BUILTIN_COLORS:
+            ax.plot(*zip(*tl[p]), color=colors[p], linewidth=1.2, linestyle=":", label=p)
+    what = "window mean" if report.source != "step" else "per step"
+    ax.set_title(f"{label}: where the time goes over the run ({what}; the waits stacked above the step)", fontsize=10)
+    ax.set_ylabel("ms per step")
     ax.grid(True, alpha=0.3)
-    ax.set_ylim(bottom=0)
+    ax.set_xlim(xs[0], xs[-1] if len(xs) > 1 else xs[0] + 1)
 
 
 def write_png(reports: Sequence[RunReport], path: str) -> None:
-    """Shares (left) and phase times over steps (right, one row per run) into ``path``."""
+    """Shares and the distribution (left), the phases stacked over the run (right, one row per run), into ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -566,16 +636,25 @@ def write_png(reports: Sequence[RunReport], path: str) -> None:
     labels = run_labels(reports)
     colors = _phase_colors(ordered({p for r in reports for p in r.phases}))
     n = len(reports)
-    fig = plt.figure(figsize=(14, 1.5 + 3.0 * n), layout="constrained")
-    grid = fig.add_gridspec(n, 2, width_ratios=(1, 1.4))
-    _draw_shares(fig.add_subplot(grid[:, 0]), reports, labels, colors)
-    axes = [fig.add_subplot(grid[i, 1]) for i in range(n)]
+    fig = plt.figure(figsize=(15, 3.0 + 3.0 * n), layout="constrained")
+    grid = fig.add_gridspec(max(2, n), 2, width_ratios=(1, 1.5))
+    half = max(1, max(2, n) // 2)
+    _draw_shares(fig.add_subplot(grid[:half, 0]), reports, labels, colors)
+    _draw_distribution(fig.add_subplot(grid[half:, 0]), reports, labels, colors)
+    if n > 1:  # one y scale for every run: heights compare at a glance
+        first = fig.add_subplot(grid[0, 1])
+        axes = [first] + [fig.add_subplot(grid[i, 1], sharex=first, sharey=first) for i in range(1, n)]
+    else:
+        axes = [fig.add_subplot(grid[:, 1])]
     for ax, r, label in zip(axes, reports, labels):
         _draw_timeline(ax, r, label, colors)
+    top = max(ax.get_ylim()[1] for ax in axes)
+    for ax in axes:
+        ax.set_ylim(0, top)
     axes[-1].set_xlabel("step")
     handles = {h.get_label(): h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]}
     names = ordered(list(handles))
-    fig.legend([handles[p] for p in names], names, loc="outside lower center", ncol=min(len(names), 9), frameon=False)
+    fig.legend([handles[p] for p in names], names, loc="outside lower center", ncol=min(len(names), 10), frameon=False)
     fig.suptitle("phase-timer")
     try:
         fig.savefig(path, dpi=110)

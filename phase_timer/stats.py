@@ -196,19 +196,33 @@ class WindowSeries:
         self.windows_per_batch = 1
         #: Complete batches: (steps, last step, {phase: (count, mean, p50, p90)}).
         self.batches: list[tuple[int, int, dict[str, tuple[int, float, float, float]]]] = []
-        self._open: tuple[int, int, dict[str, tuple[int, float, float, float]]] | None = None
-        self._open_windows = 0
+        # The batch filling: per phase [count, and count-weighted sums of mean, p50, p90].
+        self._acc: dict[str, list[float]] = {}
+        self._steps = self._last = self._windows = 0
 
-    def add(self, last_step: int, steps: int, summary: dict[str, dict[str, float]], counts: dict[str, int]) -> None:
-        """One window: its steps, its last step, each phase's statistics and value count."""
-        window = (steps, last_step, {p: (counts[p], s["mean"], s["p50"], s["p90"]) for p, s in summary.items()})
-        self._open = window if self._open is None else _merge(self._open, window)
-        self._open_windows += 1
-        if self._open_windows < self.windows_per_batch:
+    def add(self, last_step: int, steps: int, summary: dict[str, dict[str, float]], columns: dict[str, list]) -> None:
+        """One window: its last step, its steps, each phase's statistics and its values (for their count)."""
+        acc = self._acc
+        for p, st in summary.items():
+            n = len(columns[p])
+            a = acc.get(p)
+            if a is None:
+                acc[p] = [n, n * st["mean"], n * st["p50"], n * st["p90"]]
+            else:
+                a[0] += n
+                a[1] += n * st["mean"]
+                a[2] += n * st["p50"]
+                a[3] += n * st["p90"]
+        self._steps += steps
+        self._last = last_step
+        self._windows += 1
+        if self._windows < self.windows_per_batch:
             return
-        self.batches.append(self._open)
-        self._open, self._open_windows = None, 0
-        if len(self.batches) == self.max_batches:
+        self.batches.append((self._steps, self._last, {p: (a[0], a[1] / a[0], a[2] / a[0], a[3] / a[0])
+                                                       for p, a in acc.items() if a[0]}))
+        self._acc = {}
+        self._steps = self._last = self._windows = 0
+        if len(self.batches) == self.max_batches:  # rare: once per doubling of the run
             self.batches = [_merge(a, b) for a, b in zip(self.batches[::2], self.batches[1::2])]
             self.windows_per_batch *= 2
 

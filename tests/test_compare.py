@@ -211,6 +211,24 @@ def test_without_a_summary_file_the_tensorboard_windows_are_used_and_said(runs, 
         assert row["noise_pct"] is not None
 
 
+def test_a_version_1_summary_file_takes_its_band_from_tensorboard_or_gates_on_the_threshold(runs, capsys, tmp_path):
+    def to_v1(d):
+        d["schema_version"] = 1
+        del d["windows"]
+
+    old = _edited_copy(runs["slow_optimizer"], tmp_path / "v1", to_v1)
+    code, doc, err = compare_json(capsys, runs["base"], old, "--fail-above", "5")
+    assert code == 1 and doc["phases"]["step"]["noise_pct"] is not None
+    assert "noise band from TensorBoard windows beside the summary file" in err
+    alone = tmp_path / "v1_alone"
+    alone.mkdir()
+    shutil.move(old / FILE_NAME, alone / FILE_NAME)  # no TensorBoard files beside it: no band
+    code, out, err = compare(capsys, runs["base"], alone, "--fail-above", "5")
+    assert code == 1 and "noise unknown" in out and "gated on the threshold alone" not in out  # it failed
+    code, out, err = compare(capsys, runs["base"], alone, "--fail-above", "500")
+    assert code == 0 and "step: noise unknown, gated on the threshold alone" in out
+
+
 def test_warns_when_the_runs_are_not_comparable(runs, capsys):
     code, out, err = compare(capsys, runs["base"], runs["other_batch"])
     assert code == 0
@@ -284,7 +302,7 @@ def test_window_series_keeps_at_most_its_batches_and_merges_exactly():
     for k in range(37):
         values = sorted(rng.uniform(1, 3) for _ in range(5))
         summary = {"step": {"mean": statistics.fmean(values), "p50": values[2], "p90": values[4]}}
-        series.add(5 * (k + 1), 5, summary, {"step": 5})
+        series.add(5 * (k + 1), 5, summary, {"step": values})
         windows.append(values)
     assert 4 <= len(series.batches) <= 8 and series.windows_per_batch == 8
     # Complete batches only: 37 windows -> 4 batches of 8 (32 windows), 5 left filling.

@@ -272,6 +272,14 @@ def test_png_is_written(runs, tmp_path, capsys):
     assert "forward" in out and str(png) in err  # tables still printed; the note goes to stderr
 
 
+def test_a_phase_has_one_colour_in_every_figure():
+    from phase_timer.report import _phase_colors
+
+    few, many = _phase_colors(["forward", "step"]), _phase_colors(["data_wait", "h2d", "forward", "ema", "step"])
+    assert few["forward"] == many["forward"] and few["step"] == many["step"] == "black"
+    assert len({many[p] for p in ("data_wait", "h2d", "forward", "ema")}) == 4
+
+
 def test_png_with_json_keeps_stdout_json(runs, tmp_path, capsys):
     png = tmp_path / "one.png"
     doc = report_json(capsys, runs["window"], "--png", png)
