@@ -419,8 +419,9 @@ def _pct(v: float | None) -> str:
 def _describe(report: RunReport) -> str:
     if report.source == "summary":
         steps = (report.summary or {}).get("steps") or {}
-        what = (f"{report.steps} steps timed ({steps.get('warmup', 0)} warm-up steps before them); the run's own "
-                f"statistics over every timed step, from its {FILE_NAME} (percentiles within 0.5%)")
+        what = (f"{report.steps} steps timed, {report.skipped_steps} skipped (max_pending), {steps.get('warmup', 0)} "
+                f"warm-up; the run's own statistics over every timed step, from its {FILE_NAME} "
+                "(percentiles within 0.5%)")
         if report.clock:
             what += f"; the step's phases on the {report.clock} clock"
     elif report.source == "step":
