@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import STEP_PHASES, TOTALS, ordered, share_base
-from phase_timer.report import ReportError
+from phase_timer.metrics import STEP_PHASES, TOTALS, ordered
+from phase_timer.report import ReportError, check_event_file, read_phase_scalars, run_dirs
 from phase_timer.run_summary import FILE_NAME, SCHEMA
 from phase_timer.stats import percentile
 
@@ -54,10 +54,6 @@ METRICS = ("mean", "p50", "p90")
 #: The summary file versions this reads (1 has no window columns: its band comes from TensorBoard).
 READS_VERSIONS = (1, 2)
 EXIT_SLOWER = 1
-
-
-#: Bad input: one line on stderr, exit status 2 (the report's error: one kind for both commands).
-CompareError = ReportError
 
 
 @dataclass
@@ -82,31 +78,23 @@ class Side:
 
 # -- reading a side ---------------------------------------------------------------------
 def load_side(path: str) -> Side:
-    """A run directory or a summary file; the TensorBoard windows where no summary file is."""
+    """A run directory or a summary file; the TensorBoard windows where no summary file is.
+
+    Bad input is a :class:`~phase_timer.report.ReportError`: one line on stderr, exit status 2.
+    """
     if not os.path.exists(path):
-        raise CompareError(f"{path}: no such file or directory")
+        raise ReportError(f"{path}: no such file or directory")
     if os.path.isfile(path):
         return _from_summary(path, read_summary(path))
-    summary = find_summary(path)
-    if summary is not None:
-        return _from_summary(summary, read_summary(summary))
-    return _from_tensorboard(path)
-
-
-def find_summary(directory: str) -> str | None:
-    """The run summary file in ``directory`` or, failing that, the one below it (several: an error)."""
-    direct = os.path.join(directory, FILE_NAME)
-    if os.path.isfile(direct):
-        return direct
-    found = []
-    for dirpath, dirnames, filenames in os.walk(directory):
-        dirnames.sort()
-        if FILE_NAME in filenames:
-            found.append(os.path.join(dirpath, FILE_NAME))
-    if len(found) > 1:
-        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
-        raise CompareError(f"{directory}: holds {len(found)} run summaries ({shown}); name one run")
-    return found[0] if found else None
+    runs = run_dirs(path)
+    direct = runs.get(os.path.normpath(path), ([], None))[1]  # the run's own summary, before any below it
+    summaries = [direct] if direct else [s for _, s in runs.values() if s]
+    if len(summaries) > 1:
+        shown = ", ".join(summaries[:3]) + (", ..." if len(summaries) > 3 else "")
+        raise ReportError(f"{path}: holds {len(summaries)} run summaries ({shown}); name one run")
+    if summaries:
+        return _from_summary(summaries[0], read_summary(summaries[0]))
+    return _tensorboard_side(path, runs)
 
 
 def read_summary(path: str) -> dict[str, Any]:
@@ -115,13 +103,13 @@ def read_summary(path: str) -> dict[str, Any]:
         with open(path) as f:
             data = json.load(f)
     except OSError as err:
-        raise CompareError(f"{path}: cannot read ({err.strerror or err})") from err
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
     except ValueError as err:
-        raise CompareError(f"{path}: not JSON ({err})") from err
+        raise ReportError(f"{path}: not JSON ({err})") from err
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise CompareError(f"{path}: not a phase-timer run summary (no \"schema\": \"{SCHEMA}\")")
+        raise ReportError(f"{path}: not a phase-timer run summary (no \"schema\": \"{SCHEMA}\")")
     if data.get("schema_version") not in READS_VERSIONS:
-        raise CompareError(f"{path}: run summary version {data.get('schema_version')!r}; this phase-timer reads "
+        raise ReportError(f"{path}: run summary version {data.get('schema_version')!r}; this phase-timer reads "
                            f"{', '.join(map(str, READS_VERSIONS))}")
     return data
 
@@ -134,19 +122,21 @@ def _from_summary(path: str, data: dict[str, Any]) -> Side:
     }
     steps = (data.get("steps") or {}).get("timed")
     if not steps or not values:
-        raise CompareError(f"{path}: the run timed no steps ({(data.get('steps') or {}).get('untimed_reason') or 'none'})")
+        raise ReportError(f"{path}: the run timed no steps ({(data.get('steps') or {}).get('untimed_reason') or 'none'})")
     env = data.get("environment") or {}
     side = Side(path=path, source="summary", steps=steps, clock=env.get("clock"), values=values,
                 environment=env, door=data.get("door"), interrupted=bool(data.get("interrupted")))
     windows = data.get("windows")
     if windows:
         side.batches = _summary_batches(windows)
-    else:  # a version-1 file: the windows are in the TensorBoard files beside it, if anywhere
-        try:
-            side.batches = _tensorboard_side(os.path.dirname(path) or ".").batches
-            side.batches_from = "TensorBoard windows beside the summary file"
-        except CompareError:
-            side.batches_from = "none (a version-1 summary file and no TensorBoard files beside it)"
+        return side
+    # A version-1 file: its windows are in the TensorBoard files beside it, if there are any.
+    side.batches_from = "none (a version-1 summary file and no TensorBoard files beside it)"
+    try:
+        side.batches = _tensorboard_side(path, run_dirs(path)).batches
+        side.batches_from = "TensorBoard windows beside the summary file"
+    except ReportError:
+        pass
     return side
 
 
@@ -158,34 +148,21 @@ def _summary_batches(windows: dict[str, Any]) -> dict[str, dict[str, list[tuple[
     return out
 
 
-def _from_tensorboard(path: str) -> Side:
-    side = _tensorboard_side(path)
-    side.batches_from = None
-    return side
-
-
-def _tensorboard_side(path: str) -> Side:
-    """A run's values and batches from its TensorBoard files (one run only)."""
-    from phase_timer.report import check_event_file, event_dirs, read_phase_scalars
-
-    try:
-        found = []
-        for run_dir, files in event_dirs(path).items():
-            for f in files:
-                check_event_file(f)
-            scalars = read_phase_scalars(run_dir)
-            if not scalars.empty:
-                found.append((run_dir, scalars))
-    except ReportError as err:
-        raise CompareError(f"no {FILE_NAME} and {err}") from err
+def _tensorboard_side(path: str, runs: dict[str, tuple[list[str], str | None]]) -> Side:
+    """A run's values and batches from its TensorBoard files (``runs``: :func:`run_dirs` of ``path``; one run only)."""
+    found = []
+    for run_dir, (files, _) in runs.items():
+        for f in files:
+            check_event_file(f)
+        scalars = read_phase_scalars(run_dir) if files else None
+        if scalars is not None and not scalars.empty:
+            found.append((run_dir, scalars))
     if not found:
-        raise CompareError(f"{path}: no {FILE_NAME} and no phase-timer scalars in its TensorBoard files")
+        raise ReportError(f"{path}: no {FILE_NAME} and no phase-timer scalars in its TensorBoard files")
     if len(found) > 1:
-        raise CompareError(f"{path}: holds {len(found)} phase-timer runs ({', '.join(d for d, _ in found[:3])}); name one")
+        raise ReportError(f"{path}: holds {len(found)} phase-timer runs ({', '.join(d for d, _ in found[:3])}); name one")
     run_dir, scalars = found[0]
-    from phase_timer.metrics import WINDOW_STEPS_TAG
-
-    window_steps = dict(_points_of_tag(run_dir, WINDOW_STEPS_TAG))
+    window_steps = dict(scalars.window_steps)
     batches: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for p, stats in scalars.window.items():
         batches[p] = {m: [(int(window_steps.get(s, 1)), v) for s, v in stats.get(m, [])] for m in METRICS}
@@ -201,16 +178,6 @@ def _tensorboard_side(path: str) -> Side:
         steps = int(sum(window_steps.values())) or None
         source = "windows"
     return Side(path=run_dir, source=source, steps=steps, clock=None, values=values, batches=batches)
-
-
-def _points_of_tag(run_dir: str, tag: str) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags().get("scalars", []):
-        return []
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def _weighted(batches: list[tuple[int, float]]) -> float:
@@ -277,7 +244,7 @@ class Comparison:
 def parts_of(phase: str, rows: dict[str, Row]) -> list[str]:
     """The phases that make up a total: the step's phases for ``step``, everything in the period for ``period``."""
     if phase == "step":
-        return [p for p in rows if p in STEP_PHASES or (p not in TOTALS and share_base(p) == "step")]
+        return [p for p in rows if p in STEP_PHASES]
     if phase == "period":
         return [p for p in rows if p not in TOTALS]
     return []
@@ -299,12 +266,13 @@ def verdict_line(phase: str, row: Row, rows: dict[str, Row], metric: str) -> str
     if not parts:
         return head
     parts.sort(key=lambda r: -abs(r.delta_ms or 0.0))
-    moved = [r for r in parts if r.beyond_noise is not False][:3]
-    shown = ", ".join(f"{r.phase} {r.delta_pct:+.1f}% ({r.delta_ms:+.3f} ms)" for r in moved)
-    rest = len(parts) - len(moved)
+    moved = [r for r in parts if r.beyond_noise is not False]
     if not moved:
         return head + ": no phase of it beyond its own noise"
-    return head + ": " + shown + ("; the rest within noise" if rest else "")
+    shown = ", ".join(f"{r.phase} {r.delta_pct:+.1f}% ({r.delta_ms:+.3f} ms)" for r in moved[:3])
+    if len(moved) > 3:
+        shown += f"; {len(moved) - 3} more beyond noise"
+    return head + ": " + shown + ("; the rest within noise" if len(parts) > len(moved) else "")
 
 
 def comparability(base: Side, cand: Side, phases_b: set[str], phases_c: set[str]) -> list[str]:
@@ -342,13 +310,13 @@ def comparability(base: Side, cand: Side, phases_b: set[str], phases_c: set[str]
 def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str] = ("step",),
             fail_above: float | None = None) -> Comparison:
     if base.clock and cand.clock and base.clock != cand.clock:
-        raise CompareError(f"the baseline was timed on the {base.clock} clock and the candidate on the {cand.clock} "
+        raise ReportError(f"the baseline was timed on the {base.clock} clock and the candidate on the {cand.clock} "
                            "clock: their phases do not measure the same thing")
     pb, pc = set(base.values), set(cand.values)
     for phase in gated:
         for side, have in ((base, pb), (cand, pc)):
             if phase not in have:
-                raise CompareError(f"phase {phase!r} is not in {side.path} (it has: {', '.join(ordered(list(have)))})")
+                raise ReportError(f"phase {phase!r} is not in {side.path} (it has: {', '.join(ordered(list(have)))})")
     rows = {p: compare_phase(p, base, cand, metric) for p in ordered(list(pb | pc))}
     failed = []
     if fail_above is not None:
@@ -430,12 +398,12 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace) -> int:
     if args.fail_above is not None and not (math.isfinite(args.fail_above) and args.fail_above >= 0):
-        raise CompareError(f"--fail-above must be a percentage >= 0, got {args.fail_above}")
+        raise ReportError(f"--fail-above must be a percentage >= 0, got {args.fail_above}")
     if not args.json:
         try:
             import tabulate  # noqa: F401
         except ImportError as err:
-            raise CompareError(f"tabulate is not installed ({err}): pip install 'phase-timer[report]'") from err
+            raise ReportError(f"tabulate is not installed ({err}): pip install 'phase-timer[report]'") from err
     base, cand = load_side(args.baseline), load_side(args.candidate)
     result = compare(base, cand, metric=args.metric, gated=args.phase or ["step"], fail_above=args.fail_above)
     for w in result.warnings:

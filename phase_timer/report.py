@@ -64,9 +64,11 @@ from typing import Any
 
 from phase_timer.metrics import (
     SKIPPED_TAG,
+    STEP_PHASES,
     STEP_PREFIX,
     TOTALS,
     WINDOW_PREFIX,
+    WINDOW_STEPS_TAG,
     format_own_cost,
     ordered,
     share_base,
@@ -121,9 +123,11 @@ class RunReport:
 class PhaseScalars:
     """A run's phase-timer scalars: ``window[phase][stat]`` and ``step[phase]`` points."""
 
-    window: dict[str, dict[str, Points]]
-    step: dict[str, Points]
-    skipped: Points
+    window: dict[str, dict[str, Points]] = field(default_factory=dict)
+    step: dict[str, Points] = field(default_factory=dict)
+    skipped: Points = field(default_factory=list)
+    #: Each window's step count, at its last step.
+    window_steps: Points = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -135,23 +139,6 @@ def _is_event_file(name: str) -> bool:
     from tensorboard.backend.event_processing.io_wrapper import IsSummaryEventsFile
 
     return IsSummaryEventsFile(name)
-
-
-def event_dirs(logdir: str) -> dict[str, list[str]]:
-    """Directories at or under ``logdir`` holding event files, with those files (sorted)."""
-    if not os.path.exists(logdir):
-        raise ReportError(f"{logdir}: no such directory")
-    if not os.path.isdir(logdir):
-        raise ReportError(f"{logdir}: not a directory")
-    found: dict[str, list[str]] = {}
-    for dirpath, dirnames, filenames in os.walk(logdir, onerror=_raise_walk_error):
-        dirnames.sort()
-        files = sorted(os.path.join(dirpath, f) for f in filenames if _is_event_file(f))
-        if files:
-            found[os.path.normpath(dirpath)] = files
-    if not found:
-        raise ReportError(f"{logdir}: no TensorBoard event files (events.out.tfevents.*) in it or below")
-    return found
 
 
 def _raise_walk_error(err: OSError) -> None:
@@ -190,7 +177,7 @@ def read_phase_scalars(run_dir: str) -> PhaseScalars:
         acc.Reload()
     except Exception as err:  # noqa: BLE001 - tensorboard's reader raises its own error types
         raise ReportError(f"{run_dir}: cannot read event files ({type(err).__name__}: {err})") from err
-    out = PhaseScalars(window={}, step={}, skipped=[])
+    out = PhaseScalars()
     for tag in acc.Tags().get("scalars", []):
         points = [(e.step, e.value) for e in acc.Scalars(tag)]
         if m := _WINDOW_RE.match(tag):
@@ -199,34 +186,32 @@ def read_phase_scalars(run_dir: str) -> PhaseScalars:
             out.step[m.group(1)] = points
         elif tag == SKIPPED_TAG:
             out.skipped = points
+        elif tag == WINDOW_STEPS_TAG:
+            out.window_steps = points
     return out
 
 
 def run_dirs(logdir: str) -> dict[str, tuple[list[str], str | None]]:
     """Runs at or under ``logdir``: each directory with event files or a run summary file, with both.
 
-    ``logdir`` may also be a run summary file (any ``.json`` name): that run.
+    ``logdir`` may also be a run summary file (any ``.json`` name): that run, with the event files beside it.
     """
     if os.path.isfile(logdir) and logdir.endswith(".json"):
-        run_dir = os.path.dirname(os.path.abspath(logdir))
-        files = sorted(os.path.join(run_dir, f) for f in os.listdir(run_dir) if _is_event_file(f))
-        return {os.path.normpath(os.path.dirname(logdir) or "."): (files, logdir)}
-    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        run_dir = os.path.dirname(logdir) or "."
+        return {run_dir: (sorted(os.path.join(run_dir, f) for f in os.listdir(run_dir) if _is_event_file(f)), logdir)}
+    if not os.path.exists(logdir):
+        raise ReportError(f"{logdir}: no such directory")
+    if not os.path.isdir(logdir):
         raise ReportError(f"{logdir}: not a directory (nor a run summary .json file)")
-    summaries = set()
-    if os.path.isdir(logdir):
-        for dirpath, dirnames, filenames in os.walk(logdir, onerror=_raise_walk_error):
-            dirnames.sort()
-            if FILE_NAME in filenames:
-                summaries.add(os.path.normpath(dirpath))
-    try:
-        events = event_dirs(logdir)
-    except ReportError:
-        if not summaries:
-            raise
-        events = {}
-    runs = sorted(set(events) | summaries)
-    return {d: (events.get(d, []), os.path.join(d, FILE_NAME) if d in summaries else None) for d in runs}
+    found: dict[str, tuple[list[str], str | None]] = {}
+    for dirpath, dirnames, filenames in os.walk(logdir, onerror=_raise_walk_error):
+        dirnames.sort()
+        files = sorted(os.path.join(dirpath, f) for f in filenames if _is_event_file(f))
+        if files or FILE_NAME in filenames:
+            found[os.path.normpath(dirpath)] = (files, os.path.join(dirpath, FILE_NAME) if FILE_NAME in filenames else None)
+    if not found:
+        raise ReportError(f"{logdir}: no {FILE_NAME} and no TensorBoard event files (events.out.tfevents.*) in it or below")
+    return found
 
 
 def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
@@ -241,7 +226,7 @@ def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
             for path in files:
                 check_event_file(path)
             key = os.path.realpath(run_dir)
-            scalars = read_phase_scalars(run_dir) if files else PhaseScalars(window={}, step={}, skipped=[])
+            scalars = read_phase_scalars(run_dir) if files else PhaseScalars()
             use_summary = summary_path is not None and source in ("auto", "summary")
             if scalars.empty and not use_summary:
                 continue
@@ -603,7 +588,7 @@ def _draw_timeline(ax: Any, report: RunReport, label: str, colors: dict[str, Any
     xs = sorted({s for pts in tl.values() for s, _ in pts})
     if not xs:
         return
-    inside = [p for p in tl if share_base(p) == "step" and p in _BUILTIN_COLORS]
+    inside = [p for p in tl if p in STEP_PHASES]
     waits = [p for p in ("data_wait", "sync_wait", "between_steps") if p in tl]
     if inside:
         ax.stackplot(xs, *(_aligned(tl[p], xs) for p in inside), colors=[colors[p] for p in inside], labels=inside,
@@ -743,14 +728,14 @@ def run_report(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None, *, subcommand: bool = True) -> int:
     """The ``phase-timer`` console script: ``phase-timer report|compare ...``.  Returns the exit status."""
-    from phase_timer.compare import CompareError, run_compare
+    from phase_timer.compare import run_compare
 
     prog = PROG if subcommand else "python -m phase_timer.report"
     args = build_parser(prog, subcommand=subcommand).parse_args(argv)
     command = getattr(args, "command", None) or "report"
     try:
         return run_compare(args) if command == "compare" else run_report(args)
-    except (ReportError, CompareError) as err:
+    except ReportError as err:
         print(f"{PROG} {command}: error: {err}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # `phase-timer report ... | head`: the reader left, nothing to say

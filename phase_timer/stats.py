@@ -194,10 +194,9 @@ class WindowSeries:
             raise ValueError(f"max_batches must be an even number >= 2, got {max_batches}")
         self.max_batches = max_batches
         self.windows_per_batch = 1
-        #: Complete batches: (steps, last step, {phase: (count, mean, p50, p90)}).
-        self.batches: list[tuple[int, int, dict[str, tuple[int, float, float, float]]]] = []
-        # The batch filling: per phase [count, and count-weighted sums of mean, p50, p90].
-        self._acc: dict[str, list[float]] = {}
+        #: Complete batches: (steps, last step, {phase: [count, count-weighted sums of mean, p50, p90]}).
+        self.batches: list[tuple[int, int, dict[str, list[float]]]] = []
+        self._acc: dict[str, list[float]] = {}  # the batch filling, in the same form
         self._steps = self._last = self._windows = 0
 
     def add(self, last_step: int, steps: int, summary: dict[str, dict[str, float]], columns: dict[str, list]) -> None:
@@ -218,8 +217,7 @@ class WindowSeries:
         self._windows += 1
         if self._windows < self.windows_per_batch:
             return
-        self.batches.append((self._steps, self._last, {p: (a[0], a[1] / a[0], a[2] / a[0], a[3] / a[0])
-                                                       for p, a in acc.items() if a[0]}))
+        self.batches.append((self._steps, self._last, acc))
         self._acc = {}
         self._steps = self._last = self._windows = 0
         if len(self.batches) == self.max_batches:  # rare: once per doubling of the run
@@ -233,7 +231,7 @@ class WindowSeries:
         for p in phases:
             cols[p] = {}
             for i, stat in enumerate(SERIES_STATS, start=1):
-                cols[p][f"{stat}_ms"] = [round(ph[p][i], 6) if p in ph else None for _, _, ph in self.batches]
+                cols[p][f"{stat}_ms"] = [round(ph[p][i] / ph[p][0], 6) if p in ph else None for _, _, ph in self.batches]
         return {
             "windows_per_batch": self.windows_per_batch,
             "steps": [s for s, _, _ in self.batches],
@@ -243,13 +241,8 @@ class WindowSeries:
 
 
 def _merge(a: tuple, b: tuple) -> tuple:
-    """Two adjacent batches as one: steps add up, the later last step, count-weighted statistics."""
-    phases = dict(a[2])
-    for p, (nb, *vb) in b[2].items():
-        if p not in phases:
-            phases[p] = (nb, *vb)
-            continue
-        na, *va = phases[p]
-        n = na + nb
-        phases[p] = (n, *((x * na + y * nb) / n for x, y in zip(va, vb)))
-    return (a[0] + b[0], max(a[1], b[1]), phases)
+    """Two adjacent batches as one: steps, counts and weighted sums add up; the later last step."""
+    phases = {p: list(v) for p, v in a[2].items()}
+    for p, v in b[2].items():
+        phases[p] = [x + y for x, y in zip(phases[p], v)] if p in phases else list(v)
+    return (a[0] + b[0], b[1], phases)
