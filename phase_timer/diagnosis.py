@@ -153,7 +153,7 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
         return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS})
     found = [f for f in (
-        _input_bound(totals, ctx), _h2d_bound(totals, ctx), _sync_wait(totals), _straggler(signals, rank_totals),
+        _input_bound(totals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals), _straggler(signals, rank_totals),
     ) if f is not None]
     found.sort(key=lambda f: -f.evidence["share_of_period"])
     host = _host_bound(totals, signals, clock)
@@ -208,11 +208,20 @@ def _input_bound(totals: Any, ctx: dict[str, Any]) -> Diagnosis | None:
     return Diagnosis("INPUT_BOUND", _severity(share), why, tuple(tips), ev)
 
 
-def _h2d_bound(totals: Any, ctx: dict[str, Any]) -> Diagnosis | None:
+def _h2d_bound(totals: Any, ctx: dict[str, Any], clock: str) -> Diagnosis | None:
     share = _share(totals, "h2d", "step")
     if share is None or share < MATERIAL:
         return None
     h2d = totals.phases["h2d"].mean
+    ev = {"share_of_step": share, "share_of_period": _share(totals, "h2d", "period") or share, "h2d_ms": h2d}
+    if clock == "host":
+        # No device copy to speed up: on the host clock ``h2d`` is the loop's own work between
+        # the batch in hand and the model's call (or the wrapper's copy), so the copy advice is wrong.
+        why = (f"the loop spends {h2d:.2f} ms a step between the batch in hand and the model's call: "
+               f"{_pct(share)} of the step (h2d, on the host clock: the loop's own work there, not a device copy)")
+        tips = ("look at what runs between the fetch and the forward: conversions (.to(dtype), .float()), "
+                "per-batch preprocessing; move it into the DataLoader's workers",)
+        return Diagnosis("H2D_BOUND", _severity(share), why, tips, ev)
     loader = ctx.get("loader") or {}
     tips = []
     if loader.get("pin_memory") is False:
@@ -222,7 +231,6 @@ def _h2d_bound(totals: Any, ctx: dict[str, Any]) -> Diagnosis | None:
     tips += ["send smaller dtypes (uint8 images, normalized on the GPU; int32 token ids)",
              "augment on the GPU rather than shipping augmented float batches"]
     why = f"the host-to-device copy takes {h2d:.2f} ms a step: {_pct(share)} of the step"
-    ev = {"share_of_step": share, "share_of_period": _share(totals, "h2d", "period") or share, "h2d_ms": h2d}
     return Diagnosis("H2D_BOUND", _severity(share), why, tuple(tips), ev)
 
 

@@ -92,6 +92,15 @@ def test_h2d_bound_on_its_share_of_step():
     assert d.evidence["share_of_step"] == pytest.approx(0.2)
 
 
+def test_h2d_bound_on_the_host_clock_names_the_loops_work_not_a_copy():
+    """On a CPU run there is no device copy: pinned memory and non_blocking would be wrong advice."""
+    d = diagnose(totals(h2d=8.0, forward=10.0, backward=20.0, optimizer=2.0), Signals(), clock="host",
+                 context={"loader": {"type": "DataLoader", "pin_memory": False, "num_workers": 4}})
+    assert d.kind == "H2D_BOUND" and "host clock" in d.why and "not a device copy" in d.why
+    assert not any("pin" in tip or "non_blocking" in tip for tip in d.next), d.next
+    assert d.evidence["share_of_step"] == pytest.approx(0.2)
+
+
 def test_sync_wait_is_lightnings_broadcast():
     d = diagnose(totals(sync_wait=10.0, **GPU_STEP), Signals(), clock="cuda")
     assert d.kind == "SYNC_WAIT" and "broadcast" in d.why
