@@ -206,13 +206,13 @@ class ConvNet(nn.Module):
         return nn.functional.cross_entropy(logits.float(), targets)
 
 
-def make(kind: str, small: bool = False) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], torch.dtype]:
+def make(kind: str) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], torch.dtype]:
     """The model (on the CPU), a few pinned host batches, and the autocast dtype."""
     g = torch.Generator().manual_seed(0)
     pin = (lambda t: t.pin_memory()) if torch.cuda.is_available() else (lambda t: t)
     if kind == "lm":
-        seq, batch = (256, 4) if small else (1024, 8)
-        model = TinyLM(d=256 if small else 1024, layers=2 if small else 6, seq=seq)
+        seq, batch = 1024, 8
+        model = TinyLM(seq=seq)
         data = [(pin(torch.randint(0, model.vocab, (batch, seq), generator=g)),
                  pin(torch.randint(0, model.vocab, (batch, seq), generator=g))) for _ in range(4)]
         return model, data, torch.bfloat16
@@ -247,11 +247,11 @@ def _profile() -> Any:
 
 
 # -- the plain door ------------------------------------------------------------------------------
-def plain(kind: str, steps: int = 60, window: tuple[int, int] = (30, 50), small: bool = False) -> dict[str, Any]:
+def plain(kind: str, steps: int = 60, window: tuple[int, int] = (30, 50)) -> dict[str, Any]:
     """A hand-written loop with markers at its boundaries, attached; the profiler on ``window`` steps."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    model, data, dtype = make(kind, small)
+    model, data, dtype = make(kind)
     model = model.to(dev)
     opt = _optimizer(model, kind)
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
@@ -305,14 +305,13 @@ def _result(prof: Any, log_dir: str, window: tuple[int, int], mark: Markers) -> 
 
 
 # -- the Lightning door ------------------------------------------------------------------------------
-def lightning(kind: str, steps: int = 60, window: tuple[int, int] = (30, 50), busy_ms: float = 0.0,
-              small: bool = False) -> dict[str, Any]:
+def lightning(kind: str, steps: int = 60, window: tuple[int, int] = (30, 50), busy_ms: float = 0.0) -> dict[str, Any]:
     """A LightningModule whose own hooks launch the markers; PhaseTimer after a busy callback if ``busy_ms``."""
     import lightning.pytorch as pl
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    model, data, dtype = make(kind, small)
+    model, data, dtype = make(kind)
     mark = Markers(dev, steps, kernels=PROFILE)
     prof = _profile()
 

@@ -539,28 +539,49 @@ def _assert_near_truth(rows: dict, phases=("forward", "backward", "optimizer"), 
         assert r["steps"] >= 10 and ok, (phase, r)
 
 
+# The LM is the full-size one (~24 ms GPU-bound steps, 1.5 s a run): on a host-bound model the
+# GPU's clock follows the host, so two marks a few host-µs apart read that far apart, and the
+# small LM (~10 ms of mostly waiting) put h2d/forward/optimizer 0.06-0.17 ms off either way.
 @pytest.mark.parametrize("door", ["plain", "lightning"])
 def test_both_doors_place_backward_at_the_call_on_a_32k_vocabulary_lm(door, event_truth):
     """Loss-heavy LM (a cross-entropy over 32k logits, bf16): each phase within max(0.1 ms, 2%) of the markers."""
     run = event_truth.plain if door == "plain" else event_truth.lightning
-    _assert_near_truth(run("lm", steps=40, window=(20, 35), small=True))
+    _assert_near_truth(run("lm", steps=40, window=(20, 35)))
+
+
+@pytest.mark.parametrize("door", ["plain", "lightning"])
+def test_both_doors_begin_backward_at_the_call_against_marker_kernels_on_the_profiler_timeline(door):
+    """Issue 15: one meaning of backward, checked against marker kernels on the profiler's GPU timeline.
+
+    Where forward ends, backward begins: at the loop's ``backward()`` call, so the loss's own
+    backward (the 32k-logit cross-entropy) is in ``backward``.  The old plain door began it at
+    the model's output and read forward +2.3 ms here.  Under CUPTI the end of a large backward
+    reads ~0.25 ms early (docs/benchmarks.md), so backward and optimizer get 0.5 ms.
+    """
+    from benchmarks import truth
+
+    run = truth.plain if door == "plain" else truth.lightning
+    rows = run("lm", steps=40, window=(20, 35))
+    _assert_near_truth(rows, phases=("forward",))
+    _assert_near_truth(rows, phases=("backward", "optimizer"), tolerance=0.5)
 
 
 def test_lightning_host_work_of_an_earlier_callback_is_between_steps_not_optimizer(event_truth):
     """Issue 17: a callback listed before PhaseTimer sleeps 20 ms at each batch end."""
-    rows = event_truth.lightning("lm", steps=40, window=(20, 35), busy_ms=20.0, small=True)
+    rows = event_truth.lightning("lm", steps=40, window=(20, 35), busy_ms=20.0)
     _assert_near_truth(rows)
+    # The host sleeps 20 ms; the GPU, still running the step's queue, waits for it ~18.5 ms of that.
     between = rows["between_steps"]
-    assert between["truth_ms"] >= 19 and abs(between["diff_ms"]) <= max(0.1, 0.02 * between["truth_ms"]), between
+    assert between["truth_ms"] >= 10 and abs(between["diff_ms"]) <= max(0.1, 0.02 * between["truth_ms"]), between
 
 
 def test_lightning_busy_callback_against_marker_kernels_on_the_profiler_timeline():
     """The same, against kernels on the profiler's timeline (CUPTI shifts a large backward's end ~0.3 ms)."""
     from benchmarks import truth
 
-    rows = truth.lightning("lm", steps=40, window=(20, 35), busy_ms=20.0, small=True)
+    rows = truth.lightning("lm", steps=40, window=(20, 35), busy_ms=20.0)
     _assert_near_truth(rows, tolerance=0.5)  # the defect this guards against was +20 ms in optimizer
-    assert rows["between_steps"]["truth_ms"] >= 19 and abs(rows["between_steps"]["diff_ms"]) <= 0.5
+    assert rows["between_steps"]["truth_ms"] >= 10 and abs(rows["between_steps"]["diff_ms"]) <= 0.5
 
 
 def test_plain_fp16_grad_scaler_host_bound_conv_net_near_marker_truth(event_truth):
