@@ -5,7 +5,9 @@
 Every run is ``torchrun --nproc_per_node 2 tests/dist_scripts/plain_ddp.py``:
 
 1. Overhead: a GPU-bound DDP model with and without phase-timer, runs interleaved
-   (off, on, off, on, ...), ms per step from step 20 on, median of the per-pair ratios.
+   (off, on, off, on, ...), ms per step from step 20 to the last step (the steady state),
+   median of the per-pair ratios; the end of the run (the timer's close: the final drain,
+   rank zero waiting for the ranks' last reports, the files) is timed apart, once a run.
 2. Syncs: the profiler's runtime-API trace on both ranks (cudaEventSynchronize,
    cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpy) over steady-state
    steps, with and without phase-timer.
@@ -68,7 +70,8 @@ def main() -> None:
         offs.append(off["step_ms"])
         ons.append(on["step_ms"])
         ratios.append(on["step_ms"] / off["step_ms"])
-        say(f"pair {i}: no timer {off['step_ms']:.3f} ms/step, phase-timer {on['step_ms']:.3f} ms/step, ratio {ratios[-1]:.4f}")
+        say(f"pair {i}: no timer {off['step_ms']:.3f} ms/step, phase-timer {on['step_ms']:.3f} ms/step, ratio {ratios[-1]:.4f}; "
+            f"the end (after the last step: drain, the ranks' last reports, files) {off['close_ms']:.1f} / {on['close_ms']:.1f} ms")
     overhead = (statistics.median(ratios) - 1) * 100
     # 2. syncs over steady-state steps, both ranks
     syncs = {}
