@@ -110,6 +110,13 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
+
+    Attributes (readable in code after ``fit``; ``None`` before):
+        totals: a :class:`phase_timer.stats.RunTotals` of every timed step of the last ``fit``.
+        last_summary: the summary table as printed (rank zero).
+        diagnosis: the verdict, a :class:`phase_timer.Diagnosis` (rank zero).
+        summary_path: where rank zero wrote ``phase_timer_summary.json`` (None: not written).
+        log_dir: the directory the TensorBoard values went to (the logger's, or our own).
     """
 
     def __init__(

@@ -107,6 +107,15 @@ class LoopTimer:
 
     Use as a context manager (or call :meth:`close`) so the last steps are
     resolved and written even when the loop raises.
+
+    Attributes:
+        loader: the wrapped loader to iterate (it times the fetch, and copies with
+            ``copy_to_device=True``).
+        totals: after :meth:`close`, a :class:`phase_timer.stats.RunTotals` of every timed step.
+        last_summary: after :meth:`close`, the summary table as printed (rank zero).
+        diagnosis: after :meth:`close`, the verdict, a :class:`phase_timer.Diagnosis` (rank zero).
+        summary_path: where rank zero wrote ``phase_timer_summary.json`` (None: not written).
+        log_dir: the directory the TensorBoard values go to (the writer's, or our own).
     """
 
     def __init__(

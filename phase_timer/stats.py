@@ -101,7 +101,15 @@ def _bucket(v: float) -> int:
 
 
 class PhaseTotals:
-    """Streaming count, sum, min, max and histogram of one phase's milliseconds."""
+    """Streaming count, sum, min, max and histogram of one phase's milliseconds.
+
+    Attributes:
+        count: the steps this phase was timed in.
+        total, min, max: milliseconds (sum, smallest, largest); ``mean`` is ``total / count``.
+
+    ``quantile(q)`` is the q-th percentile (0-100) from a log histogram (buckets 1% wide):
+    within 0.5% of the exact value, clamped to ``[min, max]``.
+    """
 
     def __init__(self) -> None:
         self.count = 0
@@ -157,6 +165,10 @@ class RunTotals:
     """Per-phase totals over a whole run, for the end-of-training summary.
 
     Fed a window at a time (one call per phase per window, not per step).
+
+    Attributes:
+        steps: the timed steps.
+        phases: phase name -> :class:`PhaseTotals` (a phase that never happened is absent).
     """
 
     def __init__(self) -> None:

@@ -1,4 +1,5 @@
-"""The docs point at things that exist: every test the fault matrix cites, every result file a doc cites."""
+"""The docs point at things that exist (every test the fault matrix cites, every result file a doc cites),
+and the API reference is the docstrings' own."""
 
 from __future__ import annotations
 
@@ -22,10 +23,38 @@ def test_every_test_the_fault_matrix_cites_exists():
     assert not missing, missing
 
 
-def test_every_result_file_the_docs_cite_exists():
+def _cited_results() -> set[str]:
+    """Result files the docs name: ``results/<file>`` anywhere, bare ``<file>`` in benchmarks/README.md."""
     cited = set()
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
-        cited |= set(re.findall(r"results/([\w.]+\.txt)", doc.read_text()))
-    assert cited
+        cited |= set(re.findall(r"results/([\w.]+\.(?:txt|json))", doc.read_text()))
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    cited |= set(re.findall(r"`([\w.]+\.(?:txt|json))`", text))
+    for stem, exts in re.findall(r"`([\w]+)\.\{([\w,]+)\}`", text):  # name.{txt,json}
+        cited |= {f"{stem}.{ext}" for ext in exts.split(",")}
+    return cited
+
+
+def test_every_result_file_the_docs_cite_exists():
+    cited = _cited_results()
+    assert len(cited) >= 10
     missing = sorted(name for name in cited if not (ROOT / "benchmarks" / "results" / name).exists())
     assert not missing, missing
+
+
+def test_the_api_reference_is_generated_from_the_current_docstrings():
+    """docs/api.md is written by docs/make_api.py; edit the docstrings and run it, never the file."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "make_api.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = (ROOT / "docs" / "api.md").read_text()
+    for name in ("PhaseTimer(", "attach(", "timer.close(", "RunTotals", "Diagnosis", "phase-timer compare"):
+        assert name in text, name
+
+
+def test_every_result_file_is_cited_by_a_doc():
+    """benchmarks/results holds current figures only: a file no doc cites is superseded or stray."""
+    present = {p.name for p in (ROOT / "benchmarks" / "results").iterdir()}
+    assert not present - _cited_results(), sorted(present - _cited_results())
