@@ -387,10 +387,12 @@ class _SampledBoundaries(Boundaries):
 
     def forward(self, *, begins: bool = False) -> None:
         super().forward(begins=begins)
-        if self.open and "autocast" not in self.core.context:  # inside the loop's autocast, if any
+        ctx = self.core.context
+        # Inside the loop's autocast, if any; a door that knows the precision (Lightning) has said it.
+        if self.open and "autocast" not in ctx and "precision" not in ctx:
             from phase_timer.runinfo import autocast_dtype
 
-            self.core.context["autocast"] = autocast_dtype(self.core.context.get("device_type", "cuda"))
+            ctx["autocast"] = autocast_dtype(ctx.get("device_type", "cuda"))
 
     def _close(self) -> None:
         recorded = self.core.recording

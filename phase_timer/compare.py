@@ -42,15 +42,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.metrics import STEP_PHASES, TOTALS, ordered
-from phase_timer.report import ReportError, check_event_file, read_phase_scalars, run_dirs
+from phase_timer.report import ReportError, check_event_file, read_phase_scalars, require, run_dirs
 from phase_timer.run_summary import FILE_NAME, SCHEMA
-from phase_timer.stats import percentile
+from phase_timer.stats import SERIES_STATS, percentile
 
 #: Width of the band in standard errors of the difference.
 Z = 3.0
 #: Fewer batches than this on a side: the band is unknown.
 MIN_BATCHES = 3
-METRICS = ("mean", "p50", "p90")
+METRICS = SERIES_STATS  # what each window batch keeps is what can be compared
 #: The summary file versions this reads (1 has no window columns: its band comes from TensorBoard).
 READS_VERSIONS = (1, 2)
 EXIT_SLOWER = 1
@@ -400,10 +400,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.fail_above is not None and not (math.isfinite(args.fail_above) and args.fail_above >= 0):
         raise ReportError(f"--fail-above must be a percentage >= 0, got {args.fail_above}")
     if not args.json:
-        try:
-            import tabulate  # noqa: F401
-        except ImportError as err:
-            raise ReportError(f"tabulate is not installed ({err}): pip install 'phase-timer[report]'") from err
+        require("tabulate")
     base, cand = load_side(args.baseline), load_side(args.candidate)
     result = compare(base, cand, metric=args.metric, gated=args.phase or ["step"], fail_above=args.fail_above)
     for w in result.warnings:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from phase_timer._env import env_flag
 from phase_timer.trace import TraceWriter
@@ -17,7 +17,7 @@ def disabled_by_env() -> bool:
     return env_flag(DISABLE_ENV, default=False)
 
 
-def _fail(owner: str, name: str, value: Any, expected: str, why: str = "") -> None:
+def _fail(owner: str, name: str, value: Any, expected: str, why: str = "") -> NoReturn:
     shown = _shown(value)
     got = f"got {shown} ({type(value).__name__}){why}"
     raise ValueError(f"{owner}({name}={shown}): `{name}` must be {expected}, {got}")

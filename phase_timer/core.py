@@ -289,10 +289,8 @@ class TimingCore:
             return
         if self.totals.steps:
             text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
-            for sink in self._sinks:
-                write_text = getattr(sink, "write_text", None)  # ours are guarded; a bare one may lack it
-                if callable(write_text):
-                    write_text(DIAGNOSIS_TAG, text, self._last_written_step)
+            for sink in self._sinks:  # every one is guarded (__init__): a sink without text is skipped there
+                sink.write_text(DIAGNOSIS_TAG, text, self._last_written_step)
         if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0):
             from phase_timer.run_summary import write_summary
 
@@ -321,14 +319,11 @@ class TimingCore:
         return self._window_size
 
     def summary_table(self, title: str = "phase-timer") -> str:
-        reason = self.untimed_reason
-        if self.ranks is None:
-            table = format_summary(self.totals, clock=self.clock.kind, title=title, untimed_reason=reason)
-        else:
-            table = format_summary(self.totals, clock=self.clock.kind, title=f"{title} (rank {self.ranks.rank})",
-                                   untimed_reason=reason)
-            if self.ranks.totals is not None:
-                table += "\n\n" + format_rank_table(self.ranks.totals, title=title)
+        ranks = self.ranks
+        table = format_summary(self.totals, clock=self.clock.kind, untimed_reason=self.untimed_reason,
+                               title=title if ranks is None else f"{title} (rank {ranks.rank})")
+        if ranks is not None and ranks.totals is not None:
+            table += "\n\n" + format_rank_table(ranks.totals, title=title)
         own = self.own_cost_line()
         if own:
             table += "\n" + own

@@ -94,7 +94,6 @@ class Signals:
         #: Per (phase, rank): windows in which the rank was slowest by a material margin, and the margins (ms).
         self.slowest: Counter[tuple[str, int]] = Counter()
         self.margins: dict[tuple[str, int], float] = {}
-        self.rank_windows = 0
         self.rank_period_ms: list[float] = []
 
     def add_window(self, steps: int, summary: dict[str, dict[str, float]]) -> None:
@@ -114,7 +113,6 @@ class Signals:
         if not scale_of or len(scale_of) < 2:
             return
         scale = statistics.median(scale_of.values())
-        self.rank_windows += 1
         self.rank_period_ms.append(scale)
         for phase, by_rank in means.items():
             if phase in WAIT_PHASES or len(by_rank) < 2:
@@ -147,9 +145,8 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
     ctx = context or {}
     steps = totals.steps
     if steps < MIN_STEPS:
-        warmup = warmup_steps
-        need = f"at least {MIN_STEPS} timed steps" + (f" (run {MIN_STEPS + warmup}+ steps with warmup_steps={warmup})"
-                                                        if warmup is not None else "")
+        need = f"at least {MIN_STEPS} timed steps" + (
+            f" (run {MIN_STEPS + warmup_steps}+ steps with warmup_steps={warmup_steps})" if warmup_steps is not None else "")
         return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS})
     found = [f for f in (
@@ -248,7 +245,7 @@ def _sync_wait(totals: Any) -> Diagnosis | None:
 
 
 def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
-    n = signals.rank_windows
+    n = len(signals.rank_period_ms)  # the windows across ranks
     if n < 1 or not signals.slowest:
         return None
     (phase, rank), count = max(signals.slowest.items(), key=lambda kv: (kv[1], signals.margins[kv[0]]))

@@ -391,7 +391,6 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             return
         bounds.finish()
         core.context["loader"] = _train_loader_info(trainer)
-        core.context.pop("autocast", None)  # Lightning says its precision itself
         # The one blocking wait: pending steps are resolved and written (and the other
         # ranks' last reports awaited, briefly when the run failed: a rank may be gone).
         core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)

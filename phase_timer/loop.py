@@ -201,7 +201,6 @@ class LoopTimer:
         except OSError as err:  # before any training: a clear error naming the argument
             _fail("attach", "log_dir", self.config.log_dir, "a directory phase-timer can write",
                   f" ({type(err).__name__}: {err})")
-            raise
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
@@ -440,7 +439,6 @@ def _checked_list(value: Any, kind: type, name: str, expected: str, *, empty_ok:
     if isinstance(value, (list, tuple)) and all(isinstance(v, kind) for v in value) and (value or empty_ok):
         return list(value)
     _fail("attach", name, value, expected)
-    raise AssertionError  # unreachable: _fail raises
 
 
 def _check_attach_args(optimizers: list[Any], loader: Any, device: Any, writer: Any, end_step: Any, scaler: Any,

@@ -136,6 +136,7 @@ class PhaseScalars:
 
 # -- finding and reading runs ---------------------------------------------------------
 def _is_event_file(name: str) -> bool:
+    require("tensorboard")  # report and compare walk run directories through here
     from tensorboard.backend.event_processing.io_wrapper import IsSummaryEventsFile
 
     return IsSummaryEventsFile(name)
@@ -702,10 +703,9 @@ def build_parser(prog: str = PROG, *, subcommand: bool = True) -> argparse.Argum
     return parser
 
 
-def _require(args: argparse.Namespace) -> None:
-    """The optional packages this invocation needs, or one line saying how to get them."""
-    needed = ["tensorboard"] + ([] if args.json else ["tabulate"]) + (["matplotlib"] if args.png else [])
-    for name in needed:
+def require(*names: str) -> None:
+    """The optional packages an invocation needs, or one line saying how to get them."""
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError as err:
@@ -713,7 +713,7 @@ def _require(args: argparse.Namespace) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    _require(args)
+    require("tensorboard", *([] if args.json else ["tabulate"]), *(["matplotlib"] if args.png else []))
     reports = load_runs(args.logdirs, args.source)
     if args.png:
         write_png(reports, args.png)
