@@ -184,9 +184,11 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
     cuda = clock_type is not HostClock
     x = torch.randn(64, 64, device="cuda") if cuda else None
     gaps = {"self-timing": sum(b.SAMPLE_GAP) / 2, "in flight": b.FLIGHT_EVERY}
+    names = ("SAMPLE_GAP", "DENSE_SAMPLES", "FLIGHT_EVERY", "FLIGHT_DENSE_STEPS")
 
     def run(mode: str) -> float:
-        saved = b.SAMPLE_GAP, b.FLIGHT_EVERY
+        saved = {k: getattr(b, k) for k in names}
+        b.DENSE_SAMPLES = b.FLIGHT_DENSE_STEPS = 0  # every step in the mode's way, or (almost) none
         b.SAMPLE_GAP = (1, 1) if mode == "self-timing" else (10**9, 10**9)
         b.FLIGHT_EVERY = 1 if mode == "in flight" else 10**9
         try:
@@ -212,7 +214,8 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
             core.finish()
             return us
         finally:
-            b.SAMPLE_GAP, b.FLIGHT_EVERY = saved
+            for k, v in saved.items():
+                setattr(b, k, v)
 
     modes = ("off", "self-timing", "in flight") if cuda else ("off", "self-timing")
     runs: dict[str, list[float]] = {m: [] for m in modes}
@@ -227,6 +230,27 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
         amort = "" if m == "off" else (f"   extra {extra:6.2f} us a sampled step / {gaps[m]:.0f} = amortized "
                                        f"{extra / gaps[m]:5.2f} us/step")
         lines.append(f"  {m:26s} {med[m]:7.2f} us ({min(runs[m]):.2f}-{max(runs[m]):.2f}){amort}")
+    lines += schedule_rows({m: med[m] - med["off"] for m in modes if m != "off"})
+    return lines
+
+
+def schedule_rows(extra_us: dict[str, float]) -> list[str]:
+    """The schedule's cost by run length: dense at first (a verdict from 20 steps), sparse later."""
+    import phase_timer.boundaries as b
+
+    def expected(timed: int) -> tuple[float, float]:
+        """Sampled steps and counted closes within ``timed`` timed steps (the sparse gaps at their mean)."""
+        dense_end = (sum(b.DENSE_GAP) / 2) * b.DENSE_SAMPLES
+        samples = min(b.DENSE_SAMPLES, timed / (sum(b.DENSE_GAP) / 2)) + max(0.0, timed - dense_end) / (sum(b.SAMPLE_GAP) / 2)
+        flights = min(timed, b.FLIGHT_DENSE_STEPS) // 2 + max(0, timed - b.FLIGHT_DENSE_STEPS) // b.FLIGHT_EVERY
+        return samples, flights
+
+    lines = ["the schedule (first 8 sampled steps 2-4 apart, then 48-144; in flight every 2nd close to step 32, then "
+             "every 16th): samples, counts and amortized cost by timed steps"]
+    for timed in (20, 50, 100, 1_000, 10_000, 100_000):
+        samples, flights = expected(timed)
+        cost = (samples * extra_us.get("self-timing", 0.0) + flights * extra_us.get("in flight", 0.0)) / timed
+        lines.append(f"  {timed:>7d} steps: {samples:6.1f} sampled, {flights:5d} in-flight counts, amortized {cost:5.2f} us/step")
     return lines
 
 

@@ -1016,6 +1016,18 @@ static PyObject *Steps_newest_done(Steps *self, PyObject *Py_UNUSED(ignored)) {
     return PyBool_FromLong(d);
 }
 
+/* behind() -> bool | None: whether the device has not yet passed the open record's mark before the
+ * newest, i.e. has not begun the span the host has just finished issuing: the device runs more than
+ * a phase behind the host inside the step.  One query of a mark a phase old (not the one just
+ * recorded), never a wait; asked only at a sampled step's boundaries.  None on the host clock or
+ * before the record has two marks. */
+static PyObject *Steps_behind(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->open || self->clock == NULL || self->cur.n < 2) Py_RETURN_NONE;
+    int d = query_slot(self->clock, (Py_ssize_t)self->cur.marks[self->cur.n - 2]);
+    if (d < 0) return NULL;
+    return PyBool_FromLong(!d);
+}
+
 /* drain() -> list | None: resolve every pending record, waiting for the device.
  * HOST-DEVICE SYNC (end of training only): wait_slot on each record's marks' streams. */
 static PyObject *Steps_drain(Steps *self, PyObject *Py_UNUSED(ignored)) {
@@ -1061,6 +1073,7 @@ static PyMethodDef Steps_methods[] = {
     {"discard", (PyCFunction)Steps_discard, METH_NOARGS, "Drop the open record."},
     {"poll", (PyCFunction)Steps_poll, METH_NOARGS, "Resolve finished records without waiting: results or None."},
     {"newest_done", (PyCFunction)Steps_newest_done, METH_NOARGS, "The device finished the newest record's step (one query, never waits)."},
+    {"behind", (PyCFunction)Steps_behind, METH_NOARGS, "The device has not begun the open record's last span but one (one query, never waits)."},
     {"in_flight", (PyCFunction)Steps_in_flight, METH_NOARGS, "Closed records before the newest the device has not finished (never waits)."},
     {"drain", (PyCFunction)Steps_drain, METH_NOARGS, "Resolve every record, waiting for the device (end of training)."},
     {"flush", (PyCFunction)Steps_flush, METH_NOARGS, "The window being filled, as a result (end of training)."},

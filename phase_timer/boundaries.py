@@ -44,12 +44,31 @@ log = logging.getLogger(__name__)
 
 H2D, FORWARD, BACKWARD, OPTIMIZER, IDLE = "h2d", "forward", "backward", "optimizer", "idle"
 
-#: One step in ~96 (at random, 48-144 steps apart, so that no periodic work aliases with the
-#: samples) is a *sampled* step: phase-timer times its own host work on it, and the host's time
-#: to issue it.  The other steps pay a countdown.
+#: The verdict's samples come densely at first, so that a profile of 20-100 steps gets a verdict,
+#: then sparsely, so that a long run pays next to nothing for them (``docs/diagnosis.md``).
+#:
+#: A *sampled* step: phase-timer times its own host work on it, and the host's time to issue it.
+#: The first DENSE_SAMPLES timed steps sampled come DENSE_GAP apart (the first by timed step 4, all
+#: eight by timed step 32), then one in ~96 (SAMPLE_GAP apart, at random so that no periodic work
+#: aliases with them).  The other steps pay a countdown.
+DENSE_SAMPLES = 8
+DENSE_GAP = (2, 4)
 SAMPLE_GAP = (48, 144)
-#: Every FLIGHT_EVERY-th close also counts the steps in flight (one query at most, never a wait).
+#: Steps in flight are counted at a close (one query at most, never a wait): at every second close of
+#: the first FLIGHT_DENSE_STEPS timed steps (from the second: the first has no timed step before it),
+#: then at every FLIGHT_EVERY-th.
+FLIGHT_DENSE_STEPS = 32
 FLIGHT_EVERY = 16
+
+
+def flight_gap(timed: int) -> int:
+    """Closes from timed step ``timed``'s (counted) close to the next counted one."""
+    return 2 if timed < FLIGHT_DENSE_STEPS else FLIGHT_EVERY
+
+
+def sample_gap(rng: random.Random, samples: int) -> int:
+    """Closes from a sampled step to the next, after ``samples`` sampled steps were started."""
+    return rng.randint(*(DENSE_GAP if samples < DENSE_SAMPLES else SAMPLE_GAP))
 
 
 class Boundaries:
@@ -80,8 +99,12 @@ class Boundaries:
         self._failed = False  # the last backward raised: a batch that never steps after it is dropped
         self._fetched = False  # a fetch was reported since the last batch
         self._warned: set[str] = set()
+        # The verdict's samples, in closes (warm-up ones included: the schedule counts timed steps).
+        warmup = core.warmup_steps
+        self._flight_at = warmup + 2  # the close (1-based) at which steps in flight are next counted
         self._rng = random.Random()
-        self._sample_in = self._rng.randint(*SAMPLE_GAP)  # closes until the next sampled step
+        self._samples = 0  # sampled steps started
+        self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
 
     # -- the step -------------------------------------------------------------------
     def fetch(self) -> None:
@@ -325,9 +348,12 @@ class Boundaries:
         self.open = self.ended = self.trailing = self._failed = False
 
     def _close(self) -> None:
-        self.core.close(self.steps % FLIGHT_EVERY == 0)
-        self.open = self.ended = self.trailing = False
         self.steps += 1
+        flight = self.steps == self._flight_at
+        if flight:
+            self._flight_at += flight_gap(self.steps - self.core.warmup_steps)
+        self.core.close(flight)
+        self.open = self.ended = self.trailing = False
         self._auto = H2D
         self._sample_in -= 1
         if self._sample_in <= 0:
@@ -335,7 +361,8 @@ class Boundaries:
 
     def _start_sample(self) -> None:
         """The next step is sampled: from here to its close."""
-        self._sample_in = self._rng.randint(*SAMPLE_GAP)
+        self._samples += 1
+        self._sample_in = sample_gap(self._rng, self._samples)
         _SampledBoundaries.start(self)
 
     def _warn_once(self, key: str, msg: str) -> None:
@@ -372,7 +399,7 @@ class _SampledBoundaries(Boundaries):
         bounds._depth = 0
         bounds._own_ns = 0
         bounds._calls = 0
-        bounds._t_begin = bounds._t_end = 0
+        bounds._t_begin = bounds._t_end = bounds._host_ns = 0
         bounds._sample_state = None  # "closed" or "dropped" once the sample is over
         bounds._restart = False  # the gap ran out on this sample's own close: the next one starts at its end
 
@@ -384,6 +411,14 @@ class _SampledBoundaries(Boundaries):
         if self.open:
             self._t_end = time.perf_counter_ns()
         super().step_end()
+        if self.open and not self.paused:
+            self.core.probe_behind()
+
+    def _set(self, phase: str) -> None:
+        marked = phase != self._auto and not self._explicit and self.open and not self.paused
+        super()._set(phase)
+        if marked:
+            self.core.probe_behind()
 
     def forward(self, *, begins: bool = False) -> None:
         super().forward(begins=begins)
@@ -398,6 +433,8 @@ class _SampledBoundaries(Boundaries):
         recorded = self.core.recording
         super()._close()
         self._sample_state = "closed" if recorded else "dropped"
+        # Read now: with no loader the same call begins the next step (its forward), which moves _t_begin.
+        self._host_ns = self._t_end - self._t_begin if self._t_begin and self._t_end > self._t_begin else 0
 
     def _start_sample(self) -> None:
         self._restart = True
@@ -415,8 +452,8 @@ class _SampledBoundaries(Boundaries):
         state, self._sample_state = self._sample_state, None
         own = max(0, self._own_ns - self._calls * (_SampledBoundaries._PAIR_NS or 0))
         self.__class__ = Boundaries
-        if state == "closed" and self._t_begin and self._t_end > self._t_begin:
-            self.core.add_sample(own, (self._t_end - self._t_begin) / 1e6)
+        if state == "closed" and self._host_ns:
+            self.core.add_sample(own, self._host_ns / 1e6)
         if self._restart:
             self._start_sample()
 

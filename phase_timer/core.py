@@ -38,6 +38,11 @@ from phase_timer.trace import TraceWriter
 log = logging.getLogger(__name__)
 
 
+def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
+    """Each sink behind a guard: its first failure warns, training and the run's end go on."""
+    return [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
+
+
 class TimingCore:
     """One run's timing: which steps are recorded, their resolution, statistics and output."""
 
@@ -61,7 +66,7 @@ class TimingCore:
             clock, window=window, max_pending=max_pending, lag=poll_lag, per_step=per_step, nvtx=nvtx,
             traced=trace is not None,
         )
-        self._sinks = [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
+        self._sinks = _guarded(sinks)
         self._window_size = window
         self._warmup = warmup_steps
         self.totals = RunTotals()
@@ -172,6 +177,18 @@ class TimingCore:
         if self._last_end is not None:
             self._last_end = time.perf_counter_ns()
 
+    def probe_behind(self) -> None:
+        """At a sampled step's boundary: has the device not yet begun the span the host just issued?
+
+        One query of a mark a phase old, never a wait (device clock only): a device more than a phase
+        behind inside the step is busy, even when the host is held to its pace (a full launch queue).
+        """
+        if self._flight:
+            behind = self._engine.behind()
+            if behind is not None:
+                self.signals.behind_checked += 1
+                self.signals.behind += behind
+
     def add_sample(self, own_ns: int, host_step_ms: float) -> None:
         """A sampled step: phase-timer's own host time on it, and the host's time from its begin to its end."""
         self.signals.own_ns.append(own_ns)
@@ -259,6 +276,7 @@ class TimingCore:
         if self.closed:
             return self.totals
         self.closed = True
+        self._sinks = _guarded(self._sinks)  # one added after construction too: the end never raises
         self._engine.discard()  # a step cut off mid-way has no honest total
         self._in_step = False
         try:
@@ -289,7 +307,7 @@ class TimingCore:
             return
         if self.totals.steps:
             text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
-            for sink in self._sinks:  # every one is guarded (__init__): a sink without text is skipped there
+            for sink in self._sinks:  # every one is guarded (finish): a sink without text is skipped there
                 sink.write_text(DIAGNOSIS_TAG, text, self._last_written_step)
         if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0):
             from phase_timer.run_summary import write_summary

@@ -26,8 +26,12 @@ HIGH = 0.30
 MIN_FLIGHT_SAMPLES = 4
 #: HOST_BOUND: in at least this share of sampled steps the device had finished every earlier step ...
 HOST_IDLE_SHARE = 0.5
-#: ... and the device's step lasted less than this many times the host's time to issue it.
+#: ... and the device's step lasted less than this many times the host's time to issue it ...
 PACED_RATIO = 1.25
+#: ... and the device was more than a phase behind the host at fewer than this share of the sampled
+#: steps' boundaries (at or above it the device is busy, even when the host is held to its pace).
+#: Seen on an H100: 0% in host-bound runs; 24-100% in GPU-bound ones (docs/diagnosis.md).
+BEHIND_SHARE = 0.2
 #: UNSTABLE: a window is spiky when p90/p50 or max/p50 of ``step`` or ``period`` reach these ...
 SPIKE_P90 = 1.5
 SPIKE_MAX = 4.0
@@ -86,6 +90,10 @@ class Signals:
         #: Of the sampled closes with none in flight, those at which the step just ended was still running too.
         self.tail_checked = 0
         self.tail_busy = 0
+        #: At sampled steps' boundaries: how often the device had not yet begun the span the host had just
+        #: issued (more than a phase behind the host inside the step), of the boundaries checked.
+        self.behind_checked = 0
+        self.behind = 0
         #: Sampled steps' host time from the step's begin to its end (ms), and phase-timer's own host time (ns).
         self.host_step_ms: list[float] = []
         self.own_ns: list[int] = []
@@ -297,6 +305,13 @@ def _tail_busy(signals: Signals) -> bool:
     return signals.tail_checked > 0 and signals.tail_busy >= HOST_IDLE_SHARE * signals.tail_checked
 
 
+def _behind(signals: Signals) -> float | None:
+    """The share of sampled boundaries at which the device was more than a phase behind (None: too few)."""
+    if signals.behind_checked < MIN_FLIGHT_SAMPLES:
+        return None
+    return signals.behind / signals.behind_checked
+
+
 def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
     flight = _flight(signals) if clock != "host" else None
     ratio = _paced_ratio(totals, signals)
@@ -304,6 +319,11 @@ def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
         return None
     n, idle, _ = flight
     if idle < HOST_IDLE_SHARE or ratio >= PACED_RATIO or _tail_busy(signals):
+        return None
+    behind = _behind(signals)
+    if behind is not None and behind >= BEHIND_SHARE:
+        # The host took as long as the device only because the device held it back (a full launch
+        # queue: thousands of kernels a step, each longer than its launch), not the reverse.
         return None
     why = (f"the device keeps pace with the host: in {_pct(idle)} of {n} sampled steps it had finished every earlier "
            f"step when the host ended one, and its step ({totals.phases['step'].mean:.2f} ms) lasts {ratio:.2f}x the "
@@ -313,7 +333,7 @@ def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
             "a fused or foreach optimizer (e.g. AdamW(fused=True)); fewer small ops on the host")
     ev = {"samples": n, "share_at_zero_in_flight": idle, "device_over_host_step": ratio,
           "host_step_ms": statistics.fmean(signals.host_step_ms), "tail_busy": signals.tail_busy,
-          "tail_checked": signals.tail_checked}
+          "tail_checked": signals.tail_checked, "behind": signals.behind, "behind_checked": signals.behind_checked}
     return Diagnosis("HOST_BOUND", "high" if idle >= 0.9 and ratio < 1.1 else "medium", why, tips, ev)
 
 
@@ -336,7 +356,9 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
         return None
     n, idle, median = flight
     busy = _tail_busy(signals)
-    if median < 1 and (ratio is None or ratio < PACED_RATIO) and not busy:
+    behind = _behind(signals)
+    lagging = behind is not None and behind >= BEHIND_SHARE
+    if median < 1 and (ratio is None or ratio < PACED_RATIO) and not busy and not lagging:
         return None
     step = totals.phases["step"]
     inner = {p: t for p, t in totals.phases.items() if p not in ("step", "period", BETWEEN, "data_wait", "sync_wait")}
@@ -346,8 +368,12 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
         lead = f"the host runs ahead (median {median:g} earlier step(s) in flight)"
     elif ratio is not None and ratio >= PACED_RATIO:
         lead = f"the device's step ({step.mean:.2f} ms) lasts {ratio:.2f}x the host's time to issue it"
-    else:
+    elif busy:
         lead = "the device is still running each step when the host ends it"
+    else:
+        lead = (f"inside the step the device runs more than a phase behind the host (at {_pct(behind or 0.0)} of "
+                "sampled boundaries), so the host issues a step only as fast as the device runs it (a full "
+                "launch queue)")
     why = f"the GPU is the bottleneck: {lead}; {largest} is {_pct(share)} of the step"
     tips = [f"make {largest} cheaper on the GPU: it is the largest phase"]
     opt = _share(totals, "optimizer", "step")
@@ -358,7 +384,8 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
         tips.append("the run is in fp32: bf16 autocast (precision='bf16-mixed') or TF32 matmuls "
                     "(torch.set_float32_matmul_precision('high'))")
     ev = {"samples": n, "median_in_flight": median, "largest_phase": largest, "largest_share_of_step": share,
-          "precision": precision, "tail_busy": signals.tail_busy, "tail_checked": signals.tail_checked}
+          "precision": precision, "tail_busy": signals.tail_busy, "tail_checked": signals.tail_checked,
+          "behind": signals.behind, "behind_checked": signals.behind_checked}
     if ratio is not None:
         ev["device_over_host_step"] = ratio
     if idle >= HOST_IDLE_SHARE:

@@ -58,6 +58,7 @@ class PyEngine:
         self.relabel = self._recorder.relabel
         self.add_host = self._recorder.add_host
         self.discard = self._recorder.discard
+        self.behind = self._recorder.behind
 
     @property
     def is_open(self) -> bool:

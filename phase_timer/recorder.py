@@ -119,6 +119,14 @@ class Recorder:
         if self._marks is not None:
             self._current = phase
 
+    def behind(self) -> bool | None:
+        """The device has not passed the mark before the newest: it has not begun the span the host just
+        issued (one query of a mark a phase old, never a wait).  None on the host clock or before two marks."""
+        marks = self._marks
+        if marks is None or len(marks) < 2 or self._clock.kind == "host":
+            return None
+        return not self._clock.done(marks[-2])
+
     def add_host(self, phase: str, ms: float) -> None:
         if self._marks is not None:
             self._host[phase] = self._host.get(phase, 0.0) + ms

@@ -6,6 +6,13 @@ import pytest
 import torch
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The code under test, as git names it: a results file of the GPU suite says which code it ran on."""
+    from benchmarks.provenance import code_line
+
+    return code_line()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

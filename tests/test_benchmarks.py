@@ -76,3 +76,31 @@ def test_rank_exchange_at_four_ranks(tmp_path, kill):
     assert f"windows 20/20 with {3 if kill else 4} ranks: yes" in text and "slowest named: rank 3" in text
     assert ("killed rank 1: gone=[1]" in text) == kill
     assert "rank 0 at    64 ranks (in-process model)" in text
+
+
+def test_the_code_line_names_the_tree_git_names(tmp_path):
+    """The tree hash of phase_timer/ as a GPU results file records it is git's own (a clean copy of HEAD's
+    files gives HEAD:phase_timer), and an edit changes it."""
+    import subprocess
+
+    from benchmarks.provenance import ROOT, code_line, tree_hash
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "HEAD:phase_timer").strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    archive = subprocess.run(["git", "archive", "HEAD", "phase_timer"], cwd=ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    copy = tmp_path / "phase_timer"
+    (copy / "__pycache__").mkdir(exist_ok=True)  # what git ignores does not count
+    (copy / "__pycache__" / "x.pyc").write_bytes(b"0")
+    (copy / "_native.cpython-311-x86_64-linux-gnu.so").write_bytes(b"0")
+    assert tree_hash(str(copy)) == head
+    (copy / "core.py").write_text((copy / "core.py").read_text() + "\n")
+    assert tree_hash(str(copy)) != head
+    line = code_line()
+    clean = not git("status", "--porcelain", "--", "phase_timer")
+    assert line.startswith("phase_timer tree ") and (("= HEAD" in line) if clean else ("dirty" in line))

@@ -19,6 +19,7 @@ from torch import nn
 
 import phase_timer
 from phase_timer import PhaseTimer
+from phase_timer.core import TimingCore
 from phase_timer.diagnosis import MIN_STEPS, Diagnosis, Signals, diagnose, format_verdict
 from phase_timer.resolver import Resolver
 from phase_timer.run_summary import FILE_NAME, schema
@@ -127,6 +128,40 @@ def test_a_device_still_running_the_step_just_ended_is_not_host_bound():
     assert d.kind == "GPU_BOUND" and "still running each step" in d.why
     s.tail_busy = 2  # the device had finished it at most closes: it waits for the host
     assert diagnose(totals(**GPU_STEP), s, clock="cuda").kind == "HOST_BOUND"
+
+
+def test_a_device_more_than_a_phase_behind_inside_the_step_is_not_host_bound():
+    """The host issues a step no faster than the device runs it and nothing is in flight at the closes
+    (the loop reads the loss after each step), but inside the step the device had not begun the span
+    the host had just issued: the host was held to the device's pace (a full launch queue), GPU_BOUND."""
+    s = signals({0: 10}, host_step_ms=32.0)
+    s.tail_checked, s.tail_busy = 10, 0
+    s.behind_checked, s.behind = 40, 34
+    d = diagnose(totals(**GPU_STEP), s, clock="cuda")
+    assert d.kind == "GPU_BOUND" and "more than a phase behind" in d.why and "85%" in d.why
+    assert "never got a step ahead" in d.why and d.evidence["behind"] == 34
+    s.behind = 3  # the device had begun nearly every span by the time the host issued the next: host-bound
+    d = diagnose(totals(**GPU_STEP), s, clock="cuda")
+    assert d.kind == "HOST_BOUND" and d.evidence["behind_checked"] == 40
+    s.behind_checked, s.behind = 3, 3  # too few boundaries checked to say: the other signals decide
+    assert diagnose(totals(**GPU_STEP), s, clock="cuda").kind == "HOST_BOUND"
+
+
+@pytest.mark.parametrize("lag", [0, 3])
+def test_the_python_engine_says_whether_the_device_is_a_phase_behind(lag):
+    from phase_timer.clock import HostClock
+    from phase_timer.engine import PyEngine
+
+    engine = PyEngine(FakeClock(lag=lag), window=10, max_pending=8)
+    assert engine.behind() is None  # no record
+    engine.open(0, "forward")
+    assert engine.behind() is None  # one mark: nothing issued before it
+    engine.switch("backward")
+    assert engine.behind() is (lag > 0)  # forward's start mark: done at once, or after `lag` queries
+    host = PyEngine(HostClock(), window=10, max_pending=8)
+    host.open(0, "forward")
+    host.switch("backward")
+    assert host.behind() is None  # the host clock: no device to be behind
 
 
 def test_device_rules_abstain_without_their_signals():
@@ -264,7 +299,8 @@ def _validated(path: str) -> dict:
 def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypatch):
     import phase_timer.boundaries
 
-    monkeypatch.setattr(phase_timer.boundaries, "SAMPLE_GAP", (8, 8))  # a sampled step every 9th close
+    monkeypatch.setattr(phase_timer.boundaries, "DENSE_SAMPLES", 0)  # no dense start: ...
+    monkeypatch.setattr(phase_timer.boundaries, "SAMPLE_GAP", (8, 8))  # ... a sampled step every 8th
     timer = _plain_run(tmp_path, steps=40, sleep_s=0.002)  # 4 items x 2 ms a batch
     d = timer.diagnosis
     assert d.kind == "INPUT_BOUND"
@@ -278,8 +314,8 @@ def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypat
     assert data["environment"]["loader"]["type"] == "DataLoader" and data["environment"]["precision"] == "32-true"
     assert data["config"]["window"] == 10 and data["config"]["warmup_steps"] == 2
     assert data["steps_in_flight"] is None  # the host clock: nothing in flight, not a zero
-    # phase-timer's own cost, timed on the sampled steps: those closed 9th, 17th, 25th and 33rd (the gap
-    # counts the sampled close itself)
+    # phase-timer's own cost, timed on the sampled steps: the 10th, 18th, 26th and 34th (timed steps 8, 16,
+    # 24 and 32 after the 2 warm-up steps; the 42nd is past the end)
     own = data["own_cost"]
     assert own["samples"] == 4 and own["us_per_step"] > 0
     assert own["share_of_period"] == pytest.approx(own["us_per_step"] / 1e3 / data["phases"]["period"]["mean_ms"])
@@ -350,7 +386,7 @@ def test_a_rule_that_fails_warns_and_the_run_keeps_its_numbers(tmp_path, monkeyp
 
 
 def test_steps_in_flight_is_logged_per_window_from_the_counted_closes():
-    from phase_timer.boundaries import FLIGHT_EVERY, Boundaries
+    from phase_timer.boundaries import FLIGHT_DENSE_STEPS, FLIGHT_EVERY, Boundaries
     from phase_timer.core import TimingCore
     from phase_timer.metrics import IN_FLIGHT_TAG
 
@@ -383,14 +419,133 @@ def test_steps_in_flight_is_logged_per_window_from_the_counted_closes():
     core.finish()
     windows = [s for _, s in sink.rows if "phase_timer/window_steps" in s]
     counted = sum(core.signals.flight.values())
-    assert counted == 100 // FLIGHT_EVERY + 1  # closes 0, 16, ..., 96 (the 100th closes at finish)
+    # timed steps 2, 4, ..., 32, then 48, 64, 80, 96 (the 100th closes at finish)
+    assert counted == FLIGHT_DENSE_STEPS // 2 + (100 - FLIGHT_DENSE_STEPS) // FLIGHT_EVERY
     logged = [s[IN_FLIGHT_TAG] for s in windows if IN_FLIGHT_TAG in s]
     assert len(windows) == 10 and core.skipped == 0
     assert logged and any(v >= 1 for v in logged)  # the fake device lags: steps are in flight
-    assert len(logged) < len(windows)  # 7 counts, 10 windows: a window without a count has no value, not 0
+    assert len(logged) < len(windows)  # no count in 97-100: a window without a count has no value, not 0
 
 
 def test_the_schema_names_every_kind_the_rules_give():
     from phase_timer.diagnosis import KINDS
 
     assert schema()["$defs"]["finding"]["properties"]["kind"]["enum"] == list(KINDS)
+
+
+# -- the verdict's sampling schedule (issue 25): dense at first, sparse later ---------------------
+def _schedule(steps: int, warmup: int, seed: int, monkeypatch) -> tuple[list[int], list[int], TimingCore]:
+    """``steps`` steps through real boundaries on a lagging fake device: the timed steps (1-based, after
+    the warm-up) that were sampled, and those whose close counted the steps in flight."""
+    import random
+
+    import phase_timer.boundaries as b
+
+    seeded = random.Random
+    monkeypatch.setattr(b.random, "Random", lambda: seeded(seed))
+    core = TimingCore(FakeClock(lag=1), [], window=10, warmup_steps=warmup, max_pending=64)
+    bounds = b.Boundaries(core)
+    sampled: list[int] = []
+    counted: list[int] = []
+    close = core.close
+
+    def spy_close(flight: bool = False) -> None:  # which closes count the steps in flight
+        if flight:
+            counted.append(bounds.steps - warmup)
+        close(flight)
+
+    core.close = spy_close
+    for _ in range(steps):
+        bounds.fetch()
+        bounds.batch()
+        if isinstance(bounds, b._SampledBoundaries):
+            sampled.append(bounds.steps + 1 - warmup)
+        bounds.copied()
+        bounds.backward_start()
+        bounds.backward_end()
+        bounds.optimizer_start()
+        bounds.step_end()
+    bounds.finish()
+    core.finish()
+    # every sampled step that closed gave one sample of each kind
+    assert len(core.signals.own_ns) == len(core.signals.host_step_ms) == len(sampled)
+    return sampled, counted, core
+
+
+@pytest.mark.parametrize("warmup", [0, 5])
+@pytest.mark.parametrize("seed", range(10))
+def test_the_verdicts_samples_come_densely_first_then_sparsely(warmup, seed, monkeypatch):
+    from phase_timer.boundaries import DENSE_GAP, DENSE_SAMPLES, FLIGHT_DENSE_STEPS, FLIGHT_EVERY, SAMPLE_GAP
+    from phase_timer.diagnosis import MIN_FLIGHT_SAMPLES, MIN_STEPS
+
+    sampled, counted, core = _schedule(1000 + warmup, warmup, seed, monkeypatch)
+    gaps = [b - a for a, b in zip([0, *sampled], sampled)]
+    # sampled: timed steps only, the first DENSE_SAMPLES 2-4 apart, then 48-144 apart
+    assert all(DENSE_GAP[0] <= g <= DENSE_GAP[1] for g in gaps[:DENSE_SAMPLES])
+    assert all(SAMPLE_GAP[0] <= g <= SAMPLE_GAP[1] for g in gaps[DENSE_SAMPLES:])
+    by = {n: sum(t <= n for t in sampled) for n in (20, 50, 100, 1000)}
+    assert by[20] >= 5 and by[50] == DENSE_SAMPLES and DENSE_SAMPLES <= by[100] <= DENSE_SAMPLES + 2
+    assert by[1000] <= DENSE_SAMPLES + (1000 - 4 * DENSE_SAMPLES) // SAMPLE_GAP[0] + 1
+    # in flight: timed steps 2, 4, ..., 32, then every 16th
+    assert counted == [*range(2, FLIGHT_DENSE_STEPS + 1, 2), *range(FLIGHT_DENSE_STEPS + FLIGHT_EVERY, 1000, FLIGHT_EVERY)]
+    assert sum(t <= MIN_STEPS for t in counted) == 10 >= MIN_FLIGHT_SAMPLES
+    assert sum(core.signals.flight.values()) == len(counted)
+    assert sum(n * k for n, k in core.signals.flight.items()) > 0  # the lagging device: some in flight
+    # each sampled step asks at its 4 marked boundaries (forward, backward, optimizer, end) whether the
+    # device has begun the span before; the other steps never ask
+    assert 4 * (len(sampled) - 1) <= core.signals.behind_checked <= 4 * len(sampled)
+
+
+def test_a_short_gpu_bound_run_that_reads_the_loss_every_step_is_gpu_bound(monkeypatch):
+    """20 timed steps whose device work (12 ms) far outlasts the host's time to issue it (~µs), the
+    host waiting for the device between steps (a ``loss.item()`` after the optimizer step): GPU_BOUND,
+    with the note that the host never ran ahead."""
+    import time
+
+    from phase_timer.boundaries import FORWARD, Boundaries
+
+    host = [10**9]
+
+    def perf_counter_ns() -> int:  # a virtual host clock: every reading 1 µs later
+        host[0] += 1000
+        return host[0]
+
+    monkeypatch.setattr(time, "perf_counter_ns", perf_counter_ns)
+    clock = FakeClock(tick_ms=3.0)  # each mark 3 ms of device time after the one before
+    core = TimingCore(clock, [], window=10, warmup_steps=5, max_pending=64)
+    bounds = Boundaries(core)
+    for _ in range(25):
+        bounds.fetch()
+        bounds.batch(first=FORWARD)
+        bounds.backward_start()
+        bounds.backward_end()
+        bounds.optimizer_start()
+        bounds.step_end()
+        host[0] += 12_000_000  # the loss read: the host waits for the device's 12 ms
+    bounds.finish()
+    core.finish()
+    d = core.diagnosis
+    assert core.totals.steps == 20 and len(core.signals.host_step_ms) >= 4
+    assert d.kind == "GPU_BOUND", (d.why, d.evidence)
+    assert "never got a step ahead" in d.why and d.evidence["device_over_host_step"] > 100
+
+
+@pytest.mark.parametrize("loader", [True, False])
+def test_a_plain_loop_is_sampled_with_or_without_a_loader(tmp_path, loader):
+    """Without a loader the forward both closes a step and begins the next: the sample still counts
+    (it did not, so a nanoGPT-style loop never had a host step time, however long it ran)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(25)]
+    timer = phase_timer.attach(model, opt, data if loader else None, log_dir=str(tmp_path), summary=False, warmup_steps=5)
+    core = timer.core
+    with timer:
+        for x, y in (timer.loader if loader else data):
+            for _ in range(2):  # two micro-batches a step
+                nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    signals = core.signals
+    assert timer.totals.steps == 20
+    assert len(signals.host_step_ms) == len(signals.own_ns) >= 5 and min(signals.host_step_ms) > 0

@@ -590,8 +590,11 @@ def test_plain_fp16_grad_scaler_host_bound_conv_net_near_marker_truth(event_trut
     _assert_near_truth(event_truth.plain("conv", steps=60, window=(30, 55)), tolerance=0.35)
 
 
-# -- the verdict on real runs (issue 13): both doors --------------------------------------------
-VERDICT_STEPS = 600  # >= 4 self-timed steps even at the widest gap (144), after the warm-up
+# -- the verdict on real runs (issues 13 and 25): both doors, short runs and long ----------------
+WARMUP = 5  # the doors' default warm-up
+VERDICT_STEPS = 600  # the long run: >= 4 self-timed steps even at the widest sparse gap (144)
+#: Timed steps of the short runs (a profile of a few dozen steps) and the long one: the same verdict.
+VERDICT_LENGTHS = (25, 50, 100, VERDICT_STEPS - WARMUP)
 
 
 def _mlp(width: int, depth: int) -> nn.Module:
@@ -626,18 +629,18 @@ class _Batches:
         return self.n
 
 
-def _case(name: str):
-    """(model, batches, item): the five runs the verdict must get right."""
+def _case(name: str, steps: int):
+    """(model, batches, item): the five runs the verdict must get right, ``steps`` batches long."""
     g = torch.Generator().manual_seed(0)
     if name == "gpu_bound" or name == "item":
         x, y = torch.randn(512, 4096, device="cuda"), torch.randn(512, 1, device="cuda")
-        return _mlp(4096, 6), _Batches((x, y), VERDICT_STEPS), name == "item"
+        return _mlp(4096, 6), _Batches((x, y), steps), name == "item"
     if name == "host_bound":
         x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 1, device="cuda")
-        return _mlp(64, 3), _Batches((x, y), VERDICT_STEPS), False
+        return _mlp(64, 3), _Batches((x, y), steps), False
     if name == "h2d":  # 25 MB of pageable floats a batch, a model that barely computes
         x, y = torch.randn(32, 3, 256, 256, generator=g), torch.randn(32, 1, generator=g)
-        return _pool_head(), _Batches((x, y), VERDICT_STEPS), False
+        return _pool_head(), _Batches((x, y), steps), False
     if name == "input":
         return _mlp(64, 3), DataLoader(_Slow(), batch_size=8), False
     raise ValueError(name)
@@ -647,11 +650,11 @@ EXPECTED = {"gpu_bound": "GPU_BOUND", "item": "GPU_BOUND", "host_bound": "HOST_B
             "input": "INPUT_BOUND"}
 
 
-def _verdict_plain(tmp_path, name):
+def _verdict_plain(tmp_path, name, steps):
     import phase_timer
 
     torch.manual_seed(0)
-    model, batches, item = _case(name)
+    model, batches, item = _case(name, steps)
     model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     timer = phase_timer.attach(model, opt, batches, copy_to_device=True, device="cuda", log_dir=str(tmp_path),
@@ -664,18 +667,18 @@ def _verdict_plain(tmp_path, name):
             opt.zero_grad(set_to_none=True)
             if item:
                 loss.item()  # a per-step read of the loss: the host waits for the device here
-            if i + 1 == VERDICT_STEPS:
+            if i + 1 == steps:
                 break
     return timer
 
 
-def _verdict_lightning(tmp_path, name):
+def _verdict_lightning(tmp_path, name, steps):
     import lightning.pytorch as pl
 
     from phase_timer import PhaseTimer
 
     torch.manual_seed(0)
-    model, batches, item = _case(name)
+    model, batches, item = _case(name, steps)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -692,23 +695,35 @@ def _verdict_lightning(tmp_path, name):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    timer = PhaseTimer(summary=False)
-    gpu_trainer(tmp_path, [timer], max_steps=VERDICT_STEPS, log_every_n_steps=50).fit(Module(), batches)
+    timer = PhaseTimer(summary=False, log_dir=str(tmp_path))
+    gpu_trainer(tmp_path, [timer], max_steps=steps, log_every_n_steps=50).fit(Module(), batches)
     return timer
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-@pytest.mark.parametrize("door", ["plain", "lightning"])
-def test_the_verdict_on_real_runs(tmp_path, door, name):
+def _print_verdict(door: str, name: str, timed: int, timer) -> dict:
     import json
 
-    timer = (_verdict_plain if door == "plain" else _verdict_lightning)(tmp_path, name)
     d = timer.diagnosis
     with open(timer.summary_path) as f:
         data = json.load(f)
     flight = data["steps_in_flight"]
-    print(f"VERDICT {door} {name}: {d.kind} | in flight {flight} | ratio {d.evidence.get('device_over_host_step')} | "
+    ev = next((f.evidence for f in (d, *d.secondary) if "behind_checked" in f.evidence), {})
+    print(f"VERDICT {door} {name} {timed} timed: {d.kind} | in flight {flight} | ratio "
+          f"{d.evidence.get('device_over_host_step')} | behind {ev.get('behind')}/{ev.get('behind_checked')} | "
           f"own {data['own_cost']} | {d.why}")
+    assert data["steps"]["timed"] == timed
+    return data
+
+
+@pytest.mark.parametrize("timed", VERDICT_LENGTHS)
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("door", ["plain", "lightning"])
+def test_the_verdict_on_real_runs(tmp_path, door, name, timed):
+    """Each of the five runs gets its verdict from 25 timed steps as from 595 (issue 25)."""
+    timer = (_verdict_plain if door == "plain" else _verdict_lightning)(tmp_path, name, timed + WARMUP)
+    d = timer.diagnosis
+    data = _print_verdict(door, name, timed, timer)
+    flight = data["steps_in_flight"]
     assert d.kind == EXPECTED[name], (d.why, d.evidence, [s.kind for s in d.secondary])
     if name == "gpu_bound":
         assert flight["median"] >= 1
@@ -719,6 +734,62 @@ def test_the_verdict_on_real_runs(tmp_path, door, name):
     if name == "host_bound":
         assert flight["histogram"].get("0", 0) >= flight["samples"] / 2
     assert data["own_cost"]["host_ahead"] == (name == "gpu_bound")
+
+
+@pytest.mark.parametrize("door", ["plain", "lightning"])
+def test_a_gpt2_sized_run_reading_the_loss_every_step_is_gpu_bound_from_25_steps(tmp_path, door):
+    """GPT-2 124M (12 x 768, 50k vocabulary, 1024 tokens), bf16, 4 micro-batches a step, the loss read
+    with ``.item()`` every step as nanoGPT's logging does, no loader: GPU_BOUND, the host never ahead,
+    at 25, 50, 100 and 200 timed steps alike."""
+    import lightning.pytorch as pl
+
+    import phase_timer
+    from benchmarks.truth import TinyLM
+    from phase_timer import PhaseTimer
+
+    torch.manual_seed(0)
+    model = TinyLM(vocab=50304, d=768, layers=12, seq=1024).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # not fused: Lightning clips only unfused ones
+    x = torch.randint(0, 50304, (8, 1024), device="cuda")
+    accum = 4
+    verdicts = {}
+    for timed in (25, 50, 100, 200):
+        steps = timed + WARMUP
+        if door == "plain":
+            timer = phase_timer.attach(model, opt, log_dir=str(tmp_path / str(timed)), summary=False)
+            with timer:
+                for _ in range(steps):
+                    for _ in range(accum):
+                        with torch.autocast("cuda", torch.bfloat16):
+                            loss = model.loss(model(x), x) / accum
+                        loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    loss.item()  # nanoGPT's `lossf = loss.item() * gradient_accumulation_steps`: a sync a step
+        else:
+            class Module(pl.LightningModule):
+                def __init__(self):
+                    super().__init__()
+                    self.model = model
+
+                def training_step(self, batch, batch_idx):
+                    loss = self.model.loss(self.model(batch), batch)
+                    loss.item()  # a per-micro-batch read of the loss (a metric on the host)
+                    return loss
+
+                def configure_optimizers(self):
+                    return opt
+
+            timer = PhaseTimer(summary=False, log_dir=str(tmp_path / str(timed)))
+            gpu_trainer(tmp_path, [timer], max_steps=steps, accumulate_grad_batches=accum, gradient_clip_val=1.0,
+                        precision="bf16-mixed", log_every_n_steps=50).fit(Module(), _Batches(x, steps * accum))
+        _print_verdict(door, "gpt2_item_accum4", timed, timer)
+        d = timer.diagnosis
+        verdicts[timed] = d.kind
+        assert d.kind == "GPU_BOUND", (timed, d.why, d.evidence, [s.kind for s in d.secondary])
+        assert "waits for the GPU inside each step" in d.why or "still running each step" in d.why
+    assert set(verdicts.values()) == {"GPU_BOUND"}
 
 
 @pytest.mark.parametrize("engine", ["native", "python"])
@@ -736,12 +807,16 @@ def test_steps_in_flight_on_a_busy_device_never_waits(engine):
         eng.open(i, "forward")
         eng.switch("backward")
         eng.close(-1.0)
+    eng.open(5, "forward")
+    eng.switch("backward")
     with sync_is_an_error():
         assert eng.poll() is None  # nothing finished: the oldest record stops the poll
         assert eng.in_flight() == 4  # every record but the newest
         assert eng.newest_done() is False
+        assert eng.behind() is True  # the open record's forward has not begun on the device
     torch.cuda.synchronize()
     with sync_is_an_error():
         eng.poll()  # resolves up to 4, leaving the newest `lag`
         assert eng.in_flight() == 0
         assert eng.newest_done() is True
+        assert eng.behind() is False
