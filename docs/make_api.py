@@ -112,6 +112,13 @@ def render() -> str:
     for name in ("phase", "end_step", "detach", "close"):
         method = getattr(LoopTimer, name)
         parts += [f"### `timer.{name}`\n", _signature(f"timer.{name}", method), _markdown(method.__doc__ or "")]
+    from phase_timer.hf_trainer import PhaseTimerCallback
+
+    parts += [
+        "## `phase_timer.PhaseTimerCallback`: the 🤗 Trainer callback (preview)\n",
+        _signature("PhaseTimerCallback", PhaseTimerCallback.__init__),
+        _markdown(PhaseTimerCallback.__doc__ or ""),
+    ]
     parts += [
         "## Results in code\n",
         "### `RunTotals` (`timer.totals`)\n",

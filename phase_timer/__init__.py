@@ -1,7 +1,7 @@
 """phase-timer: where each training step's time goes, on the GPU's own clock, lazily.
 
-``PhaseTimer`` (the Lightning callback) is imported on first use, so
-``import phase_timer`` needs only torch.
+``PhaseTimer`` (the Lightning callback) and ``PhaseTimerCallback`` (the 🤗 Trainer's)
+are imported on first use, so ``import phase_timer`` needs only torch.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from phase_timer.diagnosis import Diagnosis
 from phase_timer.loop import LoopTimer, attach
 
 if TYPE_CHECKING:
+    from phase_timer.hf_trainer import PhaseTimerCallback
     from phase_timer.lightning import PhaseTimer
 
-__all__ = ["DISABLE_ENV", "CudaClock", "Diagnosis", "HostClock", "LoopTimer", "PhaseTimer", "TimingCore", "attach", "make_clock"]
+__all__ = ["DISABLE_ENV", "CudaClock", "Diagnosis", "HostClock", "LoopTimer", "PhaseTimer", "PhaseTimerCallback", "TimingCore", "attach", "make_clock"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from phase_timer.lightning import PhaseTimer
 
         return PhaseTimer
+    if name == "PhaseTimerCallback":  # the 🤗 Trainer door: imports transformers, so only on use
+        from phase_timer.hf_trainer import PhaseTimerCallback
+
+        return PhaseTimerCallback
     raise AttributeError(f"module 'phase_timer' has no attribute {name!r}")

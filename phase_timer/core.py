@@ -88,6 +88,8 @@ class TimingCore:
         self.diagnosis: Diagnosis | None = None
         self.summary_path: str | None = None
         self.interrupted = False
+        #: Added to a step's index where it is logged (the 🤗 door: the Trainer logs step k at global_step k+1).
+        self.log_step_offset = 0
         # Steps in flight are read on the device's clock only: on the host's, nothing is in flight.
         self._flight = clock.kind != "host"
         self._flight_sum = self._flight_n = 0
@@ -257,6 +259,7 @@ class TimingCore:
             self._write(w.step, rank_scalars(w))
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
+        step += self.log_step_offset
         if step > self._last_written_step:
             self._last_written_step = step
         for sink in self._sinks:

@@ -8,6 +8,11 @@ optimizer keeps the inner pair from ending the phase early.
 An optimizer that wraps another one as ``base_optimizer`` (SAM and its kin) is
 hooked through both, sharing one depth: ``sam.step(closure)`` is one step, and so is
 ``sam.second_step()``, which steps only the base optimizer.
+
+A wrapper that never ran ``Optimizer.__init__`` and forwards ``step()`` to the optimizer
+it holds as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, which steps it only
+when gradients are synchronized, through its GradScaler under fp16) has no hooks of its
+own: the optimizer it holds is hooked instead, so a step is heard when one really runs.
 """
 
 from __future__ import annotations
@@ -18,7 +23,20 @@ from typing import Any
 import torch
 
 
+def stepped(opt: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step()`` runs: ``opt``, or the one a hook-less wrapper forwards to (None: none)."""
+    seen: set[int] = set()
+    while not hasattr(opt, "_optimizer_step_pre_hooks"):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or id(inner) in seen:
+            return None
+        seen.add(id(inner))
+        opt = inner
+    return opt
+
+
 def _with_base(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    opt = stepped(opt) or opt
     base = getattr(opt, "base_optimizer", None)
     return [opt, base] if isinstance(base, torch.optim.Optimizer) and base is not opt else [opt]
 

@@ -488,6 +488,53 @@ def plain_no_loader_accumulation(plant: Plant, tmp: Any) -> Any:
     return timer
 
 
+class _PlantedItems(torch.utils.data.Dataset):
+    """A map-style dataset for a real DataLoader (accelerate prepares only those)."""
+
+    def __len__(self) -> int:
+        return 64 * 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), torch.randn(1, generator=g)
+
+
+def plain_accelerate(plant: Plant, tmp: Any, *, accumulate: int = 1) -> Any:
+    """A hand-written 🤗 accelerate loop: prepared model, optimizer and loader, ``accelerator.backward``,
+    ``accelerator.accumulate``, ``accelerator.clip_grad_norm_`` (its optimizer wraps the real one)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # one Accelerator per run: its state is a process-wide singleton
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
+
+    def collate(items: list[Any]) -> Any:  # the loader's work: accelerate fetches one batch ahead
+        plant("data")
+        return torch.utils.data.default_collate(items)
+
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    loader = torch.utils.data.DataLoader(_PlantedItems(), batch_size=8, collate_fn=collate)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    with attach(model, opt, loader, tmp) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            with accelerator.accumulate(model):
+                loss = loss_of(model(x), y, plant)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    plant("clip")
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()  # steps the real optimizer only on the accumulation's last micro-batch
+                opt.zero_grad()
+            plant("between")
+            if i + 1 == STEPS * accumulate:
+                break
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return timer
+
+
 def plain_no_loader_skip_failed(plant: Plant, tmp: Any) -> Any:
     model = Net(plant)
     opt = PlantedSGD(model.parameters(), plant)
@@ -648,6 +695,62 @@ def lightning_fit(plant: Plant, tmp: Any, *, ns: str = "lightning.pytorch", manu
     return timer
 
 
+# -- the 🤗 door's patterns: a real transformers.Trainer on a tiny GPT-2 built from a config --------
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 256) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = False) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers.data.data_collator import default_data_collator
+
+    from phase_timer.hf_trainer import PhaseTimerCallback
+
+    class PlantedTrainer(Trainer):
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            plant("loss")  # a custom compute_loss, after the model's call
+            return out
+
+    class Before(TrainerCallback):  # listed before ours
+        def on_pre_optimizer_step(self, *args: Any, **kw: Any) -> None:
+            plant("pre_optimizer")
+
+        def on_step_end(self, *args: Any, **kw: Any) -> None:
+            plant("step_end")
+
+        def on_substep_end(self, *args: Any, **kw: Any) -> None:  # a micro-batch that did not step
+            plant("substep_end")
+
+    def collate(items: list[Any]) -> Any:
+        plant("data")
+        return default_data_collator(items)
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    model.register_forward_pre_hook(lambda m, a: plant("forward" if m.training else "eval"))
+    model.lm_head.weight.register_hook(lambda g: plant("backward"))
+    args = TrainingArguments(
+        output_dir=str(tmp), per_device_train_batch_size=4, max_steps=STEPS, gradient_accumulation_steps=accumulate,
+        logging_steps=5, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        eval_strategy="steps" if evaluate else "no", eval_steps=3, per_device_eval_batch_size=4,
+    )
+    timer = PhaseTimerCallback(warmup_steps=WARMUP, summary=False)
+    trainer = PlantedTrainer(model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(8) if evaluate else None,
+                             data_collator=collate, callbacks=[Before(), timer])
+    trainer.train()
+    return timer.timer
+
+
 # -- the table ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Pattern:
@@ -730,6 +833,20 @@ PATTERNS = [
         "optimizer": {"stepping": 1, "step": 1}, "tail": {"stepping": 1, "step": 0}}),
     Pattern("plain, end_step='manual'", _p(plain_manual_end), {
         "optimizer": OPT, "before_end": OPT, "between": BETWEEN_}),
+    Pattern("plain, 🤗 accelerate: prepared model, optimizer and loader", _p(plain_accelerate), {
+        "data": {"data_wait": 1}, "forward": FWD, "loss": FWD, "backward": BWD, "loss_backward": BWD,
+        "clip": OPT, "optimizer": OPT, "between": BETWEEN_}),
+    Pattern("plain, 🤗 accelerate, accelerator.accumulate x2", _p(plain_accelerate, accumulate=2), {
+        "data": {"data_wait": 2}, "forward": {"forward": 2}, "backward": {"backward": 2}, "clip": OPT,
+        "optimizer": OPT, "between": {"idle": 1, BETWEEN: 1}}),
+    Pattern("🤗 Trainer", _p(hf_trainer), {
+        "data": {"data_wait": 1}, "forward": FWD, "loss": FWD, "backward": BWD, "pre_optimizer": OPT,
+        "step_end": BETWEEN_}),
+    Pattern("🤗 Trainer, gradient_accumulation_steps=2", _p(hf_trainer, accumulate=2), {
+        "data": {"data_wait": 2}, "forward": {"forward": 2}, "loss": {"forward": 2}, "backward": {"backward": 2},
+        "pre_optimizer": OPT, "step_end": BETWEEN_, "substep_end": {"idle": 1}}),
+    Pattern("🤗 Trainer, evaluation every 3 steps", _p(hf_trainer, evaluate=True), {
+        "eval": {NOWHERE: 1}, "forward": FWD}),
     Pattern("lightning, automatic optimization", _p(lightning_fit, scheduler=True), {
         "data": {"data_wait": 1}, "before_transfer": {"data_wait": 1}, "h2d": {"h2d": 1}, "forward": FWD, "loss": FWD, "backward": BWD,
         "loss_backward": BWD, "clip": OPT, "optimizer": OPT, "scheduler": BETWEEN_, "callback_before": BETWEEN_,

@@ -1,0 +1,120 @@
+"""The 🤗 door on real ``transformers.Trainer`` runs (a tiny GPT-2 from a config, on the CPU).
+
+Where each planted wait lands is the conformance suite's job (``tests/test_loop_patterns.py``,
+the ``🤗 Trainer`` rows); here: where the values go, what a second ``train()`` and a failing
+one leave behind, and that bad configuration fails fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from phase_timer.hf_trainer import DEFAULT_DIR, PhaseTimerCallback  # noqa: E402
+from tests.helpers import read_scalars  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 256, fail_after: int | None = None) -> None:
+        self.n, self.fail_after, self.read = n, fail_after, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.read += 1
+        if self.read == self.fail_after:
+            raise RuntimeError("a corrupt sample")
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def trainer(tmp_path: Any, callback: PhaseTimerCallback, *, steps: int = 30, data: Any = None, **kw: Any) -> Trainer:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    kw.setdefault("report_to", "none")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps,
+                             logging_steps=10, save_strategy="no", use_cpu=True, disable_tqdm=True, **kw)
+    return Trainer(model=model, args=args, train_dataset=data or Tokens(), callbacks=[callback])
+
+
+def test_values_go_to_the_trainers_tensorboard_run_at_its_global_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    trainer(tmp_path, cb, report_to="tensorboard").train()
+    timer = cb.timer
+    assert timer.log_dir == str(tmp_path / "tb")  # where the Trainer's own TensorBoard callback writes
+    scalars = read_scalars(timer.log_dir)
+    assert "train/loss" in scalars  # the Trainer's own values, in the same run
+    steps = [s for s, _ in scalars["phase_time/forward_ms/mean"]]
+    assert steps == [10, 20, 30]  # windows of logging_steps, at the Trainer's global_step
+    assert timer.totals.steps == 28
+    with open(timer.summary_path) as f:
+        data = json.load(f)
+    assert os.path.dirname(timer.summary_path) == timer.log_dir
+    assert data["door"] == "transformers" and data["steps"]["timed"] == 28 and not data["interrupted"]
+    assert data["environment"]["optimizers"][0]["type"] == "AdamW"  # the optimizer under accelerate's wrapper
+
+
+def test_without_tensorboard_it_writes_under_the_output_dir(tmp_path):
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    trainer(tmp_path, cb, steps=12).train()
+    assert cb.timer.log_dir == str(tmp_path / DEFAULT_DIR / "version_0")
+    assert "phase_time/step_ms/mean" in read_scalars(cb.timer.log_dir)
+
+
+def test_train_twice_times_each_and_leaves_the_trainer_as_it_was(tmp_path, capsys):
+    cb = PhaseTimerCallback(warmup_steps=2)
+    t = trainer(tmp_path, cb, steps=12)
+    t.train()
+    first = cb.timer
+    assert "get_batch_samples" not in t.__dict__ and "training_step" not in t.__dict__  # the class's own again
+    t.args.max_steps = 24
+    t.train()
+    assert cb.timer is not first and first.totals.steps == 10 and cb.timer.totals.steps == 22
+    assert capsys.readouterr().out.count("phase-timer: ") >= 2  # a table at the end of each train()
+    assert not set(t.__dict__) & {"get_batch_samples", "training_step", "_evaluate", "_save_checkpoint"}
+
+
+def test_a_train_that_raises_keeps_what_was_timed(tmp_path):
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    t = trainer(tmp_path, cb, steps=40, data=Tokens(fail_after=4 * 25 + 1))  # in the 26th batch
+    with pytest.raises(RuntimeError, match="corrupt sample"):
+        t.train()
+    with open(cb.timer.summary_path) as f:
+        data = json.load(f)
+    assert data["interrupted"] and data["steps"]["timed"] == 22  # 25 batches (one read ahead), 2 warm-up, 1 cut off
+    assert "get_batch_samples" not in t.__dict__  # put back
+
+
+def test_bad_configuration_fails_at_construction_naming_the_argument():
+    with pytest.raises(ValueError, match=r"PhaseTimerCallback\(warmup_steps=-1\)"):
+        PhaseTimerCallback(warmup_steps=-1)
+    with pytest.raises(ValueError, match=r"`enabled` must be True or False"):
+        PhaseTimerCallback(enabled="yes")
+
+
+def test_disabled_times_nothing_and_touches_nothing(tmp_path):
+    cb = PhaseTimerCallback(enabled=False)
+    t = trainer(tmp_path, cb, steps=5)
+    t.train()
+    assert cb.timer is None and not (tmp_path / DEFAULT_DIR).exists()
+
+
+def test_importing_phase_timer_does_not_import_transformers():
+    code = "import sys, phase_timer; assert 'transformers' not in sys.modules, 'imported'; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
