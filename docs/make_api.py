@@ -92,7 +92,7 @@ def render() -> str:
     from phase_timer.clock import NATIVE_ENV
     from phase_timer.config import DISABLE_ENV
     from phase_timer.lightning import PhaseTimer
-    from phase_timer.report import build_parser
+    from phase_timer.cli import build_parser
     from phase_timer.stats import PhaseTotals, RunTotals
 
     parts = [

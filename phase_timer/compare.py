@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.metrics import STEP_PHASES, TOTALS, ordered
-from phase_timer.report import ReportError, check_event_file, read_phase_scalars, require, run_dirs
-from phase_timer.run_summary import FILE_NAME, SCHEMA
+from phase_timer.run_summary import FILE_NAME
+from phase_timer.runs import ReportError, check_event_file, read_phase_scalars, read_summary, require, run_dirs
 from phase_timer.stats import SERIES_STATS, percentile
 
 #: Width of the band in standard errors of the difference.
@@ -52,7 +52,6 @@ Z = 3.0
 MIN_BATCHES = 3
 METRICS = SERIES_STATS  # what each window batch keeps is what can be compared
 #: The summary file versions this reads (1 has no window columns: its band comes from TensorBoard).
-READS_VERSIONS = (1, 2)
 EXIT_SLOWER = 1
 
 
@@ -95,23 +94,6 @@ def load_side(path: str) -> Side:
     if summaries:
         return _from_summary(summaries[0], read_summary(summaries[0]))
     return _tensorboard_side(path, runs)
-
-
-def read_summary(path: str) -> dict[str, Any]:
-    """A run summary file's content, checked to be one (a version this reads)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as err:
-        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
-    except ValueError as err:
-        raise ReportError(f"{path}: not JSON ({err})") from err
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ReportError(f"{path}: not a phase-timer run summary (no \"schema\": \"{SCHEMA}\")")
-    if data.get("schema_version") not in READS_VERSIONS:
-        raise ReportError(f"{path}: run summary version {data.get('schema_version')!r}; this phase-timer reads "
-                           f"{', '.join(map(str, READS_VERSIONS))}")
-    return data
 
 
 def _from_summary(path: str, data: dict[str, Any]) -> Side:

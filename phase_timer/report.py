@@ -50,47 +50,43 @@ short, as a run still writing leaves it, is not an error.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
-import re
 import statistics
-import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.metrics import (
-    SKIPPED_TAG,
     STEP_PHASES,
     STEP_PREFIX,
     TOTALS,
     WINDOW_PREFIX,
-    WINDOW_STEPS_TAG,
     format_own_cost,
     ordered,
     share_base,
     share_note,
 )
 from phase_timer.run_summary import FILE_NAME
+from phase_timer.runs import (
+    PROG,
+    PhaseScalars,
+    Points,
+    ReportError,
+    check_event_file,
+    read_phase_scalars,
+    read_summary,
+    require,
+    run_command,
+    run_dirs,
+)
 from phase_timer.stats import WINDOW_STATS, percentile
 
-EXIT_ERROR = 2
-PROG = "phase-timer"
-_WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
-_STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
 _STAT_KEYS = ("mean_ms", "p50_ms", "p90_ms", "max_ms")
 #: What ``--json`` copies from a run summary file as it is there.
 _SUMMARY_KEYS = ("interrupted", "steps_in_flight", "own_cost", "diagnosis")
-
-Points = list[tuple[int, float]]
-
-
-class ReportError(Exception):
-    """A problem with the input, reported as one line naming the path; exit status 2."""
-
 
 @dataclass
 class PhaseStats:
@@ -119,106 +115,8 @@ class RunReport:
     summary: dict[str, Any] | None = None
 
 
-@dataclass
-class PhaseScalars:
-    """A run's phase-timer scalars: ``window[phase][stat]`` and ``step[phase]`` points."""
-
-    window: dict[str, dict[str, Points]] = field(default_factory=dict)
-    step: dict[str, Points] = field(default_factory=dict)
-    skipped: Points = field(default_factory=list)
-    #: Each window's step count, at its last step.
-    window_steps: Points = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.window and not self.step
-
-
-# -- finding and reading runs ---------------------------------------------------------
-def _is_event_file(name: str) -> bool:
-    require("tensorboard")  # report and compare walk run directories through here
-    from tensorboard.backend.event_processing.io_wrapper import IsSummaryEventsFile
-
-    return IsSummaryEventsFile(name)
-
-
-def _raise_walk_error(err: OSError) -> None:
-    raise ReportError(f"{err.filename}: cannot list ({err.strerror or err})")
-
-
-def check_event_file(path: str) -> None:
-    """Walk the record framing (length, checksum); raise :class:`ReportError` where it breaks.
-
-    Only the 12-byte headers are checked (payload checksums cost a pure-Python CRC
-    over the whole file); a trailing partial record is what a live writer leaves.
-    """
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            offset = 0
-            while offset + 12 <= size:
-                header = f.read(12)
-                (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
-                if masked_crc32c(header[:8]) != crc:
-                    raise ReportError(f"{path}: corrupt event file (bad record header at byte {offset})")
-                offset += 12 + length + 4
-                f.seek(offset)
-    except OSError as err:
-        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
-
-
-def read_phase_scalars(run_dir: str) -> PhaseScalars:
-    """The phase-timer scalars of the event files directly in ``run_dir`` (all points kept)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-    try:
-        acc.Reload()
-    except Exception as err:  # noqa: BLE001 - tensorboard's reader raises its own error types
-        raise ReportError(f"{run_dir}: cannot read event files ({type(err).__name__}: {err})") from err
-    out = PhaseScalars()
-    for tag in acc.Tags().get("scalars", []):
-        points = [(e.step, e.value) for e in acc.Scalars(tag)]
-        if m := _WINDOW_RE.match(tag):
-            out.window.setdefault(m.group(1), {})[m.group(2)] = points
-        elif m := _STEP_RE.match(tag):
-            out.step[m.group(1)] = points
-        elif tag == SKIPPED_TAG:
-            out.skipped = points
-        elif tag == WINDOW_STEPS_TAG:
-            out.window_steps = points
-    return out
-
-
-def run_dirs(logdir: str) -> dict[str, tuple[list[str], str | None]]:
-    """Runs at or under ``logdir``: each directory with event files or a run summary file, with both.
-
-    ``logdir`` may also be a run summary file (any ``.json`` name): that run, with the event files beside it.
-    """
-    if os.path.isfile(logdir) and logdir.endswith(".json"):
-        run_dir = os.path.dirname(logdir) or "."
-        return {run_dir: (sorted(os.path.join(run_dir, f) for f in os.listdir(run_dir) if _is_event_file(f)), logdir)}
-    if not os.path.exists(logdir):
-        raise ReportError(f"{logdir}: no such directory")
-    if not os.path.isdir(logdir):
-        raise ReportError(f"{logdir}: not a directory (nor a run summary .json file)")
-    found: dict[str, tuple[list[str], str | None]] = {}
-    for dirpath, dirnames, filenames in os.walk(logdir, onerror=_raise_walk_error):
-        dirnames.sort()
-        files = sorted(os.path.join(dirpath, f) for f in filenames if _is_event_file(f))
-        if files or FILE_NAME in filenames:
-            found[os.path.normpath(dirpath)] = (files, os.path.join(dirpath, FILE_NAME) if FILE_NAME in filenames else None)
-    if not found:
-        raise ReportError(f"{logdir}: no {FILE_NAME} and no TensorBoard event files (events.out.tfevents.*) in it or below")
-    return found
-
-
 def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
     """One report per phase-timer run found under the log dirs, in the order given."""
-    from phase_timer.compare import read_summary
-
     reports: list[RunReport] = []
     seen: set[str] = set()
     for logdir in logdirs:
@@ -652,7 +550,7 @@ def write_png(reports: Sequence[RunReport], path: str) -> None:
 
 
 # -- command line ----------------------------------------------------------------------
-def _add_report_args(parser: argparse.ArgumentParser) -> None:
+def add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logdirs", nargs="+", metavar="LOGDIR", help="a run directory, or a directory above runs")
     parser.add_argument(
         "--json",
@@ -671,45 +569,13 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_REPORT_HELP = (
+REPORT_HELP = (
     "Tables of where each step's time went, per phase: mean, p50, p90, max (ms) and share of the step. "
     "From per-step values (runs logged with per_step=True) the statistics are exact; from the window summaries "
     "alone the columns are: mean = mean of window means (every window weighs the same), p50 = median of window p50, "
     "p90 = max of window p90, max = max of window max.  Share: the step's phases (h2d, forward, backward, "
     "optimizer, idle) of `step`, the rest of `period`."
 )
-
-
-def build_parser(prog: str = PROG, *, subcommand: bool = True) -> argparse.ArgumentParser:
-    """``phase-timer report ...`` (``subcommand``) or the report's arguments alone (``-m``)."""
-    if not subcommand:
-        parser = argparse.ArgumentParser(prog=prog, description=_REPORT_HELP)
-        _add_report_args(parser)
-        return parser
-    from phase_timer.compare import __doc__ as compare_doc
-    from phase_timer.compare import add_compare_args
-
-    parser = argparse.ArgumentParser(prog=prog, description="phase-timer tools")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_report_args(sub.add_parser("report", help="summarize phase-timer runs", description=_REPORT_HELP))
-    add_compare_args(
-        sub.add_parser(
-            "compare",
-            help="is a candidate run slower than a baseline, where, and beyond noise (a CI gate)",
-            description=(compare_doc or "").split("\n\n", 2)[-1],
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-    )
-    return parser
-
-
-def require(*names: str) -> None:
-    """The optional packages an invocation needs, or one line saying how to get them."""
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError as err:
-            raise ReportError(f"{name} is not installed ({err}): pip install 'phase-timer[report]'") from err
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -726,22 +592,12 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, *, subcommand: bool = True) -> int:
-    """The ``phase-timer`` console script: ``phase-timer report|compare ...``.  Returns the exit status."""
-    from phase_timer.compare import run_compare
-
-    prog = PROG if subcommand else "python -m phase_timer.report"
-    args = build_parser(prog, subcommand=subcommand).parse_args(argv)
-    command = getattr(args, "command", None) or "report"
-    try:
-        return run_compare(args) if command == "compare" else run_report(args)
-    except ReportError as err:
-        print(f"{PROG} {command}: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
-    except BrokenPipeError:  # `phase-timer report ... | head`: the reader left, nothing to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m phase_timer.report LOGDIR ...``: the report alone (``phase-timer report`` is :mod:`phase_timer.cli`)."""
+    parser = argparse.ArgumentParser(prog="python -m phase_timer.report", description=REPORT_HELP)
+    add_report_args(parser)
+    return run_command(PROG, "report", run_report, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    sys.exit(main(subcommand=False))
+    sys.exit(main())

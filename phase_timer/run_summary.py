@@ -15,19 +15,43 @@ import re
 import statistics
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from phase_timer.metrics import HOST_PHASES, ordered, share_base
 
-if TYPE_CHECKING:
-    from phase_timer.core import TimingCore
+
+class RunRecord(Protocol):
+    """What the summary is built from: a run's totals, signals and context (the core has them all).
+
+    A protocol, so that the writer needs nothing of the core but these attributes.
+    """
+
+    clock: Any
+    context: dict[str, Any]
+    diagnosis: Any
+    interrupted: bool
+    ranks: Any
+    series: Any
+    signals: Any
+    skipped: int
+    totals: Any
+    untimed_reason: str | None
+
+    @property
+    def host_ahead(self) -> bool | None: ...
+    @property
+    def own_us_per_step(self) -> float | None: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def window(self) -> int: ...
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
 SCHEMA_VERSION = 2
 
 
-def build_summary(core: TimingCore) -> dict[str, Any]:
+def build_summary(core: RunRecord) -> dict[str, Any]:
     """The file's content, from the core's totals, signals, diagnosis and the door's context."""
     ctx = dict(core.context)
     totals = core.totals
@@ -90,7 +114,7 @@ def build_summary(core: TimingCore) -> dict[str, Any]:
     }
 
 
-def _environment(core: TimingCore, ctx: dict[str, Any]) -> dict[str, Any]:
+def _environment(core: RunRecord, ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     env: dict[str, Any] = {
@@ -115,7 +139,7 @@ def _environment(core: TimingCore, ctx: dict[str, Any]) -> dict[str, Any]:
     return env
 
 
-def write_summary(core: TimingCore, directory: str | os.PathLike[str]) -> str:
+def write_summary(core: RunRecord, directory: str | os.PathLike[str]) -> str:
     """Write the file atomically in ``directory``; returns its path."""
     data = _finite(build_summary(core))
     os.makedirs(directory, exist_ok=True)

@@ -26,7 +26,7 @@ from torch import nn
 
 import phase_timer
 from phase_timer.compare import MIN_BATCHES, Z, load_side, standard_error
-from phase_timer.report import main
+from phase_timer.cli import main
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.stats import WindowSeries
 from tests.helpers import loader

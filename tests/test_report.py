@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from phase_timer.metrics import ordered
-from phase_timer.report import main
+from phase_timer.cli import main
 from phase_timer.stats import summarize
 from tests.helpers import event_files, loader, module_class, read_scalars, trainer
 

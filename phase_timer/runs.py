@@ -1,0 +1,169 @@
+"""Finding and reading phase-timer runs: what ``phase-timer report`` and ``compare`` both read.
+
+A run is a directory with TensorBoard event files holding phase-timer's scalars, a run
+summary file (``phase_timer_summary.json``), or both.  Every problem with the input is a
+:class:`ReportError`: one line naming the path, exit status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from phase_timer.metrics import SKIPPED_TAG, STEP_PREFIX, WINDOW_PREFIX, WINDOW_STEPS_TAG
+from phase_timer.run_summary import FILE_NAME, SCHEMA
+from phase_timer.stats import WINDOW_STATS
+
+EXIT_ERROR = 2
+PROG = "phase-timer"
+_WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
+_STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
+#: Run summary file versions this phase-timer reads.
+READS_VERSIONS = (1, 2)
+
+Points = list[tuple[int, float]]
+
+
+class ReportError(Exception):
+    """A problem with the input, reported as one line naming the path; exit status 2."""
+
+
+@dataclass
+class PhaseScalars:
+    """A run's phase-timer scalars: ``window[phase][stat]`` and ``step[phase]`` points."""
+
+    window: dict[str, dict[str, Points]] = field(default_factory=dict)
+    step: dict[str, Points] = field(default_factory=dict)
+    skipped: Points = field(default_factory=list)
+    #: Each window's step count, at its last step.
+    window_steps: Points = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.window and not self.step
+
+
+# -- finding and reading runs ---------------------------------------------------------
+def _is_event_file(name: str) -> bool:
+    require("tensorboard")  # report and compare walk run directories through here
+    from tensorboard.backend.event_processing.io_wrapper import IsSummaryEventsFile
+
+    return IsSummaryEventsFile(name)
+
+
+def _raise_walk_error(err: OSError) -> None:
+    raise ReportError(f"{err.filename}: cannot list ({err.strerror or err})")
+
+
+def check_event_file(path: str) -> None:
+    """Walk the record framing (length, checksum); raise :class:`ReportError` where it breaks.
+
+    Only the 12-byte headers are checked (payload checksums cost a pure-Python CRC
+    over the whole file); a trailing partial record is what a live writer leaves.
+    """
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            offset = 0
+            while offset + 12 <= size:
+                header = f.read(12)
+                (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+                if masked_crc32c(header[:8]) != crc:
+                    raise ReportError(f"{path}: corrupt event file (bad record header at byte {offset})")
+                offset += 12 + length + 4
+                f.seek(offset)
+    except OSError as err:
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
+
+
+def read_phase_scalars(run_dir: str) -> PhaseScalars:
+    """The phase-timer scalars of the event files directly in ``run_dir`` (all points kept)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    try:
+        acc.Reload()
+    except Exception as err:  # noqa: BLE001 - tensorboard's reader raises its own error types
+        raise ReportError(f"{run_dir}: cannot read event files ({type(err).__name__}: {err})") from err
+    out = PhaseScalars()
+    for tag in acc.Tags().get("scalars", []):
+        points = [(e.step, e.value) for e in acc.Scalars(tag)]
+        if m := _WINDOW_RE.match(tag):
+            out.window.setdefault(m.group(1), {})[m.group(2)] = points
+        elif m := _STEP_RE.match(tag):
+            out.step[m.group(1)] = points
+        elif tag == SKIPPED_TAG:
+            out.skipped = points
+        elif tag == WINDOW_STEPS_TAG:
+            out.window_steps = points
+    return out
+
+
+def run_dirs(logdir: str) -> dict[str, tuple[list[str], str | None]]:
+    """Runs at or under ``logdir``: each directory with event files or a run summary file, with both.
+
+    ``logdir`` may also be a run summary file (any ``.json`` name): that run, with the event files beside it.
+    """
+    if os.path.isfile(logdir) and logdir.endswith(".json"):
+        run_dir = os.path.dirname(logdir) or "."
+        return {run_dir: (sorted(os.path.join(run_dir, f) for f in os.listdir(run_dir) if _is_event_file(f)), logdir)}
+    if not os.path.exists(logdir):
+        raise ReportError(f"{logdir}: no such directory")
+    if not os.path.isdir(logdir):
+        raise ReportError(f"{logdir}: not a directory (nor a run summary .json file)")
+    found: dict[str, tuple[list[str], str | None]] = {}
+    for dirpath, dirnames, filenames in os.walk(logdir, onerror=_raise_walk_error):
+        dirnames.sort()
+        files = sorted(os.path.join(dirpath, f) for f in filenames if _is_event_file(f))
+        if files or FILE_NAME in filenames:
+            found[os.path.normpath(dirpath)] = (files, os.path.join(dirpath, FILE_NAME) if FILE_NAME in filenames else None)
+    if not found:
+        raise ReportError(f"{logdir}: no {FILE_NAME} and no TensorBoard event files (events.out.tfevents.*) in it or below")
+    return found
+
+
+def read_summary(path: str) -> dict[str, Any]:
+    """A run summary file's content, checked to be one (a version this reads)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
+    except ValueError as err:
+        raise ReportError(f"{path}: not JSON ({err})") from err
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ReportError(f"{path}: not a phase-timer run summary (no \"schema\": \"{SCHEMA}\")")
+    if data.get("schema_version") not in READS_VERSIONS:
+        raise ReportError(f"{path}: run summary version {data.get('schema_version')!r}; this phase-timer reads "
+                           f"{', '.join(map(str, READS_VERSIONS))}")
+    return data
+
+
+def require(*names: str) -> None:
+    """The optional packages an invocation needs, or one line saying how to get them."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ReportError(f"{name} is not installed ({err}): pip install 'phase-timer[report]'") from err
+
+
+def run_command(prog: str, command: str, run: Any, args: Any) -> int:
+    """Run one command: its exit status; a :class:`ReportError` is one line on stderr and status 2."""
+    import sys
+
+    try:
+        return run(args)
+    except ReportError as err:
+        print(f"{prog} {command}: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # `phase-timer report ... | head`: the reader left, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

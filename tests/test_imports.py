@@ -1,0 +1,75 @@
+"""No module of phase_timer imports one that imports it back (issue 25, item 4).
+
+Every ``import``/``from ... import`` of a phase_timer module counts, at module level, inside
+functions and under ``TYPE_CHECKING`` alike: a cycle that only a lazy import hides is still
+two modules that cannot be read, tested or moved apart.  The package facade
+(``phase_timer/__init__.py``) is not a target: it re-exports, and nothing in the package
+needs it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "phase_timer"
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The phase_timer modules that ``path`` imports anywhere in it."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "phase_timer":  # `from phase_timer import x`: the module x, when x is one
+                out |= {f"phase_timer.{a.name}" for a in node.names} & modules
+            elif node.module in modules:
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names} & modules
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {f"phase_timer.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    modules = set(files)
+    return {name: _imports(path, modules) - {name} for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, as the modules around it (the first again at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_sees_function_level_and_type_checking_imports():
+    graph = import_graph()
+    assert "phase_timer.report" in graph["phase_timer.cli"] and "phase_timer.compare" in graph["phase_timer.cli"]
+    assert "phase_timer.runinfo" in graph["phase_timer.boundaries"]  # imported inside a method
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
