@@ -1,7 +1,7 @@
 """phase-timer on a hand-written PyTorch loop: attach once, keep the loop as it is.
 
     python examples/plain_pytorch.py                   # CPU, or CUDA when present
-    tensorboard --logdir phase_timer_logs
+    tensorboard --logdir phase-timer-logs
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import phase_timer  # <-- phase-timer
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--log-dir", default="phase_timer_logs")
+    parser.add_argument("--log-dir", default="phase-timer-logs")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

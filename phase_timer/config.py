@@ -11,6 +11,9 @@ from phase_timer.trace import TraceWriter
 
 #: Set to 1/true/yes/on to turn every phase-timer into a no-op without touching code.
 DISABLE_ENV = "PHASE_TIMER_DISABLE"
+#: Our own log directory's default name, in every door: not an identifier, so that no import
+#: can take it for a package (a ``phase_timer/`` beside a script shadowed the real one).
+DEFAULT_LOG_DIR = "phase-timer-logs"
 
 
 def disabled_by_env() -> bool:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
 from phase_timer.boundaries import FORWARD
-from phase_timer.config import TimerConfig, check_bool, disabled_by_env
+from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disabled_by_env
 from phase_timer.loop import LoopTimer
 from phase_timer.runinfo import loader_info
 
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Where values go without a TensorBoard writer of the Trainer's: ``<output_dir>/<this>/version_N``.
-DEFAULT_DIR = "phase-timer-logs"
+DEFAULT_DIR = DEFAULT_LOG_DIR
 #: The Trainer's methods wrapped on the instance for one ``train()`` call.
 _WRAPPED = ("get_batch_samples", "training_step", "_evaluate", "_save_checkpoint", "_finalize_training")
 

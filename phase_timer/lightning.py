@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ from phase_timer.metrics import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name, loader_info, optimizer_info
-from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
+from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, open_event_file
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -50,28 +51,59 @@ log = logging.getLogger(__name__)
 _NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
 
-def _import_namespaces() -> list[Any]:
-    found = []
+def _namespaces_in_use() -> list[Any]:
+    """The Lightning namespaces the user has imported; if none yet, the one installed (``lightning`` first).
+
+    Never both unasked: importing one of them rebinds the rank-zero logger the two share, so
+    ``lightning.pytorch``'s messages would go out under ``pytorch_lightning``'s logger name.
+    """
+    found = [sys.modules[name] for name in _NAMESPACES if name in sys.modules]
+    if found:
+        return found
     for name in _NAMESPACES:
         try:
-            found.append(importlib.import_module(name))
+            return [importlib.import_module(name)]
         except ImportError:
             continue
-    if not found:
-        raise ImportError(
-            "phase_timer.PhaseTimer needs PyTorch Lightning (`lightning` or `pytorch-lightning`), which is not "
-            "installed: pip install 'phase-timer[lightning]'"
-        )
-    return found
+    raise ImportError(
+        "phase_timer.PhaseTimer needs PyTorch Lightning (`lightning` or `pytorch-lightning`), which is not "
+        "installed: pip install 'phase-timer[lightning]'"
+    )
 
 
-_PL = _import_namespaces()
-# Subclassing the Callback of every installed namespace makes one class that any
-# Trainer accepts (before 2.6.0 a Trainer refused a Callback of the other namespace).
-_CALLBACK_BASES = tuple(dict.fromkeys(m.Callback for m in _PL))
-_TENSORBOARD_LOGGERS = tuple(
-    cls for m in _PL if (cls := getattr(importlib.import_module(f"{m.__name__}.loggers"), "TensorBoardLogger", None))
-)
+#: The class an instance is made of, per (PhaseTimer or a user's subclass, Callback bases).
+_CLASSES: dict[tuple[type, ...], type] = {}
+
+
+def _timer_class(cls: type) -> type:
+    """``cls`` (PhaseTimer, or a user's subclass) with the Callback of every Lightning namespace in use as
+    bases too; ``cls`` itself when it already has them."""
+    bases = tuple(dict.fromkeys(m.Callback for m in _namespaces_in_use()))
+    if all(issubclass(cls, b) for b in bases):
+        return cls
+    made = _CLASSES.get((cls, *bases))
+    if made is None:
+        made = type(cls.__name__, (cls, *bases), {"__module__": cls.__module__, "__doc__": cls.__doc__,
+                                                   "_timer_base": cls})
+        _CLASSES[(cls, *bases)] = made
+    return made
+
+
+def _remade(cls: type, state: dict[str, Any]) -> Any:
+    """Unpickling: the instance again, of the class made for ``cls`` in this process."""
+    obj = object.__new__(_timer_class(cls))
+    obj.__dict__.update(state)
+    return obj
+
+
+def _tensorboard_loggers(trainer: Any) -> tuple[type, ...]:
+    """TensorBoardLogger of the trainer's own namespace (the one it was built from)."""
+    ns = type(trainer).__module__.split(".trainer")[0]
+    try:
+        cls = getattr(importlib.import_module(f"{ns}.loggers"), "TensorBoardLogger", None)
+    except ImportError:
+        return ()
+    return (cls,) if cls is not None else ()
 
 
 class _LoggerSink:
@@ -90,8 +122,16 @@ class _LoggerSink:
         self._logger.save()
 
 
-class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
+class PhaseTimer:
     """Times every training step's phases on the device's own clock, lazily, and logs them.
+
+    An instance is a ``Callback`` of the Lightning namespace in use (``lightning.pytorch`` or
+    ``pytorch_lightning``, whichever the program imported; both if it imported both), so any
+    Trainer accepts it; importing ``phase_timer`` imports neither.
+
+    Files: values go to the Trainer's loggers. Without a logger (``logger=False``) nothing is
+    written unless ``log_dir`` is given (the table and ``timer.totals`` still say it all); under
+    ``fast_dev_run`` nothing is written unless ``log_dir`` is given.
 
     Args (keyword-only):
         log_every_n_steps: steps per logging window; ``None`` uses the Trainer's.
@@ -99,8 +139,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         max_pending: steps that may wait for the device before new ones go untimed.
         per_step: also write every step's values (``phase_time_step/*``), ~7 scalars a step.
         summary: print the table at the end of ``fit`` (rank zero).
-        log_dir: where to write TensorBoard files when the Trainer has no logger
-            (default ``<default_root_dir>/phase_timer/version_N``).
+        log_dir: where to write TensorBoard files and the summary file of a Trainer with no logger
+            (default: nowhere), or under ``fast_dev_run``.
         nvtx: also push each phase as an NVTX range (Nsight Systems); off by default.
         trace_steps: ``(first, stop)``: write a Chrome/Perfetto trace of these steps'
             phases on the device's timeline (``trace_path``, default
@@ -118,6 +158,13 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         summary_path: where rank zero wrote ``phase_timer_summary.json`` (None: not written).
         log_dir: the directory the TensorBoard values went to (the logger's, or our own).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> PhaseTimer:
+        return super().__new__(_timer_class(cls))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The class an instance is made of exists only in this process: pickle the one it was made for.
+        return _remade, (getattr(type(self), "_timer_base", type(self)), dict(self.__dict__))
 
     def __init__(
         self,
@@ -254,7 +301,10 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         cfg = self.config
         clock = make_clock(trainer.strategy.root_device)
         ranks = RankExchange.create()  # None unless distributed; not a collective, never waits
-        sinks = self._make_sinks(trainer, ranks is not None) if trainer.is_global_zero else []
+        # Files only where the user asked for them: the Trainer's loggers, or log_dir (a debug run
+        # with fast_dev_run, like Lightning itself, leaves nothing behind unless log_dir says where).
+        writes = trainer.is_global_zero and (cfg.log_dir is not None or not getattr(trainer, "fast_dev_run", False))
+        sinks = self._make_sinks(trainer, ranks is not None) if writes else []
         self.core = TimingCore(
             clock,
             sinks,
@@ -269,8 +319,8 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
         bounds = self._bounds = Boundaries(
             self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"
         )
-        if trainer.is_global_zero:
-            self.core.summary_dir = self.log_dir or _first_log_dir(trainer) or trainer.default_root_dir
+        if writes:
+            self.core.summary_dir = self.log_dir or _first_log_dir(trainer)
         root = trainer.strategy.root_device
         self.core.context.update(
             door="lightning", config=config_dict(cfg), device_type=root.type,
@@ -299,8 +349,9 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
 
     def _make_sinks(self, trainer: pl.Trainer, ranks: bool) -> list[Sink]:
         sinks: list[Sink] = []
+        tensorboard = _tensorboard_loggers(trainer)
         for lg in trainer.loggers:
-            if isinstance(lg, _TENSORBOARD_LOGGERS):
+            if tensorboard and isinstance(lg, tensorboard):
                 layout = custom_scalars_layout(self.config.per_step, ranks)
                 writer = SummaryWriterSink(lg.experiment, owned=False, layout=layout)
                 sink: Sink = BackgroundSink(writer, type(lg).__name__)
@@ -308,19 +359,14 @@ class PhaseTimer(*_CALLBACK_BASES):  # type: ignore[misc]
             else:
                 sink = GuardedSink(_LoggerSink(lg), type(lg).__name__)
             sinks.append(sink)
-        if not sinks:
-            self.log_dir = self._own_log_dir(trainer)
+        if not sinks and self.config.log_dir is not None:
+            self.log_dir = os.fspath(self.config.log_dir)
             try:
                 sinks.append(open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks))
             except OSError as err:  # the run goes on: the summary and timer.totals still say it all
                 msg = f"phase-timer: cannot write TensorBoard files in {self.log_dir} ({type(err).__name__}: {err}); timing goes on without them"
                 warn(log, msg, 2)
         return sinks
-
-    def _own_log_dir(self, trainer: pl.Trainer) -> str:
-        if self.config.log_dir is not None:
-            return os.fspath(self.config.log_dir)
-        return next_version_dir(os.path.join(trainer.default_root_dir, "phase_timer"))
 
     # -- the step -----------------------------------------------------------------
     def _on_batch(self, trainer: pl.Trainer, bounds: Boundaries) -> None:

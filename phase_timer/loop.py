@@ -39,7 +39,7 @@ from phase_timer import backward_calls
 from phase_timer._env import warn_once
 from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
-from phase_timer.config import TimerConfig, _fail, check_bool, disabled_by_env
+from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.diagnosis import Diagnosis
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, TOTALS, custom_scalars_layout
@@ -195,7 +195,7 @@ class LoopTimer:
         if writer is not None:
             self.log_dir = writer.log_dir
             return [BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), "SummaryWriter")]
-        self.log_dir = next_version_dir(self.config.log_dir or "phase_timer_logs")
+        self.log_dir = next_version_dir(self.config.log_dir or DEFAULT_LOG_DIR)
         try:
             return [open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks)]
         except OSError as err:  # before any training: a clear error naming the argument
@@ -512,7 +512,7 @@ def attach(
         device: the device the work runs on (default: the model's).
         copy_to_device: the wrapper copies each batch to ``device`` (pinned, non-blocking).
         writer / log_dir: a SummaryWriter to write into, or a directory for our own
-            (default ``phase_timer_logs/version_N``).
+            (default ``phase-timer-logs/version_N``).
         window, warmup_steps, max_pending, per_step, summary: as for ``PhaseTimer``.
         end_step: ``"optimizer"`` or ``"manual"`` (call ``timer.end_step()``).
         scaler: a GradScaler: the step then ends at ``scaler.update()``, skipped steps included.

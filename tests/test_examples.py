@@ -36,5 +36,5 @@ def test_lightning_quickstart(tmp_path):
 def test_plain_pytorch(tmp_path):
     out = run_example("plain_pytorch.py", tmp_path, "--steps", "60")
     assert "phase-timer: 55 steps timed" in out and "clip" in out
-    scalars = read_scalars(str(tmp_path / "phase_timer_logs" / "version_0"))
+    scalars = read_scalars(str(tmp_path / "phase-timer-logs" / "version_0"))
     assert [s for s, _ in scalars["phase_time/clip_ms/mean"]] == [19, 39, 59]

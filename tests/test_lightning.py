@@ -146,7 +146,7 @@ def test_bf16_mixed_and_gradient_clipping(tmp_path):
 def _assert_closed_and_flushed(t, timer, tmp_path, expect_steps):
     assert "batch_to_device" not in t.strategy.__dict__
     assert timer.core is None
-    assert open_files_under(str(tmp_path / "phase_timer")) == []
+    assert open_files_under(str(tmp_path)) == []
     scalars = read_scalars(timer.log_dir)
     assert steps_of(scalars)[-1] == expect_steps  # the last, partial window made it to disk
     assert "interrupted" in timer.last_summary
@@ -154,7 +154,7 @@ def _assert_closed_and_flushed(t, timer, tmp_path, expect_steps):
 
 def test_exception_mid_run_flushes_restores_and_closes(tmp_path):
     ns = "lightning.pytorch"
-    timer = PhaseTimer(warmup_steps=1)
+    timer = PhaseTimer(warmup_steps=1, log_dir=tmp_path / "pt")
     t = trainer(ns, str(tmp_path), [timer], max_steps=40, log_every_n_steps=5, logger=False)
     with pytest.raises(RuntimeError, match="planted"):
         t.fit(module_class(ns)(fail_at=12), loader())
@@ -163,7 +163,7 @@ def test_exception_mid_run_flushes_restores_and_closes(tmp_path):
 
 def test_keyboard_interrupt_flushes_restores_and_closes(tmp_path):
     ns = "lightning.pytorch"
-    timer = PhaseTimer(warmup_steps=1)
+    timer = PhaseTimer(warmup_steps=1, log_dir=tmp_path / "pt")
     t = trainer(ns, str(tmp_path), [timer], max_steps=40, log_every_n_steps=5, logger=False)
     try:
         with pytest.raises(SystemExit):  # Lightning turns Ctrl+C into a graceful exit(1)
@@ -173,12 +173,19 @@ def test_keyboard_interrupt_flushes_restores_and_closes(tmp_path):
     _assert_closed_and_flushed(t, timer, tmp_path, expect_steps=11)
 
 
-def test_without_a_logger_it_writes_its_own_files(tmp_path):
-    timer = PhaseTimer(warmup_steps=0)
+def test_without_a_logger_it_writes_only_where_log_dir_says(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    timer = PhaseTimer(warmup_steps=0, summary=False)
     t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=6, log_every_n_steps=3, logger=False)
     t.fit(module_class("lightning.pytorch")(), loader())
-    assert timer.log_dir == str(tmp_path / "phase_timer" / "version_0")
+    assert os.listdir(tmp_path) == [] and timer.log_dir is None and timer.summary_path is None
+    assert timer.totals.steps == 6 and timer.diagnosis is not None  # the numbers, in code
+    timer = PhaseTimer(warmup_steps=0, log_dir=tmp_path / "pt")
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=6, log_every_n_steps=3, logger=False)
+    t.fit(module_class("lightning.pytorch")(), loader())
+    assert timer.log_dir == str(tmp_path / "pt") and os.listdir(tmp_path) == ["pt"]
     assert steps_of(read_scalars(timer.log_dir)) == [2, 5]
+    assert os.path.dirname(timer.summary_path) == timer.log_dir
     assert open_files_under(str(tmp_path)) == []
 
 
@@ -349,7 +356,7 @@ def test_sigterm_flushes_restores_and_closes(tmp_path):
             if trainer.global_step == 12:
                 os.kill(os.getpid(), signal.SIGTERM)  # what a cluster scheduler sends
 
-    timer = PhaseTimer(warmup_steps=1)
+    timer = PhaseTimer(warmup_steps=1, log_dir=tmp_path / "pt")
     t = trainer(ns, str(tmp_path), [timer, Terminate()], max_steps=40, log_every_n_steps=5, logger=False)
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -368,3 +375,22 @@ def test_an_unwritable_log_dir_warns_and_timing_goes_on(tmp_path):
     with pytest.warns(RuntimeWarning, match="cannot write TensorBoard files.*timing goes on"):
         t.fit(module_class("lightning.pytorch")(), loader())
     assert timer.totals.steps == 5 and "forward" in timer.last_summary
+
+
+def test_a_subclass_of_the_callback_is_a_callback_and_pickles(tmp_path):
+    """Users subclass callbacks; spawn strategies pickle them: both work with the class made at construction."""
+    import pickle
+
+    import lightning.pytorch as pl
+
+    class Mine(PhaseTimer):
+        def on_fit_start(self, trainer, pl_module):
+            self.started = True
+
+    timer = Mine(warmup_steps=0, summary=False)
+    assert isinstance(timer, pl.Callback) and isinstance(timer, Mine) and type(timer).__name__ == "Mine"
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=4, log_every_n_steps=2, logger=False)
+    t.fit(module_class("lightning.pytorch")(), loader())
+    assert timer.started and timer.totals.steps == 4
+    again = pickle.loads(pickle.dumps(PhaseTimer(warmup_steps=3)))
+    assert isinstance(again, pl.Callback) and again.config.warmup_steps == 3
