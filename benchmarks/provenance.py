@@ -48,16 +48,25 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+#: Where the run's copy of the tree has no current ``.git`` (a GPU machine gets the files, not the
+#: history): the caller says which commit it sent, ``PHASE_TIMER_COMMIT=$(git rev-parse --short HEAD)``
+#: and ``PHASE_TIMER_TREE=$(git rev-parse HEAD:phase_timer)``.
+COMMIT_ENV, TREE_ENV = "PHASE_TIMER_COMMIT", "PHASE_TIMER_TREE"
+
+
 def code_line() -> str:
     """``phase_timer tree <hash> (...)``: the code a run used, and whether it is HEAD's."""
     mine = tree_hash(os.path.join(ROOT, "phase_timer"))
-    head = _git("rev-parse", "HEAD:phase_timer")
+    if os.environ.get(TREE_ENV):
+        head, commit, said = os.environ[TREE_ENV], os.environ.get(COMMIT_ENV, "?"), ", as the caller sent it"
+    else:
+        head, commit, said = _git("rev-parse", "HEAD:phase_timer"), _git("rev-parse", "--short", "HEAD"), ""
     if head is None:
         state = "no git here: compare with `git rev-parse HEAD:phase_timer`"
     elif head == mine:
-        state = f"= HEAD:phase_timer of commit {_git('rev-parse', '--short', 'HEAD')}"
+        state = f"= HEAD:phase_timer of commit {commit}{said}"
     else:
-        state = f"dirty: HEAD:phase_timer is {head}"
+        state = f"dirty: HEAD:phase_timer of commit {commit}{said} is {head}"
     return f"phase_timer tree {mine} ({state})"
 
 

@@ -30,8 +30,9 @@ HOST_IDLE_SHARE = 0.5
 PACED_RATIO = 1.25
 #: ... and the device was more than a phase behind the host at fewer than this share of the sampled
 #: steps' boundaries (at or above it the device is busy, even when the host is held to its pace).
-#: Seen on an H100: 0% in host-bound runs; 24-100% in GPU-bound ones (docs/diagnosis.md).
-BEHIND_SHARE = 0.2
+#: Seen on an H100: 0% in host-bound runs (both doors, and a sync-bound Trainer); 13-100% in GPU-bound
+#: ones, 13-48% where a full launch queue holds the host to the device's pace (docs/diagnosis.md).
+BEHIND_SHARE = 0.1
 #: UNSTABLE: a window is spiky when p90/p50 or max/p50 of ``step`` or ``period`` reach these ...
 SPIKE_P90 = 1.5
 SPIKE_MAX = 4.0
