@@ -64,7 +64,9 @@ def pytest_configure(config):
 def run_pass(tests_dir: str, subsets: list[str], inject: bool, junit: str, timeout_s: int, workers: int) -> float:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, ROOT, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", f"--junitxml={junit}",
-           f"--timeout={timeout_s}", *(["-n", str(workers)] if workers > 1 else []), *subsets]
+           f"--timeout={timeout_s}", *(["-n", str(workers)] if workers > 1 else []), *subsets,
+           # needs Lightning's archive of legacy checkpoints, downloaded by its CI: fails with and without
+           "--ignore=tests_pytorch/checkpointing/test_legacy_checkpoints.py"]
     if inject:
         plugin_dir = tempfile.mkdtemp()
         with open(os.path.join(plugin_dir, "phase_timer_injected.py"), "w") as f:
