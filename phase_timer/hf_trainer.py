@@ -110,6 +110,7 @@ class PhaseTimerCallback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._first_micro = False
         self._state: TrainerState | None = None
+        self._saved: dict[str, Any] = {}
 
     # -- train() begins and ends --------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -141,6 +142,8 @@ class PhaseTimerCallback(TrainerCallback):
             # Steps are numbered by global_step before they run (windows of logging_steps line up with
             # the Trainer's); each is logged where the Trainer logs it, at global_step after it.
             timer.core.log_step_offset = 1
+        # Instance attributes of the user's own with these names (a patched training_step) are kept, and put back.
+        self._saved = {name: trainer.__dict__[name] for name in _WRAPPED if name in trainer.__dict__}
         for name in _WRAPPED:
             setattr(trainer, name, getattr(self, f"_{name.lstrip('_')}")(getattr(trainer, name)))
 
@@ -246,7 +249,9 @@ class PhaseTimerCallback(TrainerCallback):
         if trainer is None:
             return
         for name in _WRAPPED:
-            trainer.__dict__.pop(name, None)  # the class's own method again
+            trainer.__dict__.pop(name, None)  # the class's own method again ...
+        trainer.__dict__.update(self._saved)  # ... or what the user had put on the instance
+        self._saved = {}
 
 
 def _replace(config: TimerConfig, **changes: Any) -> TimerConfig:

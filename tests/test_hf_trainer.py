@@ -118,3 +118,19 @@ def test_importing_phase_timer_does_not_import_transformers():
     code = "import sys, phase_timer; assert 'transformers' not in sys.modules, 'imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_training_step_the_user_put_on_the_instance_is_timed_and_kept(tmp_path):
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    t = trainer(tmp_path, cb, steps=12)
+    calls = []
+    original = t.training_step
+
+    def training_step(*args, **kwargs):  # the user's own patch, on the instance
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    t.training_step = training_step
+    t.train()
+    assert len(calls) == 12 and cb.timer.totals.steps == 10
+    assert t.__dict__["training_step"] is training_step  # theirs again, not ours, not gone
