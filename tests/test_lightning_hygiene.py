@@ -88,8 +88,9 @@ def test_debug_and_logger_free_runs_leave_nothing_behind(tmp_path):
 def test_the_default_log_dir_can_never_shadow_a_package(tmp_path):
     """A run's own files beside the user's script: the next run's ``import phase_timer`` still finds us.
 
-    ``./phase_timer/version_0`` (Lightning's old default) was taken for a namespace package before an
-    editable install's finder was asked.  No default folder may be a Python identifier.
+    ``./phase_timer/version_0`` (Lightning's old default, with ``logger=False``) was taken for a
+    namespace package before an editable install's finder was asked.  No default folder may be a
+    Python identifier.
     """
     run("""
         import phase_timer
@@ -101,12 +102,42 @@ def test_the_default_log_dir_can_never_shadow_a_package(tmp_path):
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-        pl.Trainer(max_steps=12, enable_checkpointing=False, enable_progress_bar=False,
+        pl.Trainer(max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                    callbacks=[PhaseTimer(summary=False)]).fit(Net(), data())
     """, tmp_path, head="import lightning.pytorch as pl\n")
     made = sorted(os.listdir(tmp_path))
-    ours = [name for name in made if name != "lightning_logs"]  # Lightning's own folder is Lightning's
-    assert ours and not [name for name in ours if name.isidentifier()], made
-    # the next run, from the same folder: the real package
-    out = run("import phase_timer; print(phase_timer.__file__)", tmp_path)
-    assert out.strip() == str(ROOT / "phase_timer" / "__init__.py")
+    assert imports_from(tmp_path).endswith(os.path.join("phase_timer", "__init__.py")), made
+    assert made and not [name for name in made if name.isidentifier()], made
+
+
+def test_the_shadowing_check_sees_a_shadow(tmp_path):
+    """What the check above guards against, as users met it: ``./phase_timer/version_0`` hides us."""
+    (tmp_path / "phase_timer" / "version_0").mkdir(parents=True)
+    with pytest.raises(AssertionError, match="cannot import name 'PhaseTimer'"):
+        imports_from(tmp_path)
+
+
+def imports_from(folder: Path) -> str:
+    """The next run of a script in ``folder``: ``from phase_timer import PhaseTimer``; where it came from.
+
+    As under an editable install: ``folder`` first on ``sys.path``, this checkout not on it, and the
+    package found by a finder asked after ``sys.path``'s entries (which a namespace package beats).
+    """
+    code = f"""
+import importlib.abc, importlib.util, os, sys
+class Editable(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "phase_timer":
+            pkg = {str(ROOT / "phase_timer")!r}
+            return importlib.util.spec_from_file_location(name, os.path.join(pkg, "__init__.py"),
+                                                          submodule_search_locations=[pkg])
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != {str(ROOT)!r}]
+sys.meta_path.append(Editable())
+from phase_timer import PhaseTimer
+import phase_timer
+print(phase_timer.__file__)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip()
