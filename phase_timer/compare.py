@@ -79,7 +79,7 @@ class Side:
 def load_side(path: str) -> Side:
     """A run directory or a summary file; the TensorBoard windows where no summary file is.
 
-    Bad input is a :class:`~phase_timer.report.ReportError`: one line on stderr, exit status 2.
+    Bad input is a :class:`~phase_timer.runs.ReportError`: one line on stderr, exit status 2.
     """
     if not os.path.exists(path):
         raise ReportError(f"{path}: no such file or directory")

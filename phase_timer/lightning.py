@@ -304,6 +304,7 @@ class PhaseTimer:
         # Files only where the user asked for them: the Trainer's loggers, or log_dir (a debug run
         # with fast_dev_run, like Lightning itself, leaves nothing behind unless log_dir says where).
         writes = trainer.is_global_zero and (cfg.log_dir is not None or not getattr(trainer, "fast_dev_run", False))
+        self.log_dir = None  # this fit's: set by _make_sinks
         sinks = self._make_sinks(trainer, ranks is not None) if writes else []
         self.core = TimingCore(
             clock,
@@ -320,7 +321,7 @@ class PhaseTimer:
             self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"
         )
         if writes:
-            self.core.summary_dir = self.log_dir or _first_log_dir(trainer)
+            self.core.summary_dir = self.log_dir or _first_log_dir(_loggers(trainer))
         root = trainer.strategy.root_device
         self.core.context.update(
             door="lightning", config=config_dict(cfg), device_type=root.type,
@@ -350,7 +351,7 @@ class PhaseTimer:
     def _make_sinks(self, trainer: pl.Trainer, ranks: bool) -> list[Sink]:
         sinks: list[Sink] = []
         tensorboard = _tensorboard_loggers(trainer)
-        for lg in trainer.loggers:
+        for lg in _loggers(trainer):
             if tensorboard and isinstance(lg, tensorboard):
                 layout = custom_scalars_layout(self.config.per_step, ranks)
                 writer = SummaryWriterSink(lg.experiment, owned=False, layout=layout)
@@ -455,8 +456,14 @@ class PhaseTimer:
         self._finish(trainer, interrupted=True)
 
 
-def _first_log_dir(trainer: pl.Trainer) -> str | None:
-    for lg in trainer.loggers:
+def _loggers(trainer: pl.Trainer) -> list[Any]:
+    """The trainer's loggers that keep what they are given: under ``fast_dev_run`` Lightning has put a
+    ``DummyLogger`` in their place, which drops it (then only ``log_dir`` gets files)."""
+    return [] if getattr(trainer, "fast_dev_run", False) else list(trainer.loggers)
+
+
+def _first_log_dir(loggers: list[Any]) -> str | None:
+    for lg in loggers:
         try:
             path = lg.log_dir
         except Exception:  # noqa: BLE001 - a logger without a directory

@@ -15,26 +15,32 @@ import re
 import statistics
 import sys
 import tempfile
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from phase_timer.metrics import HOST_PHASES, ordered, share_base
 
+if TYPE_CHECKING:
+    from phase_timer.clock import Clock
+    from phase_timer.diagnosis import Diagnosis, Signals
+    from phase_timer.ranks import RankExchange
+    from phase_timer.stats import RunTotals, WindowSeries
+
 
 class RunRecord(Protocol):
-    """What the summary is built from: a run's totals, signals and context (the core has them all).
+    """What the summary is built from: a run's totals, signals and context (``TimingCore`` has them all).
 
-    A protocol, so that the writer needs nothing of the core but these attributes.
+    A protocol, so that the writer reads these and needs nothing else of the core (nor imports it).
     """
 
-    clock: Any
+    clock: Clock
     context: dict[str, Any]
-    diagnosis: Any
+    diagnosis: Diagnosis | None
     interrupted: bool
-    ranks: Any
-    series: Any
-    signals: Any
+    ranks: RankExchange | None
+    series: WindowSeries
+    signals: Signals
     skipped: int
-    totals: Any
+    totals: RunTotals
     untimed_reason: str | None
 
     @property
@@ -45,6 +51,7 @@ class RunRecord(Protocol):
     def warmup_steps(self) -> int: ...
     @property
     def window(self) -> int: ...
+
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"

@@ -15,24 +15,26 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "phase_timer"
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The phase_timer modules that ``path`` imports anywhere in it."""
+def _imports(source: str, modules: set[str]) -> set[str]:
+    """The phase_timer modules that ``source`` (a module of the package) imports anywhere in it."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "phase_timer":  # `from phase_timer import x`: the module x, when x is one
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            # `from . import x` / `from .x import y`: relative to the package (its modules are all top level)
+            module = "phase_timer" + (f".{node.module}" if node.module else "") if node.level else node.module
+            if module == "phase_timer":  # `from phase_timer import x`: the module x, when x is one
                 out |= {f"phase_timer.{a.name}" for a in node.names} & modules
-            elif node.module in modules:
-                out.add(node.module)
+            elif module in modules:
+                out.add(module)
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names} & modules
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = {f"phase_timer.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    files = {f"phase_timer.{p.stem}": p for p in package.glob("*.py") if p.stem != "__init__"}
     modules = set(files)
-    return {name: _imports(path, modules) - {name} for name, path in files.items()}
+    return {name: _imports(path.read_text(), modules) - {name} for name, path in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -64,7 +66,29 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_graph_sees_function_level_and_type_checking_imports():
+def test_every_form_of_import_counts():
+    source = """
+from typing import TYPE_CHECKING
+import phase_timer.a as a_alias
+from phase_timer.b import thing
+from phase_timer import c, not_a_module
+from . import d
+from .e import other
+if TYPE_CHECKING:
+    from phase_timer.f import F
+def later():
+    from phase_timer import g
+class K:
+    def method(self):
+        import phase_timer.h
+import phase_timer
+import torch
+"""
+    modules = {f"phase_timer.{m}" for m in "abcdefghz"}
+    assert _imports(source, modules) == modules - {"phase_timer.z"}
+
+
+def test_the_graph_sees_function_level_imports_of_the_package():
     graph = import_graph()
     assert "phase_timer.report" in graph["phase_timer.cli"] and "phase_timer.compare" in graph["phase_timer.cli"]
     assert "phase_timer.runinfo" in graph["phase_timer.boundaries"]  # imported inside a method

@@ -346,6 +346,17 @@ def test_fast_dev_run_says_why_nothing_was_timed(tmp_path):
     assert "pass a smaller warmup_steps" in timer.last_summary
 
 
+def test_fast_dev_run_writes_only_where_log_dir_says(tmp_path, monkeypatch):
+    """Under fast_dev_run Lightning swaps the loggers for a DummyLogger: ``log_dir=`` still gets the files."""
+    monkeypatch.chdir(tmp_path)
+    timer = PhaseTimer(warmup_steps=0, log_every_n_steps=2, summary=False, log_dir=tmp_path / "pt")
+    t = trainer("lightning.pytorch", str(tmp_path), [timer], fast_dev_run=4)  # with a TensorBoardLogger
+    t.fit(module_class("lightning.pytorch")(), loader())
+    assert os.listdir(tmp_path) == ["pt"] and timer.log_dir == str(tmp_path / "pt")
+    assert steps_of(read_scalars(timer.log_dir)) == [1, 3]
+    assert os.path.dirname(timer.summary_path) == timer.log_dir
+
+
 def test_sigterm_flushes_restores_and_closes(tmp_path):
     """Lightning turns SIGTERM into SIGTERMException at the batch's end: as Ctrl+C, the run's timing is kept."""
     ns = "lightning.pytorch"
