@@ -1,6 +1,6 @@
 """Phase boundaries against the GPU's own timeline: marker kernels, read from the profiler, on the same steps.
 
-    PYTHONPATH=. python benchmarks/truth.py [--runs plain-lm,plain-conv,lightning-lm,lightning-lm-busy,lightning-conv]
+    PYTHONPATH=. python benchmarks/truth.py [--runs plain-lm,plain-conv,lightning-lm,lightning-lm-busy,lightning-conv,hf-gpt2]
                                            [--steps 60] [--out FILE]
 
 The loop (or the LightningModule's hooks) puts a marker at every boundary a user
@@ -28,7 +28,8 @@ Models: a decoder-only transformer LM (32k vocabulary, bf16 autocast, cross-entr
 in fp32, fused AdamW) and a small conv net (fp16 autocast + GradScaler, SGD with
 momentum, host-bound).  ``lightning-lm-busy`` lists a callback that spends ~23 ms on
 the host in ``on_train_batch_end`` *before* PhaseTimer (issue 17): its time must be
-between steps, not in ``optimizer``.
+between steps, not in ``optimizer``.  ``hf-gpt2``: the 🤗 door, a ``transformers.Trainer`` on a GPT-2-small-sized
+model from a config (bf16), markers at the Trainer's own boundaries (issue 26).
 
 Criterion (issue 19): each phase's median over the steps of phase-timer minus truth
 within max(0.1 ms, 2% of the truth's median).
@@ -66,6 +67,8 @@ PHASES = {
     "step": ("h2d", "end"),
 }
 CHECKED = ("forward", "backward", "optimizer")
+#: The 🤗 door: accelerate's loader copies the batch inside its fetch, so a step begins with forward.
+HF_PHASES = {p: v for p, v in PHASES.items() if p != "h2d"} | {"step": ("forward", "end")}
 
 
 class Markers:
@@ -77,10 +80,11 @@ class Markers:
     as little as it can (in a host-bound loop the GPU's timestamps follow the host).
     """
 
-    def __init__(self, device: torch.device, steps: int, kernels: bool) -> None:
+    def __init__(self, device: torch.device, steps: int, kernels: bool, phases: dict[str, tuple[str, str]] = PHASES) -> None:
         self.kernels = kernels
+        self.phases = phases
         self.tiny = torch.zeros(1, device=device)
-        names = {n for pair in PHASES.values() for n in pair}
+        names = {n for pair in phases.values() for n in pair}
         self.pool = {(s, n): torch.cuda.Event(enable_timing=True) for s in range(steps + 2) for n in names} if not kernels else {}
         self.events: dict[int, dict[str, torch.cuda.Event]] = defaultdict(dict)
 
@@ -98,7 +102,7 @@ class Markers:
     def events_per_step(self) -> dict[int, dict[str, float]]:
         """Per step and phase, ms between the markers' events (all done: called after a synchronize)."""
         return {
-            s: {p: ev[a].elapsed_time(ev[b]) for p, (a, b) in PHASES.items() if a in ev and b in ev}
+            s: {p: ev[a].elapsed_time(ev[b]) for p, (a, b) in self.phases.items() if a in ev and b in ev}
             for s, ev in self.events.items()
         }
 
@@ -125,15 +129,35 @@ def marker_ends(trace: str) -> dict[int, dict[str, float]]:
     return out
 
 
-def truth_per_step(ends: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+def device_busy(prof: Any) -> float:
+    """The share of the profiled span in which the device ran anything (kernels, copies, sets): the ground
+    truth of GPU- against host-bound.  The span is the first device activity's start to the last one's end;
+    CUPTI's tracing adds host time to every launch, so a host-bound loop reads a little less busy under it."""
+    spans = sorted((e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.end_ns() > e.start_ns())
+    if not spans:
+        return 0.0
+    busy, (start, end) = 0, spans[0]
+    first = start
+    for a, b in spans[1:]:
+        if a > end:
+            busy += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    return busy / (end - first)
+
+
+def truth_per_step(ends: dict[int, dict[str, float]], phases: dict[str, tuple[str, str]] = PHASES) -> dict[int, dict[str, float]]:
     out = {}
     for step, m in ends.items():
-        out[step] = {p: (m[b] - m[a]) / 1e3 for p, (a, b) in PHASES.items() if a in m and b in m}
+        out[step] = {p: (m[b] - m[a]) / 1e3 for p, (a, b) in phases.items() if a in m and b in m}
     return out
 
 
-def timer_per_step(log_dir: str) -> dict[int, dict[str, float]]:
-    """phase-timer's per-step values, read back with tensorboard's own reader."""
+def timer_per_step(log_dir: str, offset: int = 0) -> dict[int, dict[str, float]]:
+    """phase-timer's per-step values, read back with tensorboard's own reader (logged at step + ``offset``)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
@@ -143,14 +167,15 @@ def timer_per_step(log_dir: str) -> dict[int, dict[str, float]]:
         if tag.startswith("phase_time_step/"):
             phase = tag.split("/")[1].removesuffix("_ms")
             for e in acc.Scalars(tag):
-                out[e.step][phase] = e.value
+                out[e.step - offset][phase] = e.value
     return out
 
 
-def compare(truth: dict[int, dict[str, float]], got: dict[int, dict[str, float]], steps: range) -> dict[str, dict[str, float]]:
+def compare(truth: dict[int, dict[str, float]], got: dict[int, dict[str, float]], steps: range,
+            phases: dict[str, tuple[str, str]] = PHASES) -> dict[str, dict[str, float]]:
     """Per phase, over the steps both have: medians of truth and phase-timer, and of their difference."""
     rows = {}
-    for phase in PHASES:
+    for phase in phases:
         pairs = [(truth[s][phase], got[s][phase]) for s in steps if s in truth and s in got and phase in truth[s] and phase in got[s]]
         if not pairs:
             continue
@@ -292,16 +317,16 @@ def plain(kind: str, steps: int = 60, window: tuple[int, int] = (30, 50)) -> dic
     return _result(prof, timer.log_dir, window, mark)
 
 
-def _result(prof: Any, log_dir: str, window: tuple[int, int], mark: Markers) -> dict[str, Any]:
+def _result(prof: Any, log_dir: str, window: tuple[int, int], mark: Markers, offset: int = 0) -> dict[str, Any]:
     torch.cuda.synchronize()  # benchmark end: the markers' events are done
     if isinstance(prof, _NoProfiler):
         truth = mark.events_per_step()
     else:
         trace = os.path.join(tempfile.mkdtemp(), "trace.json")
         prof.export_chrome_trace(trace)
-        truth = truth_per_step(marker_ends(trace))
+        truth = truth_per_step(marker_ends(trace), mark.phases)
     # The first and last profiled steps hold the benchmark's synchronizations: left out.
-    return compare(truth, timer_per_step(log_dir), range(window[0] + 1, window[1]))
+    return compare(truth, timer_per_step(log_dir, offset), range(window[0] + 1, window[1]), mark.phases)
 
 
 # -- the Lightning door ------------------------------------------------------------------------------
@@ -379,12 +404,72 @@ def lightning(kind: str, steps: int = 60, window: tuple[int, int] = (30, 50), bu
     return _result(prof, log_dir, window, mark)
 
 
+# -- the 🤗 door ---------------------------------------------------------------------------------------
+def hf_trainer(steps: int = 60, window: tuple[int, int] = (30, 50)) -> dict[str, Any]:
+    """A ``transformers.Trainer`` on a GPT-2-small-sized model from a config (bf16, 8 x 512 tokens): markers
+    where the Trainer's loop holds the batches, calls ``accelerator.backward`` and returns from it, returns
+    from ``optimizer.step()`` (``on_optimizer_step``), and asks for the next step's batches."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    dev = torch.device("cuda")
+    mark = Markers(dev, steps, kernels=PROFILE, phases=HF_PHASES)
+    prof = _profile()
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8 * (steps + 1)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 50257, (512,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    class Marked(Trainer):
+        def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+            i = self.state.global_step  # the step these batches are for (the timer's index too)
+            if i > 0:
+                mark("fetch", i - 1)
+            if i == window[1] + 1:
+                torch.cuda.synchronize()  # benchmark boundary, after the measured steps
+                prof.__exit__(None, None, None)
+            out = super().get_batch_samples(*args, **kwargs)
+            if i == window[0]:
+                torch.cuda.synchronize()  # benchmark boundary, before the measured steps
+                prof.__enter__()
+            mark("forward", i)  # the step's batches in hand
+            return out
+
+    class End(TrainerCallback):
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            mark("end", state.global_step)
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=512))
+    log_dir = tempfile.mkdtemp()
+    timer = phase_timer.PhaseTimerCallback(per_step=True, warmup_steps=5, summary=False, log_dir=log_dir)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, max_steps=steps, bf16=True,
+                             logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True)
+    trainer = Marked(model=model, args=args, train_dataset=Tokens(), callbacks=[End(), timer])
+    backward = trainer.accelerator.backward
+
+    def marked_backward(loss: torch.Tensor, **kw: Any) -> None:
+        i = trainer.state.global_step
+        mark("backward", i)
+        backward(loss, **kw)
+        mark("optimizer", i)
+
+    trainer.accelerator.backward = marked_backward
+    trainer.train()
+    assert timer.timer is not None and timer.timer.log_dir is not None
+    return _result(prof, timer.timer.log_dir, window, mark, offset=1)  # the Trainer logs step k at k + 1
+
+
 RUNS = {
     "plain-lm": lambda a: plain("lm", a.steps),
     "plain-conv": lambda a: plain("conv", a.steps),
     "lightning-lm": lambda a: lightning("lm", a.steps),
     "lightning-lm-busy": lambda a: lightning("lm", a.steps, busy_ms=23.0),
     "lightning-conv": lambda a: lightning("conv", a.steps),
+    "hf-gpt2": lambda a: hf_trainer(a.steps),
 }
 
 

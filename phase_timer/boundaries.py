@@ -39,6 +39,7 @@ from typing import Any
 from phase_timer._env import warn_once
 from phase_timer.core import TimingCore
 from phase_timer.metrics import BETWEEN, PAUSED
+from phase_timer.syncs import SyncCensus
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,15 @@ class Boundaries:
         self._rng = random.Random()
         self._samples = 0  # sampled steps started
         self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
+        # The sync census (device clock): on the last warm-up step, from the close before it to its own.
+        self._census: SyncCensus | None = None
+        self._census_at = -1  # the close (1-based) at which the census starts, then stops
+        if core.clock.kind == "host":
+            core.signals.census = "not run: no device (host clock)"
+        elif warmup < 2:
+            core.signals.census = f"not run: it needs a warm-up step after the first (warmup_steps={warmup} < 2)"
+        else:
+            self._census, self._census_at = SyncCensus(self.now), warmup - 1
 
     # -- the step -------------------------------------------------------------------
     def fetch(self) -> None:
@@ -278,6 +288,14 @@ class Boundaries:
             self._drop()  # a step abandoned half-way, or micro-batches never stepped
         self.pause()
 
+    def now(self) -> str:
+        """The phase the boundaries say runs now (on warm-up steps too, which the core does not record)."""
+        if self.paused:
+            return PAUSED
+        if not self.open:
+            return "data_wait"
+        return self._explicit[-1] if self._explicit else self._auto
+
     def drop(self) -> None:
         """Drop the open record, if any: what it measured cannot be trusted (a door found out too late)."""
         if self.open:
@@ -291,6 +309,7 @@ class Boundaries:
         """
         if self.ended:
             self._close()
+        self._end_census()
         warmup = self.core.warmup_steps
         if self.begun == 0:
             self.core.untimed_reason = "no batch came through the timer"
@@ -355,9 +374,26 @@ class Boundaries:
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
         self._auto = H2D
+        if self.steps == self._census_at:
+            self._census_step()
         self._sample_in -= 1
         if self._sample_in <= 0:
             self._start_sample()
+
+    def _census_step(self) -> None:
+        """The census starts here (the last warm-up step begins), or stops (that step has closed)."""
+        census = self._census
+        if census is not None and not census.running:
+            if census.start():
+                self._census_at += 1
+                return
+        self._end_census()
+
+    def _end_census(self) -> None:
+        census, self._census, self._census_at = self._census, None, -1
+        if census is not None:
+            census.stop()
+            self.core.signals.add_census(census, self.core.warmup_steps)
 
     def _start_sample(self) -> None:
         """The next step is sampled: from here to its close."""

@@ -32,6 +32,7 @@ from phase_timer.metrics import (
 )
 from phase_timer.ranks import RankExchange, RankWindow
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
+from phase_timer.syncs import format_census
 from phase_timer.stats import RunTotals, WindowSeries, sorted_columns, summarize_columns
 from phase_timer.trace import TraceWriter
 
@@ -348,6 +349,10 @@ class TimingCore:
         own = self.own_cost_line()
         if own:
             table += "\n" + own
+        sig = self.signals
+        census = format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count)
+        if census:
+            table += "\n" + census
         if self.diagnosis is not None and self.totals.steps:
             table += "\n" + format_verdict(self.diagnosis)
         return table

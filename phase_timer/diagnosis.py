@@ -14,7 +14,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import BETWEEN
+from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED
+from phase_timer.syncs import SyncCensus, SyncSite
 
 #: Fewer timed steps than this, and no other rule speaks.
 MIN_STEPS = 20
@@ -104,6 +105,20 @@ class Signals:
         self.slowest: Counter[tuple[str, int]] = Counter()
         self.margins: dict[tuple[str, int], float] = {}
         self.rank_period_ms: list[float] = []
+        #: The sync census of one warm-up step: its status ("done" or why not), the step, the syncs heard.
+        self.census = "not run"
+        self.census_step: int | None = None
+        self.syncs: list[SyncSite] = []
+        self.sync_count = 0
+
+    def add_census(self, census: SyncCensus, step: int) -> None:
+        """What the census heard on warm-up step ``step``."""
+        if census.status == "not run":
+            self.census = "not run: the run ended before its last warm-up step"
+            return
+        self.census = census.status
+        if census.status == "done":
+            self.census_step, self.syncs, self.sync_count = step, list(census.sites), census.count
 
     def add_window(self, steps: int, summary: dict[str, dict[str, float]]) -> None:
         """One window's statistics: is it spiky?"""
@@ -329,13 +344,19 @@ def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
     why = (f"the device keeps pace with the host: in {_pct(idle)} of {n} sampled steps it had finished every earlier "
            f"step when the host ended one, and its step ({totals.phases['step'].mean:.2f} ms) lasts {ratio:.2f}x the "
            "host's time to issue it; the device phases then include the GPU's wait for launches")
-    tips = ("find host-device syncs inside the step: torch.cuda.set_sync_debug_mode('warn')",
-            "do more per launch: a bigger batch, torch.compile (mode='reduce-overhead' adds CUDA graphs)",
-            "a fused or foreach optimizer (e.g. AdamW(fused=True)); fewer small ops on the host")
+    tips = ["do more per launch: a bigger batch, torch.compile (mode='reduce-overhead' adds CUDA graphs)",
+            "a fused or foreach optimizer (e.g. AdamW(fused=True)); fewer small ops on the host"]
+    said = _syncs_said(signals)
+    if said is None:
+        tips.insert(0, "find host-device syncs inside the step: torch.cuda.set_sync_debug_mode('warn')")
+    else:
+        why += f"; {said[0]}"
+        tips[:0] = said[1]
     ev = {"samples": n, "share_at_zero_in_flight": idle, "device_over_host_step": ratio,
           "host_step_ms": statistics.fmean(signals.host_step_ms), "tail_busy": signals.tail_busy,
-          "tail_checked": signals.tail_checked, "behind": signals.behind, "behind_checked": signals.behind_checked}
-    return Diagnosis("HOST_BOUND", "high" if idle >= 0.9 and ratio < 1.1 else "medium", why, tips, ev)
+          "tail_checked": signals.tail_checked, "behind": signals.behind, "behind_checked": signals.behind_checked,
+          **_census_evidence(signals)}
+    return Diagnosis("HOST_BOUND", "high" if idle >= 0.9 and ratio < 1.1 else "medium", why, tuple(tips), ev)
 
 
 def _unstable(signals: Signals) -> Diagnosis | None:
@@ -389,12 +410,54 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
           "behind": signals.behind, "behind_checked": signals.behind_checked}
     if ratio is not None:
         ev["device_over_host_step"] = ratio
+    ev.update(_census_evidence(signals))
     if idle >= HOST_IDLE_SHARE:
-        why += (f"; but the host never got a step ahead in {_pct(idle)} of sampled steps: something waits for the GPU "
-                "inside each step (.item(), .cpu(), printing a tensor), or the host issues a step about as fast "
-                "as the device runs it, so the host cannot queue ahead")
-        tips.append("find a per-step sync with torch.cuda.set_sync_debug_mode('warn'); read values every N steps")
+        said = _syncs_said(signals)
+        why += f"; but the host never got a step ahead in {_pct(idle)} of sampled steps: "
+        if said is None:
+            why += ("something waits for the GPU inside each step (.item(), .cpu(), printing a tensor), or the host "
+                    "issues a step about as fast as the device runs it, so the host cannot queue ahead")
+            tips.append("find a per-step sync with torch.cuda.set_sync_debug_mode('warn'); read values every N steps")
+        else:
+            why += said[0] + ("" if signals.syncs else ", so the host issues a step about as fast as the device "
+                              "runs it (a full launch queue)")
+            tips[:0] = said[1]
     return Diagnosis("GPU_BOUND", "info", why, tuple(tips), ev)
+
+
+def _stepping(site: SyncSite) -> bool:
+    """A sync inside the step (not in the fetch, between steps, or in a pause)."""
+    return site.phase not in HOST_PHASES and site.phase not in (BETWEEN, PAUSED)
+
+
+def _syncs_said(signals: Signals) -> tuple[str, list[str]] | None:
+    """What the census heard, for a verdict about a host that never gets ahead: a clause for ``why``, and
+    what to try (each site's known cause first, then what is left when those are off).  None: no census."""
+    if signals.census != "done":
+        return None
+    syncs = sorted(signals.syncs, key=lambda s: (not _stepping(s), -s.count))
+    step = signals.census_step
+    if not syncs:
+        return f"torch flags no host-device sync in a whole step (census of warm-up step {step})", []
+    inside = sum(s.count for s in syncs if _stepping(s))
+    between = sum(s.count for s in syncs) - inside
+    counts = [f"{n} time(s) inside each step" for n in (inside,) if n] + [f"{n} time(s) outside it" for n in (between,) if n]
+    sites = "; ".join(f"{s.count}x in {s.phase} at {s.frames[0] if s.frames else s.where}" for s in syncs[:4])
+    clause = f"the host waits for the device {' and '.join(counts)} (census of warm-up step {step}: {sites})"
+    tips = list(dict.fromkeys(s.cause for s in syncs if s.cause))
+    unknown = [s for s in syncs if not s.cause]
+    if unknown:
+        where = "; ".join(f"{s.count}x in {s.phase}: `{s.code}` at {s.frames[0] if s.frames else s.where}"
+                          for s in unknown[:3])
+        lead = "left when those are off: " if tips else ""
+        tips.append(f"{lead}{where}: read such values every N steps, or keep them on the device")
+    elif tips:
+        tips.append("no other sync is left when those are off")
+    return clause, tips
+
+
+def _census_evidence(signals: Signals) -> dict[str, Any]:
+    return {"sync_census": signals.census, "syncs": [s.as_dict() for s in signals.syncs]}
 
 
 def format_verdict(d: Diagnosis) -> str:

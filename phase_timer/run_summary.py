@@ -55,7 +55,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -116,6 +116,8 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
             "host_ahead": core.host_ahead,
         },
         "ranks": per_rank,
+        "syncs": {"census": core.signals.census, "step": core.signals.census_step, "count": core.signals.sync_count,
+                  "sites": [site.as_dict() for site in core.signals.syncs]},
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }

@@ -24,7 +24,7 @@ PROG = "phase-timer"
 _WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
 #: Run summary file versions this phase-timer reads.
-READS_VERSIONS = (1, 2)
+READS_VERSIONS = (1, 2, 3)
 
 Points = list[tuple[int, float]]
 
