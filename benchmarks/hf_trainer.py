@@ -37,27 +37,28 @@ def say(msg: str) -> None:
     LINES.append(msg)
 
 
-def _tokens(n: int, seq: int) -> Any:
+def _tokens(n: int, seq: int, mask: bool = False) -> Any:
     class Tokens(torch.utils.data.Dataset):
         def __len__(self) -> int:
             return n
 
         def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
             ids = torch.randint(0, 50257, (seq,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids}
+            return {"input_ids": ids, "labels": ids, **({"attention_mask": torch.ones_like(ids)} if mask else {})}
 
     return Tokens()
 
 
-def _trainer(steps: int, batch: int, seq: int, callbacks: list[Any], **kw: Any) -> Any:
+def _trainer(steps: int, batch: int, seq: int, callbacks: list[Any], mask: bool = False, **kw: Any) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=seq))
     kw.setdefault("bf16", True)
+    kw.setdefault("logging_steps", 10)
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps,
-                             logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True, **kw)
-    return Trainer(model=model, args=args, train_dataset=_tokens(batch * steps, seq), callbacks=callbacks)
+                             report_to="none", save_strategy="no", disable_tqdm=True, **kw)
+    return Trainer(model=model, args=args, train_dataset=_tokens(batch * steps, seq, mask), callbacks=callbacks)
 
 
 # -- overhead ---------------------------------------------------------------------------------------
@@ -102,6 +103,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fp16, logging_nan_inf_filter=False": {"bf16": False, "fp16": True, "logging_nan_inf_filter": False},
     "include_num_input_tokens_seen='all'": {"include_num_input_tokens_seen": "all"},
     "logging_steps=1": {"logging_steps": 1},
+    "accelerator_config={'non_blocking': True}": {"accelerator_config": {"non_blocking": True}},
+    "all off: nan filter, non_blocking": {"logging_nan_inf_filter": False, "accelerator_config": {"non_blocking": True}},
+    "all off, and an attention_mask in the batch": {"logging_nan_inf_filter": False,
+                                                     "accelerator_config": {"non_blocking": True}, "mask": True},
 }
 
 
@@ -131,9 +136,10 @@ def syncs() -> None:
         per_step = _profiled_syncs(dict(kw))
         cb = phase_timer.PhaseTimerCallback(summary=False, log_dir=tempfile.mkdtemp())
         _trainer(12, 8, 512, [cb], **kw).train()
-        sig = cb.timer.core.signals
-        say(f"  {name:38s} {per_step:5.2f} a step | census {sig.census}, {sig.sync_count} a step")
-        for s in sig.syncs:
+        timer = cb.timer
+        say(f"  {name:38s} {per_step:5.2f} a step | census {timer.sync_census}, "
+            f"{sum(s.count for s in timer.syncs)} a step")
+        for s in timer.syncs:
             cause = (s.cause or "(no known cause)").split(":")[0]
             say(f"      {s.count}x {s.phase:13s} {s.frames[0] if s.frames else s.where}  `{s.code}`  <- {cause}")
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
 from phase_timer.boundaries import Boundaries
+from phase_timer.syncs import SyncSite
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
@@ -157,6 +158,8 @@ class PhaseTimer:
         diagnosis: the verdict, a :class:`phase_timer.Diagnosis` (rank zero).
         summary_path: where rank zero wrote ``phase_timer_summary.json`` (None: not written).
         log_dir: the directory the TensorBoard values went to (the logger's, or our own).
+        syncs: the host-device syncs of one warm-up step, each a :class:`phase_timer.syncs.SyncSite`
+            (phase, where, code, count, known cause); ``sync_census`` says whether the census ran, or why not.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> PhaseTimer:
@@ -217,6 +220,9 @@ class PhaseTimer:
         self.diagnosis = None
         #: Where rank zero wrote ``phase_timer_summary.json`` (None: not written).
         self.summary_path: str | None = None
+        #: The sync census of the last ``fit``: the syncs of one warm-up step, and whether it ran.
+        self.syncs: tuple[SyncSite, ...] = ()
+        self.sync_census: str | None = None
 
     # -- install / uninstall ------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -447,6 +453,7 @@ class PhaseTimer:
                 print(self.last_summary, flush=True)
         self.totals = core.totals
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
+        self.syncs, self.sync_census = tuple(core.signals.syncs), core.signals.census
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

@@ -38,6 +38,7 @@ from torch import nn
 from phase_timer import backward_calls
 from phase_timer._env import warn_once
 from phase_timer.boundaries import Boundaries
+from phase_timer.syncs import SyncSite
 from phase_timer.clock import make_clock
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
 from phase_timer.core import TimingCore
@@ -116,6 +117,9 @@ class LoopTimer:
         diagnosis: after :meth:`close`, the verdict, a :class:`phase_timer.Diagnosis` (rank zero).
         summary_path: where rank zero wrote ``phase_timer_summary.json`` (None: not written).
         log_dir: the directory the TensorBoard values go to (the writer's, or our own).
+        syncs: after :meth:`close`, the host-device syncs of one warm-up step, each a
+            :class:`phase_timer.syncs.SyncSite` (phase, where, code, count, known cause);
+            ``sync_census`` says whether the census ran, or why not.
     """
 
     def __init__(
@@ -390,6 +394,7 @@ class LoopTimer:
         ctx["precision"] = precision_name(first.dtype if first is not None else None, ctx.pop("autocast", None))
         self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
+        self.syncs, self.sync_census = tuple(core.signals.syncs), core.signals.census
         self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
         if self.config.summary and self.is_rank_zero:
             print(self.last_summary, flush=True)
@@ -401,6 +406,9 @@ class LoopTimer:
     diagnosis: Diagnosis | None = None
     #: Where rank zero wrote ``phase_timer_summary.json`` (None: not written).
     summary_path: str | None = None
+    #: The sync census: the syncs of one warm-up step (set by :meth:`close`), and whether it ran.
+    syncs: tuple[SyncSite, ...] = ()
+    sync_census: str | None = None
     is_rank_zero: bool = True
 
     def __enter__(self) -> LoopTimer:

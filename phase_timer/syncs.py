@@ -51,6 +51,13 @@ KNOWN_CAUSES: tuple[tuple[str, str | None, str | None, str], ...] = (
      "logging_steps reads them less often"),
     ("transformers/trainer.py", "_get_learning_rate", None,
      "the learning rate is a tensor, read on the host every step (a scheduler that returns tensors)"),
+    ("accelerate/utils/operations.py", "send_to_device", None,
+     "accelerate copies each batch to the device with a blocking copy (in the fetch); "
+     "TrainingArguments(accelerator_config={'non_blocking': True}) with pinned memory (dataloader_pin_memory=True, "
+     "the default) makes the copy asynchronous"),
+    ("transformers/masking_utils.py", "find_packed_sequence_indices", None,
+     "transformers' causal-mask code reads the position ids on the host (packed sequences?) in every forward "
+     "whose batch has no attention_mask"),
     ("torch/amp/grad_scaler.py", None, None,
      "a GradScaler (fp16): each step reads on the host whether the gradients overflowed; bf16 needs no scaler"),
 )
