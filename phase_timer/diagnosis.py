@@ -310,12 +310,15 @@ def _flight(signals: Signals) -> tuple[int, float, float] | None:
 
 
 def _paced_ratio(totals: Any, signals: Signals) -> float | None:
-    """The device's mean step over the sampled steps' mean host time to issue one (None: no samples)."""
+    """The device's median step over the sampled steps' median host time to issue one (None: no samples).
+
+    Medians: a few slow steps (a logging step, a collection) must not decide it from a handful of samples
+    (a host-bound Lightning loop read 1.30 on means, 2.96 ms against 2.28, in one run of 100 steps)."""
     step = totals.phases.get("step")
     if step is None or len(signals.host_step_ms) < MIN_FLIGHT_SAMPLES:
         return None
-    host = statistics.fmean(signals.host_step_ms)
-    return step.mean / host if host > 0 else None
+    host = statistics.median(signals.host_step_ms)
+    return step.quantile(50) / host if host > 0 else None
 
 
 def _behind(signals: Signals) -> float | None:
@@ -339,7 +342,7 @@ def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
         # queue: thousands of kernels a step, each longer than its launch), not the reverse.
         return None
     why = (f"the device keeps pace with the host: in {_pct(idle)} of {n} sampled steps it had finished every earlier "
-           f"step when the host ended one, and its step ({totals.phases['step'].mean:.2f} ms) lasts {ratio:.2f}x the "
+           f"step when the host ended one, and its step ({totals.phases['step'].quantile(50):.2f} ms) lasts {ratio:.2f}x the "
            "host's time to issue it; the device phases then include the GPU's wait for launches")
     tips = ["do more per launch: a bigger batch, torch.compile (mode='reduce-overhead' adds CUDA graphs)",
             "a fused or foreach optimizer (e.g. AdamW(fused=True)); fewer small ops on the host"]
@@ -350,7 +353,7 @@ def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
         why += f"; {said[0]}"
         tips[:0] = said[1]
     ev = {"samples": n, "share_at_zero_in_flight": idle, "device_over_host_step": ratio,
-          "host_step_ms": statistics.fmean(signals.host_step_ms), "tail_busy": signals.tail_busy,
+          "host_step_ms": statistics.median(signals.host_step_ms), "tail_busy": signals.tail_busy,
           "tail_checked": signals.tail_checked, "behind": signals.behind, "behind_checked": signals.behind_checked,
           **_census_evidence(signals)}
     return Diagnosis("HOST_BOUND", "high" if idle >= 0.9 and ratio < 1.1 else "medium", why, tuple(tips), ev)
@@ -385,7 +388,7 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
     if median >= 1:
         lead = f"the host runs ahead (median {median:g} earlier step(s) in flight)"
     elif ratio is not None and ratio >= PACED_RATIO:
-        lead = f"the device's step ({step.mean:.2f} ms) lasts {ratio:.2f}x the host's time to issue it"
+        lead = f"the device's step ({step.quantile(50):.2f} ms, median) lasts {ratio:.2f}x the host's time to issue it"
     else:
         lead = (f"inside the step the device runs more than a phase behind the host (at {_pct(behind or 0.0)} of "
                 "sampled boundaries): the host issues work faster than the device runs it")

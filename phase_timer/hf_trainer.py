@@ -123,6 +123,16 @@ class PhaseTimerCallback(TrainerCallback):
             warn(log, "phase-timer: PhaseTimerCallback could not find the Trainer or its optimizer at on_train_begin "
                       "(a Trainer that calls its callbacks differently?): this train() is not timed")
             return
+        try:
+            self._attach(trainer, args, state, model, optimizer, train_dataloader)
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            warn(log, f"phase-timer: PhaseTimerCallback could not attach to this Trainer ({type(err).__name__}: {err}): "
+                      "this train() is not timed")
+            self._finish(interrupted=True)
+            self.timer = None
+
+    def _attach(self, trainer: Trainer, args: TrainingArguments, state: TrainerState, model: Any, optimizer: Any,
+                train_dataloader: Any) -> None:
         self._trainer, self._state = trainer, state
         config = self.config
         writer = _tensorboard_writer(trainer)
@@ -131,7 +141,10 @@ class PhaseTimerCallback(TrainerCallback):
         if config.window is None:
             steps = args.logging_steps
             config = _replace(config, window=int(steps) if steps >= 1 else 50)
-        module = getattr(trainer, "model_wrapped", None) or model  # the compiled / DDP module the loop calls
+        # The compiled / DDP module the loop calls (never `or`: a compiled module's truth is its len(), which raises).
+        module = getattr(trainer, "model_wrapped", None)
+        if module is None:
+            module = model
         self.timer = timer = LoopTimer(
             module, optimizer, None, config=config, device=None, copy_to_device=False, writer=writer,
             end_step="optimizer", scaler=getattr(optimizer, "scaler", None), enabled=True,

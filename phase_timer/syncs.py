@@ -56,8 +56,11 @@ KNOWN_CAUSES: tuple[tuple[str, str | None, str | None, str], ...] = (
      "TrainingArguments(accelerator_config={'non_blocking': True}) with pinned memory (dataloader_pin_memory=True, "
      "the default) makes the copy asynchronous"),
     ("transformers/masking_utils.py", "find_packed_sequence_indices", None,
-     "transformers' causal-mask code reads the position ids on the host (packed sequences?) in every forward "
-     "whose batch has no attention_mask"),
+     "the model's causal-mask code (transformers) checks the position ids for packed sequences on the host, every "
+     "forward; no setting turns it off (with an attention_mask in the batch it checks that instead)"),
+    ("transformers/masking_utils.py", "_ignore_causal_mask_sdpa", None,
+     "the model's causal-mask code (transformers) checks on the host whether the attention_mask is all ones, "
+     "every forward; no setting turns it off"),
     ("torch/amp/grad_scaler.py", None, None,
      "a GradScaler (fp16): each step reads on the host whether the gradients overflowed; bf16 needs no scaler"),
 )

@@ -553,3 +553,15 @@ def test_a_plain_loop_is_sampled_with_or_without_a_loader(tmp_path, loader):
     signals = core.signals
     assert timer.totals.steps == 20
     assert len(signals.host_step_ms) == len(signals.own_ns) >= 5 and min(signals.host_step_ms) > 0
+
+
+def test_a_few_slow_steps_do_not_make_a_host_bound_run_gpu_bound():
+    """The device's step against the host's time to issue it, as medians: 5 slow steps in 100 (a logging
+    step, a collection) lift the device's mean step 27% over the host's, and once read GPU_BOUND."""
+    t = RunTotals()
+    t.add_window(100, {"forward": [1.0] * 100, "backward": [1.0] * 95 + [13.0] * 5, "optimizer": [0.3] * 100,
+                       "step": [2.3] * 95 + [14.3] * 5, "period": [2.4] * 95 + [14.4] * 5})
+    s = signals({0: 10}, host_step_ms=2.3)
+    assert t.phases["step"].mean / 2.3 > 1.25  # what the means said
+    d = diagnose(t, s, clock="cuda")
+    assert d.kind == "HOST_BOUND" and d.evidence["device_over_host_step"] == pytest.approx(1.0, abs=0.02)

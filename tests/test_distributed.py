@@ -192,3 +192,24 @@ def test_lightning_ddp_spawn_with_accumulation(tmp_path: pytest.TempPathFactory)
     assert max(values(s, "phase_time_ranks/data_wait_ms/max")) < 10.0
     assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 2 * 20.0  # two micro-batches a step
     assert values(s, "phase_timer/ranks_reporting") == [2.0] * 3
+
+
+def test_hf_trainer_under_torchrun_times_every_rank_and_names_the_slow_one(tmp_path: pytest.TempPathFactory) -> None:
+    """The 🤗 door: a Trainer under torchrun (DDP through accelerate, gloo); rank 1 sleeps 30 ms in every
+    training forward.  Every rank is timed, rank zero alone writes, and the verdict names rank 1's forward."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(SCRIPTS, "hf_ddp.py"), "--out", str(tmp_path), "--slow-forward", "0.03"]
+    proc, result = _run(cmd)
+    assert result["world_size"] == 2 and result["distributed"] == "distributed"
+    assert result["steps"] == [21, 21]  # 23 steps, 2 warm-up, on each rank
+    s = read_scalars(result["log_dir"])
+    assert values(s, "phase_timer/ranks_reporting") == [2.0] * 5
+    assert values(s, "phase_time_ranks/forward_ms/slowest_rank") == [1.0] * 5
+    assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 30.0
+    with open(result["summary_path"]) as f:
+        data = json.load(f)
+    d = data["diagnosis"]
+    assert d["kind"] == "RANK_STRAGGLER" and (d["evidence"]["rank"], d["evidence"]["phase"]) == (1, "forward"), d
+    assert data["door"] == "transformers" and data["ranks"]["reported"] == [0, 1]
+    assert proc.stdout.count("per rank (2 of 2)") == 1  # the table, on rank zero only
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("phase-timer-logs") and p != "phase-timer-logs"]

@@ -997,3 +997,37 @@ def test_hf_trainer_phases_add_up_the_timer_adds_no_sync_and_the_verdict_names_t
     print("HF verdict", d.kind, f"busy {busy:.3f}", d.why, d.next)
     assert d.kind in _expected_by_busy(busy), (busy, d.kind, d.why)
     assert any("logging_nan_inf_filter=False" in tip for tip in d.next), d.next
+
+
+def test_hf_trainer_compiled_fp16_checkpointed_accumulated_on_cuda(tmp_path):
+    """torch_compile (inductor), fp16 (accelerate's GradScaler), gradient_checkpointing, max_grad_norm and
+    gradient_accumulation_steps=2 together, on the device: every step timed, phases that add up, idle."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from phase_timer.hf_trainer import PhaseTimerCallback
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4 * 2 * 30
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 50257, (256,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=256, n_layer=2, n_embd=256, n_head=4))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             max_steps=25, fp16=True, torch_compile=True, gradient_checkpointing=True,
+                             max_grad_norm=1.0, logging_steps=5, report_to="none", save_strategy="no", disable_tqdm=True)
+    cb = PhaseTimerCallback(summary=False, log_dir=str(tmp_path / "pt"))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    trainer.train()
+    totals = cb.timer.totals
+    print(cb.timer.last_summary, [s.as_dict() for s in cb.timer.syncs])
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule" and trainer.accelerator.scaler is not None
+    assert totals.steps == 20
+    device = sum(totals.phases[p].total for p in ("forward", "backward", "optimizer", "idle"))
+    assert totals.phases["step"].total == pytest.approx(device, rel=1e-6)
+    assert all(totals.phases[p].min > 0 for p in ("forward", "backward", "optimizer", "idle"))
+    assert cb.timer.sync_census == "done"

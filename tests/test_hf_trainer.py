@@ -46,8 +46,9 @@ def trainer(tmp_path: Any, callback: PhaseTimerCallback, *, steps: int = 30, dat
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
     kw.setdefault("report_to", "none")
+    kw.setdefault("save_strategy", "no")
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=steps,
-                             logging_steps=10, save_strategy="no", use_cpu=True, disable_tqdm=True, **kw)
+                             logging_steps=10, use_cpu=True, disable_tqdm=True, **kw)
     return Trainer(model=model, args=args, train_dataset=data or Tokens(), callbacks=[callback])
 
 
@@ -134,3 +135,68 @@ def test_a_training_step_the_user_put_on_the_instance_is_timed_and_kept(tmp_path
     t.train()
     assert len(calls) == 12 and cb.timer.totals.steps == 10
     assert t.__dict__["training_step"] is training_step  # theirs again, not ours, not gone
+
+
+def test_gradient_checkpointing_a_compiled_model_and_clipping_are_timed(tmp_path):
+    """gradient_checkpointing (the forward recomputed inside backward), torch_compile (the loop calls the
+    compiled module: dynamo's eager backend here, inductor on the GPU) and max_grad_norm, together."""
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    t = trainer(tmp_path, cb, steps=12, gradient_checkpointing=True, torch_compile=True,
+                torch_compile_backend="eager", max_grad_norm=0.5)
+    t.train()
+    totals = cb.timer.totals
+    assert totals.steps == 10 and isinstance(t.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    assert all(totals.phases[p].min > 0 for p in ("forward", "backward", "optimizer", "between_steps"))
+    assert totals.phases["step"].total == pytest.approx(sum(totals.phases[p].total for p in ("forward", "backward", "optimizer")))
+
+
+def test_checkpoints_are_in_no_phase_and_a_resumed_run_continues_at_the_trainers_step(tmp_path, monkeypatch):
+    """save_strategy="steps": the checkpoint's save is paused; resume_from_checkpoint: the resumed
+    train() logs at the Trainer's own steps after the checkpoint, each once."""
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    t = trainer(tmp_path / "run", cb, steps=20, save_strategy="steps", save_steps=10, report_to="tensorboard")
+    t.train()
+    assert cb.timer.totals.steps == 18
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-10")
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb2"))
+    cb2 = PhaseTimerCallback(warmup_steps=2, summary=False)
+    t2 = trainer(tmp_path / "run", cb2, steps=20, save_strategy="no", report_to="tensorboard")
+    t2.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-10"))
+    assert cb2.timer.totals.steps == 8  # steps 11..20, 2 warm-up
+    logged = [s for s, _ in read_scalars(cb2.timer.log_dir)["phase_time/step_ms/mean"]]
+    assert logged == [20]  # the window of logging_steps=10 that ends at the Trainer's step 20, once
+
+
+def test_a_save_is_paused_not_between_steps(tmp_path):
+    """A slow checkpoint save (a 200 ms stall in the model's save) is in no phase and not in period."""
+    import time
+
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    t = trainer(tmp_path, cb, steps=12, save_strategy="steps", save_steps=3)
+    save = t._save
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.2)
+        return save(*args, **kwargs)
+
+    t._save = slow_save
+    t.train()
+    totals = cb.timer.totals
+    assert totals.steps == 10 and totals.phases["between_steps"].max < 100 and totals.phases["period"].max < 100
+
+
+def test_a_callback_that_cannot_attach_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    import phase_timer.hf_trainer as door
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an unforeseen Trainer")
+
+    monkeypatch.setattr(door, "LoopTimer", broken)
+    cb = PhaseTimerCallback(warmup_steps=2, summary=False)
+    t = trainer(tmp_path, cb, steps=6)
+    with pytest.warns(RuntimeWarning, match="could not attach to this Trainer .*unforeseen Trainer"):
+        out = t.train()
+    assert out.global_step == 6 and cb.timer is None
+    assert "get_batch_samples" not in t.__dict__ and "training_step" not in t.__dict__

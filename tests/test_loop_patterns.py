@@ -708,7 +708,8 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = False) -> Any:
+def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = False, checkpointing: bool = False,
+               save: bool = False) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
     from transformers.data.data_collator import default_data_collator
 
@@ -719,6 +720,10 @@ def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = 
             out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
             plant("loss")  # a custom compute_loss, after the model's call
             return out
+
+        def _save(self, *args: Any, **kwargs: Any) -> Any:  # a checkpoint's save (save_strategy="steps")
+            plant("save")
+            return super()._save(*args, **kwargs)
 
     class Before(TrainerCallback):  # listed before ours
         def on_pre_optimizer_step(self, *args: Any, **kw: Any) -> None:
@@ -739,10 +744,12 @@ def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = 
                                        bos_token_id=0, eos_token_id=0))
     model.register_forward_pre_hook(lambda m, a: plant("forward" if m.training else "eval"))
     model.lm_head.weight.register_hook(lambda g: plant("backward"))
+    model.transformer.h[0].mlp.register_forward_pre_hook(lambda m, a: plant("block"))  # recomputed when checkpointing
     args = TrainingArguments(
         output_dir=str(tmp), per_device_train_batch_size=4, max_steps=STEPS, gradient_accumulation_steps=accumulate,
-        logging_steps=5, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
-        eval_strategy="steps" if evaluate else "no", eval_steps=3, per_device_eval_batch_size=4,
+        logging_steps=5, report_to="none", save_strategy="steps" if save else "no", save_steps=3, use_cpu=True,
+        disable_tqdm=True, eval_strategy="steps" if evaluate else "no", eval_steps=3, per_device_eval_batch_size=4,
+        gradient_checkpointing=checkpointing,
     )
     timer = PhaseTimerCallback(warmup_steps=WARMUP, summary=False)
     trainer = PlantedTrainer(model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(8) if evaluate else None,
@@ -847,6 +854,10 @@ PATTERNS = [
         "pre_optimizer": OPT, "step_end": BETWEEN_, "substep_end": {"idle": 1}}),
     Pattern("🤗 Trainer, evaluation every 3 steps", _p(hf_trainer, evaluate=True), {
         "eval": {NOWHERE: 1}, "forward": FWD}),
+    Pattern("🤗 Trainer, a checkpoint every 3 steps", _p(hf_trainer, save=True), {
+        "save": {NOWHERE: 1}, "forward": FWD, "step_end": BETWEEN_}),
+    Pattern("🤗 Trainer, gradient_checkpointing=True", _p(hf_trainer, checkpointing=True), {
+        "block": {"forward": 1, "backward": 1}, "forward": FWD, "backward": BWD}),
     Pattern("lightning, automatic optimization", _p(lightning_fit, scheduler=True), {
         "data": {"data_wait": 1}, "before_transfer": {"data_wait": 1}, "h2d": {"h2d": 1}, "forward": FWD, "loss": FWD, "backward": BWD,
         "loss_backward": BWD, "clip": OPT, "optimizer": OPT, "scheduler": BETWEEN_, "callback_before": BETWEEN_,
