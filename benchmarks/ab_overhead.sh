@@ -17,7 +17,7 @@ for r in $(seq "$rounds"); do
     tree=$([ "$side" = old ] && echo "$old" || echo "$here")
     (cd "$tree" && PYTHONPATH=. timeout 300 python benchmarks/suite.py --only overhead --no-competitors \
       --doors plain --out "$work/$side$r" > "$work/$side$r.log" 2>&1)
-    grep "^overhead " "$work/$side$r/suite-overhead.txt" 2>/dev/null | sed "s/^/round $r $side  /" \
-      || echo "round $r $side  failed: $(tail -1 "$work/$side$r.log")"
+    line=$(grep -h "^overhead " "$work/$side$r.log" | tail -1)
+    echo "round $r $side  ${line:-failed: $(tail -1 "$work/$side$r.log")}"
   done
 done

@@ -89,7 +89,7 @@ def overhead(pairs: int, steps: int) -> None:
         base.append(a)
     med = 100 * (statistics.median(ratios) - 1)
     q = statistics.quantiles([100 * (r - 1) for r in ratios], n=4) if len(ratios) >= 2 else [med, med, med]
-    say(f"overhead  transformers.Trainer  GPT-2-small 16x1024 bf16  +{med:.2f}% (median of {pairs} pairs; IQR "
+    say(f"overhead  transformers.Trainer  GPT-2-small 16x1024 bf16  {med:+.2f}% (median of {pairs} pairs; IQR "
         f"{q[0]:+.2f}..{q[2]:+.2f}%; each {[f'{100 * (r - 1):+.2f}' for r in ratios]}), step "
         f"{statistics.median(base):.2f} ms without")
 
