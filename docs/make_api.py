@@ -115,7 +115,7 @@ def render() -> str:
     from phase_timer.hf_trainer import PhaseTimerCallback
 
     parts += [
-        "## `phase_timer.PhaseTimerCallback`: the 🤗 Trainer callback (preview)\n",
+        "## `phase_timer.PhaseTimerCallback`: the 🤗 Trainer callback\n",
         _signature("PhaseTimerCallback", PhaseTimerCallback.__init__),
         _markdown(PhaseTimerCallback.__doc__ or ""),
     ]

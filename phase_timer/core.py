@@ -32,8 +32,8 @@ from phase_timer.metrics import (
 )
 from phase_timer.ranks import RankExchange, RankWindow
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
-from phase_timer.syncs import format_census
 from phase_timer.stats import RunTotals, WindowSeries, sorted_columns, summarize_columns
+from phase_timer.syncs import format_census
 from phase_timer.trace import TraceWriter
 
 log = logging.getLogger(__name__)

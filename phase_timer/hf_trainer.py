@@ -4,7 +4,7 @@ An adapter over the plain door (:class:`~phase_timer.loop.LoopTimer`): the phase
 :mod:`phase_timer.boundaries` says, and this module only tells the boundaries what the
 Trainer does.  Callback events alone cannot: forward and backward have none, and the
 step's batches are fetched before ``on_step_begin``.  So, for one ``train()`` call, at
-``on_train_begin`` the timer attaches to what the Trainer prepared and wraps four of the
+``on_train_begin`` the timer attaches to what the Trainer prepared and wraps five of the
 Trainer instance's own methods (put back at ``on_train_end``):
 
 =======================  ==============================================================

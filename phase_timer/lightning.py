@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
 from phase_timer.boundaries import Boundaries
-from phase_timer.syncs import SyncSite
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
@@ -43,6 +42,7 @@ from phase_timer.optim_hooks import StepHooks
 from phase_timer.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name, loader_info, optimizer_info
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, open_event_file
+from phase_timer.syncs import SyncSite
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -38,7 +38,6 @@ from torch import nn
 from phase_timer import backward_calls
 from phase_timer._env import warn_once
 from phase_timer.boundaries import Boundaries
-from phase_timer.syncs import SyncSite
 from phase_timer.clock import make_clock
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
 from phase_timer.core import TimingCore
@@ -49,6 +48,7 @@ from phase_timer.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name, loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
 from phase_timer.stats import RunTotals
+from phase_timer.syncs import SyncSite
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
