@@ -292,7 +292,7 @@ class Boundaries:
         """The phase the boundaries say runs now (on warm-up steps too, which the core does not record)."""
         if self.paused:
             return PAUSED
-        if not self.open:
+        if not self.open or self._fetched:  # a micro-batch's fetch too (the core has it paused, as data_wait)
             return "data_wait"
         return self._explicit[-1] if self._explicit else self._auto
 
@@ -307,6 +307,8 @@ class Boundaries:
         When nothing was timed, the core's summary says why; a run whose steps never ended
         (or that saw no batch) also warns once.
         """
+        if self._census is not None and not self._census.running:
+            self._census_at = -1  # no step follows this close: the census has none to hear
         if self.ended:
             self._close()
         self._end_census()

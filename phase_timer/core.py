@@ -350,7 +350,7 @@ class TimingCore:
         if own:
             table += "\n" + own
         sig = self.signals
-        census = format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count)
+        census = format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)
         if census:
             table += "\n" + census
         if self.diagnosis is not None and self.totals.steps:

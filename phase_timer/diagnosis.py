@@ -112,6 +112,9 @@ class Signals:
         self.census_step: int | None = None
         self.syncs: list[SyncSite] = []
         self.sync_count = 0
+        #: Syncs on that step that were no step's: other threads outside backward, pauses (evaluation, saves).
+        self.sync_other_threads = 0
+        self.sync_paused = 0
 
     def add_census(self, census: SyncCensus, step: int) -> None:
         """What the census heard on warm-up step ``step``."""
@@ -121,6 +124,7 @@ class Signals:
         self.census = census.status
         if census.status == "done":
             self.census_step, self.syncs, self.sync_count = step, list(census.sites), census.count
+            self.sync_other_threads, self.sync_paused = census.other_threads, census.paused
 
     def add_window(self, steps: int, summary: dict[str, dict[str, float]]) -> None:
         """One window's statistics: is it spiky?"""

@@ -117,6 +117,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         },
         "ranks": per_rank,
         "syncs": {"census": core.signals.census, "step": core.signals.census_step, "count": core.signals.sync_count,
+                  "other_threads": core.signals.sync_other_threads, "paused": core.signals.sync_paused,
                   "sites": [site.as_dict() for site in core.signals.syncs]},
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},

@@ -22,10 +22,13 @@ import linecache
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from phase_timer.metrics import PAUSED
 
 #: The warning torch raises for each synchronizing operation while the check is on.
 MESSAGE = "called a synchronizing CUDA operation"
@@ -36,6 +39,9 @@ _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 MAX_SITES = 16
 #: Frames kept per site, innermost first.
 FRAMES = 3
+#: A census still on after this long was left on (a loop that raised and never closed its timer): it stops.
+MAX_SECONDS = 60.0
+
 
 #: Code whose syncs have a known cause: (a path ending, a function name or None, source text or None) -> the cause
 #: and what turns it off.  Matched against every frame of a site (torch's own too).
@@ -101,6 +107,12 @@ class SyncCensus:
 
     ``phase_now()`` names the phase running when a sync is heard.  ``mode`` is torch's
     ``(get_sync_debug_mode, set_sync_debug_mode)`` (a test passes its own pair).
+
+    What it changes, it puts back at :meth:`stop` and nothing else: its own two warnings filters
+    (removed by identity, so the user's filters added meanwhile stay), ``warnings.showwarning``
+    (if it is still the census's), and the check (if it is still the census's level).  A census
+    that nobody stops (a loop that raised and never closed its timer) stops itself at the first
+    sync after :data:`MAX_SECONDS`.
     """
 
     def __init__(self, phase_now: Callable[[], str],
@@ -108,35 +120,42 @@ class SyncCensus:
         self._phase_now = phase_now
         self._mode = mode
         self.sites: list[SyncSite] = []
-        #: Syncs heard (all sites, and those past MAX_SITES), and those from other threads (not counted).
+        #: Syncs heard in the training loop (all sites, those past MAX_SITES too); syncs of other threads
+        #: outside ``backward`` (not the loop's); syncs in a pause (evaluation, a checkpoint: not a step's).
         self.count = 0
         self.other_threads = 0
+        self.paused = 0
         #: "done", "running", or why it did not run.
         self.status = "not run"
-        self._catch: Any = None
+        self._running = False
+        self._filters: list[Any] = []
         self._shown: Any = None
         self._thread = 0
+        self._t0 = 0.0
+        self._by_line: dict[tuple[str, str, int], SyncSite | None] = {}
 
     @property
     def running(self) -> bool:
-        return self._catch is not None
+        return self._running
 
     def start(self) -> bool:
         """Turn the check on (not if the user has it on: theirs stays as it is). Never raises."""
-        if self.running:
+        if self._running:
             return True
         try:
             get, set_mode = self._mode or _torch_mode()
             if get() != 0:
                 self.status = "not run: torch.cuda.set_sync_debug_mode is already on (the user's own)"
                 return False
-            self._catch = warnings.catch_warnings()  # filters and showwarning come back as they were at stop()
-            self._catch.__enter__()
-            warnings.filterwarnings("always", message=MESSAGE)
-            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # torch's, once
+            self._running = True
+            for action, message in (("ignore", "Synchronization debug mode is a prototype"),  # torch's, once
+                                    ("always", MESSAGE)):
+                warnings.filterwarnings(action, message=message)
+                self._filters.append(warnings.filters[0])
             self._shown = warnings.showwarning
             warnings.showwarning = self._heard
             self._thread = threading.get_ident()
+            self._t0 = time.monotonic()
             set_mode(1)
         except Exception as err:  # noqa: BLE001 - the census is a nicety: never break training for it
             self._undo()
@@ -147,41 +166,68 @@ class SyncCensus:
 
     def stop(self) -> None:
         """Turn the check off again and give the warnings machinery back. Never raises."""
-        if not self.running:
+        if not self._running:
             return
         try:
-            (self._mode or _torch_mode())[1](0)
+            get, set_mode = self._mode or _torch_mode()
+            if get() == 1:  # ours: a level the user set meanwhile stays
+                set_mode(0)
         except Exception:  # noqa: BLE001
             pass
         self._undo()
         self.status = "done"
 
     def _undo(self) -> None:
-        catch, self._catch = self._catch, None
-        if catch is not None:
-            catch.__exit__(None, None, None)
+        self._running = False
+        if self._shown is not None and warnings.showwarning == self._heard:
+            warnings.showwarning = self._shown
+        self._shown = None
+        for f in self._filters:
+            for k, g in enumerate(warnings.filters):
+                if g is f:
+                    del warnings.filters[k]
+                    break
+        self._filters = []
+        mutated = getattr(warnings, "_filters_mutated", None)  # what filterwarnings itself calls
+        if mutated is not None:
+            mutated()
 
     # -- hearing a sync -------------------------------------------------------------------
     def _heard(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
                line: Any = None) -> None:
-        if MESSAGE not in str(message):
-            self._shown(message, category, filename, lineno, file, line)  # anyone else's warning, as before
+        if MESSAGE not in str(message) or not self._running:
+            (self._shown or warnings._showwarning_orig)(message, category, filename, lineno, file, line)  # others', as before
             return
-        if threading.get_ident() != self._thread:
+        try:
+            self._count(filename, lineno)
+        except Exception:  # noqa: BLE001 - a failure here would surface as an error of the user's .item()
+            pass
+
+    def _count(self, filename: str, lineno: int) -> None:
+        if time.monotonic() - self._t0 > MAX_SECONDS:  # left on by a loop that never closed its timer
+            self.stop()
+            return
+        phase = self._phase_now()
+        if threading.get_ident() != self._thread and phase != "backward":  # autograd's thread runs backward's hooks
             self.other_threads += 1
             return
+        if phase == PAUSED:
+            self.paused += 1
+            return
         self.count += 1
-        frames, code, cause = _site(sys._getframe(1), filename, lineno)
-        try:
-            phase = self._phase_now()
-        except Exception:  # noqa: BLE001
-            phase = "?"
-        for s in self.sites:  # one site per phase and line (its first caller's frames are kept)
-            if s.phase == phase and s.frames[:1] == frames[:1]:
-                s.count += 1
-                return
-        if len(self.sites) < MAX_SITES:
-            self.sites.append(SyncSite(phase, frames, code, 1, cause))
+        key = (phase, filename, lineno or 0)
+        if key not in self._by_line:  # a line heard before costs a lookup, not a walk of the stack
+            site = None
+            if len(self.sites) < MAX_SITES:
+                frames, code, cause = _site(sys._getframe(2), filename, lineno)
+                site = next((s for s in self.sites if s.phase == phase and s.frames[:1] == frames[:1]), None)
+                if site is None:
+                    site = SyncSite(phase, frames, code, 0, cause)
+                    self.sites.append(site)
+            self._by_line[key] = site
+        site = self._by_line[key]
+        if site is not None:
+            site.count += 1
 
 
 def _short(path: str) -> str:
@@ -212,7 +258,7 @@ def _site(frame: Any, filename: str, lineno: int) -> tuple[tuple[str, ...], str,
     code = ""
     cause = None
     for f in stack[start:]:
-        path, fn, no = f.f_code.co_filename, f.f_code.co_name, f.f_lineno
+        path, fn, no = f.f_code.co_filename, f.f_code.co_name, f.f_lineno or 0
         text = linecache.getline(path, no).strip()
         short = _short(path)
         if cause is None:
@@ -234,13 +280,14 @@ def _cause(short: str, function: str, text: str) -> str | None:
     return None
 
 
-def format_census(status: str, step: int | None, sites: list[SyncSite], count: int) -> str | None:
+def format_census(status: str, step: int | None, sites: list[SyncSite], count: int, paused: int = 0) -> str | None:
     """One line for the printed summary (None when the census did not run: nothing to say on a CPU run)."""
     if status != "done":
         return None
     head = f"host-device syncs (torch's check, on warm-up step {step}):"
+    aside = f" (and {paused} in evaluation or a checkpoint: no step's)" if paused else ""
     if not count:
-        return f"{head} none"
+        return f"{head} none{aside}"
     listed = "; ".join(f"{s.count}x {s.phase} at {s.frames[0] if s.frames else s.where}" for s in sites[:4])
     more = f"; {len(sites) - 4} more sites" if len(sites) > 4 else ""
-    return f"{head} {count} a step: {listed}{more}"
+    return f"{head} {count} a step: {listed}{more}{aside}"

@@ -65,22 +65,80 @@ def test_each_sync_is_counted_at_its_line_in_the_phase_that_runs():
     assert census.count == 3
 
 
-def test_other_warnings_still_reach_the_user_and_the_filters_come_back():
+def test_other_warnings_still_reach_the_user_and_the_warnings_machinery_comes_back():
     switch = Switch()
-    before = list(warnings.filters)
+    filters, shown = list(warnings.filters), warnings.showwarning
     census = SyncCensus(lambda: "forward", switch.pair())
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        census.start()
-        warnings.warn("the user's own warning", UserWarning)
+    heard = []
+    census.start()
+    assert warnings.showwarning != shown and len(warnings.filters) == len(filters) + 2
+    census._shown = lambda message, *a: heard.append(str(message))  # stands for the user's showwarning
+    warnings.warn("the user's own warning", UserWarning)
+    warnings.filterwarnings("ignore", message="added by the user meanwhile")
+    switch.item()
+    census._shown = shown
+    census.stop()
+    assert heard == ["the user's own warning"] and census.count == 1
+    # the census's own two filters are gone, the user's one stays; showwarning is theirs again
+    assert warnings.filters[1:] == filters and warnings.filters[0][1].pattern == "added by the user meanwhile"
+    assert warnings.showwarning == shown
+    warnings.filters.pop(0)
+    switch.item()  # the check is off again: torch would not warn, nor does the stand-in
+    assert census.count == 1
+
+
+def test_a_level_the_user_set_during_the_census_stays():
+    switch = Switch()
+    census = SyncCensus(lambda: "forward", switch.pair())
+    census.start()
+    switch.mode = 2  # the user: set_sync_debug_mode("error"), mid-step
+    census.stop()
+    assert switch.mode == 2 and census.status == "done"
+
+
+def test_a_census_left_on_stops_itself(monkeypatch):
+    """A loop that raised and never closed its timer: the next sync after MAX_SECONDS puts it all back."""
+    switch = Switch()
+    shown = warnings.showwarning
+    census = SyncCensus(lambda: "forward", switch.pair())
+    census.start()
+    monkeypatch.setattr(syncs, "MAX_SECONDS", 0.0)
+    switch.item()
+    assert not census.running and switch.mode == 0 and warnings.showwarning == shown and census.count == 0
+
+
+def test_syncs_in_a_pause_are_no_steps():
+    switch = Switch()
+    phase = ["paused"]
+    census = SyncCensus(lambda: phase[0], switch.pair())
+    census.start()
+    for _ in range(100):  # a validation loop's .item() calls
         switch.item()
-        census.stop()
-        switch.item()  # the check is off again: torch would not warn, nor does the stand-in
-    assert [str(w.message) for w in seen] == ["the user's own warning"]
-    assert warnings.filters == before and census.count == 1
+    phase[0] = "forward"
+    switch.item()
+    census.stop()
+    assert census.count == 1 and census.paused == 100 and [s.phase for s in census.sites] == ["forward"]
 
 
-def test_syncs_of_other_threads_are_not_the_loops():
+def test_a_sync_in_backward_on_autograds_thread_is_the_steps():
+    """A custom Function's backward, a gradient hook: Python that autograd runs on its own thread."""
+    switch = Switch()
+    phase = ["backward"]
+    census = SyncCensus(lambda: phase[0], switch.pair())
+    census.start()
+
+    def hook() -> None:
+        switch.item()
+
+    t = threading.Thread(target=hook)
+    t.start()
+    t.join()
+    census.stop()
+    assert census.count == 1 and census.other_threads == 0 and census.sites[0].phase == "backward"
+    assert census.sites[0].frames[0].endswith("in hook")
+
+
+def test_syncs_of_other_threads_outside_backward_are_not_the_loops():
     switch = Switch()
     census = SyncCensus(lambda: "forward", switch.pair())
     census.start()
@@ -133,15 +191,21 @@ class DeviceClock(FakeClock):
     kind = "cuda"  # a device's clock, as far as the census and the summary file can tell
 
 
-def _run(monkeypatch, *, warmup: int, steps: int, read_in: str = "between_steps"):
+def _run(monkeypatch, *, warmup: int, steps: int, read_in: str = "between_steps", micro: int = 1):
     switch = Switch()
     monkeypatch.setattr(syncs, "_torch_mode", switch.pair)
     core = TimingCore(DeviceClock(), [], window=10, warmup_steps=warmup, max_pending=64)
     bounds = Boundaries(core)
     modes = []
     for _ in range(steps):
-        bounds.fetch()
-        bounds.batch(first=FORWARD)
+        for m in range(micro):
+            bounds.fetch()
+            if read_in == "fetch":
+                read_loss(switch)  # e.g. Lightning's per-batch broadcast, read with .item()
+            bounds.batch(first=FORWARD)
+            if m < micro - 1:
+                bounds.backward_start()
+                bounds.backward_end()
         modes.append(switch.mode)
         if read_in == "forward":
             read_loss(switch)  # e.g. a metric read on the host inside the step
@@ -171,7 +235,13 @@ def test_the_census_places_a_sync_inside_the_step_in_its_phase(monkeypatch):
     assert [(s.phase, s.count) for s in core.signals.syncs] == [("forward", 1)]
 
 
-@pytest.mark.parametrize(("warmup", "steps", "why"), [(1, 10, "warmup_steps=1 < 2"), (5, 3, "ended before")])
+def test_every_micro_batchs_fetch_is_data_wait(monkeypatch):
+    core, _, _ = _run(monkeypatch, warmup=3, steps=6, read_in="fetch", micro=2)
+    assert [(s.phase, s.count) for s in core.signals.syncs] == [("data_wait", 2)]
+
+
+@pytest.mark.parametrize(("warmup", "steps", "why"), [(1, 10, "warmup_steps=1 < 2"), (5, 3, "ended before"),
+                                                      (5, 4, "ended before")])
 def test_when_the_census_cannot_run_the_summary_says_why(monkeypatch, warmup, steps, why):
     core, switch, _ = _run(monkeypatch, warmup=warmup, steps=steps)
     assert switch.sets == [] and why in core.signals.census
@@ -195,6 +265,7 @@ def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
     assert data["schema_version"] == 3
     assert data["syncs"]["census"] == "done" and data["syncs"]["step"] == 2 and data["syncs"]["count"] == 1
     assert data["syncs"]["sites"][0]["phase"] == "between_steps"
+    assert data["syncs"]["other_threads"] == data["syncs"]["paused"] == 0
     assert "host-device syncs (torch's check, on warm-up step 2): 1 a step: 1x between_steps at tests/" in \
         core.summary_table()
 
