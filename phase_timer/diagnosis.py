@@ -32,9 +32,9 @@ PACED_RATIO = 1.25
 #: ... and the device was more than a phase behind the host at fewer than this share of the sampled
 #: steps' boundaries (at or above it the device is busy, even when the host is held to its pace).
 #: Calibrated on an H100 against the device's busy share on the profiler's timeline (docs/diagnosis.md):
-#: 0-6% where the device idled half the time (busy 0.49), 5-13% in host-held runs whose device is busy
-#: only at the step's tail, 39-100% in GPU-bound ones (a full launch queue, a sync mid-step included).
-BEHIND_SHARE = 0.25
+#: 0-23% in host-held runs (busy 0.49-0.63; the step's tail boundary alone reads ~10%), 34-100% in
+#: GPU-bound ones (a sync mid-step on a busy GPU: 50%; the host far ahead: 100%).
+BEHIND_SHARE = 0.3
 #: UNSTABLE: a window is spiky when p90/p50 or max/p50 of ``step`` or ``period`` reach these ...
 SPIKE_P90 = 1.5
 SPIKE_MAX = 4.0

@@ -126,7 +126,7 @@ def test_a_device_still_running_only_the_steps_tail_is_host_bound():
     timeline).  The tail alone is no sign of a busy GPU; the device behind inside the step is."""
     s = signals({0: 10}, host_step_ms=30.0)
     s.tail_checked, s.tail_busy = 10, 10
-    s.behind_checked, s.behind = 120, 12  # the step's end only: 1 boundary in 10
+    s.behind_checked, s.behind = 120, 30  # the step's end and a few more: a quarter of the boundaries
     d = diagnose(totals(**GPU_STEP), s, clock="cuda")
     assert d.kind == "HOST_BOUND" and d.evidence["tail_busy"] == 10
     s.behind = 60  # behind at half the boundaries (a sync mid-step on a busy GPU): GPU_BOUND

@@ -738,11 +738,13 @@ def test_the_verdict_on_real_runs(tmp_path, door, name, timed):
 
 def _expected_by_busy(busy: float) -> set[str]:
     """The verdict the device's own busy share calls for (ground truth, read from the profiler's timeline):
-    a device busy >= 90% of the time is the bottleneck; one idle > 25% of it waits for the host.  Between
-    the two, host and device are balanced, and either verdict is true."""
+    a device busy >= 90% of the time is the bottleneck; one idle over a third of it waits for the host.
+    Between the two, host and device are balanced, and either verdict is true.  CUPTI's tracing adds host
+    time to every launch, so a loop reads less busy under the profiler than it runs without it: an eager
+    GPT-2 read busy 0.76 there and ran more than a phase behind the host at 18-56% of boundaries without."""
     if busy >= 0.9:
         return {"GPU_BOUND"}
-    if busy <= 0.75:
+    if busy <= 0.65:
         return {"HOST_BOUND"}
     return {"GPU_BOUND", "HOST_BOUND"}
 
