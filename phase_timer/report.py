@@ -250,8 +250,9 @@ def summary_report(run_dir: str, data: dict[str, Any], scalars: PhaseScalars) ->
 
 
 def summary_lines(data: dict[str, Any]) -> list[str]:
-    """What a summary file adds below the table: steps in flight, phase-timer's own cost, the verdict."""
+    """What a summary file adds below the table: steps in flight, phase-timer's own cost, the syncs, the verdict."""
     from phase_timer.diagnosis import Diagnosis, format_verdict
+    from phase_timer.syncs import SyncSite, format_census
 
     lines = []
     if data.get("interrupted"):
@@ -264,6 +265,11 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     own = data.get("own_cost")
     if own:
         lines.append(format_own_cost(own["us_per_step"], own.get("share_of_period"), own["samples"], own.get("host_ahead")))
+    syncs = data.get("syncs")  # version 3
+    census = syncs and format_census(syncs["census"], syncs.get("step"), [SyncSite.from_dict(d) for d in syncs["sites"]],
+                                     syncs["count"], syncs.get("paused", 0))
+    if census:
+        lines.append(census)
     if data.get("diagnosis"):
         lines.append(format_verdict(Diagnosis.from_dict(data["diagnosis"])))
     return lines

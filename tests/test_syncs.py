@@ -321,3 +321,19 @@ def test_without_a_census_the_advice_is_to_look_for_syncs():
     s.host_step_ms = [31.0] * 10
     d = diagnose(_totals(), s, clock="cuda")
     assert d.kind == "HOST_BOUND" and "set_sync_debug_mode" in d.next[0]
+
+
+def test_the_report_prints_the_census_as_the_run_did(monkeypatch, tmp_path):
+    """`phase-timer report` reads the summary file's census back: the same line the run printed."""
+    import json
+
+    from phase_timer.report import summary_lines
+    from phase_timer.run_summary import write_summary
+
+    core, _, _ = _run(monkeypatch, warmup=2, steps=25, read_in="forward")
+    with open(write_summary(core, tmp_path)) as f:
+        data = json.load(f)
+    line = next(line for line in core.summary_table().splitlines() if line.startswith("host-device syncs"))
+    assert line in summary_lines(data) and "1x forward at tests/test_syncs.py:" in line
+    del data["syncs"]  # a version 2 file: no census, no line
+    assert not any(x.startswith("host-device syncs") for x in summary_lines(data))
