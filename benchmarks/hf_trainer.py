@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
+from benchmarks.models import Tokens  # noqa: E402
 
 LINES: list[str] = []
 
@@ -35,18 +36,6 @@ LINES: list[str] = []
 def say(msg: str) -> None:
     print(msg, flush=True)
     LINES.append(msg)
-
-
-def _tokens(n: int, seq: int, mask: bool = False) -> Any:
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return n
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = torch.randint(0, 50257, (seq,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids, **({"attention_mask": torch.ones_like(ids)} if mask else {})}
-
-    return Tokens()
 
 
 def _trainer(steps: int, batch: int, seq: int, callbacks: list[Any], mask: bool = False, **kw: Any) -> Any:
@@ -58,7 +47,7 @@ def _trainer(steps: int, batch: int, seq: int, callbacks: list[Any], mask: bool 
     kw.setdefault("logging_steps", 10)
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps,
                              report_to="none", save_strategy="no", disable_tqdm=True, **kw)
-    return Trainer(model=model, args=args, train_dataset=_tokens(batch * steps, seq, mask), callbacks=callbacks)
+    return Trainer(model=model, args=args, train_dataset=Tokens(batch * steps, seq, mask=mask), callbacks=callbacks)
 
 
 # -- overhead ---------------------------------------------------------------------------------------

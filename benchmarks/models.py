@@ -61,3 +61,19 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.devic
         opt.step()
 
     return step
+
+
+class Tokens(torch.utils.data.Dataset):
+    """``n`` random token sequences of ``seq`` ids below ``vocab`` (seeded by index): ``input_ids`` and ``labels``
+    for a 🤗 causal LM, and an all-ones ``attention_mask`` with ``mask``.  No download, the same on every run."""
+
+    def __init__(self, n: int, seq: int, vocab: int = 50257, mask: bool = False) -> None:
+        self.n, self.seq, self.vocab, self.mask = n, seq, vocab, mask
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids, **({"attention_mask": torch.ones_like(ids)} if self.mask else {})}
+

@@ -55,7 +55,7 @@ from torch import nn
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
-from benchmarks.models import Cycle  # noqa: E402
+from benchmarks.models import Cycle, Tokens  # noqa: E402
 
 #: phase -> (marker where it begins, marker where it ends)
 PHASES = {
@@ -415,14 +415,6 @@ def hf_trainer(steps: int = 60, window: tuple[int, int] = (30, 50)) -> dict[str,
     mark = Markers(dev, steps, kernels=PROFILE, phases=HF_PHASES)
     prof = _profile()
 
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 8 * (steps + 1)
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = torch.randint(0, 50257, (512,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids}
-
     class Marked(Trainer):
         def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
             i = self.state.global_step  # the step these batches are for (the timer's index too)
@@ -448,7 +440,7 @@ def hf_trainer(steps: int = 60, window: tuple[int, int] = (30, 50)) -> dict[str,
     timer = phase_timer.PhaseTimerCallback(per_step=True, warmup_steps=5, summary=False, log_dir=log_dir)
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, max_steps=steps, bf16=True,
                              logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True)
-    trainer = Marked(model=model, args=args, train_dataset=Tokens(), callbacks=[End(), timer])
+    trainer = Marked(model=model, args=args, train_dataset=Tokens(8 * (steps + 1), 512), callbacks=[End(), timer])
     backward = trainer.accelerator.backward
 
     def marked_backward(loss: torch.Tensor, **kw: Any) -> None:

@@ -938,13 +938,7 @@ def _hf_run(tmp_path, callbacks, steps: int = 40, profile_from: int = 10, profil
     from torch.profiler import ProfilerActivity, profile
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 8 * steps
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 50257, (512,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids}
+    from benchmarks.models import Tokens
 
     class Window(TrainerCallback):
         def __init__(self):
@@ -966,7 +960,7 @@ def _hf_run(tmp_path, callbacks, steps: int = 40, profile_from: int = 10, profil
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=steps,
                              logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True, **args_kw)
     win = Window()
-    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[*callbacks, win]).train()
+    Trainer(model=model, args=args, train_dataset=Tokens(8 * steps, 512), callbacks=[*callbacks, win]).train()
     names = [e.name for e in win.prof.events()]
     return {n: names.count(n) for n in SYNC_CALLS}, win.prof
 
@@ -1007,15 +1001,8 @@ def test_hf_trainer_compiled_fp16_checkpointed_accumulated_on_cuda(tmp_path):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+    from benchmarks.models import Tokens
     from phase_timer.hf_trainer import PhaseTimerCallback
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self):
-            return 4 * 2 * 30
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 50257, (256,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids}
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=256, n_layer=2, n_embd=256, n_head=4))
@@ -1023,7 +1010,7 @@ def test_hf_trainer_compiled_fp16_checkpointed_accumulated_on_cuda(tmp_path):
                              max_steps=25, fp16=True, torch_compile=True, gradient_checkpointing=True,
                              max_grad_norm=1.0, logging_steps=5, report_to="none", save_strategy="no", disable_tqdm=True)
     cb = PhaseTimerCallback(summary=False, log_dir=str(tmp_path / "pt"))
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(4 * 2 * 30, 256), callbacks=[cb])
     trainer.train()
     totals = cb.timer.totals
     print(cb.timer.last_summary, [s.as_dict() for s in cb.timer.syncs])

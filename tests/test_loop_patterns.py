@@ -696,23 +696,12 @@ def lightning_fit(plant: Plant, tmp: Any, *, ns: str = "lightning.pytorch", manu
 
 
 # -- the 🤗 door's patterns: a real transformers.Trainer on a tiny GPT-2 built from a config --------
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 256) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
-
-
 def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = False, checkpointing: bool = False,
                save: bool = False) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
     from transformers.data.data_collator import default_data_collator
 
+    from benchmarks.models import Tokens
     from phase_timer.hf_trainer import PhaseTimerCallback
 
     class PlantedTrainer(Trainer):
@@ -752,7 +741,7 @@ def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = 
         gradient_checkpointing=checkpointing,
     )
     timer = PhaseTimerCallback(warmup_steps=WARMUP, summary=False)
-    trainer = PlantedTrainer(model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(8) if evaluate else None,
+    trainer = PlantedTrainer(model=model, args=args, train_dataset=Tokens(256, 16, vocab=64), eval_dataset=Tokens(8, 16, vocab=64) if evaluate else None,
                              data_collator=collate, callbacks=[Before(), timer])
     trainer.train()
     return timer.timer

@@ -18,16 +18,8 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+from benchmarks.models import Tokens
 from phase_timer import PhaseTimerCallback
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 512
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
 
 
 def main() -> None:
@@ -48,7 +40,7 @@ def main() -> None:
                               logging_steps=args.window, report_to="none", save_strategy="no", use_cpu=True,
                               disable_tqdm=True, ddp_backend="gloo")
     cb = PhaseTimerCallback(warmup_steps=2)
-    Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=[cb]).train()
+    Trainer(model=model, args=targs, train_dataset=Tokens(512, 16, vocab=64), callbacks=[cb]).train()
     timer = cb.timer
     steps = [None] * dist.get_world_size()
     dist.all_gather_object(steps, timer.totals.steps)
