@@ -172,18 +172,20 @@ def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C
 def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
     """What the diagnosis's samples cost: a whole step through the boundaries, every step sampled or none.
 
-    Modes: ``off`` (nothing sampled), ``self-timing`` (every step's own host time timed, as one
+    Modes: ``off`` (nothing sampled, memory off), ``self-timing`` (every step's own host time timed, as one
     step in ~96 is), ``in flight`` (every close counts the steps in flight, as one in 16 does, on a
-    CUDA clock).  A sampled step's extra cost over ``off``, divided by its gap, is what each step
+    CUDA clock), ``memory`` (every step reads the allocator's counters at its five boundaries, as one
+    in ~64 does after the first ones, on a CUDA clock).  A sampled step's extra cost over ``off``, divided by its gap, is what each step
     pays on average.  A little device work per step lets the device finish each step soon, so
     counting the steps in flight takes its query path (the dearer one).
     """
     import phase_timer.boundaries as b
+    import phase_timer.memory as mm
     from phase_timer.boundaries import Boundaries
 
     cuda = clock_type is not HostClock
     x = torch.randn(64, 64, device="cuda") if cuda else None
-    gaps = {"self-timing": sum(b.SAMPLE_GAP) / 2, "in flight": b.FLIGHT_EVERY}
+    gaps = {"self-timing": sum(b.SAMPLE_GAP) / 2, "in flight": b.FLIGHT_EVERY, "memory": sum(mm.SPARSE_GAP) / 2}
     names = ("SAMPLE_GAP", "DENSE_SAMPLES", "FLIGHT_EVERY", "FLIGHT_DENSE_STEPS")
 
     def run(mode: str) -> float:
@@ -191,8 +193,9 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
         b.DENSE_SAMPLES = b.FLIGHT_DENSE_STEPS = 0  # every step in the mode's way, or (almost) none
         b.SAMPLE_GAP = (1, 1) if mode == "self-timing" else (10**9, 10**9)
         b.FLIGHT_EVERY = 1 if mode == "in flight" else 10**9
+        dense, mm.DENSE = mm.DENSE, 10**9  # memory: every step read (in its mode)
         try:
-            core = TimingCore(clock_type(), [], window=50, warmup_steps=0, max_pending=64)
+            core = TimingCore(clock_type(), [], window=50, warmup_steps=0, max_pending=64, memory=mode == "memory")
             bounds = Boundaries(core)
             state = {"i": 0}
 
@@ -214,10 +217,11 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
             core.finish()
             return us
         finally:
+            mm.DENSE = dense
             for k, v in saved.items():
                 setattr(b, k, v)
 
-    modes = ("off", "self-timing", "in flight") if cuda else ("off", "self-timing")
+    modes = ("off", "self-timing", "in flight", "memory") if cuda else ("off", "self-timing")
     runs: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):  # interleaved
         for m in modes:
@@ -225,12 +229,12 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
     med = {m: statistics.median(v) for m, v in runs.items()}
     lines = [f"a step through the boundaries ({clock_type.__name__}, C engine), {repeats} interleaved runs, median "
              "(min-max); amortized = extra per sampled step / its mean gap"]
-    for m in modes:
-        extra = med[m] - med["off"]
-        amort = "" if m == "off" else (f"   extra {extra:6.2f} us a sampled step / {gaps[m]:.0f} = amortized "
-                                       f"{extra / gaps[m]:5.2f} us/step")
-        lines.append(f"  {m:26s} {med[m]:7.2f} us ({min(runs[m]):.2f}-{max(runs[m]):.2f}){amort}")
-    lines += schedule_rows({m: med[m] - med["off"] for m in modes if m != "off"})
+    for k in modes:
+        extra = med[k] - med["off"]
+        amort = "" if k == "off" else (f"   extra {extra:6.2f} us a sampled step / {gaps[k]:.0f} = amortized "
+                                       f"{extra / gaps[k]:5.2f} us/step")
+        lines.append(f"  {k:26s} {med[k]:7.2f} us ({min(runs[k]):.2f}-{max(runs[k]):.2f}){amort}")
+    lines += schedule_rows({k: med[k] - med["off"] for k in modes if k != "off"})
     return lines
 
 
@@ -238,19 +242,30 @@ def schedule_rows(extra_us: dict[str, float]) -> list[str]:
     """The schedule's cost by run length: dense at first (a verdict from 20 steps), sparse later."""
     import phase_timer.boundaries as b
 
-    def expected(timed: int) -> tuple[float, float]:
-        """Sampled steps and counted closes within ``timed`` timed steps (the sparse gaps at their mean)."""
+    import phase_timer.memory as mm
+
+    def expected(timed: int) -> tuple[float, float, float]:
+        """Sampled steps, counted closes and memory steps within ``timed`` timed steps (sparse gaps at their mean).
+
+        Memory steps are counted from the first step begun: the dense ones fall mostly in the warm-up (5 steps)."""
         dense_end = (sum(b.DENSE_GAP) / 2) * b.DENSE_SAMPLES
         samples = min(b.DENSE_SAMPLES, timed / (sum(b.DENSE_GAP) / 2)) + max(0.0, timed - dense_end) / (sum(b.SAMPLE_GAP) / 2)
         flights = min(timed, b.FLIGHT_DENSE_STEPS) // 2 + max(0, timed - b.FLIGHT_DENSE_STEPS) // b.FLIGHT_EVERY
-        return samples, flights
+        begun = timed + 5
+        medium = (mm.MEDIUM - mm.DENSE) * sum(mm.MEDIUM_GAP) / 2
+        mem = min(begun, mm.DENSE) + min(max(0, begun - mm.DENSE), medium) / (sum(mm.MEDIUM_GAP) / 2) + max(
+            0.0, begun - mm.DENSE - medium) / (sum(mm.SPARSE_GAP) / 2)
+        return samples, flights, mem
 
     lines = ["the schedule (first 8 sampled steps 2-4 apart, then 48-144; in flight every 2nd close to step 32, then "
-             "every 16th): samples, counts and amortized cost by timed steps"]
+             "every 16th; memory: the first 8 steps begun, then 4-12 apart to 16, then 32-96): samples, counts, memory "
+             "steps and amortized cost by timed steps (warm-up 5)"]
     for timed in (20, 50, 100, 1_000, 10_000, 100_000):
-        samples, flights = expected(timed)
-        cost = (samples * extra_us.get("self-timing", 0.0) + flights * extra_us.get("in flight", 0.0)) / timed
-        lines.append(f"  {timed:>7d} steps: {samples:6.1f} sampled, {flights:5d} in-flight counts, amortized {cost:5.2f} us/step")
+        samples, flights, mem = expected(timed)
+        cost = (samples * extra_us.get("self-timing", 0.0) + flights * extra_us.get("in flight", 0.0)
+                + mem * extra_us.get("memory", 0.0)) / timed
+        lines.append(f"  {timed:>7d} steps: {samples:6.1f} sampled, {flights:5d} in-flight counts, {mem:6.1f} memory "
+                     f"steps, amortized {cost:5.2f} us/step")
     return lines
 
 

@@ -106,6 +106,10 @@ class Boundaries:
         self._rng = random.Random()
         self._samples = 0  # sampled steps started
         self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
+        # Memory (CUDA only): a sampled step reads the allocator's counters at each boundary (phase_timer/memory.py).
+        self._mem = core.memory
+        self._mem_on = False  # this step is a memory step
+        self._mem_due = self._mem.next_due if self._mem is not None else 0
         # The sync census (device clock): on the last warm-up step, from the close before it to its own.
         self._census: SyncCensus | None = None
         self._census_at = -1  # the close (1-based) at which the census starts, then stops
@@ -257,6 +261,8 @@ class Boundaries:
             return
         if self.paused:
             self._wake()
+        if self._mem_on:
+            self._mem_read(BETWEEN)
         # A user phase still open runs on, between steps, under its own name.
         self.core.end(self._explicit[-1]) if self._explicit else self.core.end()
         self.ended = self.trailing = True
@@ -339,6 +345,8 @@ class Boundaries:
 
     # -- internals -----------------------------------------------------------------------
     def _set(self, phase: str) -> None:
+        if self._mem_on:
+            self._mem_read(phase)
         self._auto = phase
         if not self._explicit:
             self.core.phase(phase)
@@ -360,6 +368,9 @@ class Boundaries:
 
     def _begin(self, step: int, phase: str) -> None:
         self.begun += 1
+        # A memory step, unless the verdict samples this one (its reads would be in the host time it samples).
+        if self._mem is not None and self.begun >= self._mem_due and type(self) is Boundaries:
+            self._mem_on = self._mem_call(self._mem.begin, self.begun, step, phase)
         self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
         self.open, self.ended, self.trailing, self._auto = True, False, False, phase
         self._after_backward = self._saw_forward = self._saw_backward = self._failed = False
@@ -367,6 +378,10 @@ class Boundaries:
     def _drop(self) -> None:
         self.core.discard()
         self.open = self.ended = self.trailing = self._failed = False
+        if self._mem_on:
+            self._mem_on = False
+            self._mem_call(self._mem.drop)
+            self._mem_due = self._mem.next_due if self._mem is not None else 0
 
     def _close(self) -> None:
         self.steps += 1
@@ -375,12 +390,32 @@ class Boundaries:
             self._flight_at += flight_gap(self.steps - self.core.warmup_steps)
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
+        if self._mem_on:
+            self._mem_on = False
+            self._mem_call(self.core.add_memory, self._mem)
+            self._mem_due = self._mem.next_due if self._mem is not None else 0
         self._auto = H2D
         if self.steps == self._census_at:
             self._census_step()
         self._sample_in -= 1
         if self._sample_in <= 0:
             self._start_sample()
+
+    def _mem_read(self, phase: str) -> None:
+        if not self._mem_call(self._mem.read, phase):
+            self._mem_on = False
+
+    def _mem_call(self, fn: Any, *args: Any) -> bool:
+        """A call on the memory tracker; a failure warns once and memory stops, the training goes on."""
+        try:
+            fn(*args)
+            return True
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            self._mem = self.core.memory = None
+            self._mem_on = False
+            self._warn_once("memory", f"phase-timer: memory is no longer read ({type(err).__name__}: {err}); "
+                                      "the time phases go on")
+            return False
 
     def _census_step(self) -> None:
         """The census starts here (the last warm-up step begins), or stops (that step has closed)."""

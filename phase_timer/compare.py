@@ -3,7 +3,7 @@
 Usage::
 
     phase-timer compare BASELINE CANDIDATE [--metric mean|p50|p90] [--fail-above PCT]
-                        [--phase NAME ...] [--json]
+                        [--fail-above-memory PCT] [--phase NAME ...] [--json]
 
 Each side is a run directory (its ``phase_timer_summary.json``, else its TensorBoard
 files) or a summary file.  Where a side has no summary file (a run from before it
@@ -27,6 +27,17 @@ output says so); 0 otherwise; 2 on bad input (a missing or corrupt run, no phase
 data, a gated phase missing on one side, runs on different clocks), with one line on
 stderr.  Warnings (stderr) name what makes the runs hard to compare: a different
 device, torch, world size, precision, batch size, door or set of phases.
+
+Memory (CUDA runs).  When both sides have memory data, a memory table follows
+(peak allocated, peak reserved, mean activations: baseline, candidate, change); from
+a summary file its ``memory`` object, from TensorBoard alone the last
+``phase_memory/*`` points and the mean of the activations'.  ``--fail-above-memory
+PCT`` (off by default) gates the peak allocated: exit status 1 when the candidate's
+is higher than the baseline's by more than ``PCT`` percent; 0 otherwise; 2 (one line
+on stderr naming the path) when a side has no memory data (a CPU run, the host
+clock, ``memory=False``).  It has no noise band: the allocator's counters are
+deterministic in a steady loop (the same allocations in the same order give the same
+bytes), so a difference is a change, not chance.  Either gate failing exits 1.
 """
 
 from __future__ import annotations
@@ -43,7 +54,15 @@ from typing import Any
 
 from phase_timer.metrics import STEP_PHASES, TOTALS, ordered
 from phase_timer.run_summary import FILE_NAME
-from phase_timer.runs import ReportError, check_event_file, read_phase_scalars, read_summary, require, run_dirs
+from phase_timer.runs import (
+    ReportError,
+    check_event_file,
+    read_phase_scalars,
+    read_summary,
+    require,
+    run_dirs,
+    tensorboard_memory,
+)
 from phase_timer.stats import SERIES_STATS, percentile
 
 #: Width of the band in standard errors of the difference.
@@ -73,6 +92,9 @@ class Side:
     environment: dict[str, Any] | None = None
     door: str | None = None
     interrupted: bool = False
+    #: The summary file's ``memory`` object, or TensorBoard's (:func:`~phase_timer.runs.tensorboard_memory`); None:
+    #: memory was not read.
+    memory: dict[str, Any] | None = None
 
 
 # -- reading a side ---------------------------------------------------------------------
@@ -107,7 +129,8 @@ def _from_summary(path: str, data: dict[str, Any]) -> Side:
         raise ReportError(f"{path}: the run timed no steps ({(data.get('steps') or {}).get('untimed_reason') or 'none'})")
     env = data.get("environment") or {}
     side = Side(path=path, source="summary", steps=steps, clock=env.get("clock"), values=values,
-                environment=env, door=data.get("door"), interrupted=bool(data.get("interrupted")))
+                environment=env, door=data.get("door"), interrupted=bool(data.get("interrupted")),
+                memory=data.get("memory"))
     windows = data.get("windows")
     if windows:
         side.batches = _summary_batches(windows)
@@ -159,7 +182,8 @@ def _tensorboard_side(path: str, runs: dict[str, tuple[list[str], str | None]]) 
         values = {p: {m: _weighted(b[m]) for m in METRICS if b[m]} for p, b in batches.items()}
         steps = int(sum(window_steps.values())) or None
         source = "windows"
-    return Side(path=run_dir, source=source, steps=steps, clock=None, values=values, batches=batches)
+    return Side(path=run_dir, source=source, steps=steps, clock=None, values=values, batches=batches,
+                memory=tensorboard_memory(scalars))
 
 
 def _weighted(batches: list[tuple[int, float]]) -> float:
@@ -210,6 +234,61 @@ def compare_phase(phase: str, base: Side, cand: Side, metric: str) -> Row:
     return Row(phase, b, c, delta, pct, noise)
 
 
+#: The memory table's rows, in order: the run's peaks, and the mean of what forward keeps for backward.
+MEMORY_ROWS = {"peak_allocated": "peak allocated", "peak_reserved": "peak reserved", "activations": "activations mean"}
+_NO_BAND = "no noise band: the allocator's counters are deterministic in a steady loop"
+
+
+def memory_value(memory: dict[str, Any] | None, what: str) -> float | None:
+    """One of :data:`MEMORY_ROWS` (MB) from a side's memory object; None where memory was not read."""
+    if not memory or not memory.get("samples"):
+        return None
+    if what == "activations":
+        act = (memory.get("allocated_mb") or {}).get("activations")
+        return act["mean"] if act else None
+    return memory.get(f"{what}_mb")
+
+
+@dataclass
+class MemoryRow:
+    what: str
+    baseline_mb: float | None
+    candidate_mb: float | None
+
+    @property
+    def delta_mb(self) -> float | None:
+        if self.baseline_mb is None or self.candidate_mb is None:
+            return None
+        return self.candidate_mb - self.baseline_mb
+
+    @property
+    def delta_pct(self) -> float | None:
+        delta = self.delta_mb
+        if delta is None or self.baseline_mb is None or self.baseline_mb <= 0:
+            return None
+        return 100.0 * delta / self.baseline_mb
+
+
+def memory_rows(base: Side, cand: Side) -> dict[str, MemoryRow] | None:
+    """The memory table, when both sides have memory data (None otherwise: one side alone compares to nothing)."""
+    if memory_value(base.memory, "peak_allocated") is None or memory_value(cand.memory, "peak_allocated") is None:
+        return None
+    return {w: MemoryRow(w, memory_value(base.memory, w), memory_value(cand.memory, w)) for w in MEMORY_ROWS}
+
+
+def memory_exceeds(row: MemoryRow, pct: float) -> bool:
+    """The candidate's value higher than the baseline's by more than ``pct`` percent (a zero baseline: any rise)."""
+    if row.delta_pct is None:
+        return (row.delta_mb or 0.0) > 0
+    return row.delta_pct > pct
+
+
+def _require_memory(side: Side) -> None:
+    if memory_value(side.memory, "peak_allocated") is None:
+        raise ReportError(f"{side.path}: no memory data for --fail-above-memory (memory is read on CUDA only: "
+                          "not on a CPU or the host clock, nor with memory=False)")
+
+
 @dataclass
 class Comparison:
     base: Side
@@ -221,6 +300,10 @@ class Comparison:
     warnings: list[str]
     failed: list[str]
     verdicts: list[str]
+    #: The memory table (both sides with memory data), the memory gate's threshold and its outcome.
+    memory: dict[str, MemoryRow] | None = None
+    fail_above_memory: float | None = None
+    memory_failed: bool = False
 
 
 def parts_of(phase: str, rows: dict[str, Row]) -> list[str]:
@@ -286,11 +369,18 @@ def comparability(base: Side, cand: Side, phases_b: set[str], phases_c: set[str]
         out.append(f"different phases: {what}")
     if base.source != cand.source and "summary" in (base.source, cand.source):
         out.append("one side from its summary file, the other from TensorBoard: p50 and p90 are estimated differently")
+    mem = [memory_value(s.memory, "peak_allocated") is not None for s in (base, cand)]
+    if mem[0] != mem[1]:
+        without = cand if mem[0] else base
+        out.append(f"{without.path}: no memory data; memory is compared only when both sides have it")
     return out
 
 
 def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str] = ("step",),
-            fail_above: float | None = None) -> Comparison:
+            fail_above: float | None = None, fail_above_memory: float | None = None) -> Comparison:
+    if fail_above_memory is not None:  # a gate on data one side lacks is bad input, not a pass
+        _require_memory(base)
+        _require_memory(cand)
     if base.clock and cand.clock and base.clock != cand.clock:
         raise ReportError(f"the baseline was timed on the {base.clock} clock and the candidate on the {cand.clock} "
                            "clock: their phases do not measure the same thing")
@@ -306,8 +396,11 @@ def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str
             r = rows[phase]
             if r.delta_pct is not None and r.delta_pct > fail_above and r.beyond_noise is not False:
                 failed.append(phase)
+    memory = memory_rows(base, cand)
+    memory_failed = fail_above_memory is not None and memory is not None and memory_exceeds(
+        memory["peak_allocated"], fail_above_memory)
     return Comparison(base, cand, metric, rows, list(gated), fail_above, comparability(base, cand, pb, pc), failed,
-                      [verdict_line(p, rows[p], rows, metric) for p in gated])
+                      [verdict_line(p, rows[p], rows, metric) for p in gated], memory, fail_above_memory, memory_failed)
 
 
 # -- output ------------------------------------------------------------------------------
@@ -328,10 +421,33 @@ def format_comparison(c: Comparison) -> str:
     lines = [f"baseline:  {_describe(c.base)}", f"candidate: {_describe(c.cand)}", table,
              "noise: the band of the difference, 3 standard errors from each run's window-to-window spread "
              "(~ within noise; blank: too few windows)"]
+    if c.memory is not None:
+        lines.append(format_memory_table(c.memory))
     lines += c.verdicts
     if c.fail_above is not None:
         lines.append(_gate_line(c))
+    if c.fail_above_memory is not None:
+        lines.append(_memory_gate_line(c))
     return "\n".join(lines)
+
+
+def format_memory_table(rows: dict[str, MemoryRow]) -> str:
+    from tabulate import tabulate
+
+    body = [(MEMORY_ROWS[r.what], _num(r.baseline_mb, ".1f"), _num(r.candidate_mb, ".1f"), _num(r.delta_mb, "+.1f"),
+             _num(r.delta_pct, "+.1f")) for r in rows.values()]
+    heads = ("memory", "baseline MB", "candidate MB", "delta MB", "delta %")
+    return tabulate(body, headers=heads, disable_numparse=True, colalign=("left",) + ("right",) * 4)
+
+
+def _memory_gate_line(c: Comparison) -> str:
+    assert c.memory is not None  # the gate needs both sides' memory: compare() raised otherwise
+    row = c.memory["peak_allocated"]
+    change = f"{row.delta_pct:+.1f}%" if row.delta_pct is not None else f"{row.delta_mb:+.1f} MB"
+    what = f"peak allocated {change} ({row.baseline_mb:.1f} -> {row.candidate_mb:.1f} MB)"
+    if c.memory_failed:
+        return f"FAIL: {what}, more than {c.fail_above_memory:g}% ({_NO_BAND})"
+    return f"pass: {what}, not more than {c.fail_above_memory:g}% ({_NO_BAND})"
 
 
 def _describe(side: Side) -> str:
@@ -360,7 +476,11 @@ def to_json(c: Comparison) -> dict[str, Any]:
         "phases": {p: {"baseline_ms": r.baseline_ms, "candidate_ms": r.candidate_ms, "delta_ms": r.delta_ms,
                        "delta_pct": r.delta_pct, "noise_pct": r.noise_pct, "beyond_noise": r.beyond_noise}
                    for p, r in c.rows.items()},
-        "gate": {"phases": c.gated, "fail_above_pct": c.fail_above, "failed": c.failed},
+        "gate": {"phases": c.gated, "fail_above_pct": c.fail_above, "failed": c.failed,
+                 "fail_above_memory_pct": c.fail_above_memory, "memory_failed": c.memory_failed},
+        "memory": None if c.memory is None else {
+            w: {"baseline_mb": r.baseline_mb, "candidate_mb": r.candidate_mb, "delta_mb": r.delta_mb,
+                "delta_pct": r.delta_pct} for w, r in c.memory.items()},
         "verdicts": c.verdicts,
         "warnings": c.warnings,
     }
@@ -373,19 +493,25 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", choices=METRICS, default="mean", help="what is compared per phase (default mean)")
     parser.add_argument("--fail-above", type=float, metavar="PCT", default=None,
                         help="exit 1 when a gated phase is slower by more than PCT percent and beyond noise (default: off)")
+    parser.add_argument("--fail-above-memory", type=float, metavar="PCT", default=None,
+                        help="exit 1 when the candidate's peak allocated memory is higher than the baseline's by "
+                        "more than PCT percent (no noise band: the allocator's counters are deterministic in a steady "
+                        "loop); exit 2 when a side has no memory data (default: off)")
     parser.add_argument("--phase", action="append", metavar="NAME",
                         help="a phase to gate and give a verdict on (repeatable; default step)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    if args.fail_above is not None and not (math.isfinite(args.fail_above) and args.fail_above >= 0):
-        raise ReportError(f"--fail-above must be a percentage >= 0, got {args.fail_above}")
+    for flag, pct in (("--fail-above", args.fail_above), ("--fail-above-memory", args.fail_above_memory)):
+        if pct is not None and not (math.isfinite(pct) and pct >= 0):
+            raise ReportError(f"{flag} must be a percentage >= 0, got {pct}")
     if not args.json:
         require("tabulate")
     base, cand = load_side(args.baseline), load_side(args.candidate)
-    result = compare(base, cand, metric=args.metric, gated=args.phase or ["step"], fail_above=args.fail_above)
+    result = compare(base, cand, metric=args.metric, gated=args.phase or ["step"], fail_above=args.fail_above,
+                     fail_above_memory=args.fail_above_memory)
     for w in result.warnings:
         print(f"phase-timer compare: warning: {w}", file=sys.stderr)
     print(json.dumps(to_json(result), indent=2) if args.json else format_comparison(result))
-    return EXIT_SLOWER if result.failed else 0
+    return EXIT_SLOWER if result.failed or result.memory_failed else 0

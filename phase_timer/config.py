@@ -86,6 +86,7 @@ class TimerConfig:
     trace_steps: tuple[int, int] | None = None
     trace_path: str | os.PathLike[str] | None = None
     rank_timeout_s: float = 30.0
+    memory: bool = True
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -103,6 +104,7 @@ class TimerConfig:
         check_path(o, "log_dir", self.log_dir, kind="directory")
         check_path(o, "trace_path", self.trace_path, kind="file")
         check_seconds(o, "rank_timeout_s", self.rank_timeout_s)
+        check_bool(o, "memory", self.memory)
         ts = self.trace_steps
         if ts is not None and not (
             isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)

@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from phase_timer._env import warn
 from phase_timer.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
+from phase_timer import memory as _memory
 from phase_timer.engine import make_engine
+from phase_timer.memory import MemoryTracker
 from phase_timer.metrics import (
     DIAGNOSIS_TAG,
     IN_FLIGHT_TAG,
@@ -25,7 +27,9 @@ from phase_timer.metrics import (
     WINDOW_STEPS_TAG,
     format_own_cost,
     format_rank_table,
+    format_memory,
     format_summary,
+    memory_scalars,
     rank_scalars,
     step_scalars,
     window_scalars,
@@ -60,6 +64,7 @@ class TimingCore:
         nvtx: bool = False,
         trace: TraceWriter | None = None,
         ranks: RankExchange | None = None,
+        memory: bool = True,
     ) -> None:
         self.clock = clock
         self.trace = trace
@@ -91,6 +96,13 @@ class TimingCore:
         self.interrupted = False
         #: Added to a step's index where it is logged (the 🤗 door: the Trainer logs step k at global_step k+1).
         self.log_step_offset = 0
+        #: Memory per phase (CUDA only; None: not read): sampled steps' allocator counters.
+        self.memory: MemoryTracker | None = None
+        try:
+            found = _memory.reader_for(clock) if memory else None
+            self.memory = MemoryTracker(*found) if found is not None else None
+        except Exception as err:  # noqa: BLE001 - a torch without the allocator's counters: time only
+            warn(log, f"phase-timer: memory is not read ({type(err).__name__}: {err}); the time phases go on")
         # Steps in flight are read on the device's clock only: on the host's, nothing is in flight.
         self._flight = clock.kind != "host"
         self._flight_sum = self._flight_n = 0
@@ -192,6 +204,12 @@ class TimingCore:
                 self.signals.behind_checked += 1
                 self.signals.behind += behind
 
+    def add_memory(self, tracker: MemoryTracker) -> None:
+        """A memory step closed: its values (MB) to the sinks at its step (``phase_memory/<what>_mb``)."""
+        scalars = memory_scalars(tracker.end_step())
+        if self._sinks:
+            self._write(tracker.step, scalars)
+
     def add_sample(self, own_ns: int, host_step_ms: float) -> None:
         """A sampled step: phase-timer's own host time on it, and the host's time from its begin to its end."""
         self.signals.own_ns.append(own_ns)
@@ -241,7 +259,8 @@ class TimingCore:
         columns = sorted_columns(columns)  # sorted once, for the statistics and the run totals
         self.totals.add_window(steps, columns)
         if self.ranks is not None:
-            self.ranks.add(key, last_step, steps, columns)
+            peak = self.memory.peak_allocated_mb if self.memory is not None else None
+            self.ranks.add(key, last_step, steps, columns, peak_mb=peak)
         summary = summarize_columns(columns)
         self.signals.add_window(steps, summary)
         self.series.add(last_step, steps, summary, columns)
@@ -304,7 +323,7 @@ class TimingCore:
             self.diagnosis = diagnose(
                 self.totals, self.signals, clock=self.clock.kind, context=self.context,
                 rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup,
+                warmup_steps=self._warmup, memory=self.memory_summary(),
             )
         except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
             warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
@@ -346,6 +365,9 @@ class TimingCore:
                                title=title if ranks is None else f"{title} (rank {ranks.rank})")
         if ranks is not None and ranks.totals is not None:
             table += "\n\n" + format_rank_table(ranks.totals, title=title)
+        mem = format_memory(self.memory_summary())
+        if mem:
+            table += "\n" + mem
         own = self.own_cost_line()
         if own:
             table += "\n" + own
@@ -356,6 +378,16 @@ class TimingCore:
         if self.diagnosis is not None and self.totals.steps:
             table += "\n" + format_verdict(self.diagnosis)
         return table
+
+    def memory_summary(self) -> dict | None:
+        """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""
+        if self.memory is None:
+            return None
+        out = self.memory.as_dict()
+        ranks = self.ranks
+        if ranks is not None and ranks.totals is not None and ranks.totals.peak_mb:
+            out["rank_peak_allocated_mb"] = {str(r): v for r, v in sorted(ranks.totals.peak_mb.items())}
+        return out
 
     def own_cost_line(self) -> str | None:
         """"phase-timer's own host time: X µs/step (Y% of period)", or None before a sampled step."""

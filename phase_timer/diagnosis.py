@@ -32,8 +32,8 @@ PACED_RATIO = 1.25
 #: ... and the device was more than a phase behind the host at fewer than this share of the sampled
 #: steps' boundaries (at or above it the device is busy, even when the host is held to its pace).
 #: Calibrated on an H100 against the device's busy share on the profiler's timeline (docs/diagnosis.md):
-#: 0-23% in host-held runs (busy 0.49-0.63; the step's tail boundary alone reads ~10%), 34-100% in
-#: GPU-bound ones (a sync mid-step on a busy GPU: 50%; the host far ahead: 100%).
+#: 0-28% in host-held runs (busy 0.45-0.66; the step's tail boundary alone reads ~10%), 44-100% in
+#: GPU-bound ones (a sync mid-step on a busy GPU: 44-50%; the host far ahead: 100%).
 BEHIND_SHARE = 0.3
 #: UNSTABLE: a window is spiky when p90/p50 or max/p50 of ``step`` or ``period`` reach these ...
 SPIKE_P90 = 1.5
@@ -51,9 +51,32 @@ OPTIMIZER_SHARE = 0.2
 #: Phases in which the other ranks' wait for a slow one shows; they are never the straggler's.
 WAIT_PHASES = frozenset({"backward", "sync_wait", "step", "period"})
 
+#: Memory (CUDA; ``docs/diagnosis.md``).  MEMORY_PRESSURE: the peak reserved at or above this share of the
+#: device's memory (high at PRESSURE_HIGH), or any allocation the allocator had to retry after freeing its cache.
+PRESSURE_SHARE = 0.90
+PRESSURE_HIGH = 0.95
+#: MEMORY_HEADROOM: the peak reserved at or below this share of the device; the estimate fills FILL_SHARE of it.
+HEADROOM_SHARE = 0.5
+FILL_SHARE = 0.85
+#: MEMORY_CREEP: allocated at the step's begin rises by at least CREEP_MIN_MB over at least CREEP_POINTS steady
+#: samples, between at least CREEP_RISING of consecutive ones; high when the device would be full within
+#: CREEP_HIGH_STEPS steps at that rate.
+CREEP_MIN_MB = 64.0
+CREEP_POINTS = 4
+CREEP_RISING = 0.75
+CREEP_HIGH_STEPS = 10_000
+#: MEMORY_FRAGMENTATION: the peak reserved at or above FRAG_RATIO x the peak allocated, by FRAG_MIN_MB or more.
+FRAG_RATIO = 1.3
+FRAG_MIN_MB = 1024.0
+#: MEMORY_RANK_IMBALANCE: the largest rank's peak allocated above the other ranks' median by this share and
+#: IMBALANCE_MIN_MB.
+IMBALANCE_SHARE = 0.1
+IMBALANCE_MIN_MB = 512.0
+
 KINDS = (
     "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "HOST_BOUND", "UNSTABLE",
-    "GPU_BOUND", "NO_FINDING",
+    "GPU_BOUND", "MEMORY_PRESSURE", "MEMORY_CREEP", "MEMORY_FRAGMENTATION", "MEMORY_RANK_IMBALANCE",
+    "MEMORY_HEADROOM", "NO_FINDING",
 )
 
 
@@ -170,15 +193,20 @@ def _pct(x: float) -> str:
 
 
 def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None = None,
-             rank_totals: Any = None, skipped: int = 0, warmup_steps: int | None = None) -> Diagnosis:
-    """The primary finding (with the others as ``secondary``) for a run's totals and signals."""
+             rank_totals: Any = None, skipped: int = 0, warmup_steps: int | None = None,
+             memory: dict[str, Any] | None = None) -> Diagnosis:
+    """The primary finding (with the others as ``secondary``) for a run's totals and signals.
+
+    ``memory``: the memory summary (``TimingCore.memory_summary``); its findings come after the time ones,
+    except a high one, which comes first."""
     ctx = context or {}
     steps = totals.steps
+    mem = memory_findings(memory)
     if steps < MIN_STEPS:
         need = f"at least {MIN_STEPS} timed steps" + (
             f" (run {MIN_STEPS + warmup_steps}+ steps with warmup_steps={warmup_steps})" if warmup_steps is not None else "")
         return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
-                         (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS})
+                         (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS}, tuple(mem))
     found = [f for f in (
         _input_bound(totals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals), _straggler(signals, rank_totals),
     ) if f is not None]
@@ -193,6 +221,7 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
         gpu = _gpu_bound(totals, signals, clock, ctx)
         if gpu is not None:
             found.append(gpu)
+    found = [f for f in mem if f.severity == "high"] + found + [f for f in mem if f.severity != "high"]
     if not found:
         why = ("no rule fired" + ("; the run is on the host clock, so the device rules (HOST_BOUND, GPU_BOUND) have "
                                   "no signal" if clock == "host" else "; too few sampled steps for the device rules"))
@@ -423,6 +452,139 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
                               "runs it (a full launch queue)")
             tips[:0] = said[1]
     return Diagnosis("GPU_BOUND", "info", why, tuple(tips), ev)
+
+
+def memory_findings(mem: dict[str, Any] | None) -> list[Diagnosis]:
+    """The memory rules, in order: pressure, creep, fragmentation, rank imbalance, headroom (none off CUDA)."""
+    if not mem or not mem.get("samples"):
+        return []
+    found = [_pressure(mem), _creep(mem), _fragmentation(mem), _rank_imbalance(mem)]
+    if found[0] is None:
+        found.append(_headroom(mem))
+    return [f for f in found if f is not None]
+
+
+def _gb(mb: float) -> str:
+    return f"{mb / 1024:.2f} GB" if abs(mb) >= 1024 else f"{mb:.0f} MB"
+
+
+def _peak_where(mem: dict[str, Any]) -> str:
+    phase, step = mem.get("peak_phase"), mem.get("peak_step")
+    return f" (set in {phase}" + (f", step {step})" if step is not None else ")") if phase else ""
+
+
+def _activations(mem: dict[str, Any]) -> float | None:
+    act = (mem.get("allocated_mb") or {}).get("activations")
+    return act["mean"] if act else None
+
+
+def _pressure(mem: dict[str, Any]) -> Diagnosis | None:
+    total, reserved, retries = mem.get("device_total_mb"), mem.get("peak_reserved_mb"), mem.get("alloc_retries") or 0
+    share = reserved / total if total and reserved is not None else None
+    if not retries and (share is None or share < PRESSURE_SHARE):
+        return None
+    peak = mem.get("peak_allocated_mb") or 0.0
+    why = (f"the peak reserved is {_gb(reserved or 0.0)}" + (f", {_pct(share)} of the device's {_gb(total)}" if share else "")
+           + f"; peak allocated {_gb(peak)}{_peak_where(mem)}")
+    if retries:
+        why += (f"; the allocator ran out {retries} time(s) and freed its cache to retry (each a device-wide "
+                "sync, and a step away from out-of-memory)")
+    tips = []
+    act = _activations(mem)
+    if act is not None and peak > 0:
+        tips.append(f"activations are {_gb(act)} ({_pct(act / peak)} of the peak): activation checkpointing, or a "
+                    "smaller micro-batch with gradient accumulation")
+    tips += ["bf16 autocast halves activations; a fused or 8-bit optimizer shrinks its state",
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, if reserved runs well above allocated"]
+    ev = {"peak_reserved_mb": reserved, "peak_allocated_mb": peak, "device_total_mb": total, "share_of_device": share,
+          "alloc_retries": retries, "peak_phase": mem.get("peak_phase"), "activations_mb": act}
+    severity = "high" if retries or (share is not None and share >= PRESSURE_HIGH) else "medium"
+    return Diagnosis("MEMORY_PRESSURE", severity, why, tuple(tips), ev)
+
+
+def _creep(mem: dict[str, Any]) -> Diagnosis | None:
+    c = mem.get("creep")
+    if not c or c["points"] < CREEP_POINTS or c["rise_mb"] < CREEP_MIN_MB or c["rising_share"] < CREEP_RISING \
+            or c["mb_per_step"] <= 0:
+        return None
+    rate = c["mb_per_step"]
+    total, peak = mem.get("device_total_mb"), mem.get("peak_allocated_mb")
+    left = (total - peak) / rate if total and peak is not None else None
+    why = (f"allocated memory at the step's begin rises {rate:.2f} MB a step ({_gb(c['rise_mb'])} from step "
+           f"{c['from_step']} to {c['to_step']}, {c['points']} samples)")
+    if left is not None:
+        why += f": at that rate the device is full in about {left:,.0f} more steps"
+    tips = ("a tensor kept across steps: a loss appended to a list without .item() or .detach() (it keeps its "
+            "graph), metrics accumulated on the device, a cache that grows (per-batch-shape kernels, a dict of tensors)",
+            "torch.cuda.memory._record_memory_history() then _dump_snapshot() on two steps shows what was allocated "
+            "and not freed, and where")
+    ev = {**c, "steps_to_full": left, "device_total_mb": total, "peak_allocated_mb": peak}
+    return Diagnosis("MEMORY_CREEP", "high" if left is not None and left < CREEP_HIGH_STEPS else "medium", why, tips, ev)
+
+
+def _expandable() -> bool:
+    import os
+
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def _fragmentation(mem: dict[str, Any]) -> Diagnosis | None:
+    reserved, peak = mem.get("peak_reserved_mb"), mem.get("peak_allocated_mb")
+    if not reserved or not peak or reserved < FRAG_RATIO * peak or reserved - peak < FRAG_MIN_MB:
+        return None
+    total = mem.get("device_total_mb")
+    why = (f"the allocator reserved {_gb(reserved)} at its peak for {_gb(peak)} allocated at most: "
+           f"{_gb(reserved - peak)} ({reserved / peak:.2f}x) held in its cache that no tensor uses")
+    tips = ["blocks of many sizes split the cache (varying sequence lengths or batch shapes): pad to a few fixed shapes"]
+    if not _expandable():
+        tips.insert(0, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets segments grow instead of splitting")
+    ev = {"peak_reserved_mb": reserved, "peak_allocated_mb": peak, "ratio": reserved / peak, "device_total_mb": total,
+          "expandable_segments": _expandable()}
+    severity = "medium" if total and reserved >= 0.8 * total else "info"
+    return Diagnosis("MEMORY_FRAGMENTATION", severity, why, tuple(tips), ev)
+
+
+def _rank_imbalance(mem: dict[str, Any]) -> Diagnosis | None:
+    peaks = {int(r): v for r, v in (mem.get("rank_peak_allocated_mb") or {}).items()}
+    if len(peaks) < 2:
+        return None
+    rank = max(peaks, key=lambda r: (peaks[r], -r))  # the largest bounds the job: every rank runs the same batch
+    median = statistics.median(v for r, v in peaks.items() if r != rank)
+    off = peaks[rank] - median
+    if off < max(IMBALANCE_MIN_MB, IMBALANCE_SHARE * median):
+        return None
+    why = (f"rank {rank}'s peak allocated is {_gb(peaks[rank])}, {_gb(off)} above the other ranks' median "
+           f"({_gb(median)}): the job's memory is bounded by its largest rank")
+    tips = ("rank zero often holds more: logging, evaluation, a model copy or metrics kept only there",
+            "uneven shards or sequence lengths per rank; an unsharded module under FSDP")
+    ev = {"rank": rank, "rank_peak_mb": peaks[rank], "median_peak_mb": median, "peaks_mb": peaks}
+    return Diagnosis("MEMORY_RANK_IMBALANCE", "medium", why, tips, ev)
+
+
+def _headroom(mem: dict[str, Any]) -> Diagnosis | None:
+    total, reserved, peak = mem.get("device_total_mb"), mem.get("peak_reserved_mb"), mem.get("peak_allocated_mb")
+    act = _activations(mem)
+    if not total or reserved is None or not peak or reserved > HEADROOM_SHARE * total:
+        return None
+    alloc = mem.get("allocated_mb") or {}
+    fixed_of = alloc.get("forward_begin") or alloc.get("step_begin")
+    why = f"the peak reserved is {_gb(reserved)} of the device's {_gb(total)} ({_pct(reserved / total)}): room to spare"
+    ev: dict[str, Any] = {"peak_reserved_mb": reserved, "peak_allocated_mb": peak, "device_total_mb": total,
+                          "activations_mb": act}
+    tips = []
+    if fixed_of is not None and act is not None and act > 0 and peak > fixed_of["mean"]:
+        fixed = fixed_of["mean"]
+        scale = (FILL_SHARE * total - fixed) / (peak - fixed)
+        ev.update(fixed_mb=fixed, batch_scale=scale)
+        if scale >= 1.5:
+            why += (f"; a batch about {scale:.1f}x larger would fit (an estimate: the peak less what is held when "
+                    f"forward begins, {_gb(peak - fixed)}, grows with the batch; the {_gb(fixed)} held then "
+                    f"(weights, gradients, optimizer state) does not; filled to {_pct(FILL_SHARE)} of the device)")
+            tips.append(f"a larger batch (about {scale:.1f}x), or fewer accumulation steps, uses the idle memory; "
+                        "re-tune the learning rate with it")
+    tips.append("or a larger model or longer sequences on the same device")
+    return Diagnosis("MEMORY_HEADROOM", "info", why, tuple(tips), ev)
 
 
 def _stepping(site: SyncSite) -> bool:

@@ -76,7 +76,7 @@ class PhaseTimerCallback(TrainerCallback):
         log_dir: write to this directory instead (``version_N`` inside it).
         window: steps per logging window (default: the Trainer's ``logging_steps``).
         warmup_steps, max_pending, per_step, summary, nvtx, trace_steps, trace_path,
-        rank_timeout_s: as for ``PhaseTimer``.
+        rank_timeout_s, memory: as for ``PhaseTimer``.
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) times nothing.
 
     Attributes:
@@ -97,12 +97,13 @@ class PhaseTimerCallback(TrainerCallback):
         trace_steps: tuple[int, int] | None = None,
         trace_path: str | os.PathLike[str] | None = None,
         rank_timeout_s: float = 30.0,
+        memory: bool = True,
         enabled: bool = True,
     ) -> None:
         self.config = TimerConfig(
             window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
             summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
-            rank_timeout_s=rank_timeout_s, owner="PhaseTimerCallback",
+            rank_timeout_s=rank_timeout_s, memory=memory, owner="PhaseTimerCallback",
         )
         check_bool("PhaseTimerCallback", "enabled", enabled)
         self.enabled = enabled

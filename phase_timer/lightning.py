@@ -148,6 +148,9 @@ class PhaseTimer:
             ``<log_dir>/phase_trace.json``), at the end of ``fit``.
         rank_timeout_s: distributed runs: how long rank zero waits, at the end of ``fit``,
             for the other ranks' last reports (after an exception: no wait at all).
+        memory: on CUDA, read the caching allocator's counters at each boundary of a sampled step
+            (about one in 64; never a sync, never a reset of the user's peak): memory per phase,
+            the peak's phase, creep and headroom (``phase_memory/*``).  ``False``: not read.
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
@@ -182,6 +185,7 @@ class PhaseTimer:
         trace_steps: tuple[int, int] | None = None,
         trace_path: str | os.PathLike[str] | None = None,
         rank_timeout_s: float = 30.0,
+        memory: bool = True,
         enabled: bool = True,
     ) -> None:
         super().__init__()
@@ -196,6 +200,7 @@ class PhaseTimer:
             trace_steps=trace_steps,
             trace_path=trace_path,
             rank_timeout_s=rank_timeout_s,
+            memory=memory,
             owner="PhaseTimer",
             window_arg="log_every_n_steps",
         )
@@ -322,6 +327,7 @@ class PhaseTimer:
             nvtx=cfg.nvtx,
             trace=cfg.make_trace(self.log_dir or trainer.default_root_dir, clock.kind) if trainer.is_global_zero else None,
             ranks=ranks,
+            memory=cfg.memory,
         )
         bounds = self._bounds = Boundaries(
             self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"

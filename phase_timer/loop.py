@@ -174,7 +174,7 @@ class LoopTimer:
                 clock, sinks, window=config.window or 50,
                 warmup_steps=config.warmup_steps, max_pending=config.max_pending, per_step=config.per_step,
                 nvtx=config.nvtx, trace=config.make_trace(self.log_dir, clock.kind) if self.is_rank_zero else None,
-                ranks=ranks,
+                ranks=ranks, memory=config.memory,
             )
             hint = (
                 "call timer.end_step() where each step ends (end_step='manual')" if end_step == "manual" else
@@ -509,6 +509,7 @@ def attach(
     trace_steps: tuple[int, int] | None = None,
     trace_path: str | os.PathLike[str] | None = None,
     rank_timeout_s: float = 30.0,
+    memory: bool = True,
     enabled: bool = True,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
@@ -529,6 +530,7 @@ def attach(
             on the device's timeline (default ``<log_dir>/phase_trace.json``), on close.
         rank_timeout_s: under torch.distributed, how long ``close()`` waits for the other
             ranks' last reports (not at all when the ``with`` block raised).
+        memory: as for ``PhaseTimer``: memory per phase on CUDA, sampled, never a sync.
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
@@ -536,7 +538,7 @@ def attach(
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
         summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
-        rank_timeout_s=rank_timeout_s, owner="attach",
+        rank_timeout_s=rank_timeout_s, memory=memory, owner="attach",
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING
 
 from phase_timer.stats import WINDOW_STATS, RunTotals
@@ -53,6 +54,13 @@ SKIPPED_TAG = "phase_timer/skipped_steps"
 WINDOW_STEPS_TAG = "phase_timer/window_steps"
 #: Per window: the mean over its sampled steps of the closed steps the device had not finished.
 IN_FLIGHT_TAG = "phase_timer/steps_in_flight"
+#: Memory (CUDA): a sampled step's allocator counters, at its own step (``phase_memory/<what>_mb``).
+MEMORY_PREFIX = "phase_memory"
+#: Across ranks, each rank's peak allocated (``phase_memory_ranks/peak_allocated_mb/{min,median,max,largest_rank}``).
+MEMORY_RANKS_PREFIX = "phase_memory_ranks"
+#: What a memory step writes, in display order: allocated at each boundary, then the run's peaks and the device.
+MEMORY_ORDER = ("step_begin", "forward_begin", "backward_begin", "optimizer_begin", "idle_begin", "step_end",
+                "activations", "reserved", "peak_allocated", "peak_reserved", "device_free")
 #: Once, at the end: the verdict as text.
 DIAGNOSIS_TAG = "phase_timer/diagnosis"
 
@@ -87,11 +95,27 @@ def rank_scalars(window: RankWindow) -> dict[str, float]:
     """One window across ranks as ``{tag: value}``."""
     out = {rank_tag(p, s): v for p in ordered(list(window.means)) for s, v in window.stats(p).items()}
     out[RANKS_TAG] = float(window.ranks)
+    peaks = window.peak_mb
+    if len(peaks) >= 2:
+        largest = max(peaks, key=lambda r: (peaks[r], -r))
+        values = sorted(peaks.values())
+        for stat, v in (("min", values[0]), ("median", statistics.median(values)), ("max", values[-1]),
+                        ("largest_rank", float(largest))):
+            out[f"{MEMORY_RANKS_PREFIX}/peak_allocated_mb/{stat}"] = v
     return out
 
 
 def step_scalars(ms: dict[str, float]) -> dict[str, float]:
     return {step_tag(p): ms[p] for p in ordered(list(ms))}
+
+
+def memory_tag(what: str) -> str:
+    return f"{MEMORY_PREFIX}/{what}_mb"
+
+
+def memory_scalars(mb: dict[str, float]) -> dict[str, float]:
+    """A memory step's values (MB) as ``{tag: value}``."""
+    return {memory_tag(k): mb[k] for k in (*MEMORY_ORDER, *sorted(set(mb) - set(MEMORY_ORDER))) if k in mb}
 
 
 def custom_scalars_layout(per_step: bool, ranks: bool = False) -> dict[str, dict[str, list]]:
@@ -101,6 +125,9 @@ def custom_scalars_layout(per_step: bool, ranks: bool = False) -> dict[str, dict
     }
     if per_step:
         charts["every step (ms)"] = ["Multiline", [rf"^{STEP_PREFIX}/.*_ms$"]]
+    charts["memory: allocated at each boundary (MB)"] = ["Multiline", [rf"^{MEMORY_PREFIX}/.*_(begin|end)_mb$"]]
+    charts["memory: activations, peaks, reserved (MB)"] = [
+        "Multiline", [rf"^{MEMORY_PREFIX}/(activations|reserved|peak_allocated|peak_reserved)_mb$"]]
     layout = {"phase-timer": charts}
     if ranks:  # one chart per built-in phase: its min, median and max across ranks
         layout["phase-timer across ranks"] = {
@@ -181,6 +208,48 @@ def format_rank_table(totals: RankTotals, title: str = "phase-timer") -> str:
         note += f"\nno report from rank(s) {missing}"
     body = "\n".join(line(r) for r in rows[:-1])
     return f"{title}: per rank ({len(ranks)} of {totals.world_size})\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{line(rows[-1])}\n{rule}\n{note}"
+
+
+def _mb(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1024:.2f} GB" if abs(v) >= 1024 else f"{v:.0f} MB"
+
+
+def format_memory(mem: dict | None) -> str | None:
+    """The memory block under the time table: allocated at each boundary, activations, the peaks and where.
+
+    None when memory was not read (the host clock, ``memory=False``) or no memory step closed.
+    """
+    if not mem or not mem.get("samples"):
+        return None
+    alloc = mem.get("allocated_mb") or {}
+    parts = []
+    for key, name in (("step_begin", "step begin"), ("forward_begin", "forward"), ("backward_begin", "backward"),
+                      ("optimizer_begin", "optimizer"), ("step_end", "step end")):
+        s = alloc.get(key)
+        if s:
+            parts.append(f"{name} {_mb(s['mean'])}")
+    lines = [f"memory (allocated when each begins, mean of {mem.get('steady_samples', 0)} sampled steps): "
+             + (", ".join(parts) or "no steady sample yet")]
+    act = alloc.get("activations")
+    if act:
+        lines.append(f"  activations (backward's begin - forward's): {_mb(act['mean'])} (max {_mb(act['max'])})")
+    total = mem.get("device_total_mb")
+    share = f" ({100 * mem['peak_reserved_mb'] / total:.0f}% of the device's {_mb(total)})" if total and mem.get(
+        "peak_reserved_mb") is not None else ""
+    where = mem.get("peak_phase")
+    at = f" in {where}" + (f" (step {mem['peak_step']})" if mem.get("peak_step") is not None else "") if where else ""
+    lines.append(f"  peak allocated {_mb(mem.get('peak_allocated_mb'))}{at}; peak reserved "
+                 f"{_mb(mem.get('peak_reserved_mb'))}{share}")
+    creep = mem.get("creep")
+    if creep and creep["points"] >= 3:
+        lines.append(f"  allocated at step begin: {creep['mb_per_step']:+.2f} MB/step over steps "
+                     f"{creep['from_step']}..{creep['to_step']} ({creep['points']} samples)")
+    if mem.get("alloc_retries"):
+        lines.append(f"  the allocator freed its cache and retried {mem['alloc_retries']} allocation(s): "
+                     "each is a device-wide sync")
+    return "\n".join(lines)
 
 
 def format_own_cost(us_per_step: float, share_of_period: float | None, samples: int, host_ahead: bool | None) -> str:

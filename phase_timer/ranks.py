@@ -63,6 +63,8 @@ class RankWindow:
     step: int
     means: dict[str, dict[int, float]]
     ranks: int
+    #: Each rank's peak allocated MB as of this window (CUDA ranks that read memory only).
+    peak_mb: dict[int, float] = field(default_factory=dict)
 
     def stats(self, phase: str) -> dict[str, float]:
         by_rank = self.means[phase]
@@ -78,6 +80,8 @@ class RankTotals:
     world_size: int
     sums: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # rank -> phase -> [sum, count]
     steps: dict[int, int] = field(default_factory=dict)
+    #: Each rank's latest peak allocated MB (the allocator's peak only rises).
+    peak_mb: dict[int, float] = field(default_factory=dict)
 
     def add(self, rank: int, steps: int, sums: dict[str, list[float]]) -> None:
         """One window of ``rank``: ``sums`` is ``{phase: [sum_ms, count]}``."""
@@ -180,14 +184,16 @@ class RankExchange:
         return cls(store, dist.get_rank(), dist.get_world_size(), f"phase_timer/{next(_INSTANCES)}")
 
     # -- the training thread, once a window -------------------------------------------
-    def add(self, key: int, last_step: int, steps: int, values: dict[str, list[float]]) -> None:
-        """A window this rank has written (its ms per phase); it goes out with the next exchange.
-
-        Rank zero keeps its own.
+    def add(self, key: int, last_step: int, steps: int, values: dict[str, list[float]], *,
+            peak_mb: float | None = None) -> None:
+        """A window this rank has written (its ms per phase; its peak allocated MB, if read); it goes out with
+        the next exchange.  Rank zero keeps its own.
         """
         if self.broken:
             return  # the exchange stopped: keep nothing (memory stays flat)
-        report = [key, last_step, steps, {p: [sum(vs), len(vs)] for p, vs in values.items()}]
+        report: list[Any] = [key, last_step, steps, {p: [sum(vs), len(vs)] for p, vs in values.items()}]
+        if peak_mb is not None:
+            report.append(peak_mb)
         if self.rank == 0:
             self._receive(0, report)
         else:
@@ -317,14 +323,18 @@ class RankExchange:
             reports = self._reports.pop(key)
             self._written = key
             means: dict[str, dict[int, float]] = {}
-            for rank, (_, _, steps, sums) in reports.items():
+            peaks: dict[int, float] = {}
+            for rank, (_, _, steps, sums, *peak) in reports.items():
                 assert self.totals is not None
                 self.totals.add(rank, steps, sums)
                 for phase, (s, c) in sums.items():
                     if c:
                         means.setdefault(phase, {})[rank] = s / c
+                if peak and isinstance(peak[0], (int, float)):
+                    peaks[rank] = float(peak[0])
+                    self.totals.peak_mb[rank] = max(self.totals.peak_mb.get(rank, 0.0), peaks[rank])
             step = max(int(r[1]) for r in reports.values())
-            out.append(RankWindow(key, step, means, len(reports)))
+            out.append(RankWindow(key, step, means, len(reports), peaks))
         return out
 
     # -- the exchange's own thread -----------------------------------------------------

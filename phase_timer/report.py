@@ -34,11 +34,24 @@ the same for ``window``), ``between_steps``, ``data_wait`` and ``sync_wait`` of
                "windows": <logging windows (int)>,
                "skipped_steps": <steps left untimed by max_pending (int)>,
                "phases": {"<phase>": {"mean_ms": float, "p50_ms": float, "p90_ms": float,
-                                      "max_ms": float, "share": float | null}}}]}
+                                      "max_ms": float, "share": float | null}},
+               "memory": {...} | null}]}
 
 Phases appear in :func:`phase_timer.metrics.ordered` order.  ``--png FILE`` also
 writes a figure: phase shares of the step per run (left) and each phase's window
 mean over the steps (right, one row per run).
+
+Memory (CUDA runs, issue 27).  A run with memory data gets a memory block under its
+table: from its summary file, the block the run printed
+(:func:`phase_timer.metrics.format_memory`); from TensorBoard alone, a shorter one from
+the ``phase_memory/*`` scalars (the last peaks, the mean allocated at the step's begin
+and activations).  ``memory`` in ``--json`` is the summary file's ``memory`` object as
+it is there, or for a TensorBoard-only run the same names that TensorBoard has
+(``source``: ``"tensorboard"``, ``samples``, ``steady_samples``, ``allocated_mb``,
+``peak_allocated_mb``, ``peak_reserved_mb``); ``null`` where memory was not read (a CPU,
+the host clock, ``memory=False``): absent, not zero.  The figure gets a memory panel
+(allocated at the step's begin, activations and the peak over the steps) when a run has
+memory data; without any it is as it was.
 
 Exit status: 0 on success; 2 on a usage error or a log directory that does not
 exist, holds no event files, holds no phase-timer scalars or holds a corrupt
@@ -60,10 +73,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.metrics import (
+    MEMORY_PREFIX,
     STEP_PHASES,
     STEP_PREFIX,
     TOTALS,
     WINDOW_PREFIX,
+    _mb,  # sizes written as the run's own memory block writes them
+    format_memory,
     format_own_cost,
     ordered,
     share_base,
@@ -81,6 +97,7 @@ from phase_timer.runs import (
     require,
     run_command,
     run_dirs,
+    tensorboard_memory,
 )
 from phase_timer.stats import WINDOW_STATS, percentile
 
@@ -113,6 +130,12 @@ class RunReport:
     clock: str | None = None
     #: The run summary file's content (``source == "summary"``).
     summary: dict[str, Any] | None = None
+    #: The summary file's ``memory`` object, or :func:`~phase_timer.runs.tensorboard_memory`'s; None: not read.
+    memory: dict[str, Any] | None = None
+    #: What the figure's memory panel draws (MB): ``step_begin``, ``activations``, ``peak_allocated`` points.
+    memory_timeline: dict[str, Points] = field(default_factory=dict)
+    #: Where ``memory_timeline`` came from: "TensorBoard" or the summary file's name (None: no memory data).
+    memory_from: str | None = None
 
 
 def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
@@ -221,6 +244,8 @@ def build_report(run_dir: str, scalars: PhaseScalars, source: str = "auto") -> R
         skipped_steps=int(max(_values(scalars.skipped), default=0)),
         phases=phases,
         timeline=_timeline(scalars),
+        memory=tensorboard_memory(scalars),
+        **_memory_timeline(scalars, None),
     )
 
 
@@ -246,6 +271,7 @@ def summary_report(run_dir: str, data: dict[str, Any], scalars: PhaseScalars) ->
         run=run_dir, source="summary", steps=steps.get("timed"), windows=n_windows,
         skipped_steps=int(steps.get("skipped") or 0), phases=phases, timeline=timeline,
         clock=(data.get("environment") or {}).get("clock"), summary=data,
+        memory=data.get("memory"), **_memory_timeline(scalars, data.get("memory")),
     )
 
 
@@ -283,6 +309,34 @@ def _timeline(scalars: PhaseScalars) -> dict[str, Points]:
     if scalars.window:
         return {p: scalars.window[p].get("mean", []) for p in ordered(list(scalars.window))}
     return {p: scalars.step[p] for p in ordered(list(scalars.step))}
+
+
+#: What the memory panel draws, from the ``phase_memory/<what>_mb`` points.
+_MEMORY_LINES = ("step_begin", "activations", "peak_allocated")
+
+
+def _memory_timeline(scalars: PhaseScalars, memory: dict[str, Any] | None) -> dict[str, Any]:
+    """:class:`RunReport`'s ``memory_timeline`` and ``memory_from``: every memory step's points from TensorBoard,
+    else the summary file's steady samples of the step's begin, with the run's peak and mean activations drawn flat
+    over their span."""
+    if scalars.memory.get("step_begin"):
+        lines = {k: scalars.memory[k] for k in _MEMORY_LINES if scalars.memory.get(k)}
+        return {"memory_timeline": lines, "memory_from": "TensorBoard"}
+    points = [(int(s), float(v)) for s, v in (memory or {}).get("step_begin_points") or []]
+    if not points:
+        return {}
+    return {"memory_timeline": _summary_memory_lines(points, memory or {}), "memory_from": FILE_NAME}
+
+
+def _summary_memory_lines(points: Points, memory: dict[str, Any]) -> dict[str, Points]:
+    span = [points[0][0], points[-1][0]]
+    out = {"step_begin": points}
+    act = (memory.get("allocated_mb") or {}).get("activations")
+    if act:
+        out["activations"] = [(s, act["mean"]) for s in span]
+    if memory.get("peak_allocated_mb") is not None:
+        out["peak_allocated"] = [(s, memory["peak_allocated_mb"]) for s in span]
+    return out
 
 
 # -- output: tables, JSON --------------------------------------------------------------
@@ -336,7 +390,29 @@ def format_run(report: RunReport) -> str:
     headers = ("phase", *_HEADERS[report.source], "share")
     table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
     extra = summary_lines(report.summary) if report.summary is not None else []
-    return "\n".join([_describe(report), table, share_note(report.clock), *extra])
+    memory = memory_block(report.memory)
+    return "\n".join([_describe(report), table, share_note(report.clock), *([memory] if memory else []), *extra])
+
+
+def has_memory(memory: dict[str, Any] | None) -> bool:
+    """Memory was read and at least one memory step closed (``memory`` may be a summary file's or TensorBoard's)."""
+    return bool(memory and memory.get("samples") and memory.get("peak_allocated_mb") is not None)
+
+
+def memory_block(memory: dict[str, Any] | None) -> str | None:
+    """The run's memory block: the summary file's as the run printed it, else TensorBoard's; None: no memory data."""
+    if memory is None or not has_memory(memory):
+        return None  # memory not read (a CPU, the host clock, memory=False): absent, so nothing is printed
+    if memory.get("source") != "tensorboard":
+        return format_memory(memory)
+    alloc = memory.get("allocated_mb") or {}
+    names = (("step_begin", "at the step's begin"), ("activations", "activations"))
+    means = ", ".join(f"{name} {_mb(alloc[k]['mean'])}" for k, name in names if alloc.get(k))
+    peaks = (f"peak allocated {_mb(memory.get('peak_allocated_mb'))}, "
+             f"peak reserved {_mb(memory.get('peak_reserved_mb'))}")
+    return (f"memory (from TensorBoard's {MEMORY_PREFIX}/* scalars, {memory['samples']} sampled steps; no "
+            f"{FILE_NAME}): allocated {means or 'not logged'} (mean of {memory['steady_samples']}); "
+            f"{peaks} (last values)")
 
 
 def run_labels(reports: Sequence[RunReport]) -> list[str]:
@@ -362,6 +438,9 @@ def format_comparison(reports: Sequence[RunReport]) -> str:
     phases = ordered({p for r in reports for p in r.phases})
     rows = [("source", *(r.source for r in reports))]
     rows += [(p, *(_mean_and_share(r.phases.get(p)) for r in reports)) for p in phases]
+    if any(has_memory(r.memory) for r in reports):  # a run without memory data: blank, not zero
+        rows.append(("peak allocated", *(_mb(r.memory["peak_allocated_mb"]) if has_memory(r.memory) else ""
+                                         for r in reports)))
     align = ("left",) + ("right",) * len(reports)
     table = tabulate(rows, headers=("mean ms (share)", *labels), disable_numparse=True, colalign=align)
     return f"side by side ({len(reports)} runs)\n{table}"
@@ -395,6 +474,7 @@ def to_json(reports: Sequence[RunReport]) -> dict[str, Any]:
         if r.summary is not None:
             run.update({k: r.summary.get(k) for k in _SUMMARY_KEYS})
             run["clock"] = r.clock
+        run["memory"] = r.memory
         runs.append(run)
     return {"runs": runs}
 
@@ -517,6 +597,42 @@ def _draw_timeline(ax: Any, report: RunReport, label: str, colors: dict[str, Any
     ax.set_xlim(xs[0], xs[-1] if len(xs) > 1 else xs[0] + 1)
 
 
+#: The memory panel: one line style per quantity, one colour per run.
+_MEMORY_STYLES = {"step_begin": ("allocated at the step's begin", "-"), "activations": ("activations", "--"),
+                  "peak_allocated": ("peak allocated", ":")}
+_RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+def _draw_memory(ax: Any, reports: Sequence[RunReport], labels: list[str]) -> None:
+    """Allocated at the step's begin, activations and the peak allocated over the steps, every run on one scale."""
+    top = max(v for r in reports for pts in r.memory_timeline.values() for _, v in pts)
+    scale, unit = (1024.0, "GB") if top >= 1024 else (1.0, "MB")  # GB once a value reaches one
+    for j, (r, label) in enumerate(zip(reports, labels)):
+        for what, pts in r.memory_timeline.items():
+            name, style = _MEMORY_STYLES[what]
+            xs, ys = zip(*pts)
+            ax.plot(xs, [y / scale for y in ys], color=_RUN_COLORS[j % len(_RUN_COLORS)], linestyle=style,
+                    linewidth=1.4, marker="." if len(pts) < 40 else None,
+                    label=name if len(reports) == 1 else f"{label}: {name}")
+    ax.set_title(f"memory over the run ({_memory_sources(reports, labels)})", fontsize=10)
+    ax.set_ylabel(unit)
+    ax.set_xlabel("step")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best", ncol=min(3, len(reports)))
+
+
+def _memory_sources(reports: Sequence[RunReport], labels: list[str]) -> str:
+    """Where the memory panel's lines come from; the runs named only where the sources differ."""
+    how = {"TensorBoard": f"TensorBoard's {MEMORY_PREFIX}/*, a point per memory step",
+           FILE_NAME: "the summary file's samples, its peak and mean activations flat"}
+    by = {src: [lab for r, lab in zip(reports, labels) if r.memory_from == src] for src in how}
+    used = [src for src in how if by[src]]
+    if len(used) == 1:
+        return how[used[0]]
+    return "; ".join(f"{', '.join(by[src])}: {how[src]}" for src in used)
+
+
 def write_png(reports: Sequence[RunReport], path: str) -> None:
     """Shares and the distribution (left), the phases stacked over the run (right, one row per run), into ``path``."""
     import matplotlib
@@ -527,23 +643,28 @@ def write_png(reports: Sequence[RunReport], path: str) -> None:
     labels = run_labels(reports)
     colors = _phase_colors(ordered({p for r in reports for p in r.phases}))
     n = len(reports)
-    fig = plt.figure(figsize=(15, 3.0 + 3.0 * n), layout="constrained")
-    grid = fig.add_gridspec(max(2, n), 2, width_ratios=(1, 1.5))
-    half = max(1, max(2, n) // 2)
+    rows = max(2, n)
+    memory = any(r.memory_timeline for r in reports)  # no memory data: no panel, the figure as it was
+    fig = plt.figure(figsize=(15, 3.0 + 3.0 * n + (3.0 if memory else 0.0)), layout="constrained")
+    grid = fig.add_gridspec(rows + int(memory), 2, width_ratios=(1, 1.5))
+    half = max(1, rows // 2)
     _draw_shares(fig.add_subplot(grid[:half, 0]), reports, labels, colors)
-    _draw_distribution(fig.add_subplot(grid[half:, 0]), reports, labels, colors)
+    _draw_distribution(fig.add_subplot(grid[half:rows, 0]), reports, labels, colors)
     if n > 1:  # one y scale for every run: heights compare at a glance
         first = fig.add_subplot(grid[0, 1])
         axes = [first] + [fig.add_subplot(grid[i, 1], sharex=first, sharey=first) for i in range(1, n)]
     else:
-        axes = [fig.add_subplot(grid[:, 1])]
+        axes = [fig.add_subplot(grid[:rows, 1])]
     for ax, r, label in zip(axes, reports, labels):
         _draw_timeline(ax, r, label, colors)
     top = max(ax.get_ylim()[1] for ax in axes)
     for ax in axes:
         ax.set_ylim(0, top)
     axes[-1].set_xlabel("step")
-    handles = {h.get_label(): h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]}
+    phase_axes = list(fig.axes)  # the phase legend's: the memory panel keeps its own
+    if memory:
+        _draw_memory(fig.add_subplot(grid[rows, :]), reports, labels)
+    handles = {h.get_label(): h for ax in phase_axes for h in ax.get_legend_handles_labels()[0]}
     names = ordered(list(handles))
     fig.legend([handles[p] for p in names], names, loc="outside lower center", ncol=min(len(names), 10), frameon=False)
     fig.suptitle("phase-timer")
@@ -562,9 +683,10 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help='print JSON instead of tables: {"runs": [{"run", "source", "steps", "windows", "skipped_steps", '
-        '"phases": {PHASE: {"mean_ms", "p50_ms", "p90_ms", "max_ms", "share"}}}]}',
+        '"phases": {PHASE: {"mean_ms", "p50_ms", "p90_ms", "max_ms", "share"}}, "memory": {...} or null}]}',
     )
-    parser.add_argument("--png", metavar="FILE", help="also write a figure: phase shares and phase times over steps")
+    parser.add_argument("--png", metavar="FILE", help="also write a figure: phase shares and phase times over steps "
+                        "(and memory over steps, when a run has memory data)")
     parser.add_argument(
         "--source",
         choices=("auto", "summary", "step", "window"),

@@ -43,6 +43,7 @@ class RunRecord(Protocol):
     totals: RunTotals
     untimed_reason: str | None
 
+    def memory_summary(self) -> dict[str, Any] | None: ...
     @property
     def host_ahead(self) -> bool | None: ...
     @property
@@ -55,7 +56,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -119,6 +120,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "syncs": {"census": core.signals.census, "step": core.signals.census_step, "count": core.signals.sync_count,
                   "other_threads": core.signals.sync_other_threads, "paused": core.signals.sync_paused,
                   "sites": [site.as_dict() for site in core.signals.syncs]},
+        "memory": core.memory_summary(),
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }

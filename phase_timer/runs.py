@@ -15,7 +15,15 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import SKIPPED_TAG, STEP_PREFIX, WINDOW_PREFIX, WINDOW_STEPS_TAG
+from phase_timer.memory import STEADY_FROM
+from phase_timer.metrics import (
+    MEMORY_PREFIX,
+    MEMORY_RANKS_PREFIX,
+    SKIPPED_TAG,
+    STEP_PREFIX,
+    WINDOW_PREFIX,
+    WINDOW_STEPS_TAG,
+)
 from phase_timer.run_summary import FILE_NAME, SCHEMA
 from phase_timer.stats import WINDOW_STATS
 
@@ -23,8 +31,10 @@ EXIT_ERROR = 2
 PROG = "phase-timer"
 _WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
+_MEMORY_RE = re.compile(rf"^{MEMORY_PREFIX}/(.+)_mb$")
+_MEMORY_RANKS_RE = re.compile(rf"^{MEMORY_RANKS_PREFIX}/peak_allocated_mb/(.+)$")
 #: Run summary file versions this phase-timer reads.
-READS_VERSIONS = (1, 2, 3)
+READS_VERSIONS = (1, 2, 3, 4)
 
 Points = list[tuple[int, float]]
 
@@ -42,9 +52,14 @@ class PhaseScalars:
     skipped: Points = field(default_factory=list)
     #: Each window's step count, at its last step.
     window_steps: Points = field(default_factory=list)
+    #: Memory (CUDA runs): ``phase_memory/<what>_mb`` points (MB) by ``<what>``, one per memory step.
+    memory: dict[str, Points] = field(default_factory=dict)
+    #: Across ranks: ``phase_memory_ranks/peak_allocated_mb/<stat>`` points by ``<stat>``.
+    memory_ranks: dict[str, Points] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
+        # Memory points come with a run's time points, never alone: they do not make a run by themselves.
         return not self.window and not self.step
 
 
@@ -103,7 +118,41 @@ def read_phase_scalars(run_dir: str) -> PhaseScalars:
             out.skipped = points
         elif tag == WINDOW_STEPS_TAG:
             out.window_steps = points
+        elif m := _MEMORY_RE.match(tag):
+            out.memory[m.group(1)] = points
+        elif m := _MEMORY_RANKS_RE.match(tag):
+            out.memory_ranks[m.group(1)] = points
     return out
+
+
+def _mean_max(points: Points) -> dict[str, float] | None:
+    values = [v for _, v in points]
+    return {"mean": sum(values) / len(values), "max": max(values)} if values else None
+
+
+def tensorboard_memory(scalars: PhaseScalars) -> dict[str, Any] | None:
+    """A run's memory from its ``phase_memory/*`` points, in the summary file's names; None without any.
+
+    For runs without a summary file.  The peaks are the last points (the allocator's peak never
+    falls); the means leave out the first ``STEADY_FROM - 1`` points as the summary file's steady
+    statistics leave out the first steps (the optimizer makes its state at the first one) -- the
+    first memory steps are the first steps begun, so this is the same cut but for dropped steps.
+    """
+    mem = scalars.memory
+    begin = mem.get("step_begin") or []
+    if not begin:
+        return None
+    steady = lambda pts: pts[STEADY_FROM - 1:] if len(pts) >= STEADY_FROM else pts  # noqa: E731
+    last = lambda what: mem[what][-1][1] if mem.get(what) else None  # noqa: E731
+    allocated = {k: _mean_max(steady(mem[k])) for k in ("step_begin", "activations") if mem.get(k)}
+    return {
+        "source": "tensorboard",
+        "samples": len(begin),
+        "steady_samples": len(steady(begin)),
+        "allocated_mb": allocated,
+        "peak_allocated_mb": last("peak_allocated"),
+        "peak_reserved_mb": last("peak_reserved"),
+    }
 
 
 def run_dirs(logdir: str) -> dict[str, tuple[list[str], str | None]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -94,3 +95,39 @@ class ListSink:
 
     def close(self) -> None:
         self.closed = True
+
+
+class FakeAllocator:
+    """A caching allocator's counters, moved by the test (MB): allocations and frees planted where it wants.
+
+    ``reserved`` follows the allocated peak plus ``slack_mb`` (a cache that never gives memory back);
+    ``read`` and ``info`` are what :func:`phase_timer.memory.reader_for` returns on CUDA.
+    """
+
+    MB = 1 << 20
+
+    def __init__(self, *, total_mb: float = 80 * 1024, slack_mb: float = 0.0, other_mb: float = 0.0) -> None:
+        self.allocated = self.peak = self.reserved = self.peak_reserved = 0.0
+        self.total_mb, self.slack_mb, self.other_mb = total_mb, slack_mb, other_mb
+        self.retries = 0
+        self.reads = 0
+
+    def alloc(self, mb: float) -> None:
+        self.allocated += mb
+        self.peak = max(self.peak, self.allocated)
+        self.reserved = max(self.reserved, self.allocated + self.slack_mb)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, mb: float) -> None:
+        self.allocated -= mb
+
+    def read(self) -> Any:
+        from phase_timer.memory import Reading
+
+        self.reads += 1
+        b = lambda mb: int(mb * self.MB)  # noqa: E731
+        return Reading(b(self.allocated), b(self.reserved), b(self.peak), b(self.peak_reserved), self.retries)
+
+    def info(self) -> tuple[int, int]:
+        total = int(self.total_mb * self.MB)
+        return total - int((self.reserved + self.other_mb) * self.MB), total

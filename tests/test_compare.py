@@ -30,6 +30,7 @@ from phase_timer.cli import main
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.stats import WindowSeries
 from tests.helpers import loader
+from tests.test_report import planted_memory, write_tensorboard_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -255,6 +256,7 @@ def _edited_copy(run: Path, dest: Path, edit) -> Path:
         ("no_such_phase", "phase 'nope' is not in"),
         ("other_clock", "timed on the host clock and the candidate on the cuda clock"),
         ("negative_threshold", "--fail-above must be a percentage >= 0"),
+        ("negative_memory_threshold", "--fail-above-memory must be a percentage >= 0"),
         ("two_runs_below", "run summaries ("),
     ],
 )
@@ -279,6 +281,8 @@ def test_bad_input_exits_2_with_one_line(runs, capsys, tmp_path, case, message):
         cand = _edited_copy(runs["same"], tmp_path / "gpu", lambda d: d["environment"].update(clock="cuda"))
     elif case == "negative_threshold":
         extra = ["--fail-above", "-1"]
+    elif case == "negative_memory_threshold":
+        extra = ["--fail-above-memory", "-1"]
     elif case == "two_runs_below":
         cand = runs["same"].parents[1]  # the root above every run
     code, out, err = compare(capsys, base, cand, *extra)
@@ -286,6 +290,67 @@ def test_bad_input_exits_2_with_one_line(runs, capsys, tmp_path, case, message):
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("phase-timer compare: error: ") and message in lines[0], err
+
+
+# -- memory (CUDA runs; planted in real files) --------------------------------------------
+NO_BAND = "no noise band: the allocator's counters are deterministic in a steady loop"
+
+
+def _with_memory(run: Path, dest: Path, peak_mb: float | None) -> Path:
+    """A copy of a real run whose summary file has a planted ``memory`` (``peak_mb`` None: absent, as on a CPU)."""
+    return _edited_copy(run, dest, lambda d: d.update(memory=None if peak_mb is None else planted_memory(peak_mb)))
+
+
+def test_the_memory_gate_fails_above_its_threshold_and_passes_below(runs, capsys, tmp_path):
+    base = _with_memory(runs["base"], tmp_path / "base", 1000.0)
+    cand = _with_memory(runs["same"], tmp_path / "cand", 1100.0)
+    code, out, err = compare(capsys, base, cand, "--fail-above-memory", "5")
+    assert code == 1, out + err
+    assert f"FAIL: peak allocated +10.0% (1000.0 -> 1100.0 MB), more than 5% ({NO_BAND})" in out
+    row = next(line for line in out.splitlines() if line.startswith("peak allocated "))
+    assert row.split()[2:] == ["1000.0", "1100.0", "+100.0", "+10.0"]
+    code, out, _ = compare(capsys, base, cand, "--fail-above-memory", "15")
+    assert code == 0 and "pass: peak allocated +10.0% (1000.0 -> 1100.0 MB), not more than 15%" in out
+    code, out, _ = compare(capsys, cand, base, "--fail-above-memory", "0")  # less memory: never a failure
+    assert code == 0 and "pass: peak allocated -9.1%" in out
+    code, doc, _ = compare_json(capsys, base, cand, "--fail-above-memory", "5")
+    assert code == 1 and doc["gate"]["memory_failed"] is True and doc["gate"]["fail_above_memory_pct"] == 5
+    assert doc["gate"]["failed"] == []  # the time gate was not asked
+    assert doc["memory"]["peak_allocated"] == {"baseline_mb": 1000.0, "candidate_mb": 1100.0, "delta_mb": 100.0,
+                                               "delta_pct": pytest.approx(10.0)}
+    assert doc["memory"]["activations"]["delta_pct"] == 0.0 and set(doc["memory"]) == {
+        "peak_allocated", "peak_reserved", "activations"}
+
+
+@pytest.mark.parametrize("lacking", ["baseline", "candidate"])
+def test_the_memory_gate_without_memory_on_a_side_exits_2_naming_it(runs, capsys, tmp_path, lacking):
+    with_mem = _with_memory(runs["base"], tmp_path / "with", 1000.0)
+    without = _with_memory(runs["same"], tmp_path / "without", None)
+    base, cand = (without, with_mem) if lacking == "baseline" else (with_mem, without)
+    code, out, err = compare(capsys, base, cand, "--fail-above-memory", "5")
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert str(without / FILE_NAME) in lines[0] and "no memory data for --fail-above-memory" in lines[0]
+    # Not gated: compared on time alone, and the missing memory is said.
+    code, doc, err = compare_json(capsys, base, cand)
+    assert code == 0 and doc["memory"] is None
+    assert f"{without / FILE_NAME}: no memory data; memory is compared only when both sides have it" in err
+
+
+def test_the_memory_gate_on_tensorboard_runs_reads_the_last_peak(runs, capsys, tmp_path):
+    base = write_tensorboard_run(tmp_path / "base", peak_mb=1410.0)  # peak points rising to 1410
+    cand = write_tensorboard_run(tmp_path / "cand", peak_mb=1600.0)
+    code, doc, _ = compare_json(capsys, base, cand, "--fail-above-memory", "10")
+    assert code == 1 and doc["candidate"]["source"] == "windows"
+    assert doc["memory"]["peak_allocated"]["baseline_mb"] == 1410.0
+    assert doc["memory"]["peak_allocated"]["candidate_mb"] == 1600.0
+    assert compare(capsys, base, cand, "--fail-above-memory", "20")[0] == 0
+    # A summary file's memory and TensorBoard's compare with each other.
+    summary = _with_memory(runs["base"], tmp_path / "summary", 1410.0)
+    assert compare(capsys, summary, base, "--fail-above-memory", "0")[0] == 0
+    bare = write_tensorboard_run(tmp_path / "bare", peak_mb=None)  # no phase_memory/* points
+    code, _, err = compare(capsys, base, bare, "--fail-above-memory", "10")
+    assert code == 2 and str(bare) in err and len(err.strip().splitlines()) == 1
 
 
 def test_usage_errors_exit_2():

@@ -213,3 +213,17 @@ def test_hf_trainer_under_torchrun_times_every_rank_and_names_the_slow_one(tmp_p
     assert data["door"] == "transformers" and data["ranks"]["reported"] == [0, 1]
     assert proc.stdout.count("per rank (2 of 2)") == 1  # the table, on rank zero only
     assert not [p for p in os.listdir(tmp_path) if p.startswith("phase-timer-logs") and p != "phase-timer-logs"]
+
+
+def test_a_rank_holding_more_memory_is_named_through_the_rank_exchange(tmp_path: pytest.TempPathFactory) -> None:
+    """Memory across ranks (issue 27): each rank's peak travels with its windows; rank 1 holds 2 GB more
+    (a fake allocator on each rank: memory is read on CUDA only)."""
+    _, result = torchrun("--log-dir", str(tmp_path), "--steps", "12", "--window", "5", "--fake-memory-extra", "2048")
+    s = read_scalars(result["log_dir"])
+    assert values(s, "phase_memory_ranks/peak_allocated_mb/largest_rank") == [1.0] * 3
+    assert values(s, "phase_memory_ranks/peak_allocated_mb/max")[-1] == pytest.approx(3048)
+    with open(os.path.join(result["log_dir"], "phase_timer_summary.json")) as f:
+        data = json.load(f)
+    assert data["memory"]["rank_peak_allocated_mb"] == {"0": pytest.approx(1000), "1": pytest.approx(3048)}
+    found = {d["kind"]: d for d in [data["diagnosis"], *data["diagnosis"]["secondary"]]}
+    assert found["MEMORY_RANK_IMBALANCE"]["evidence"]["rank"] == 1

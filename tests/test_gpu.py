@@ -993,6 +993,16 @@ def test_hf_trainer_phases_add_up_the_timer_adds_no_sync_and_the_verdict_names_t
     print("HF verdict", d.kind, f"busy {busy:.3f}", d.why, d.next)
     assert d.kind in _expected_by_busy(busy), (busy, d.kind, d.why)
     assert any("logging_nan_inf_filter=False" in tip for tip in d.next), d.next
+    # Memory per phase through the 🤗 door: GPT-2 small keeps gigabytes for backward; a steady run does not creep.
+    import json
+
+    with open(cb.timer.summary_path) as f:
+        mem = json.load(f)["memory"]
+    print("HF memory", {k: mem[k] for k in ("samples", "peak_allocated_mb", "peak_phase", "peak_step")},
+          mem["allocated_mb"].get("activations"), mem["creep"])
+    assert mem["allocated_mb"]["activations"]["mean"] > 1000
+    assert mem["peak_phase"] in ("forward", "backward", "optimizer", "between_steps")
+    assert "MEMORY_CREEP" not in [f.kind for f in (d, *d.secondary)]
 
 
 def test_hf_trainer_compiled_fp16_checkpointed_accumulated_on_cuda(tmp_path):

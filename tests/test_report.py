@@ -230,6 +230,130 @@ def test_an_interrupted_run_says_so_and_a_corrupt_summary_is_an_error(summary_ru
     assert code == 2 and out == "" and "not JSON" in err and len(err.strip().splitlines()) == 1
 
 
+# -- memory (CUDA runs; planted here, the reader is what is tested) -----------------------------
+MEM_STEPS = (1, 2, 3, 4, 5, 6, 7, 8, 15, 25, 35)  # memory steps: dense first, then sparse
+BEGIN_MB, FIRST_MB, ACT_MB = 1250.0, 1000.0, 100.0  # the first two steps: before the optimizer's state
+
+
+def planted_memory(peak_mb: float = 1410.0, *, reserved_mb: float = 2048.0, act_mb: float = ACT_MB) -> dict:
+    """A summary file's ``memory`` object (schema version 4) with planted values."""
+    stat = lambda v: {"mean": v, "max": v}  # noqa: E731
+    return {
+        "samples": len(MEM_STEPS), "steady_samples": len(MEM_STEPS) - 2,
+        "allocated_mb": {"step_begin": stat(BEGIN_MB), "forward_begin": stat(BEGIN_MB + 10),
+                         "backward_begin": stat(BEGIN_MB + 10 + act_mb), "optimizer_begin": stat(BEGIN_MB + 10),
+                         "step_end": stat(BEGIN_MB + 10), "activations": stat(act_mb)},
+        "reserved_mb": stat(reserved_mb), "peak_allocated_mb": peak_mb, "peak_reserved_mb": reserved_mb,
+        "peak_phase": "backward", "peak_step": 1, "alloc_retries": 0, "device_total_mb": 81559.0,
+        "device_free_mb": 79000.0, "creep": None, "step_begin_points": [[s, BEGIN_MB] for s in MEM_STEPS[2:]],
+    }
+
+
+def write_tensorboard_run(path: Path, *, peak_mb: float | None = 1410.0, steps: int = 40, window: int = 5) -> Path:
+    """A run's real event file: window scalars of four phases, and memory points (``peak_mb`` None: no memory)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(path)) as w:
+        for end in range(window, steps + 1, window):
+            w.add_scalar("phase_timer/window_steps", float(window), end)
+            for phase, ms in (("forward", 5.0), ("backward", 9.0), ("step", 15.0), ("period", 16.0)):
+                for stat in ("mean", "p50", "p90", "max"):
+                    w.add_scalar(f"phase_time/{phase}_ms/{stat}", ms, end)
+        for i, step in enumerate(MEM_STEPS if peak_mb is not None else ()):
+            w.add_scalar("phase_memory/step_begin_mb", FIRST_MB if i < 2 else BEGIN_MB, step)
+            w.add_scalar("phase_memory/activations_mb", ACT_MB, step)
+            w.add_scalar("phase_memory/peak_allocated_mb", peak_mb - 100 * (len(MEM_STEPS) - 1 - i), step)  # rising
+            w.add_scalar("phase_memory/peak_reserved_mb", 2048.0, step)
+    return path
+
+
+def with_memory(summary_run: dict, dest: Path, memory: dict | None) -> Path:
+    """The real run's summary file alone in ``dest``, its ``memory`` replaced (and checked against the schema)."""
+    import jsonschema
+
+    from phase_timer.run_summary import schema
+
+    dest.mkdir()
+    data = json.loads(summary_run["file"].read_text())
+    data["memory"] = memory
+    jsonschema.validate(data, schema())
+    (dest / "phase_timer_summary.json").write_text(json.dumps(data))
+    return dest
+
+
+def png_height(path: Path) -> int:
+    import matplotlib.image
+
+    return matplotlib.image.imread(str(path)).shape[0]
+
+
+def test_memory_from_tensorboard_is_reported_and_said_to_be(tmp_path, capsys):
+    run = write_tensorboard_run(tmp_path / "tb")
+    code, out, err = report(capsys, run)
+    assert code == 0, err
+    block = next(line for line in out.splitlines() if line.startswith("memory"))
+    assert "from TensorBoard's phase_memory/*" in block
+    # the mean leaves out the first two points (before the optimizer's state); the peaks are the last points
+    assert "at the step's begin 1.22 GB" in block and "activations 100 MB" in block
+    assert "peak allocated 1.38 GB, peak reserved 2.00 GB" in block
+    mem = report_json(capsys, run)["runs"][0]["memory"]
+    assert mem["source"] == "tensorboard" and mem["samples"] == len(MEM_STEPS)
+    assert mem["allocated_mb"]["step_begin"] == {"mean": BEGIN_MB, "max": BEGIN_MB}
+    assert mem["peak_allocated_mb"] == 1410.0 and mem["peak_reserved_mb"] == 2048.0
+
+
+def test_memory_from_the_summary_file_is_the_runs_own_block(summary_run, tmp_path, capsys):
+    from phase_timer.metrics import format_memory
+
+    planted = planted_memory()
+    run = with_memory(summary_run, tmp_path / "cuda_run", planted)
+    code, out, err = report(capsys, run)
+    assert code == 0, err
+    assert format_memory(planted) in out  # the block the run printed
+    assert "peak allocated 1.38 GB in backward (step 1)" in out
+    assert report_json(capsys, run)["runs"][0]["memory"] == planted
+
+
+def test_a_run_without_memory_says_nothing_about_memory(runs, summary_run, capsys):
+    assert json.loads(summary_run["file"].read_text())["memory"] is None  # a CPU run: memory absent
+    for run in (runs["window"], summary_run["dir"]):
+        code, out, err = report(capsys, run)
+        assert code == 0, err
+        assert not any(line.startswith("memory") for line in out.splitlines())
+        assert "peak allocated" not in out and " 0 MB" not in out
+        assert report_json(capsys, run)["runs"][0]["memory"] is None
+
+
+def test_side_by_side_shows_the_peak_where_a_run_has_memory(runs, tmp_path, capsys):
+    run = write_tensorboard_run(tmp_path / "tb")
+    code, out, err = report(capsys, run, runs["window"])
+    assert code == 0, err
+    row = next(line for line in out[out.index("side by side"):].splitlines() if line.startswith("peak allocated"))
+    assert row.split()[2:] == ["1.38", "GB"]  # the run without memory: blank, not zero
+
+
+def test_png_gets_a_memory_panel_only_with_memory_data(runs, summary_run, tmp_path, capsys):
+    from phase_timer.report import load_runs
+
+    heights = {}
+    tb = write_tensorboard_run(tmp_path / "tb")
+    alone = with_memory(summary_run, tmp_path / "summary_only", planted_memory())
+    for name, run in (("none", runs["window"]), ("tensorboard", tb), ("summary", alone)):
+        png = tmp_path / f"{name}.png"
+        code, _, err = report(capsys, run, "--png", png)
+        assert code == 0, err
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        heights[name] = png_height(png)
+    # 15 x (3 + 3 per run) inches at 110 dpi; a memory panel adds a 3-inch row
+    assert heights == {"none": 660, "tensorboard": 990, "summary": 990}
+    (from_tb,), (from_file,) = load_runs([str(tb)]), load_runs([str(alone)])
+    assert from_tb.memory_from == "TensorBoard"
+    assert [s for s, _ in from_tb.memory_timeline["step_begin"]] == list(MEM_STEPS)
+    assert from_file.memory_from == "phase_timer_summary.json"
+    assert from_file.memory_timeline["step_begin"] == [(s, BEGIN_MB) for s in MEM_STEPS[2:]]
+    assert from_file.memory_timeline["peak_allocated"] == [(3, 1410.0), (35, 1410.0)]  # the peak, flat
+
+
 # -- several runs ----------------------------------------------------------------------------
 def test_two_runs_side_by_side(runs, capsys):
     code, out, err = report(capsys, runs["root"])  # a parent dir: both runs found

@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--profile-syncs", action="store_true", help="CUDA: count sync calls in the profiler's trace")
     p.add_argument("--no-timer", action="store_true")
     p.add_argument("--bench-from", type=int, default=0, help="report ms per step from this step to the end")
+    p.add_argument("--fake-memory-extra", type=float, default=None,
+                   help="plant a fake allocator on every rank (1000 MB held); the slow rank holds this many MB more")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -88,6 +90,14 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch, sampler=DistributedSampler(data, shuffle=True), pin_memory=cuda, drop_last=True)
     steps = args.steps + (args.extra_steps if rank == args.extra_rank else 0)
 
+    if args.fake_memory_extra is not None:  # memory on the CPU: the counters a CUDA rank's allocator would give
+        from fakes import FakeAllocator
+
+        from phase_timer import memory as timer_memory
+
+        fake = FakeAllocator()
+        fake.alloc(1000 + (args.fake_memory_extra if slow else 0))
+        timer_memory.reader_for = lambda clock: (fake.read, fake.info)
     timer = phase_timer.attach(
         ddp, opt, loader, copy_to_device=True, log_dir=args.log_dir, window=args.window, warmup_steps=2,
         rank_timeout_s=args.rank_timeout, enabled=not args.no_timer,

@@ -1,0 +1,280 @@
+"""Memory per phase: the caching allocator's counters at a sampled step's boundaries, never a sync.
+
+The CUDA caching allocator keeps its counters on the host, updated when the host issues an
+allocation or a free, so a read at a boundary says exactly what the phases before it hold
+on the host's timeline (the device may run behind: the memory is reserved for its work all
+the same).  No read waits for the device.
+
+What a read costs decides the design.  ``torch.cuda.memory_allocated()`` flattens the whole
+statistics tree in Python (~174 µs on an H100); the raw ``torch._C._cuda_memoryStats(index)``
+builds the tree in C++ (10-24 µs); nothing cheaper exists in torch 2.11 (``docs/design.md``).
+Five reads a step would cost more than the time phases themselves, so memory is *sampled*:
+a memory step reads the counters at each boundary it passes (step begin, each phase's begin,
+step end), densely at first (the first :data:`DENSE` steps begun, warm-up ones included:
+the run's peak is most often set by the first optimizer step), then :data:`MEDIUM_GAP`
+apart until :data:`MEDIUM` samples, then :data:`SPARSE_GAP` apart, at random so that no
+periodic work aliases with them.  In a steady loop memory per phase is the same from step
+to step, so a sample in ~64 steps loses nothing but the moment a change happens; a peak
+that rises between samples is said to be "between samples".
+
+Nothing here resets the allocator's peak: ``torch.cuda.max_memory_allocated()`` returns
+what it would without phase-timer (Lightning's ``DeviceStatsMonitor``, the 🤗 Trainer's memory
+metrics and users' own logging read it).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+#: The first steps begun that are all sampled (warm-up steps included) ...
+DENSE = 8
+#: ... then one in MEDIUM_GAP until MEDIUM samples (the creep rule gets its points within ~100 steps) ...
+MEDIUM = 16
+MEDIUM_GAP = (4, 12)
+#: ... then one in SPARSE_GAP (a mean of 64 steps: ~1 µs a step for five reads).
+SPARSE_GAP = (32, 96)
+#: Samples from steps before this one begun are not steady: the first optimizer step allocates its state.
+STEADY_FROM = 3
+#: Steady samples of the step's begin kept for the creep rule and the summary file (thinned by half when full).
+MAX_POINTS = 256
+MB = float(1 << 20)
+BETWEEN = "between_steps"
+
+
+class Reading(NamedTuple):
+    """The allocator's counters at one moment (bytes), and its count of retried allocations."""
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+    retries: int
+
+
+Reader = Callable[[], Reading]
+
+
+def cuda_reader(index: int) -> Reader:
+    """The counters of CUDA device ``index``: one call of ``torch._C._cuda_memoryStats`` (no sync, no reset)."""
+    import torch
+
+    stats = torch._C._cuda_memoryStats
+
+    def read() -> Reading:
+        s = stats(index)
+        a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+        return Reading(a["current"], r["current"], a["peak"], r["peak"], s.get("num_alloc_retries", 0))
+
+    return read
+
+
+def cuda_device_info(index: int) -> Callable[[], tuple[int, int]]:
+    """(free, total) bytes of the device as the driver sees them (``cudaMemGetInfo``: no sync, 11-16 µs)."""
+    import torch
+
+    return lambda: torch.cuda.mem_get_info(index)
+
+
+def reader_for(clock: Any) -> tuple[Reader, Callable[[], tuple[int, int]]] | None:
+    """The counters' reader and the device's (free, total) for the clock's device; None off CUDA.
+
+    On the host clock memory is absent (not zero): a CPU has no caching allocator to read.
+    The tests plant a fake allocator here.
+    """
+    index = getattr(getattr(clock, "device", None), "index", None)
+    if getattr(clock, "kind", None) != "cuda" or index is None:
+        return None
+    return cuda_reader(index), cuda_device_info(index)
+
+
+class _Stat:
+    """Mean and max of a value over the steady samples."""
+
+    __slots__ = ("n", "total", "max")
+
+    def __init__(self) -> None:
+        self.n, self.total, self.max = 0, 0.0, float("-inf")
+
+    def add(self, v: float) -> None:
+        self.n += 1
+        self.total += v
+        self.max = max(self.max, v)
+
+    def as_dict(self) -> dict[str, float] | None:
+        return {"mean": self.total / self.n, "max": self.max} if self.n else None
+
+
+class MemoryTracker:
+    """One run's memory samples: which steps are read, what each phase holds, where the peak was set.
+
+    The boundaries call :meth:`wants` when a step begins, :meth:`read` at each boundary of a
+    sampled step, and :meth:`end_step` (or :meth:`drop`) when it closes.
+    """
+
+    def __init__(self, read: Reader, device_info: Callable[[], tuple[int, int]] | None = None,
+                 *, seed: int | None = None) -> None:
+        self._read = read
+        self._device_info = device_info
+        self._rng = random.Random(seed)
+        self._next = 1  # the step (1-based, begun) to sample next
+        self.samples = 0
+        self._reads: list[tuple[str, Reading]] = []
+        self._begun = 0
+        self.step = 0
+        #: Per boundary (the phase that begins there; ``step_begin``, ``step_end``; ``activations``): allocated MB.
+        self.stats: dict[str, _Stat] = {}
+        self.reserved = _Stat()
+        #: The run's peaks (MB) as last read, and where the allocated peak was last raised.
+        self.peak_allocated_mb: float | None = None
+        self.peak_reserved_mb: float | None = None
+        self.peak_phase: str | None = None
+        self.peak_step: int | None = None
+        self._last: tuple[int, str, Reading] | None = None  # (begun, phase running after it, reading) of the last read
+        self._retries0: int | None = None
+        self.retries = 0
+        #: (step begun, allocated MB at its begin) of the steady samples, for the creep rule.
+        self.points: list[tuple[int, float]] = []
+        self._thin = 1  # keep one steady point in _thin (doubles when the list is full)
+        self._seen = 0
+        self.device_total_mb: float | None = None
+        self.device_free_mb: float | None = None  # the least free memory read
+        self.failed: str | None = None
+
+    # -- the boundaries ----------------------------------------------------------------
+    @property
+    def next_due(self) -> int:
+        """The step (1-based, begun, warm-up ones counted) to sample next: the boundaries sample the first
+        step begun at or after it that the verdict does not sample."""
+        return self._next
+
+    def begin(self, begun: int, step: int, phase: str) -> None:
+        """A sampled step begins with ``phase``: its first read."""
+        self._reads = []
+        self._begun, self.step = begun, step
+        self.read(phase)
+
+    def read(self, phase: str) -> None:
+        """The counters now, at the boundary where ``phase`` begins (no sync)."""
+        reading = self._read()
+        self._attribute(phase, reading)
+        self._reads.append((phase, reading))
+
+    def _attribute(self, phase: str, r: Reading) -> None:
+        """Did the allocated peak rise since the last read?  The phase between the two reads set it."""
+        last = self._last
+        self._last = (self._begun, phase, r)
+        if self._retries0 is None:
+            self._retries0 = r.retries
+        self.retries = r.retries - self._retries0
+        if last is None:
+            self.peak_phase = "before the first sampled step"
+            self.peak_step = None
+        elif r.peak_allocated > last[2].peak_allocated:
+            if self._reads or last[0] == self._begun - 1 and last[1] == BETWEEN:
+                self.peak_phase = last[1]  # within this step, or from the last step's end to this begin
+            else:
+                self.peak_phase = "between samples"
+            self.peak_step = self.step
+        self.peak_allocated_mb = r.peak_allocated / MB
+        self.peak_reserved_mb = r.peak_reserved / MB
+
+    def drop(self) -> None:
+        """The step was dropped (never ended): its reads tell no phase's memory."""
+        self._reads = []
+        self._schedule()
+
+    def end_step(self) -> dict[str, float]:
+        """The sampled step closed: fold its reads in; returns its scalars (MB) for the sinks."""
+        reads, self._reads = self._reads, []
+        self.samples += 1
+        self._schedule()
+        first: dict[str, float] = {}
+        for phase, r in reads:
+            first.setdefault(phase, r.allocated / MB)
+        out = {"step_begin": reads[0][1].allocated / MB}
+        for phase, mb in list(first.items())[1:] if reads[0][0] == "h2d" else first.items():
+            out[f"{phase}_begin" if phase != BETWEEN else "step_end"] = mb  # h2d's begin is the step's
+        ends = [r for p, r in reads if p == BETWEEN]
+        if ends:
+            out["step_end"] = ends[-1].allocated / MB
+        if "forward" in first and "backward" in first:
+            out["activations"] = first["backward"] - first["forward"]
+        last = reads[-1][1]
+        out["reserved"] = last.reserved / MB
+        out["peak_allocated"] = last.peak_allocated / MB
+        out["peak_reserved"] = last.peak_reserved / MB
+        self._device(out)
+        if self._begun >= STEADY_FROM:
+            for k, v in out.items():
+                if k not in ("peak_allocated", "peak_reserved", "reserved", "device_free", "device_total"):
+                    self.stats.setdefault(k, _Stat()).add(v)
+            self.reserved.add(out["reserved"])
+            self._point(self._begun, out["step_begin"])
+        return out
+
+    def _device(self, out: dict[str, float]) -> None:
+        if self._device_info is None:
+            return
+        try:
+            free, total = self._device_info()
+        except Exception as err:  # noqa: BLE001 - a driver that cannot say: the rules that need it abstain
+            self.failed, self._device_info = f"{type(err).__name__}: {err}", None
+            return
+        self.device_total_mb = total / MB
+        out["device_free"] = free / MB
+        self.device_free_mb = free / MB if self.device_free_mb is None else min(self.device_free_mb, free / MB)
+
+    def _point(self, begun: int, mb: float) -> None:
+        self._seen += 1
+        if (self._seen - 1) % self._thin:
+            return
+        self.points.append((begun, mb))
+        if len(self.points) >= MAX_POINTS:  # bounded memory over any run length: every other point
+            self.points = self.points[::2]
+            self._thin *= 2
+
+    def _schedule(self) -> None:
+        if self._next <= DENSE:
+            gap = 1
+        elif self.samples < MEDIUM:
+            gap = self._rng.randint(*MEDIUM_GAP)
+        else:
+            gap = self._rng.randint(*SPARSE_GAP)
+        self._next = max(self._next, self._begun) + gap
+
+    # -- the run's end -------------------------------------------------------------------
+    def creep(self) -> dict[str, Any] | None:
+        """The least-squares slope of allocated MB at the step's begin over the steady samples (None: < 2)."""
+        pts = self.points
+        if len(pts) < 2:
+            return None
+        xs, ys = [float(x) for x, _ in pts], [y for _, y in pts]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx <= 0:
+            return None
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        rises = sum(b > a for a, b in zip(ys, ys[1:]))
+        return {"mb_per_step": slope, "points": len(pts), "from_step": pts[0][0], "to_step": pts[-1][0],
+                "rise_mb": ys[-1] - ys[0], "rising_share": rises / (len(ys) - 1)}
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the summary file and the rules read."""
+        return {
+            "samples": self.samples,
+            "steady_samples": self.stats["step_begin"].n if "step_begin" in self.stats else 0,
+            "allocated_mb": {k: s.as_dict() for k, s in self.stats.items()},
+            "reserved_mb": self.reserved.as_dict(),
+            "peak_allocated_mb": self.peak_allocated_mb,
+            "peak_reserved_mb": self.peak_reserved_mb,
+            "peak_phase": self.peak_phase,
+            "peak_step": self.peak_step,
+            "alloc_retries": self.retries,
+            "device_total_mb": self.device_total_mb,
+            "device_free_mb": self.device_free_mb,
+            "creep": self.creep(),
+            "step_begin_points": [list(p) for p in self.points],
+        }
