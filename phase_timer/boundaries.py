@@ -406,9 +406,12 @@ class Boundaries:
             self._mem_on = False
 
     def _mem_call(self, fn: Any, *args: Any) -> bool:
-        """A call on the memory tracker; a failure warns once and memory stops, the training goes on."""
+        """A call on the memory tracker, its host time counted; a failure warns once and memory stops, the
+        training goes on."""
+        t0 = time.perf_counter_ns()
         try:
             fn(*args)
+            self._mem.own_ns += time.perf_counter_ns() - t0  # type: ignore[union-attr]
             return True
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             self._mem = self.core.memory = None

@@ -219,7 +219,13 @@ class TimingCore:
     def own_us_per_step(self) -> float | None:
         """phase-timer's own host time per step (µs, mean over the sampled steps), or None before a sample."""
         own = self.signals.own_ns
-        return sum(own) / len(own) / 1e3 if own else None
+        return sum(own) / len(own) / 1e3 + (self.memory_us_per_step or 0.0) if own else None
+
+    @property
+    def memory_us_per_step(self) -> float | None:
+        """Memory's share of that: all its host time (on memory steps only), over the steps begun (None: not read)."""
+        mem = self.memory
+        return mem.own_ns / self.steps_begun / 1e3 if mem is not None and self.steps_begun else None
 
     def _skip(self) -> None:
         self.skipped += 1

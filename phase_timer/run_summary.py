@@ -49,6 +49,8 @@ class RunRecord(Protocol):
     @property
     def own_us_per_step(self) -> float | None: ...
     @property
+    def memory_us_per_step(self) -> float | None: ...
+    @property
     def warmup_steps(self) -> int: ...
     @property
     def window(self) -> int: ...
@@ -114,6 +116,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
             "us_per_step": own,
             "share_of_period": own / 1e3 / period.mean if period is not None and period.mean > 0 else None,
             "samples": len(core.signals.own_ns),
+            "memory_us_per_step": core.memory_us_per_step,
             "host_ahead": core.host_ahead,
         },
         "ranks": per_rank,
