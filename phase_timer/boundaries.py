@@ -110,6 +110,7 @@ class Boundaries:
         self._mem = core.memory
         self._mem_on = False  # this step is a memory step
         self._mem_due = self._mem.next_due if self._mem is not None else 0
+        self._step = 0  # the step index the door gave the last step begun
         # The sync census (device clock): on the last warm-up step, from the close before it to its own.
         self._census: SyncCensus | None = None
         self._census_at = -1  # the close (1-based) at which the census starts, then stops
@@ -262,6 +263,8 @@ class Boundaries:
         if self.paused:
             self._wake()
         if self._mem_on:
+            if self.trailing:  # the step goes on past a provisional end (a GradScaler's update): the optimizer's
+                self._mem_call(self._mem.relabel, OPTIMIZER)
             self._mem_read(BETWEEN)
         # A user phase still open runs on, between steps, under its own name.
         self.core.end(self._explicit[-1]) if self._explicit else self.core.end()
@@ -274,6 +277,7 @@ class Boundaries:
         """Evaluation or validation begins: neither the record nor ``period`` counts what follows."""
         if self.paused:
             return
+        self._mem_mark(PAUSED)  # a peak set in evaluation is the pause's
         self.paused = True
         self.core.pause()
         if self.open:
@@ -318,6 +322,7 @@ class Boundaries:
         if self.ended:
             self._close()
         self._end_census()
+        self._mem_mark("after the last step")  # the run's peak, whenever it was set
         warmup = self.core.warmup_steps
         if self.begun == 0:
             self.core.untimed_reason = "no batch came through the timer"
@@ -333,6 +338,8 @@ class Boundaries:
     # -- user phases ---------------------------------------------------------------------
     def enter(self, name: str) -> None:
         """A user phase opens: it owns the time until it closes (built-in boundaries wait)."""
+        if self._mem_on:
+            self._mem_read(name)
         self._explicit.append(name)
         if self.open and not self.paused:
             self.core.phase(name)
@@ -340,18 +347,22 @@ class Boundaries:
     def exit(self) -> None:
         """The innermost user phase closes: back to the enclosing one, or to the built-in phase."""
         self._explicit.pop()
+        if self._mem_on:
+            self._mem_read(self._explicit[-1] if self._explicit else self._auto)
         if self.open and not self.paused:
             self.core.phase(self._explicit[-1] if self._explicit else self._auto)
 
     # -- internals -----------------------------------------------------------------------
     def _set(self, phase: str) -> None:
-        if self._mem_on:
+        if self._mem_on and phase != self._auto:  # a boundary that begins the phase already running reads nothing
             self._mem_read(phase)
         self._auto = phase
         if not self._explicit:
             self.core.phase(phase)
 
     def _relabel(self, phase: str) -> None:
+        if self._mem_on:
+            self._mem_call(self._mem.relabel, phase)
         if not self._explicit:
             self.core.relabel(phase)
 
@@ -362,6 +373,7 @@ class Boundaries:
 
     def _wake(self) -> None:
         self.paused = False
+        self._mem_mark(self.now())
         self.core.resume()
         if self.open and self._explicit:
             self.core.phase(self._explicit[-1])
@@ -369,6 +381,7 @@ class Boundaries:
     def _begin(self, step: int, phase: str) -> None:
         self.begun += 1
         # A memory step, unless the verdict samples this one (its reads would be in the host time it samples).
+        self._step = step
         if self._mem is not None and self.begun >= self._mem_due and type(self) is Boundaries:
             self._mem_on = self._mem_call(self._mem.begin, self.begun, step, phase)
         self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
@@ -402,8 +415,20 @@ class Boundaries:
             self._start_sample()
 
     def _mem_read(self, phase: str) -> None:
-        if not self._mem_call(self._mem.read, phase):
+        mem = self._mem
+        if mem.full:  # a step that never ends (no optimizer step heard): its reads stop here
             self._mem_on = False
+            self._mem_call(mem.drop)
+            self._mem_due = mem.next_due
+        elif not self._mem_call(mem.read, phase):
+            self._mem_on = False
+
+    def _mem_mark(self, phase: str) -> None:
+        """A read at a pause's begin or end or at the run's end; inside a memory step, one of its reads."""
+        if self._mem_on:
+            self._mem_read(phase)
+        elif self._mem is not None:
+            self._mem_call(self._mem.mark, phase, self.begun, self._step)
 
     def _mem_call(self, fn: Any, *args: Any) -> bool:
         """A call on the memory tracker, its host time counted; a failure warns once and memory stops, the
@@ -414,8 +439,9 @@ class Boundaries:
             self._mem.own_ns += time.perf_counter_ns() - t0  # type: ignore[union-attr]
             return True
         except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self._mem = self.core.memory = None
-            self._mem_on = False
+            if self._mem is not None:  # what was read stays, with why it stopped
+                self._mem.failed = f"{type(err).__name__}: {err}"
+            self._mem, self._mem_on = None, False
             self._warn_once("memory", f"phase-timer: memory is no longer read ({type(err).__name__}: {err}); "
                                       "the time phases go on")
             return False

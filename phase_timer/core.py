@@ -98,6 +98,7 @@ class TimingCore:
         self.log_step_offset = 0
         #: Memory per phase (CUDA only; None: not read): sampled steps' allocator counters.
         self.memory: MemoryTracker | None = None
+        self._memory_rows: list[tuple[int, dict[str, float]]] = []  # memory steps' values not yet written
         try:
             found = _memory.reader_for(clock) if memory else None
             self.memory = MemoryTracker(*found) if found is not None else None
@@ -205,10 +206,12 @@ class TimingCore:
                 self.signals.behind += behind
 
     def add_memory(self, tracker: MemoryTracker) -> None:
-        """A memory step closed: its values (MB) to the sinks at its step (``phase_memory/<what>_mb``)."""
+        """A memory step closed: its values (MB) go to the sinks at its step (``phase_memory/<what>_mb``), just
+        before the first write at that step or later, so that every sink sees its steps in order (the windows
+        are resolved steps later; a logger such as W&B wants a step that never goes back)."""
         scalars = memory_scalars(tracker.end_step())
         if self._sinks:
-            self._write(tracker.step, scalars)
+            self._memory_rows.append((tracker.step, scalars))
 
     def add_sample(self, own_ns: int, host_step_ms: float) -> None:
         """A sampled step: phase-timer's own host time on it, and the host's time from its begin to its end."""
@@ -265,8 +268,7 @@ class TimingCore:
         columns = sorted_columns(columns)  # sorted once, for the statistics and the run totals
         self.totals.add_window(steps, columns)
         if self.ranks is not None:
-            peak = self.memory.peak_allocated_mb if self.memory is not None else None
-            self.ranks.add(key, last_step, steps, columns, peak_mb=peak)
+            self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory())
         summary = summarize_columns(columns)
         self.signals.add_window(steps, summary)
         self.series.add(last_step, steps, summary, columns)
@@ -279,12 +281,26 @@ class TimingCore:
             scalars[SKIPPED_TAG] = float(self.skipped)
         self._write(last_step, scalars)
 
+    def _rank_memory(self) -> dict[str, float] | None:
+        """What this rank's window report says of its memory (None: not read, or nothing read yet)."""
+        mem = self.memory
+        if mem is None or mem.peak_allocated_mb is None:
+            return None
+        return {"peak_allocated_mb": mem.peak_allocated_mb, "peak_reserved_mb": mem.peak_reserved_mb,
+                "device_total_mb": mem.device_total_mb, "alloc_retries": mem.retries}
+
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
             self.signals.add_rank_window(w.means)
             self._write(w.step, rank_scalars(w))
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
+        rows = self._memory_rows
+        while rows and rows[0][0] <= step:
+            self._write_now(*rows.pop(0))
+        self._write_now(step, scalars)
+
+    def _write_now(self, step: int, scalars: dict[str, float]) -> None:
         step += self.log_step_offset
         if step > self._last_written_step:
             self._last_written_step = step
@@ -316,6 +332,9 @@ class TimingCore:
         self._consume(self._engine.flush())
         if self.ranks is not None:
             self._write_ranks(self.ranks.finish(rank_timeout_s, interrupted=interrupted))
+        for row in self._memory_rows:  # the last memory steps, after every resolved step
+            self._write_now(*row)
+        self._memory_rows = []
         self.interrupted = interrupted
         self._conclude()
         for sink in self._sinks:
@@ -391,8 +410,8 @@ class TimingCore:
             return None
         out = self.memory.as_dict()
         ranks = self.ranks
-        if ranks is not None and ranks.totals is not None and ranks.totals.peak_mb:
-            out["rank_peak_allocated_mb"] = {str(r): v for r, v in sorted(ranks.totals.peak_mb.items())}
+        if ranks is not None and ranks.totals is not None and ranks.totals.memory:
+            out["ranks"] = {str(r): dict(v) for r, v in sorted(ranks.totals.memory.items())}
         return out
 
     def own_cost_line(self) -> str | None:

@@ -222,11 +222,15 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
         if gpu is not None:
             found.append(gpu)
     found = [f for f in mem if f.severity == "high"] + found + [f for f in mem if f.severity != "high"]
+    if all(f.kind.startswith("MEMORY_") and f.severity == "info" for f in found):  # memory's notes are no verdict
+        mem_notes, found = tuple(found), []
+    else:
+        mem_notes = ()
     if not found:
         why = ("no rule fired" + ("; the run is on the host clock, so the device rules (HOST_BOUND, GPU_BOUND) have "
                                   "no signal" if clock == "host" else "; too few sampled steps for the device rules"))
         return Diagnosis("NO_FINDING", "info", why, ("see the table: the largest phase is where the time goes",),
-                         {"steps_timed": steps, "skipped_steps": skipped})
+                         {"steps_timed": steps, "skipped_steps": skipped}, mem_notes)
     first, *rest = found
     return Diagnosis(first.kind, first.severity, first.why, first.next, first.evidence, tuple(rest))
 
@@ -458,10 +462,26 @@ def memory_findings(mem: dict[str, Any] | None) -> list[Diagnosis]:
     """The memory rules, in order: pressure, creep, fragmentation, rank imbalance, headroom (none off CUDA)."""
     if not mem or not mem.get("samples"):
         return []
-    found = [_pressure(mem), _creep(mem), _fragmentation(mem), _rank_imbalance(mem)]
+    worst = _fullest_rank(mem)
+    found = [_pressure(worst), _creep(mem), _fragmentation(mem), _rank_imbalance(mem)]
     if found[0] is None:
-        found.append(_headroom(mem))
+        found.append(_headroom(worst))
     return [f for f in found if f is not None]
+
+
+def _fullest_rank(mem: dict[str, Any]) -> dict[str, Any]:
+    """Distributed: rank zero's memory with the peaks, device and retries of the rank whose reserved peak fills
+    the largest share of its device (the job fits only if that rank does); alone: the memory as it is."""
+    ranks = mem.get("ranks") or {}
+    shares = {r: v["peak_reserved_mb"] / v["device_total_mb"] for r, v in ranks.items()
+              if v.get("device_total_mb") and v.get("peak_reserved_mb") is not None}
+    if not shares:
+        return mem
+    r = max(shares, key=lambda k: (shares[k], -int(k)))
+    v = ranks[r]
+    retries = sum(int(x.get("alloc_retries") or 0) for x in ranks.values())
+    return {**mem, "peak_allocated_mb": v["peak_allocated_mb"], "peak_reserved_mb": v["peak_reserved_mb"],
+            "device_total_mb": v["device_total_mb"], "alloc_retries": retries, "rank": int(r)}
 
 
 def _gb(mb: float) -> str:
@@ -484,7 +504,8 @@ def _pressure(mem: dict[str, Any]) -> Diagnosis | None:
     if not retries and (share is None or share < PRESSURE_SHARE):
         return None
     peak = mem.get("peak_allocated_mb") or 0.0
-    why = (f"the peak reserved is {_gb(reserved or 0.0)}" + (f", {_pct(share)} of the device's {_gb(total)}" if share else "")
+    on = f" on rank {mem['rank']}" if "rank" in mem else ""
+    why = (f"the peak reserved{on} is {_gb(reserved or 0.0)}" + (f", {_pct(share)} of the device's {_gb(total)}" if share else "")
            + f"; peak allocated {_gb(peak)}{_peak_where(mem)}")
     if retries:
         why += (f"; the allocator ran out {retries} time(s) and freed its cache to retry (each a device-wide "
@@ -546,7 +567,7 @@ def _fragmentation(mem: dict[str, Any]) -> Diagnosis | None:
 
 
 def _rank_imbalance(mem: dict[str, Any]) -> Diagnosis | None:
-    peaks = {int(r): v for r, v in (mem.get("rank_peak_allocated_mb") or {}).items()}
+    peaks = {int(r): v["peak_allocated_mb"] for r, v in (mem.get("ranks") or {}).items()}
     if len(peaks) < 2:
         return None
     rank = max(peaks, key=lambda r: (peaks[r], -r))  # the largest bounds the job: every rank runs the same batch
@@ -569,7 +590,8 @@ def _headroom(mem: dict[str, Any]) -> Diagnosis | None:
         return None
     alloc = mem.get("allocated_mb") or {}
     fixed_of = alloc.get("forward_begin") or alloc.get("step_begin")
-    why = f"the peak reserved is {_gb(reserved)} of the device's {_gb(total)} ({_pct(reserved / total)}): room to spare"
+    on = f" (rank {mem['rank']}, the fullest)" if "rank" in mem else ""
+    why = f"the peak reserved{on} is {_gb(reserved)} of the device's {_gb(total)} ({_pct(reserved / total)}): room to spare"
     ev: dict[str, Any] = {"peak_reserved_mb": reserved, "peak_allocated_mb": peak, "device_total_mb": total,
                           "activations_mb": act}
     tips = []
@@ -578,10 +600,11 @@ def _headroom(mem: dict[str, Any]) -> Diagnosis | None:
         scale = (FILL_SHARE * total - fixed) / (peak - fixed)
         ev.update(fixed_mb=fixed, batch_scale=scale)
         if scale >= 1.5:
-            why += (f"; a batch about {scale:.1f}x larger would fit (an estimate: the peak less what is held when "
+            said = f"about {scale:.1f}x" if scale <= 8 else "more than 8x"  # far from the data: no figure to trust
+            why += (f"; a batch {said} larger would fit (an estimate: the peak less what is held when "
                     f"forward begins, {_gb(peak - fixed)}, grows with the batch; the {_gb(fixed)} held then "
                     f"(weights, gradients, optimizer state) does not; filled to {_pct(FILL_SHARE)} of the device)")
-            tips.append(f"a larger batch (about {scale:.1f}x), or fewer accumulation steps, uses the idle memory; "
+            tips.append(f"a larger batch ({said}), or fewer accumulation steps, uses the idle memory; "
                         "re-tune the learning rate with it")
     tips.append("or a larger model or longer sequences on the same device")
     return Diagnosis("MEMORY_HEADROOM", "info", why, tuple(tips), ev)

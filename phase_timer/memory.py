@@ -40,10 +40,12 @@ SPARSE_GAP = (48, 144)
 DEVICE_EVERY = 8
 #: Samples from steps before this one begun are not steady: the first optimizer step allocates its state.
 STEADY_FROM = 3
+#: Reads a memory step keeps at most: a step that never ends (no optimizer step heard) stops being read.
+MAX_READS = 64
 #: Steady samples of the step's begin kept for the creep rule and the summary file (thinned by half when full).
 MAX_POINTS = 256
 MB = float(1 << 20)
-BETWEEN = "between_steps"
+BETWEEN, PAUSED = "between_steps", "paused"
 
 
 class Reading(NamedTuple):
@@ -134,16 +136,20 @@ class MemoryTracker:
         self.peak_reserved_mb: float | None = None
         self.peak_phase: str | None = None
         self.peak_step: int | None = None
-        self._last: tuple[int, str, Reading] | None = None  # (begun, phase running after it, reading) of the last read
+        # The last read: (step begun, the door's step, the phase running after it, the reading).
+        self._last: tuple[int, int, str, Reading] | None = None
+        self._max_alloc = self._max_reserved = -1  # the highest peaks read (bytes): a user's reset lowers the counter
         self._retries0: int | None = None
         self.retries = 0
-        #: (step begun, allocated MB at its begin) of the steady samples, for the creep rule.
+        #: (the door's step, allocated MB at its begin) of the steady samples, for the creep rule.
         self.points: list[tuple[int, float]] = []
         self._thin = 1  # keep one steady point in _thin (doubles when the list is full)
         self._seen = 0
         self.device_total_mb: float | None = None
         self.device_free_mb: float | None = None  # the least free memory read
+        #: Why memory stopped being read mid-run (None: it did not stop); what was read before stays.
         self.failed: str | None = None
+        self.device_error: str | None = None  # why cudaMemGetInfo stopped being read (the rest goes on)
         #: Host time spent on memory (set by the boundaries, which time each call): the own-cost line's share.
         self.own_ns = 0
 
@@ -154,6 +160,11 @@ class MemoryTracker:
         step begun at or after it that the verdict does not sample."""
         return self._next
 
+    @property
+    def full(self) -> bool:
+        """The memory step has read MAX_READS times: a step that never ends reads no more."""
+        return len(self._reads) >= MAX_READS
+
     def begin(self, begun: int, step: int, phase: str) -> None:
         """A sampled step begins with ``phase``: its first read."""
         self._reads = []
@@ -161,29 +172,48 @@ class MemoryTracker:
         self.read(phase)
 
     def read(self, phase: str) -> None:
-        """The counters now, at the boundary where ``phase`` begins (no sync)."""
+        """The counters now, at the boundary of this memory step where ``phase`` begins (no sync)."""
         reading = self._read()
-        self._attribute(phase, reading)
+        self._attribute(phase, reading, self._begun, self.step, in_step=bool(self._reads))
         self._reads.append((phase, reading))
 
-    def _attribute(self, phase: str, r: Reading) -> None:
-        """Did the allocated peak rise since the last read?  The phase between the two reads set it."""
-        last = self._last
-        self._last = (self._begun, phase, r)
-        if self._retries0 is None:
-            self._retries0 = r.retries
-        self.retries = r.retries - self._retries0
+    def mark(self, phase: str, begun: int, step: int) -> None:
+        """A read outside a memory step (a pause begins or ends, the run ends), for the peak's phase only:
+        a rise since the last read belongs to the phase that read began, when that read was a pause's
+        begin or this same step's; else it is "between samples"."""
+        self._attribute(phase, self._read(), begun, step, in_step=False, mark=True)
+
+    def relabel(self, phase: str) -> None:
+        """What has run since the last read was ``phase``'s, and goes on (the door found out later:
+        accumulation's idle, a second backward's loss math, the batch going on after a provisional end)."""
+        if self._reads:
+            self._reads[-1] = (phase, self._reads[-1][1])
+        if self._last is not None:
+            self._last = (*self._last[:2], phase, self._last[3])
+
+    def _attribute(self, phase: str, r: Reading, begun: int, step: int, *, in_step: bool, mark: bool = False) -> None:
+        """Did the run's allocated peak rise since the last read?  The phase between the two reads set it.
+
+        The reference is the highest peak read, not the last read: a user's ``reset_peak_memory_stats()``
+        lowers the counter (phase-timer never calls it), and a peak below the highest is no new peak.
+        """
+        last, self._last = self._last, (begun, step, phase, r)
+        if self._retries0 is None and (begun >= STEADY_FROM or mark):
+            self._retries0 = r.retries  # warm-up's retries (cuDNN's benchmark probing) are not the run's
+        self.retries = max(0, r.retries - self._retries0) if self._retries0 is not None else 0
         if last is None:
-            self.peak_phase = "before the first sampled step"
-            self.peak_step = None
-        elif r.peak_allocated > last[2].peak_allocated:
-            if self._reads or last[0] == self._begun - 1 and last[1] == BETWEEN:
-                self.peak_phase = last[1]  # within this step, or from the last step's end to this begin
-            else:
-                self.peak_phase = "between samples"
-            self.peak_step = self.step
-        self.peak_allocated_mb = r.peak_allocated / MB
-        self.peak_reserved_mb = r.peak_reserved / MB
+            self.peak_phase, self.peak_step = "before the first sampled step", None
+        elif r.peak_allocated > self._max_alloc:
+            l_begun, l_step, l_phase, _ = last
+            if mark:
+                known = l_phase == PAUSED or l_begun == begun
+            else:  # within this memory step, or from the step just before's end to this one's begin
+                known = in_step or (l_begun == begun - 1 and l_phase == BETWEEN)
+            self.peak_phase, self.peak_step = (l_phase, l_step) if known else ("between samples", step)
+        self._max_alloc = max(self._max_alloc, r.peak_allocated)
+        self._max_reserved = max(self._max_reserved, r.peak_reserved)
+        self.peak_allocated_mb = self._max_alloc / MB
+        self.peak_reserved_mb = self._max_reserved / MB
 
     def drop(self) -> None:
         """The step was dropped (never ended): its reads tell no phase's memory."""
@@ -216,7 +246,7 @@ class MemoryTracker:
                 if k not in ("peak_allocated", "peak_reserved", "reserved", "device_free", "device_total"):
                     self.stats.setdefault(k, _Stat()).add(v)
             self.reserved.add(out["reserved"])
-            self._point(self._begun, out["step_begin"])
+            self._point(self.step, out["step_begin"])
         return out
 
     def _device(self, out: dict[str, float]) -> None:
@@ -225,7 +255,7 @@ class MemoryTracker:
         try:
             free, total = self._device_info()
         except Exception as err:  # noqa: BLE001 - a driver that cannot say: the rules that need it abstain
-            self.failed, self._device_info = f"{type(err).__name__}: {err}", None
+            self.device_error, self._device_info = f"{type(err).__name__}: {err}", None
             return
         self.device_total_mb = total / MB
         out["device_free"] = free / MB
@@ -236,8 +266,8 @@ class MemoryTracker:
         if (self._seen - 1) % self._thin:
             return
         self.points.append((begun, mb))
-        if len(self.points) >= MAX_POINTS:  # bounded memory over any run length: every other point
-            self.points = self.points[::2]
+        if len(self.points) >= MAX_POINTS:  # bounded memory over any run length: every other point, the newest kept
+            self.points = self.points[::-2][::-1]
             self._thin *= 2
 
     def _schedule(self) -> None:
@@ -280,5 +310,7 @@ class MemoryTracker:
             "device_total_mb": self.device_total_mb,
             "device_free_mb": self.device_free_mb,
             "creep": self.creep(),
+            "stopped": self.failed,
+            "device_error": self.device_error,
             "step_begin_points": [list(p) for p in self.points],
         }

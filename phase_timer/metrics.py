@@ -246,6 +246,8 @@ def format_memory(mem: dict | None) -> str | None:
     if creep and creep["points"] >= 3:
         lines.append(f"  allocated at step begin: {creep['mb_per_step']:+.2f} MB/step over steps "
                      f"{creep['from_step']}..{creep['to_step']} ({creep['points']} samples)")
+    if mem.get("stopped"):
+        lines.append(f"  memory stopped being read mid-run ({mem['stopped']}): the figures are those read before")
     if mem.get("alloc_retries"):
         lines.append(f"  the allocator freed its cache and retried {mem['alloc_retries']} allocation(s): "
                      "each is a device-wide sync")

@@ -80,8 +80,9 @@ class RankTotals:
     world_size: int
     sums: dict[int, dict[str, list[float]]] = field(default_factory=dict)  # rank -> phase -> [sum, count]
     steps: dict[int, int] = field(default_factory=dict)
-    #: Each rank's latest peak allocated MB (the allocator's peak only rises).
-    peak_mb: dict[int, float] = field(default_factory=dict)
+    #: Each rank's memory as of its latest report: peak_allocated_mb, peak_reserved_mb, device_total_mb,
+    #: alloc_retries (CUDA ranks that read memory only).
+    memory: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def add(self, rank: int, steps: int, sums: dict[str, list[float]]) -> None:
         """One window of ``rank``: ``sums`` is ``{phase: [sum_ms, count]}``."""
@@ -185,15 +186,16 @@ class RankExchange:
 
     # -- the training thread, once a window -------------------------------------------
     def add(self, key: int, last_step: int, steps: int, values: dict[str, list[float]], *,
-            peak_mb: float | None = None) -> None:
-        """A window this rank has written (its ms per phase; its peak allocated MB, if read); it goes out with
-        the next exchange.  Rank zero keeps its own.
+            memory: dict[str, float] | None = None) -> None:
+        """A window this rank has written (its ms per phase; its memory, if read: ``peak_allocated_mb``,
+        ``peak_reserved_mb``, ``device_total_mb``, ``alloc_retries``); it goes out with the next exchange.
+        Rank zero keeps its own.
         """
         if self.broken:
             return  # the exchange stopped: keep nothing (memory stays flat)
         report: list[Any] = [key, last_step, steps, {p: [sum(vs), len(vs)] for p, vs in values.items()}]
-        if peak_mb is not None:
-            report.append(peak_mb)
+        if memory:
+            report.append(memory)
         if self.rank == 0:
             self._receive(0, report)
         else:
@@ -330,9 +332,9 @@ class RankExchange:
                 for phase, (s, c) in sums.items():
                     if c:
                         means.setdefault(phase, {})[rank] = s / c
-                if peak and isinstance(peak[0], (int, float)):
-                    peaks[rank] = float(peak[0])
-                    self.totals.peak_mb[rank] = max(self.totals.peak_mb.get(rank, 0.0), peaks[rank])
+                if peak and isinstance(peak[0], dict) and isinstance(peak[0].get("peak_allocated_mb"), (int, float)):
+                    self.totals.memory[rank] = peak[0]
+                    peaks[rank] = float(peak[0]["peak_allocated_mb"])
             step = max(int(r[1]) for r in reports.values())
             out.append(RankWindow(key, step, means, len(reports), peaks))
         return out

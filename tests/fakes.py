@@ -121,6 +121,10 @@ class FakeAllocator:
     def free(self, mb: float) -> None:
         self.allocated -= mb
 
+    def reset_peak(self) -> None:
+        """What ``torch.cuda.reset_peak_memory_stats()`` does: the peaks start again from now."""
+        self.peak, self.peak_reserved = self.allocated, self.reserved
+
     def read(self) -> Any:
         from phase_timer.memory import Reading
 

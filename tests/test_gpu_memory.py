@@ -1,7 +1,8 @@
 """Memory per phase on a real CUDA device (issue 27), both doors, against the allocator's truth.
 
 The runs are ``benchmarks/memory_truth.py``'s (its docstring says how the truth is read); each test
-prints its figures (``MEMORY`` lines), which ``benchmarks/results/memory_h100.txt`` records.
+prints its figures (``MEMORY`` lines); ``python -m benchmarks.memory_truth`` prints the same cases as a table,
+recorded in ``benchmarks/results/memory_truth_h100.txt``.
 """
 
 from __future__ import annotations

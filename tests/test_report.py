@@ -246,6 +246,7 @@ def planted_memory(peak_mb: float = 1410.0, *, reserved_mb: float = 2048.0, act_
         "reserved_mb": stat(reserved_mb), "peak_allocated_mb": peak_mb, "peak_reserved_mb": reserved_mb,
         "peak_phase": "backward", "peak_step": 1, "alloc_retries": 0, "device_total_mb": 81559.0,
         "device_free_mb": 79000.0, "creep": None, "step_begin_points": [[s, BEGIN_MB] for s in MEM_STEPS[2:]],
+        "stopped": None, "device_error": None,
     }
 
 
