@@ -488,8 +488,16 @@ def _gb(mb: float) -> str:
     return f"{mb / 1024:.2f} GB" if abs(mb) >= 1024 else f"{mb:.0f} MB"
 
 
+#: The peak's phase when the allocator's peak was higher at phase-timer's first read than ever after.
+BEFORE = "before the first sampled step"
+BEFORE_NOTE = ("set before phase-timer's first read: earlier work in this process; torch.cuda.reset_peak_memory_stats() "
+               "before training makes the peak this run's")
+
+
 def _peak_where(mem: dict[str, Any]) -> str:
     phase, step = mem.get("peak_phase"), mem.get("peak_step")
+    if phase == BEFORE:
+        return f" ({BEFORE_NOTE})"
     return f" (set in {phase}" + (f", step {step})" if step is not None else ")") if phase else ""
 
 

@@ -202,7 +202,7 @@ class MemoryTracker:
             self._retries0 = r.retries  # warm-up's retries (cuDNN's benchmark probing) are not the run's
         self.retries = max(0, r.retries - self._retries0) if self._retries0 is not None else 0
         if last is None:
-            self.peak_phase, self.peak_step = "before the first sampled step", None
+            self.peak_phase, self.peak_step = "before the first sampled step", None  # diagnosis.BEFORE
         elif r.peak_allocated > self._max_alloc:
             l_begun, l_step, l_phase, _ = last
             if mark:

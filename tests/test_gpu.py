@@ -444,7 +444,7 @@ def test_backward_phase_covers_the_backward_kernels(tmp_path):
     x = torch.randn(2048, width, device="cuda")
     timer = phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=0, per_step=True, summary=False)
     got = {}
-    timer.core._sinks.append(type("S", (), {"write": lambda s, st, sc: got.setdefault(st, sc), "flush": lambda s: None, "close": lambda s: None})())
+    timer.core._sinks.append(type("S", (), {"write": lambda s, st, sc: got.setdefault(st, {}).update(sc), "flush": lambda s: None, "close": lambda s: None})())
     for i in range(8):
         if i == 6:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -960,6 +960,7 @@ def _hf_run(tmp_path, callbacks, steps: int = 40, profile_from: int = 10, profil
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=steps,
                              logging_steps=10, report_to="none", save_strategy="no", disable_tqdm=True, **args_kw)
     win = Window()
+    torch.cuda.reset_peak_memory_stats()  # the harness, as a user would: the peak is this run's, not the one before's
     Trainer(model=model, args=args, train_dataset=Tokens(8 * steps, 512), callbacks=[*callbacks, win]).train()
     names = [e.name for e in win.prof.events()]
     return {n: names.count(n) for n in SYNC_CALLS}, win.prof

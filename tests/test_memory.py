@@ -281,12 +281,16 @@ def test_a_reader_that_fails_mid_run_warns_once_and_the_run_goes_on(fake, caplog
 
 
 def test_phase_timer_never_resets_the_allocators_peak():
+    """No call, attribute or name in phase-timer's code reaches the allocator's reset (its text may advise one)."""
+    import ast
     import pathlib
 
     src = pathlib.Path(phase_timer.__file__).parent
-    for path in [*src.glob("*.py"), *src.glob("*.c")]:
-        text = path.read_text()
-        assert "cuda.reset_peak_memory_stats" not in text and "resetPeakMemoryStats" not in text, path
+    for path in src.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+            assert "reset_peak" not in name.lower() and "resetpeak" not in name.lower(), (path, node.lineno)
+    assert "resetPeakMemoryStats" not in (src / "_native.c").read_text()
 
 
 def test_memory_is_absent_on_the_host_clock_and_with_memory_false(tmp_path):
@@ -516,3 +520,12 @@ def test_memory_values_reach_the_sinks_in_step_order(fake):
     steps = [s for s, _ in sink.writes]
     assert any("phase_memory/step_begin_mb" in w for _, w in sink.writes)
     assert steps == sorted(steps)  # a step never goes back (W&B-style loggers need it)
+
+
+def test_a_peak_from_before_the_run_is_said_to_be_so(fake):
+    fake.alloc(5000), fake.free(5000)  # earlier work in the process: a peak the run never reaches
+    core = timed(fake, 30)
+    mem = core.memory_summary()
+    assert mem["peak_phase"] == "before the first sampled step" and mem["peak_allocated_mb"] == pytest.approx(6000)
+    assert "set before phase-timer's first read" in core.summary_table()
+    assert "reset_peak_memory_stats() before training" in core.summary_table()
