@@ -175,7 +175,7 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
     Modes: ``off`` (nothing sampled, memory off), ``self-timing`` (every step's own host time timed, as one
     step in ~96 is), ``in flight`` (every close counts the steps in flight, as one in 16 does, on a
     CUDA clock), ``memory`` (every step reads the allocator's counters at its five boundaries, as one
-    in ~96 does after the first ones, on a CUDA clock).  A sampled step's extra cost over ``off``, divided by its gap, is what each step
+    in ~128 does after the first ones, on a CUDA clock).  A sampled step's extra cost over ``off``, divided by its gap, is what each step
     pays on average.  A little device work per step lets the device finish each step soon, so
     counting the steps in flight takes its query path (the dearer one).
     """
@@ -258,7 +258,7 @@ def schedule_rows(extra_us: dict[str, float]) -> list[str]:
         return samples, flights, mem
 
     lines = ["the schedule (first 8 sampled steps 2-4 apart, then 48-144; in flight every 2nd close to step 32, then "
-             "every 16th; memory: the first 8 steps begun, then 4-12 apart to 16, then 48-144): samples, counts, memory "
+             "every 16th; memory: the first 8 steps begun, then 4-12 apart to 16, then 64-192): samples, counts, memory "
              "steps and amortized cost by timed steps (warm-up 5)"]
     for timed in (20, 50, 100, 1_000, 10_000, 100_000):
         samples, flights, mem = expected(timed)

@@ -149,7 +149,7 @@ class PhaseTimer:
         rank_timeout_s: distributed runs: how long rank zero waits, at the end of ``fit``,
             for the other ranks' last reports (after an exception: no wait at all).
         memory: on CUDA, read the caching allocator's counters at each boundary of a sampled step
-            (about one in 96; never a sync, never a reset of the user's peak): memory per phase,
+            (about one in 128; never a sync, never a reset of the user's peak): memory per phase,
             the peak's phase, creep and headroom (``phase_memory/*``).  ``False``: not read.
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
             torch.distributed it must be the same on every rank (rank zero expects every

@@ -14,7 +14,7 @@ step end), densely at first (the first :data:`DENSE` steps begun, warm-up ones i
 the run's peak is most often set by the first optimizer step), then :data:`MEDIUM_GAP`
 apart until :data:`MEDIUM` samples, then :data:`SPARSE_GAP` apart, at random so that no
 periodic work aliases with them.  In a steady loop memory per phase is the same from step
-to step, so a sample in ~96 steps loses nothing but the moment a change happens; a peak
+to step, so a sample in ~128 steps loses nothing but the moment a change happens; a peak
 that rises between samples is said to be "between samples".
 
 Nothing here resets the allocator's peak: ``torch.cuda.max_memory_allocated()`` returns
@@ -34,8 +34,9 @@ DENSE = 8
 #: ... then one in MEDIUM_GAP until MEDIUM samples (the creep rule gets its points within ~100 steps) ...
 MEDIUM = 16
 MEDIUM_GAP = (4, 12)
-#: ... then one in SPARSE_GAP (a mean of 96 steps: a memory step costs ~120 µs on an H100, ~1.3 µs a step).
-SPARSE_GAP = (48, 144)
+#: ... then one in SPARSE_GAP (a mean of 128 steps: a memory step costs 134-195 µs in an H100 host's hot loop,
+#: 1.0-1.5 µs a step).
+SPARSE_GAP = (64, 192)
 #: The device's free memory (``cudaMemGetInfo``, 11-16 µs) is read on the first memory step and every DEVICE_EVERY-th.
 DEVICE_EVERY = 8
 #: Samples from steps before this one begun are not steady: the first optimizer step allocates its state.
