@@ -392,9 +392,7 @@ class Boundaries:
         self.core.discard()
         self.open = self.ended = self.trailing = self._failed = False
         if self._mem_on:
-            self._mem_on = False
-            self._mem_call(self._mem.drop)
-            self._mem_due = self._mem.next_due if self._mem is not None else 0
+            self._mem_end(self._mem.drop)
 
     def _close(self) -> None:
         self.steps += 1
@@ -404,9 +402,7 @@ class Boundaries:
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
         if self._mem_on:
-            self._mem_on = False
-            self._mem_call(self.core.add_memory, self._mem)
-            self._mem_due = self._mem.next_due if self._mem is not None else 0
+            self._mem_end(self.core.add_memory, self._mem)
         self._auto = H2D
         if self.steps == self._census_at:
             self._census_step()
@@ -417,11 +413,15 @@ class Boundaries:
     def _mem_read(self, phase: str) -> None:
         mem = self._mem
         if mem.full:  # a step that never ends (no optimizer step heard): its reads stop here
-            self._mem_on = False
-            self._mem_call(mem.drop)
-            self._mem_due = mem.next_due
+            self._mem_end(mem.drop)
         elif not self._mem_call(mem.read, phase):
             self._mem_on = False
+
+    def _mem_end(self, fn: Any, *args: Any) -> None:
+        """The memory step is over (closed, dropped, or read full): ``fn`` folds it in; the next one is due."""
+        self._mem_on = False
+        if self._mem_call(fn, *args):
+            self._mem_due = self._mem.next_due  # type: ignore[union-attr]
 
     def _mem_mark(self, phase: str) -> None:
         """A read at a pause's begin or end or at the run's end; inside a memory step, one of its reads."""

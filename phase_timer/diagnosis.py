@@ -9,12 +9,14 @@ missing signal is never a zero.  The thresholds are the module's constants below
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED
+from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.syncs import SyncCensus, SyncSite
 
 #: Fewer timed steps than this, and no other rule speaks.
@@ -488,12 +490,6 @@ def _gb(mb: float) -> str:
     return f"{mb / 1024:.2f} GB" if abs(mb) >= 1024 else f"{mb:.0f} MB"
 
 
-#: The peak's phase when the allocator's peak was higher at phase-timer's first read than ever after.
-BEFORE = "before the first sampled step"
-BEFORE_NOTE = ("set before phase-timer's first read: earlier work in this process; torch.cuda.reset_peak_memory_stats() "
-               "before training makes the peak this run's")
-
-
 def _peak_where(mem: dict[str, Any]) -> str:
     phase, step = mem.get("peak_phase"), mem.get("peak_step")
     if phase == BEFORE:
@@ -552,8 +548,6 @@ def _creep(mem: dict[str, Any]) -> Diagnosis | None:
 
 
 def _expandable() -> bool:
-    import os
-
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
@@ -566,10 +560,11 @@ def _fragmentation(mem: dict[str, Any]) -> Diagnosis | None:
     why = (f"the allocator reserved {_gb(reserved)} at its peak for {_gb(peak)} allocated at most: "
            f"{_gb(reserved - peak)} ({reserved / peak:.2f}x) held in its cache that no tensor uses")
     tips = ["blocks of many sizes split the cache (varying sequence lengths or batch shapes): pad to a few fixed shapes"]
-    if not _expandable():
+    expandable = _expandable()
+    if not expandable:
         tips.insert(0, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets segments grow instead of splitting")
     ev = {"peak_reserved_mb": reserved, "peak_allocated_mb": peak, "ratio": reserved / peak, "device_total_mb": total,
-          "expandable_segments": _expandable()}
+          "expandable_segments": expandable}
     severity = "medium" if total and reserved >= 0.8 * total else "info"
     return Diagnosis("MEMORY_FRAGMENTATION", severity, why, tuple(tips), ev)
 

@@ -46,7 +46,13 @@ MAX_READS = 64
 #: Steady samples of the step's begin kept for the creep rule and the summary file (thinned by half when full).
 MAX_POINTS = 256
 MB = float(1 << 20)
-BETWEEN, PAUSED = "between_steps", "paused"
+H2D, BETWEEN, PAUSED = "h2d", "between_steps", "paused"
+#: The peak's phase when the allocator's peak at phase-timer's first read was never passed afterwards.
+BEFORE = "before the first sampled step"
+BEFORE_NOTE = ("set before phase-timer's first read: earlier work in this process; torch.cuda.reset_peak_memory_stats() "
+               "before training makes the peak this run's")
+#: What a memory step writes that is the run's or the device's, not allocated at a boundary: no steady statistic.
+_NOT_BOUNDARIES = frozenset({"peak_allocated", "peak_reserved", "reserved", "device_free"})
 
 
 class Reading(NamedTuple):
@@ -115,8 +121,8 @@ class _Stat:
 class MemoryTracker:
     """One run's memory samples: which steps are read, what each phase holds, where the peak was set.
 
-    The boundaries call :meth:`wants` when a step begins, :meth:`read` at each boundary of a
-    sampled step, and :meth:`end_step` (or :meth:`drop`) when it closes.
+    The boundaries call :meth:`begin` when a step at or after :attr:`next_due` begins, :meth:`read` at each
+    of its boundaries, and :meth:`end_step` (or :meth:`drop`) when it closes; :meth:`mark` outside it.
     """
 
     def __init__(self, read: Reader, device_info: Callable[[], tuple[int, int]] | None = None,
@@ -203,7 +209,7 @@ class MemoryTracker:
             self._retries0 = r.retries  # warm-up's retries (cuDNN's benchmark probing) are not the run's
         self.retries = max(0, r.retries - self._retries0) if self._retries0 is not None else 0
         if last is None:
-            self.peak_phase, self.peak_step = "before the first sampled step", None  # diagnosis.BEFORE
+            self.peak_phase, self.peak_step = BEFORE, None
         elif r.peak_allocated > self._max_alloc:
             l_begun, l_step, l_phase, _ = last
             if mark:
@@ -226,17 +232,14 @@ class MemoryTracker:
         reads, self._reads = self._reads, []
         self.samples += 1
         self._schedule()
-        first: dict[str, float] = {}
-        for phase, r in reads:
-            first.setdefault(phase, r.allocated / MB)
         out = {"step_begin": reads[0][1].allocated / MB}
-        for phase, mb in list(first.items())[1:] if reads[0][0] == "h2d" else first.items():
-            out[f"{phase}_begin" if phase != BETWEEN else "step_end"] = mb  # h2d's begin is the step's
-        ends = [r for p, r in reads if p == BETWEEN]
-        if ends:
-            out["step_end"] = ends[-1].allocated / MB
-        if "forward" in first and "backward" in first:
-            out["activations"] = first["backward"] - first["forward"]
+        for phase, r in reads:  # each phase's first begin (h2d's is the step's); the step's last end
+            if phase == BETWEEN:
+                out["step_end"] = r.allocated / MB
+            elif phase != H2D:
+                out.setdefault(f"{phase}_begin", r.allocated / MB)
+        if "forward_begin" in out and "backward_begin" in out:
+            out["activations"] = out["backward_begin"] - out["forward_begin"]
         last = reads[-1][1]
         out["reserved"] = last.reserved / MB
         out["peak_allocated"] = last.peak_allocated / MB
@@ -244,7 +247,7 @@ class MemoryTracker:
         self._device(out)
         if self._begun >= STEADY_FROM:
             for k, v in out.items():
-                if k not in ("peak_allocated", "peak_reserved", "reserved", "device_free", "device_total"):
+                if k not in _NOT_BOUNDARIES:
                     self.stats.setdefault(k, _Stat()).add(v)
             self.reserved.add(out["reserved"])
             self._point(self.step, out["step_begin"])
@@ -262,11 +265,11 @@ class MemoryTracker:
         out["device_free"] = free / MB
         self.device_free_mb = free / MB if self.device_free_mb is None else min(self.device_free_mb, free / MB)
 
-    def _point(self, begun: int, mb: float) -> None:
+    def _point(self, step: int, mb: float) -> None:
         self._seen += 1
         if (self._seen - 1) % self._thin:
             return
-        self.points.append((begun, mb))
+        self.points.append((step, mb))
         if len(self.points) >= MAX_POINTS:  # bounded memory over any run length: every other point, the newest kept
             self.points = self.points[::-2][::-1]
             self._thin *= 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
+from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.stats import WINDOW_STATS, RunTotals
 
 if TYPE_CHECKING:
@@ -240,9 +241,8 @@ def format_memory(mem: dict | None) -> str | None:
         "peak_reserved_mb") is not None else ""
     where = mem.get("peak_phase")
     at = f" in {where}" + (f" (step {mem['peak_step']})" if mem.get("peak_step") is not None else "") if where else ""
-    if where == "before the first sampled step":  # diagnosis.BEFORE: the process's peak, not this run's
-        at = (", set before phase-timer's first read (earlier work in this process: torch.cuda.reset_peak_memory_stats() "
-              "before training makes it this run's)")
+    if where == BEFORE:  # the process's peak, not this run's
+        at = f", {BEFORE_NOTE}"
     lines.append(f"  peak allocated {_mb(mem.get('peak_allocated_mb'))}{at}; peak reserved "
                  f"{_mb(mem.get('peak_reserved_mb'))}{share}")
     creep = mem.get("creep")
