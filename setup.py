@@ -11,7 +11,7 @@ setup(
         Extension(
             "phase_timer._native",
             sources=["phase_timer/_native.c"],
-            libraries=["dl"],
+            libraries=["dl", "m", "pthread"],
             extra_compile_args=["-O2"],
             optional=True,
         )

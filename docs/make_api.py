@@ -89,7 +89,7 @@ def render() -> str:
     os.environ["COLUMNS"] = "100"  # argparse wraps its help to the terminal: one width for the file
     import phase_timer
     from phase_timer import Diagnosis, LoopTimer, attach
-    from phase_timer.clock import NATIVE_ENV
+    from phase_timer._env import NATIVE_ENV
     from phase_timer.config import DISABLE_ENV
     from phase_timer.lightning import PhaseTimer
     from phase_timer.cli import build_parser

@@ -16,6 +16,14 @@ def env_flag(name: str, default: bool) -> bool:
     return True if value in _TRUE else False if value in _FALSE else default
 
 
+#: ``PHASE_TIMER_NATIVE=0``: the Python engine, torch's events and Python statistics, even where C is built.
+NATIVE_ENV = "PHASE_TIMER_NATIVE"
+
+
+def native_wanted() -> bool:
+    return env_flag(NATIVE_ENV, default=True)
+
+
 def warn(log: logging.Logger, msg: str, stacklevel: int = 2) -> None:
     """Log ``msg`` and raise it as a RuntimeWarning at ``stacklevel`` (as counted from the caller)."""
     log.warning(msg)

@@ -22,7 +22,12 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <dlfcn.h>
+#include <math.h>
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -45,6 +50,7 @@ static struct {
     CUresult (*CtxGetCurrent)(CUcontext *);
     CUresult (*CtxPushCurrent)(CUcontext);
     CUresult (*CtxPopCurrent)(CUcontext *);
+    CUresult (*CtxSetCurrent)(CUcontext);
     CUresult (*EventCreate)(CUevent *, unsigned int);
     CUresult (*EventDestroy)(CUevent);
     CUresult (*EventRecord)(CUevent, CUstream);
@@ -76,6 +82,7 @@ static int load_driver(void) {
         {(void **)&cu.CtxGetCurrent, "cuCtxGetCurrent", NULL},
         {(void **)&cu.CtxPushCurrent, "cuCtxPushCurrent_v2", "cuCtxPushCurrent"},
         {(void **)&cu.CtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent"},
+        {(void **)&cu.CtxSetCurrent, "cuCtxSetCurrent", NULL},
         {(void **)&cu.EventCreate, "cuEventCreate", NULL},
         {(void **)&cu.EventDestroy, "cuEventDestroy_v2", "cuEventDestroy"},
         {(void **)&cu.EventRecord, "cuEventRecord", NULL},
@@ -480,6 +487,9 @@ typedef struct {
     int32_t *hid;
     double *hms;
     int single;             /* every mark on one stream: the last done means all are */
+    Py_ssize_t epoch;       /* the clock's stream epoch at the open: equal in two single records, one stream */
+    CUevent *ev;            /* threaded: the marks' events, copied at the close (the pool's array may move) */
+    double *span;           /* threaded: the n - 1 spans, as the resolver thread read them */
 } Rec;
 
 typedef struct {
@@ -518,6 +528,18 @@ typedef struct {
     unsigned char *seen;
     int32_t *touched;
     PyObject *out;          /* results for Python, or NULL */
+    /* threaded (device clock): a thread of its own, which never takes the GIL, asks the device whether the
+     * oldest records are done and reads their spans; poll() then only takes what it resolved.  Under `mu`:
+     * `head`, `count` and `resolved` (records at the head whose spans are read), `stop`, `thread_err`. */
+    int threaded;
+    int running;            /* the thread is started (in this process) */
+    pid_t owner;            /* the process that started it: a forked child never joins it */
+    pthread_t thread;
+    pthread_mutex_t mu;
+    int stop;
+    Py_ssize_t resolved;
+    CUresult thread_err;    /* a driver error in the thread (it stops): raised by the next poll() */
+    const char *thread_err_what;
 } Steps;
 
 static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t size) {
@@ -537,6 +559,10 @@ static int rec_reserve(Rec *r, Py_ssize_t n) {
     if (grow((void **)&r->marks, &cap, n, sizeof(int64_t)) < 0) return -1;
     cap = r->cap;
     if (grow((void **)&r->labels, &cap, n, sizeof(int32_t)) < 0) return -1;
+    cap = r->cap;
+    if (grow((void **)&r->ev, &cap, n, sizeof(CUevent)) < 0) return -1;
+    cap = r->cap;
+    if (grow((void **)&r->span, &cap, n, sizeof(double)) < 0) return -1;
     r->cap = cap;
     return 0;
 }
@@ -544,6 +570,8 @@ static int rec_reserve(Rec *r, Py_ssize_t n) {
 static void rec_free(Rec *r) {
     PyMem_Free(r->marks);
     PyMem_Free(r->labels);
+    PyMem_Free(r->ev);
+    PyMem_Free(r->span);
     PyMem_Free(r->hid);
     PyMem_Free(r->hms);
 }
@@ -627,15 +655,149 @@ static void give_back(Steps *self, Rec *r) {
 
 static Py_ssize_t clock_epoch(Steps *self) { return self->clock != NULL ? self->clock->stream_epoch : 0; }
 
+/* -- the resolver thread (threaded engines) ------------------------------------------------------------
+ * It never takes the GIL and touches no Python object: only the ring's records, whose events were copied
+ * at their close, and `head`, `count`, `resolved` under `mu`.  It works in bursts: once THREAD_BATCH
+ * records it may ask are waiting (never the newest `lag`), or the oldest has waited THREAD_WAIT_US, it asks
+ * the newest of them (on one stream, that answers for all; else each, oldest first, up to the first not
+ * done) and reads their spans back to back.  A driver call from this thread makes the training thread's next
+ * ones slower (they share the driver's state: measured, docs/benchmarks.md), so it makes them rarely and
+ * together.  Between bursts it sleeps.  No wait on the device anywhere: cuEventQuery and cuEventElapsedTime
+ * return at once. */
+#define THREAD_BATCH 8
+#define THREAD_NAP_US 1000
+#define THREAD_WAIT_US 20000
+
+static void nap(long us) {
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+}
+
+/* 1 when the event is done, 0 if not, or a driver error (negated CUresult) */
+static int ev_done(CUevent ev) {
+    CUresult q = cu.EventQuery(ev);
+    return q == CUDA_SUCCESS ? 1 : q == CUDA_ERROR_NOT_READY ? 0 : -(int)q;
+}
+
+/* 1 when the record's events are done, 0 if not, or a driver error (negated CUresult) */
+static int rec_done_ev(Rec *r) {
+    for (Py_ssize_t i = r->single ? r->n - 1 : 0; i < r->n; i++) {
+        int d = ev_done(r->ev[i]);
+        if (d != 1) return d;
+    }
+    return 1;
+}
+
+static void *resolver_main(void *arg) {
+    Steps *self = arg;
+    long waited = 0;
+    CUresult err = cu.CtxSetCurrent(self->clock->ctx);
+    const char *what = "cuCtxSetCurrent";
+    while (err == CUDA_SUCCESS) {
+        pthread_mutex_lock(&self->mu);
+        int stop = self->stop;
+        Py_ssize_t first = self->resolved, waiting = self->count - self->lag - self->resolved;
+        Py_ssize_t head = self->head;
+        pthread_mutex_unlock(&self->mu);
+        if (stop) break;
+        if (waiting <= 0 || (waiting < THREAD_BATCH && waited < THREAD_WAIT_US)) {
+            nap(THREAD_NAP_US);
+            waited = waiting > 0 ? waited + THREAD_NAP_US : 0;
+            continue;
+        }
+        /* The records [first, first + waiting) stay where they are until poll() takes them, after `resolved`
+         * says their spans are in; poll() moves `head` only past resolved ones. */
+#define AT(k) (&self->ring[(head + first + (k)) % self->ring_cap])
+        Rec *newest = AT(waiting - 1);
+        Py_ssize_t known = 0, k;
+        int one_stream = waiting > 1;
+        for (k = 0; k < waiting && one_stream; k++)
+            one_stream = AT(k)->single && AT(k)->epoch == newest->epoch;
+        if (one_stream) {
+            int d = ev_done(newest->ev[newest->n - 1]);
+            if (d < 0) { err = (CUresult)(-d); what = "cuEventQuery"; break; }
+            if (d) known = waiting;
+        }
+        Py_ssize_t done = 0;
+        for (k = 0; k < waiting; k++) {
+            Rec *r = AT(k);
+            if (k >= known) {
+                int d = rec_done_ev(r);
+                if (d < 0) { err = (CUresult)(-d); what = "cuEventQuery"; break; }
+                if (!d) break;
+            }
+            for (Py_ssize_t i = 1; i < r->n && err == CUDA_SUCCESS; i++) {
+                float ms;
+                err = cu.EventElapsedTime(&ms, r->ev[i - 1], r->ev[i]);
+                r->span[i - 1] = ms;
+            }
+            if (err != CUDA_SUCCESS) { what = "cuEventElapsedTime"; break; }
+            done++;
+        }
+#undef AT
+        if (done) {
+            pthread_mutex_lock(&self->mu);
+            self->resolved += done;
+            pthread_mutex_unlock(&self->mu);
+        }
+        waited = 0;
+        if (done < waiting) nap(THREAD_NAP_US);  /* the device is behind: the rest later */
+    }
+    if (err != CUDA_SUCCESS) {
+        pthread_mutex_lock(&self->mu);
+        self->thread_err = err;
+        self->thread_err_what = what;
+        pthread_mutex_unlock(&self->mu);
+    }
+    return NULL;
+}
+
+/* Start the thread if it is not running (0, or -1 with an exception set). */
+static int thread_start(Steps *self) {
+    if (self->running && self->owner == getpid()) return 0;
+    if (self->owner != 0 && self->owner != getpid() && pthread_mutex_init(&self->mu, NULL) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "phase-timer: pthread_mutex_init failed");  /* a forked child's own */
+        return -1;
+    }
+    self->stop = 0;
+    self->resolved = 0;
+    self->thread_err = CUDA_SUCCESS;
+    int rc = pthread_create(&self->thread, NULL, resolver_main, self);
+    if (rc != 0) {
+        PyErr_Format(PyExc_RuntimeError, "phase-timer: could not start the resolver thread (error %d)", rc);
+        return -1;
+    }
+    self->running = 1;
+    self->owner = getpid();
+    return 0;
+}
+
+/* Stop and join the thread (the GIL released while it finishes its call).  In a forked child the thread
+ * does not exist and its mutex may be held forever: nothing is touched there. */
+static void thread_stop(Steps *self) {
+    if (!self->running || self->owner != getpid()) return;
+    pthread_mutex_lock(&self->mu);
+    self->stop = 1;
+    pthread_mutex_unlock(&self->mu);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(self->thread, NULL);
+    Py_END_ALLOW_THREADS
+    self->running = 0;
+    self->resolved = 0;  /* the records stay; drain() resolves them itself */
+}
+
+static void lock(Steps *self) { if (self->threaded) pthread_mutex_lock(&self->mu); }
+static void unlock(Steps *self) { if (self->threaded) pthread_mutex_unlock(&self->mu); }
+
 static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"clock", "window", "max_pending", "lag", "max_per_poll", "per_step", "between", "paused",
-                             "folded", NULL};
+                             "folded", "threaded", NULL};
     PyObject *clock, *between = NULL, *paused = NULL, *folded = NULL;
     long long window;
     Py_ssize_t max_pending, lag = 2, max_per_poll = 4;
-    int per_step = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUO", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
-                                     &per_step, &between, &paused, &folded))
+    int per_step = 0, threaded = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUOp", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
+                                     &per_step, &between, &paused, &folded, &threaded))
         return -1;
     if (self->ids != NULL) { PyErr_SetString(PyExc_RuntimeError, "Steps.__init__ called twice"); return -1; }
     if (window < 1 || max_pending < 1 || lag < 0 || max_per_poll < 1) {
@@ -674,10 +836,23 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     self->ring_cap = max_pending;
     self->ring = PyMem_Calloc(max_pending, sizeof(Rec));
     if (self->ring == NULL) { PyErr_NoMemory(); return -1; }
+    if (threaded && self->clock == NULL) {
+        PyErr_SetString(PyExc_ValueError, "Steps: threaded needs a native Clock (host marks resolve at once)");
+        return -1;
+    }
+    if (threaded && pthread_mutex_init(&self->mu, NULL) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "Steps: pthread_mutex_init failed");
+        return -1;
+    }
+    self->threaded = threaded;
     return 0;
 }
 
 static void Steps_dealloc(Steps *self) {
+    if (self->threaded) {
+        thread_stop(self);  /* before anything it reads goes */
+        if (self->owner == 0 || self->owner == getpid()) pthread_mutex_destroy(&self->mu);
+    }
     if (self->ring != NULL) {
         /* Pending marks go back to the pool (the clock outlives this reference). */
         for (Py_ssize_t k = 0; k < self->count; k++) give_back(self, &self->ring[(self->head + k) % self->ring_cap]);
@@ -804,14 +979,22 @@ static PyObject *Steps_close(Steps *self, PyObject *arg) {
     r->n++;
     if (period >= 0 && add_host_id(r, self->period_id, period) < 0) { r->n--; return NULL; }
     r->single = clock_epoch(self) == self->epoch;
-    /* Into the ring by swapping buffers: the slot's old buffers become the next record's. */
+    r->epoch = self->epoch;
+    if (self->threaded) {  /* the events themselves, for the thread: the pool's array may move as it grows */
+        for (Py_ssize_t i = 0; i < r->n; i++) r->ev[i] = self->clock->events[r->marks[i]];
+        if (thread_start(self) < 0) { r->n--; return NULL; }
+    }
+    /* Into the ring by swapping buffers: the slot's old buffers become the next record's.  The slot is
+     * past `count`: the thread does not read it until the count below says it is there. */
     Rec *slot = &self->ring[(self->head + self->count) % self->ring_cap];
     Rec tmp = *slot;
     *slot = *r;
     *r = tmp;
     r->n = r->nh = 0;
     r->end = -1;
+    lock(self);
     self->count++;
+    unlock(self);
     self->open = 0;
     Py_RETURN_TRUE;
 }
@@ -831,7 +1014,14 @@ static int out_append(Steps *self, PyObject *item) {
     return bad;
 }
 
-/* The window being filled, as ("window", key, last_step, steps, {phase: [ms, ...]}) for Python. */
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The window being filled, as ("window", key, last_step, steps, {phase: [ms, ...]}) for Python,
+ * each phase's values sorted (what the statistics and the run totals take: sorted here, Python's
+ * sort of them is a linear pass). */
 static int emit_window(Steps *self) {
     if (!self->has_win) return 0;
     PyObject *cols = PyDict_New();
@@ -839,6 +1029,7 @@ static int emit_window(Steps *self) {
     for (Py_ssize_t k = 0; k < self->n_order; k++) {
         int32_t id = self->col_order[k];
         Py_ssize_t n = self->col_n[id];
+        qsort(self->col[id], (size_t)n, sizeof(double), cmp_double);
         PyObject *list = PyList_New(n);
         if (list == NULL) goto fail;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -869,11 +1060,13 @@ static int64_t floordiv(int64_t a, int64_t b) {
 }
 
 /* A record whose marks are all done: its phases' ms into the window (and a per-step
- * result when asked), its marks back to the pool. */
-static int resolve(Steps *self, Rec *r) {
+ * result when asked), its marks back to the pool.  `given`: its spans, read already (the thread). */
+static int resolve(Steps *self, Rec *r, const double *given) {
     Py_ssize_t nspans = r->n - 1, nt = 0;
     if (grow((void **)&self->spans, &self->spans_cap, nspans > 0 ? nspans : 1, sizeof(double)) < 0) return -1;
-    if (self->clock != NULL) {
+    if (given != NULL) {
+        memcpy(self->spans, given, (nspans > 0 ? nspans : 0) * sizeof(double));
+    } else if (self->clock != NULL) {
         if (spans_slots(self->clock, r->marks, r->n, self->spans) < 0) return -1;
     } else {
         for (Py_ssize_t i = 0; i < nspans; i++) self->spans[i] = (double)(r->marks[i + 1] - r->marks[i]) / 1e6;
@@ -961,21 +1154,70 @@ static int rec_done(Steps *self, Rec *r) {
     return 1;
 }
 
+/* The records before the newest `lag` (`eligible` of them) are all on one stream and the newest of
+ * them is done: then all are (one stream completes in order), known from one query.  1, 0, or -1. */
+static int batch_done(Steps *self, Py_ssize_t eligible) {
+    if (eligible < 2 || self->clock == NULL) return 0;
+    Rec *newest = &self->ring[(self->head + eligible - 1) % self->ring_cap];
+    for (Py_ssize_t k = 0; k < eligible; k++) {
+        Rec *r = &self->ring[(self->head + k) % self->ring_cap];
+        if (!r->single || r->epoch != newest->epoch) return 0;
+    }
+    return query_slot(self->clock, (Py_ssize_t)newest->marks[newest->n - 1]);
+}
+
+/* poll(), threaded: take what the thread resolved (no driver call here); raise what it failed on. */
+static PyObject *poll_threaded(Steps *self) {
+    pthread_mutex_lock(&self->mu);
+    Py_ssize_t ready = self->resolved;
+    CUresult err = self->thread_err;
+    const char *what = self->thread_err_what;
+    pthread_mutex_unlock(&self->mu);
+    if (ready > self->max_per_poll) ready = self->max_per_poll;
+    Py_ssize_t done = 0;
+    int bad = 0;
+    while (done < ready && !bad) {
+        Rec *r = &self->ring[(self->head + done) % self->ring_cap];
+        bad = resolve(self, r, r->span) < 0;
+        done++;
+    }
+    pthread_mutex_lock(&self->mu);
+    self->head = (self->head + done) % self->ring_cap;
+    self->count -= done;
+    self->resolved -= done;
+    pthread_mutex_unlock(&self->mu);
+    if (bad) return NULL;
+    if (err != CUDA_SUCCESS) {
+        thread_stop(self);  /* it has stopped; join it, so that a later close starts it afresh */
+        return cuda_error(err, what);
+    }
+    return take_out(self);
+}
+
 /* poll() -> list | None: resolve what the device has finished, oldest first, never waiting.
  * The newest `lag` records are not asked (querying an event just recorded makes the
- * driver flush the stream's batched launches); at most max_per_poll per call. */
+ * driver flush the stream's batched launches); at most max_per_poll per call.  The caller
+ * polls every few closes, so that a poll finds several records done: one query of the newest
+ * of them answers for all when they are on one stream, and their resolution runs in one go
+ * (a driver call costs several times less right after another than alone between kernel launches). */
 static PyObject *Steps_poll(Steps *self, PyObject *Py_UNUSED(ignored)) {
-    Py_ssize_t done = 0;
+    Py_ssize_t done = 0, known = 0;
     self->blocked = 0;
+    if (self->threaded) return poll_threaded(self);
+    if (self->count > self->lag) {
+        int all = batch_done(self, self->count - self->lag);
+        if (all < 0) return NULL;
+        if (all) known = self->count - self->lag;
+    }
     while (self->count > self->lag && done < self->max_per_poll) {
         Rec *r = &self->ring[self->head];
-        int ready = rec_done(self, r);
+        int ready = done < known ? 1 : rec_done(self, r);
         if (ready < 0) return NULL;
         if (!ready) {
             self->blocked = 1;
             break;
         }
-        int bad = resolve(self, r);
+        int bad = resolve(self, r, NULL);
         self->head = (self->head + 1) % self->ring_cap;
         self->count--;
         done++;
@@ -1031,6 +1273,7 @@ static PyObject *Steps_behind(Steps *self, PyObject *Py_UNUSED(ignored)) {
 /* drain() -> list | None: resolve every pending record, waiting for the device.
  * HOST-DEVICE SYNC (end of training only): wait_slot on each record's marks' streams. */
 static PyObject *Steps_drain(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->threaded) thread_stop(self);  /* what it resolved is resolved again here: the same spans */
     while (self->count > 0) {
         Rec *r = &self->ring[self->head];
         if (self->clock != NULL) {
@@ -1038,7 +1281,7 @@ static PyObject *Steps_drain(Steps *self, PyObject *Py_UNUSED(ignored)) {
             for (Py_ssize_t i = first; i < r->n; i++)
                 if (wait_slot(self->clock, (Py_ssize_t)r->marks[i]) < 0) return NULL;
         }
-        int bad = resolve(self, r);
+        int bad = resolve(self, r, NULL);
         self->head = (self->head + 1) % self->ring_cap;
         self->count--;
         if (bad) return NULL;
@@ -1102,6 +1345,390 @@ static PyTypeObject StepsType = {
     .tp_new = PyType_GenericNew,
 };
 
+/*
+ * Fast: the usual boundaries inside a step in one C call each, on the state of a Python
+ * phase_timer.boundaries.Boundaries (its slots, read and written where CPython keeps them), with the
+ * engine's switch/end/relabel called directly when it is a Steps.  Boundaries stays the one definition of
+ * every phase: each method here does what its Python namesake does in the usual case -- a plain (not
+ * sampled) step, not paused, no user phase open, no memory read due, nothing to warn about -- and in every
+ * other case calls the Python method itself.  Tests drive both with the same calls and compare.  In a real
+ * loop a Python boundary costs a few µs (its frames and attributes, cold between kernel launches); this
+ * costs one call.
+ */
+enum { S_OPEN, S_ENDED, S_TRAILING, S_PAUSED, S_IN_BACKWARD, S_AUTO, S_EXPLICIT, S_AFTER_BACKWARD, S_SAW_FORWARD,
+       S_SAW_BACKWARD, S_FAILED, S_MEM_ON, S_FETCHED, S_STEPS, S_BEGUN, S_STEP, S_FLIGHT_AT, S_CENSUS_AT, S_SAMPLE_IN,
+       S_MEM, S_MEM_DUE, S_CORE, N_SLOTS };
+static const char *slot_names[N_SLOTS] = {"open", "ended", "trailing", "paused", "in_backward", "_auto", "_explicit",
+                                          "_after_backward", "_saw_forward", "_saw_backward", "_failed", "_mem_on",
+                                          "_fetched", "steps", "begun", "_step", "_flight_at", "_census_at",
+                                          "_sample_in", "_mem", "_mem_due", "core"};
+enum { P_FORWARD, P_BACKWARD, P_OPTIMIZER, P_BETWEEN, P_H2D, N_PHASES };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *bounds;       /* the Boundaries instance */
+    PyTypeObject *plain;    /* its class: a subclass (a sampled step's) takes the Python path */
+    PyObject *engine;       /* a Steps (called in C), or any engine (its methods called) */
+    PyObject *phase[N_PHASES + 2];  /* the built-in phases, then "data_wait" and "sync_wait" */
+    Py_ssize_t off[N_SLOTS];
+    PyObject *time;         /* the time module: its perf_counter_ns looked up at each use, as Python does */
+} Fast;
+
+#define SLOT(f, i) (*(PyObject **)((char *)(f)->bounds + (f)->off[i]))
+
+/* A slot's truth (an unset slot is false). */
+static int truth(Fast *f, int i) {
+    PyObject *v = SLOT(f, i);
+    if (v == Py_True) return 1;
+    if (v == Py_False || v == NULL || v == Py_None) return 0;
+    return PyObject_IsTrue(v) > 0;
+}
+
+static void set_slot(Fast *f, int i, PyObject *v) {
+    Py_INCREF(v);
+    Py_XSETREF(SLOT(f, i), v);
+}
+
+static int no_user_phase(Fast *f) {
+    PyObject *x = SLOT(f, S_EXPLICIT);
+    return x != NULL && PyList_CheckExact(x) && PyList_GET_SIZE(x) == 0;
+}
+
+/* The usual case for any boundary: a plain step, not paused, no memory read, no user phase open. */
+static int usual(Fast *f) {
+    return Py_TYPE(f->bounds) == f->plain && !truth(f, S_PAUSED) && !truth(f, S_MEM_ON) && no_user_phase(f);
+}
+
+static PyObject *engine_switch(Fast *f, PyObject *phase) {
+    if (Py_IS_TYPE(f->engine, &StepsType)) return Steps_switch((Steps *)f->engine, phase);
+    return PyObject_CallMethod(f->engine, "switch", "O", phase);
+}
+
+static PyObject *engine_relabel(Fast *f, PyObject *phase) {
+    if (Py_IS_TYPE(f->engine, &StepsType)) return Steps_relabel((Steps *)f->engine, phase);
+    return PyObject_CallMethod(f->engine, "relabel", "O", phase);
+}
+
+/* _set(phase) when usual: the built-in phase that runs now, a mark where it changes. */
+static PyObject *set_phase(Fast *f, int p) {
+    set_slot(f, S_AUTO, f->phase[p]);
+    return engine_switch(f, f->phase[p]);
+}
+
+static PyObject *python_path(Fast *f, const char *name) { return PyObject_CallMethod(f->bounds, name, NULL); }
+
+/* An int slot or attribute as a C integer (-1 with an exception set when it is not one). */
+static long long as_ll(PyObject *v) {
+    if (v == NULL || !PyLong_CheckExact(v)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Fast: an int was expected");
+        return -1;
+    }
+    return PyLong_AsLongLong(v);
+}
+
+static int set_slot_ll(Fast *f, int i, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    Py_XSETREF(SLOT(f, i), o);
+    return 0;
+}
+
+/* The core's attribute `name` as a C integer; -2 (no exception) when it is not a plain int. */
+static long long core_ll(PyObject *core, const char *name) {
+    PyObject *v = PyObject_GetAttrString(core, name);
+    if (v == NULL) { PyErr_Clear(); return -2; }
+    long long x = PyLong_CheckExact(v) ? PyLong_AsLongLong(v) : -2;
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); return -2; }
+    return x;
+}
+
+static int core_is(PyObject *core, const char *name, PyObject *want) {
+    PyObject *v = PyObject_GetAttrString(core, name);
+    if (v == NULL) { PyErr_Clear(); return 0; }
+    Py_DECREF(v);
+    return v == want;
+}
+
+static int core_set_ll(PyObject *core, const char *name, long long x) {
+    PyObject *v = PyLong_FromLongLong(x);
+    if (v == NULL) return -1;
+    int rc = PyObject_SetAttrString(core, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* fetch(): the loop asks for the next batch; an ended step closes (Boundaries.fetch, _close and
+ * TimingCore.close) -- in the usual case: the close counts no steps in flight, starts no census or sampled
+ * step and reads no memory, and the core does not poll (one close in POLL_EVERY: Python's) and exchanges
+ * nothing with other ranks. */
+static PyObject *Fast_fetch(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    if (!usual(f) || truth(f, S_FETCHED) || !truth(f, S_ENDED)) return python_path(f, "fetch");
+    PyObject *core = SLOT(f, S_CORE);
+    long long steps = as_ll(SLOT(f, S_STEPS)), flight_at = as_ll(SLOT(f, S_FLIGHT_AT));
+    long long census_at = as_ll(SLOT(f, S_CENSUS_AT)), sample_in = as_ll(SLOT(f, S_SAMPLE_IN));
+    if (PyErr_Occurred()) return NULL;
+    long long last = core_ll(core, "_last_end"), poll_in = core_ll(core, "_poll_in");
+    if (steps + 1 == flight_at || steps + 1 == census_at || sample_in <= 1 || last < 0 || poll_in <= 1 ||
+        !core_is(core, "_in_step", Py_True) || !core_is(core, "ranks", Py_None) ||
+        !core_is(core, "_engine", f->engine))
+        return python_path(f, "fetch");
+    PyObject *t = PyObject_CallMethod(f->time, "perf_counter_ns", NULL);
+    if (t == NULL) return NULL;
+    long long now = PyLong_AsLongLong(t);
+    Py_DECREF(t);
+    if (now == -1 && PyErr_Occurred()) return NULL;
+    set_slot(f, S_FETCHED, Py_True);
+    if (set_slot_ll(f, S_STEPS, steps + 1) < 0) return NULL;
+    /* TimingCore.close */
+    if (PyObject_SetAttrString(core, "_in_step", Py_False) < 0 || core_set_ll(core, "_last_end", now) < 0) return NULL;
+    PyObject *period = PyFloat_FromDouble((double)(now - last) / 1e6);
+    if (period == NULL) return NULL;
+    PyObject *r = Py_IS_TYPE(f->engine, &StepsType) ? Steps_close((Steps *)f->engine, period)
+                                                     : PyObject_CallMethod(f->engine, "close", "O", period);
+    Py_DECREF(period);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    if (core_set_ll(core, "_poll_in", poll_in - 1) < 0) return NULL;
+    /* the rest of Boundaries._close */
+    set_slot(f, S_OPEN, Py_False);
+    set_slot(f, S_ENDED, Py_False);
+    set_slot(f, S_TRAILING, Py_False);
+    set_slot(f, S_AUTO, f->phase[P_H2D]);
+    if (set_slot_ll(f, S_SAMPLE_IN, sample_in - 1) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* batch(step, data_wait_ms[, sync_wait_ms]): a batch was handed over and a step begins with h2d
+ * (Boundaries.batch, _begin and TimingCore.begin_step) -- in the usual case: fetched, no step open, no memory
+ * step due, past the warm-up, room for it, no trace.  `step` None: the steps closed so far; `data_wait_ms`
+ * None: not measured. */
+static PyObject *Fast_batch(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 && nargs != 3) { PyErr_SetString(PyExc_TypeError, "batch(step, data_wait_ms[, sync_wait_ms])"); return NULL; }
+    PyObject *step = args[0], *wait = args[1], *sync = nargs == 3 ? args[2] : NULL;
+    PyObject *core = SLOT(f, S_CORE);
+    long long begun = as_ll(SLOT(f, S_BEGUN));
+    if (PyErr_Occurred()) return NULL;
+    PyObject *mem = SLOT(f, S_MEM);
+    int mem_due = 0;
+    if (mem != NULL && mem != Py_None) {
+        long long due = as_ll(SLOT(f, S_MEM_DUE));
+        if (PyErr_Occurred()) return NULL;
+        mem_due = begun + 1 >= due;
+    }
+    long long begun_core = core_ll(core, "steps_begun"), warmup = core_ll(core, "_warmup");
+    if (!usual(f) || !truth(f, S_FETCHED) || truth(f, S_OPEN) || mem_due || begun_core < 0 || warmup < 0 ||
+        begun_core + 1 <= warmup || !core_is(core, "closed", Py_False) || !core_is(core, "trace", Py_None) ||
+        !core_is(core, "_engine", f->engine) || !Py_IS_TYPE(f->engine, &StepsType) ||
+        ((Steps *)f->engine)->count >= ((Steps *)f->engine)->max_pending) {
+        PyObject *meth = PyObject_GetAttrString(f->bounds, "batch");
+        if (meth == NULL) return NULL;
+        PyObject *r = PyObject_CallFunctionObjArgs(meth, step, wait, sync, NULL);
+        Py_DECREF(meth);
+        return r;
+    }
+    if (step == Py_None) step = SLOT(f, S_STEPS);
+    Py_INCREF(step);  /* held: the slot it may come from is not written below, but the engine's call runs code */
+    set_slot(f, S_FETCHED, Py_False);
+    int bad = set_slot_ll(f, S_BEGUN, begun + 1) < 0;
+    if (!bad) set_slot(f, S_STEP, step);
+    /* TimingCore.begin_step */
+    bad = bad || PyObject_SetAttrString(core, "_in_step", Py_True) < 0 || core_set_ll(core, "steps_begun", begun_core + 1) < 0;
+    PyObject *oa[2] = {step, f->phase[P_H2D]};
+    PyObject *r = bad ? NULL : Steps_open((Steps *)f->engine, oa, 2);
+    Py_DECREF(step);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    set_slot(f, S_OPEN, Py_True);
+    set_slot(f, S_ENDED, Py_False);
+    set_slot(f, S_TRAILING, Py_False);
+    set_slot(f, S_AUTO, f->phase[P_H2D]);
+    set_slot(f, S_AFTER_BACKWARD, Py_False);
+    set_slot(f, S_SAW_FORWARD, Py_False);
+    set_slot(f, S_SAW_BACKWARD, Py_False);
+    set_slot(f, S_FAILED, Py_False);
+    if (wait != Py_None) {
+        PyObject *ha[2] = {f->phase[N_PHASES], wait};  /* "data_wait" */
+        r = Steps_add_host((Steps *)f->engine, ha, 2);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    int add_sync = sync != NULL ? PyObject_IsTrue(sync) : 0;
+    if (add_sync < 0) return NULL;
+    if (add_sync) {
+        PyObject *ha[2] = {f->phase[N_PHASES + 1], sync};  /* "sync_wait" */
+        r = Steps_add_host((Steps *)f->engine, ha, 2);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+/* forward(): the training forward starts (a loop with a loader: it does not begin the step). */
+static PyObject *Fast_forward(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    if (!usual(f) || truth(f, S_TRAILING)) return python_path(f, "forward");
+    if (truth(f, S_IN_BACKWARD) || !truth(f, S_OPEN)) Py_RETURN_NONE;
+    set_slot(f, S_SAW_FORWARD, Py_True);
+    set_slot(f, S_AFTER_BACKWARD, Py_False);
+    return set_phase(f, P_FORWARD);
+}
+
+/* copied(): the batch is on the device. */
+static PyObject *Fast_copied(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    if (!usual(f)) return python_path(f, "copied");
+    if (!truth(f, S_OPEN)) Py_RETURN_NONE;
+    set_slot(f, S_SAW_FORWARD, Py_True);
+    return set_phase(f, P_FORWARD);
+}
+
+/* backward_start(): the loop called backward(). */
+static PyObject *Fast_backward_start(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    if (!truth(f, S_OPEN) || truth(f, S_IN_BACKWARD)) {
+        if (Py_TYPE(f->bounds) == f->plain) Py_RETURN_NONE;
+        return python_path(f, "backward_start");  /* a sampled step times even a call that does nothing */
+    }
+    if (!usual(f) || truth(f, S_TRAILING) || !truth(f, S_SAW_FORWARD)) return python_path(f, "backward_start");
+    if (truth(f, S_AFTER_BACKWARD)) {  /* a second backward: what ran since the first was loss math */
+        PyObject *r = engine_relabel(f, f->phase[P_FORWARD]);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    set_slot(f, S_AFTER_BACKWARD, Py_False);
+    set_slot(f, S_SAW_BACKWARD, Py_True);
+    set_slot(f, S_IN_BACKWARD, Py_True);
+    return set_phase(f, P_BACKWARD);
+}
+
+/* backward_end(failed): backward() returned (or raised). */
+static PyObject *Fast_backward_end(Fast *f, PyObject *failed) {
+    if (!usual(f)) {
+        PyObject *meth = PyObject_GetAttrString(f->bounds, "backward_end");
+        if (meth == NULL) return NULL;
+        PyObject *args = PyTuple_New(0), *kw = Py_BuildValue("{sO}", "failed", failed);
+        PyObject *r = args != NULL && kw != NULL ? PyObject_Call(meth, args, kw) : NULL;
+        Py_DECREF(meth);
+        Py_XDECREF(args);
+        Py_XDECREF(kw);
+        return r;
+    }
+    if (!truth(f, S_IN_BACKWARD)) Py_RETURN_NONE;
+    set_slot(f, S_IN_BACKWARD, Py_False);
+    set_slot(f, S_FAILED, PyObject_IsTrue(failed) > 0 ? Py_True : Py_False);
+    set_slot(f, S_AFTER_BACKWARD, Py_True);
+    return set_phase(f, P_OPTIMIZER);
+}
+
+/* optimizer_start(): an optimizer step begins. */
+static PyObject *Fast_optimizer_start(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    if (!usual(f) || truth(f, S_TRAILING) || (truth(f, S_SAW_FORWARD) && !truth(f, S_SAW_BACKWARD)))
+        return python_path(f, "optimizer_start");
+    if (!truth(f, S_OPEN)) Py_RETURN_NONE;
+    set_slot(f, S_AFTER_BACKWARD, Py_False);
+    return set_phase(f, P_OPTIMIZER);
+}
+
+/* step_end(): an optimizer step ended: the step's device part ends here, unless the batch goes on. */
+static PyObject *Fast_step_end(Fast *f, PyObject *Py_UNUSED(ignored)) {
+    if (!usual(f)) return python_path(f, "step_end");
+    if (!truth(f, S_OPEN)) Py_RETURN_NONE;
+    PyObject *r = Py_IS_TYPE(f->engine, &StepsType) ? Steps_end((Steps *)f->engine, NULL, 0)
+                                                     : PyObject_CallMethod(f->engine, "end", NULL);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    set_slot(f, S_ENDED, Py_True);
+    set_slot(f, S_TRAILING, Py_True);
+    set_slot(f, S_AFTER_BACKWARD, Py_False);
+    set_slot(f, S_AUTO, f->phase[P_BETWEEN]);
+    Py_RETURN_NONE;
+}
+
+/* Fast(bounds, engine, (forward, backward, optimizer, between, h2d, data_wait, sync_wait), time_module) */
+static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
+    PyObject *bounds, *engine, *phases, *time;
+    if (!PyArg_ParseTuple(args, "OOO!O", &bounds, &engine, &PyTuple_Type, &phases, &time)) return -1;
+    if (PyTuple_GET_SIZE(phases) != N_PHASES + 2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "Fast: phases are (forward, backward, optimizer, between, h2d, data_wait, sync_wait)");
+        return -1;
+    }
+    PyTypeObject *plain = Py_TYPE(bounds);
+    for (int i = 0; i < N_SLOTS; i++) {
+        PyObject *d = PyObject_GetAttrString((PyObject *)plain, slot_names[i]);
+        if (d == NULL) return -1;
+        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+                 !(((PyMemberDescrObject *)d)->d_member->flags & READONLY);
+        if (ok) f->off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        Py_DECREF(d);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "Fast: %s.%s is not a writable slot", plain->tp_name, slot_names[i]);
+            return -1;
+        }
+    }
+    Py_INCREF(bounds);
+    Py_XSETREF(f->bounds, bounds);
+    Py_INCREF(plain);
+    Py_XSETREF(f->plain, plain);
+    Py_INCREF(engine);
+    Py_XSETREF(f->engine, engine);
+    for (int i = 0; i < N_PHASES + 2; i++) {
+        PyObject *p = PyTuple_GET_ITEM(phases, i);
+        Py_INCREF(p);
+        Py_XSETREF(f->phase[i], p);
+    }
+    Py_INCREF(time);
+    Py_XSETREF(f->time, time);
+    return 0;
+}
+
+static int Fast_traverse(Fast *f, visitproc visit, void *arg) {
+    Py_VISIT(f->bounds);
+    Py_VISIT(f->plain);
+    Py_VISIT(f->engine);
+    Py_VISIT(f->time);
+    return 0;
+}
+
+static int Fast_clear(Fast *f) {
+    Py_CLEAR(f->bounds);
+    Py_CLEAR(f->plain);
+    Py_CLEAR(f->engine);
+    Py_CLEAR(f->time);
+    for (int i = 0; i < N_PHASES + 2; i++) Py_CLEAR(f->phase[i]);
+    return 0;
+}
+
+static void Fast_dealloc(Fast *f) {
+    PyObject_GC_UnTrack(f);
+    Fast_clear(f);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyMethodDef Fast_methods[] = {
+    {"forward", (PyCFunction)Fast_forward, METH_NOARGS, "Boundaries.forward() (a loop with a loader)."},
+    {"copied", (PyCFunction)Fast_copied, METH_NOARGS, "Boundaries.copied()."},
+    {"backward_start", (PyCFunction)Fast_backward_start, METH_NOARGS, "Boundaries.backward_start()."},
+    {"backward_end", (PyCFunction)Fast_backward_end, METH_O, "Boundaries.backward_end(failed=failed)."},
+    {"optimizer_start", (PyCFunction)Fast_optimizer_start, METH_NOARGS, "Boundaries.optimizer_start()."},
+    {"step_end", (PyCFunction)Fast_step_end, METH_NOARGS, "Boundaries.step_end()."},
+    {"fetch", (PyCFunction)Fast_fetch, METH_NOARGS, "Boundaries.fetch()."},
+    {"batch", (PyCFunction)(void (*)(void))Fast_batch, METH_FASTCALL, "Boundaries.batch(step, data_wait_ms[, sync_wait_ms])."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "phase_timer._native.Fast",
+    .tp_basicsize = sizeof(Fast),
+    .tp_dealloc = (destructor)Fast_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The usual boundaries inside a step, one C call each, on a Boundaries' own state.",
+    .tp_traverse = (traverseproc)Fast_traverse,
+    .tp_clear = (inquiry)Fast_clear,
+    .tp_methods = Fast_methods,
+    .tp_init = (initproc)Fast_init,
+    .tp_new = PyType_GenericNew,
+};
+
 /* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), as TFRecord files use it. */
 static uint32_t crc_table[256];
 
@@ -1126,8 +1753,78 @@ static PyObject *masked_crc32c(PyObject *module, PyObject *arg) {
     return PyLong_FromUnsignedLong(c);
 }
 
+/* Add n to counts[key] (a dict of ints). */
+static int count_add(PyObject *counts, double key, Py_ssize_t n) {
+    PyObject *k = PyLong_FromDouble(key);
+    if (k == NULL) return -1;
+    PyObject *old = PyDict_GetItemWithError(counts, k);
+    Py_ssize_t have = 0;
+    if (old == NULL && PyErr_Occurred()) { Py_DECREF(k); return -1; }
+    if (old != NULL && (have = PyLong_AsSsize_t(old)) == -1 && PyErr_Occurred()) { Py_DECREF(k); return -1; }
+    PyObject *v = PyLong_FromSsize_t(have + n);
+    int bad = v == NULL || PyDict_SetItem(counts, k, v) < 0;
+    Py_XDECREF(v);
+    Py_DECREF(k);
+    return bad ? -1 : 0;
+}
+
+/* bucket_counts(values, inv_log_growth, zero_key[, into]) -> {bucket: count}: each value's bucket,
+ * floor(log(v) * inv_log_growth) as Python's math.floor(math.log(v) * inv) computes it (the same libm
+ * log), and values <= 0 in zero_key; counted into `into` (a dict, or a Counter: its own items, not
+ * __missing__) when given, else a new dict.  What stats.PhaseTotals counts, in one pass; runs of one
+ * bucket (sorted values) cost one dict update. */
+static PyObject *bucket_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "bucket_counts(values, inv_log_growth, zero_key[, into])");
+        return NULL;
+    }
+    if (nargs == 4 && !PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "bucket_counts: `into` must be a dict");
+        return NULL;
+    }
+    double inv = PyFloat_AsDouble(args[1]);
+    if (inv == -1.0 && PyErr_Occurred()) return NULL;
+    double zero = PyFloat_AsDouble(args[2]);  /* an int, exactly representable */
+    if (zero == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "bucket_counts() takes a list of floats");
+    if (seq == NULL) return NULL;
+    PyObject *counts = nargs == 4 ? (Py_INCREF(args[3]), args[3]) : PyDict_New();
+    if (counts == NULL) { Py_DECREF(seq); return NULL; }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), run = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    double key = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double v = PyFloat_AsDouble(items[i]);
+        if (v == -1.0 && PyErr_Occurred()) goto fail;
+        double k;
+        if (v <= 0.0) {
+            k = zero;
+        } else if (isfinite(v)) {
+            k = floor(log(v) * inv);
+        } else {
+            PyErr_Format(isnan(v) ? PyExc_ValueError : PyExc_OverflowError, "bucket_counts: a duration of %R", items[i]);
+            goto fail;
+        }
+        if (run && k != key) {
+            if (count_add(counts, key, run) < 0) goto fail;
+            run = 0;
+        }
+        key = k;
+        run++;
+    }
+    if (run && count_add(counts, key, run) < 0) goto fail;
+    Py_DECREF(seq);
+    return counts;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(counts);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"masked_crc32c", masked_crc32c, METH_O, "The masked CRC-32C of a TFRecord (TensorBoard event file) record."},
+    {"bucket_counts", (PyCFunction)(void (*)(void))bucket_counts, METH_FASTCALL,
+     "bucket_counts(values, inv_log_growth, zero_key[, into]) -> {bucket: count}, as stats.PhaseTotals buckets them."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1137,11 +1834,12 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
-    if (PyType_Ready(&ClockType) < 0 || PyType_Ready(&StepsType) < 0) return NULL;
+    if (PyType_Ready(&ClockType) < 0 || PyType_Ready(&StepsType) < 0 || PyType_Ready(&FastType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Clock", (PyObject *)&ClockType) < 0 ||
-        PyModule_AddObjectRef(m, "Steps", (PyObject *)&StepsType) < 0) {
+        PyModule_AddObjectRef(m, "Steps", (PyObject *)&StepsType) < 0 ||
+        PyModule_AddObjectRef(m, "Fast", (PyObject *)&FastType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -36,10 +36,15 @@ import random
 import time
 from typing import Any
 
-from phase_timer._env import warn_once
+from phase_timer._env import native_wanted, warn_once
 from phase_timer.core import TimingCore
 from phase_timer.metrics import BETWEEN, PAUSED
 from phase_timer.syncs import SyncCensus
+
+try:
+    from phase_timer._native import Fast as _Fast
+except ImportError:  # not built: the doors call the methods themselves
+    _Fast = None
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,22 @@ def sample_gap(rng: random.Random, samples: int) -> int:
 
 class Boundaries:
     """One run's step state: the boundaries the doors report, turned into the core's marks."""
+
+    # Slots: every boundary reads and writes several of these, a few µs a step in a real loop (and the
+    # sampled class, swapped in and out, has the same layout).  ``__dict__``: a benchmark times a method by
+    # putting a wrapper on the instance.
+    __slots__ = (
+        "core", "no_end_hint", "begun", "open", "ended", "trailing", "paused", "in_backward", "steps", "_auto",
+        "_explicit", "_after_backward", "_saw_forward", "_saw_backward", "_failed", "_fetched", "_warned",
+        "_flight_at", "_rng", "_samples", "_sample_in", "_mem", "_mem_on", "_mem_due", "_step", "_census",
+        "_census_at",
+        # a sampled step's (_SampledBoundaries)
+        "_depth", "_own_ns", "_calls", "_t_begin", "_t_end", "_host_ns", "_sample_state", "_restart",
+        # what the doors call inside a step (see `_hot`)
+        "on_fetch", "on_batch", "on_forward", "on_copied", "on_backward_start", "on_backward_end",
+        "on_optimizer_start", "on_step_end",
+        "__dict__",
+    )
 
     def __init__(self, core: TimingCore, *, no_end_hint: str = "") -> None:
         self.core = core
@@ -120,6 +141,28 @@ class Boundaries:
             core.signals.census = f"not run: it needs a warm-up step after the first (warmup_steps={warmup} < 2)"
         else:
             self._census, self._census_at = SyncCensus(self.now), warmup - 1
+        self._hot(core._engine)
+
+    def _hot(self, engine: Any, native: bool = True) -> None:
+        """What the doors call at each step's boundaries: ``on_fetch()``, ``on_batch(step, data_wait_ms[,
+        sync_wait_ms])`` (a step that begins with ``h2d``), ``on_forward()`` (a loop with a loader),
+        ``on_copied()``, ``on_backward_start()``, ``on_backward_end(failed)``, ``on_optimizer_start()``,
+        ``on_step_end()``.  In C where it is built (``_native.Fast``: the usual case in one call on this
+        object's own slots, its core's and ``engine``, every other case through the methods), else the methods.
+        In a real loop a boundary through Python costs a few µs of frames and attributes (``docs/benchmarks.md``)."""
+        fast = None
+        if native and _Fast is not None and native_wanted() and type(self) is Boundaries:
+            fast = _Fast(self, engine, (FORWARD, BACKWARD, OPTIMIZER, BETWEEN, H2D, "data_wait", "sync_wait"), time)
+        if fast is not None:
+            self.on_fetch, self.on_batch = fast.fetch, fast.batch
+            self.on_forward, self.on_copied, self.on_step_end = fast.forward, fast.copied, fast.step_end
+            self.on_backward_start, self.on_backward_end = fast.backward_start, fast.backward_end
+            self.on_optimizer_start = fast.optimizer_start
+        else:  # looked up at each call: a sampled step's class has its own (timed) methods
+            self.on_fetch, self.on_batch = lambda: self.fetch(), lambda *a: self.batch(*a)
+            self.on_forward, self.on_copied = lambda: self.forward(), lambda: self.copied()
+            self.on_backward_start, self.on_optimizer_start = lambda: self.backward_start(), lambda: self.optimizer_start()
+            self.on_backward_end, self.on_step_end = lambda failed: self.backward_end(failed=failed), lambda: self.step_end()
 
     # -- the step -------------------------------------------------------------------
     def fetch(self) -> None:
@@ -491,6 +534,7 @@ class _SampledBoundaries(Boundaries):
     the device's step over it says whether the device keeps pace with the host.
     """
 
+    __slots__ = ()
     _PAIR_NS: int | None = None
 
     @classmethod

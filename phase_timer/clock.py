@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from phase_timer._env import env_flag
+from phase_timer._env import native_wanted
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,6 @@ class Clock(Protocol):
     def spans(self, marks: list[Any]) -> list[float]: ...
     def release(self, marks: list[Any]) -> None: ...
 
-
-#: Set to 0/false/no/off to time with torch's events instead of the native driver-API clock.
-NATIVE_ENV = "PHASE_TIMER_NATIVE"
 
 
 class HostClock:
@@ -180,10 +177,6 @@ if _DriverClock is not None:
 
 else:  # pragma: no cover - depends on the build
     NativeCudaClock = None  # type: ignore[assignment, misc]
-
-
-def native_wanted() -> bool:
-    return env_flag(NATIVE_ENV, default=True)
 
 
 def make_clock(device: torch.device | str | int | None) -> HostClock | CudaClock:

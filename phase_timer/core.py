@@ -18,7 +18,7 @@ from phase_timer._env import warn
 from phase_timer.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
 from phase_timer import memory as _memory
-from phase_timer.engine import make_engine
+from phase_timer.engine import POLL_EVERY, make_engine
 from phase_timer.memory import MemoryTracker
 from phase_timer.metrics import (
     DIAGNOSIS_TAG,
@@ -111,6 +111,7 @@ class TimingCore:
         self._in_step = False
         self._last_end: int | None = None
         self._paused_at: int | None = None
+        self._poll_in = POLL_EVERY  # closes until the next poll
         # The hot path: the engine's own methods (C functions with the C engine), no extra frame.
         self.phase = self._engine.switch
         self.relabel = self._engine.relabel
@@ -165,6 +166,13 @@ class TimingCore:
         last, self._last_end = self._last_end, now
         engine = self._engine
         engine.close((now - last) / 1e6 if last is not None else -1.0)
+        # Every POLL_EVERY closes (and at a close that counts the steps in flight, which reads the poll's answer).
+        self._poll_in -= 1
+        if self._poll_in > 0 and not count_in_flight:
+            if self.ranks is not None:
+                self._rank_close()
+            return
+        self._poll_in = POLL_EVERY
         results = engine.poll()  # None unless a window (or, per_step, a step) is ready
         if count_in_flight and self._flight:
             # No wait: the poll's own answer, or a query of an older step's last mark.
@@ -178,10 +186,13 @@ class TimingCore:
         if results is not None:
             self._consume(results)
         if self.ranks is not None:
-            # Every rank ends the same steps, so every rank reports at the same ones.
-            self.steps_ended += 1
-            if self.steps_ended % self._window_size == 0:
-                self._write_ranks(self.ranks.exchange())
+            self._rank_close()
+
+    def _rank_close(self) -> None:
+        # Every rank ends the same steps, so every rank reports at the same ones.
+        self.steps_ended += 1
+        if self.steps_ended % self._window_size == 0:
+            self._write_ranks(self.ranks.exchange())
 
     def discard(self) -> None:
         """Drop the open record: a step abandoned before its end has no honest total.

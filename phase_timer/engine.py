@@ -13,7 +13,7 @@ Both return results only when Python has something to do with them, as a list of
 ``("step", step, ms)`` (``per_step`` only), ``("trace", StepTimes)`` (traced steps,
 PyEngine only) and ``("window", key, last_step, steps, columns)`` items, in step
 order; ``None`` otherwise.  ``columns`` maps each phase to its values over the
-window's steps, unsorted.  Tests drive both with the same calls and compare.
+window's steps, sorted.  Tests drive both with the same calls and compare.
 """
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ try:
 except ImportError:  # not built: the Python engine everywhere
     Steps = None
 
+#: The core polls every POLL_EVERY closes, not at each: a poll then finds several steps done, one query
+#: of the newest answers for them all, and their resolution runs back to back, where each driver call
+#: costs several times less than alone between a training step's kernel launches (``docs/benchmarks.md``).
+#: Results come that many steps later; nothing waits.
+POLL_EVERY = 8
+#: At most this many records resolved a poll: twice what a poll's gap adds, so that a backlog drains.
+MAX_PER_POLL = 2 * POLL_EVERY
+#: On the native clock, the C engine asks the device and reads the spans on a thread of its own, which never
+#: takes the GIL: the training thread only takes the results (``_native.c``).  False: at the poll, inline.
+RESOLVER_THREAD = True
+
 
 class PyEngine:
     """The engine in Python: :class:`Recorder` -> :class:`Resolver` -> :class:`Window`."""
@@ -43,7 +54,7 @@ class PyEngine:
         window: int,
         max_pending: int,
         lag: int = 2,
-        max_per_poll: int = 4,
+        max_per_poll: int = MAX_PER_POLL,
         per_step: bool = False,
         nvtx: bool = False,
     ) -> None:
@@ -116,7 +127,7 @@ class PyEngine:
     def _emit(self, out: list[tuple]) -> None:
         window = self._window
         if window is not None:
-            out.append(("window", window.key, window.last_step, window.steps, window.values))
+            out.append(("window", window.key, window.last_step, window.steps, window.columns()))
             self._window = None
 
     def _results(self, steps: list[StepTimes]) -> list[tuple]:
@@ -135,9 +146,14 @@ class PyEngine:
         return out
 
 
-def native_steps(clock: Any, window: int, max_pending: int, lag: int = 2, per_step: bool = False) -> Any:
-    """The C engine with the phase names both engines share (what folds after a step's end, what is paused)."""
-    return Steps(clock, window, max_pending, lag, 4, per_step, BETWEEN, PAUSED, STEP_PHASES)
+def native_steps(clock: Any, window: int, max_pending: int, lag: int = 2, per_step: bool = False,
+                 threaded: bool = False) -> Any:
+    """The C engine with the phase names both engines share (what folds after a step's end, what is paused).
+
+    ``threaded`` (a native clock): the records are asked and read on a thread of the engine's own, which never
+    takes the GIL; ``poll()`` only takes what it resolved (``_native.c``).
+    """
+    return Steps(clock, window, max_pending, lag, MAX_PER_POLL, per_step, BETWEEN, PAUSED, STEP_PHASES, threaded)
 
 
 def make_engine(
@@ -153,7 +169,7 @@ def make_engine(
     """The C engine where it applies (built, wanted, a native or host clock, no NVTX, no trace), else PyEngine."""
     if Steps is not None and not nvtx and not traced and native_wanted():
         if NativeCudaClock is not None and isinstance(clock, NativeCudaClock):
-            return native_steps(clock, window, max_pending, lag, per_step)
+            return native_steps(clock, window, max_pending, lag, per_step, threaded=RESOLVER_THREAD)
         if type(clock) is HostClock:
             return native_steps(time.perf_counter_ns, window, max_pending, lag, per_step)
     return PyEngine(clock, window=window, max_pending=max_pending, lag=lag, per_step=per_step, nvtx=nvtx)

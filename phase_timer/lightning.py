@@ -220,6 +220,7 @@ class PhaseTimer:
         self._iter_mode = False  # training_step(self, dataloader_iter): the step fetches its own batch
         self._fetch_hooked = False
         self._global_step_at_batch = 0
+        self._steps_total: Any = None  # Lightning's own count of optimizer steps (None: read global_step)
         self.totals = None
         #: The verdict (:class:`phase_timer.Diagnosis`), set at the end of ``fit``.
         self.diagnosis = None
@@ -235,14 +236,16 @@ class PhaseTimer:
             return
         self._sync_wait_ns = self._fetch_ns = self._fetch_end = 0
         original = trainer.strategy.batch_to_device
+        training = _training_stage(trainer)
 
         def batch_to_device(batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
             bounds = self._bounds
-            if bounds is None or not trainer.training:
+            stage = trainer.state.stage  # `trainer.training`, without its property and the enum's __eq__ each batch
+            if bounds is None or (stage is not training and stage != training):
                 return original(batch, device, dataloader_idx)
             self._on_batch(trainer, bounds)
             out = original(batch, device, dataloader_idx)
-            bounds.copied()
+            bounds.on_copied()
             return out
 
         self._patch(trainer.strategy, "batch_to_device", batch_to_device)
@@ -255,7 +258,7 @@ class PhaseTimer:
 
             def on_before_fetch() -> None:
                 if self._bounds is not None and not self._iter_mode:
-                    self._bounds.fetch()
+                    self._bounds.on_fetch()
                 self._fetch_t0 = time.perf_counter_ns()
                 before()
 
@@ -345,8 +348,9 @@ class PhaseTimer:
         # step.  Automatic optimization calls `optimizer.step(closure)` before it runs
         # training_step, so only manual optimization takes the pre-hook as `optimizer`.
         manual = not pl_module.automatic_optimization
+        self._steps_total = _steps_count(trainer, manual)
         self._hooks.append(
-            StepHooks(trainer.optimizers, bounds.optimizer_start if manual else None, lambda opt: bounds.step_end())
+            StepHooks(trainer.optimizers, bounds.on_optimizer_start if manual else None, lambda opt: bounds.on_step_end())
         )
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and callable(getattr(scaler, "update", None)):
@@ -388,10 +392,19 @@ class PhaseTimer:
         if self._fetch_end:  # Lightning's hooks between its fetch and the transfer prepare the batch
             fetch_ns += time.perf_counter_ns() - self._fetch_end
             self._fetch_end = 0
-        # The step Lightning logs this batch's metrics at.
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-        bounds.batch(step, fetch_ns / 1e6 if self._fetch_hooked else None, sync_ns / 1e6)
-        self._global_step_at_batch = trainer.global_step
+        self._global_step_at_batch = steps = self._optimizer_steps(trainer)
+        bounds.on_batch(self._log_step(trainer, steps), fetch_ns / 1e6 if self._fetch_hooked else None, sync_ns / 1e6)
+
+    def _optimizer_steps(self, trainer: pl.Trainer) -> int:
+        """``trainer.global_step``, read as one attribute where it can be (``_steps_count``)."""
+        total = self._steps_total
+        return total.completed if total is not None else trainer.global_step
+
+    @staticmethod
+    def _log_step(trainer: pl.Trainer, global_step: int) -> int:
+        """The step Lightning logs this batch's metrics at."""
+        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+        return global_step if step is None else step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         bounds = self._bounds
@@ -401,23 +414,22 @@ class PhaseTimer:
         # its own batch, so it begins here, with forward.
         bounds.fetch()
         sync_ns, self._sync_wait_ns = self._sync_wait_ns, 0
-        step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
-        bounds.batch(step, None, sync_ns / 1e6, first="forward")
-        self._global_step_at_batch = trainer.global_step
+        self._global_step_at_batch = steps = self._optimizer_steps(trainer)
+        bounds.batch(self._log_step(trainer, steps), None, sync_ns / 1e6, first="forward")
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if self._bounds is not None:
-            self._bounds.backward_start()
+            self._bounds.on_backward_start()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._bounds is not None:
-            self._bounds.backward_end()
+            self._bounds.on_backward_end(False)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         bounds = self._bounds
         if bounds is None or not bounds.open or bounds.ended:
             return
-        if trainer.global_step != self._global_step_at_batch:
+        if self._optimizer_steps(trainer) != self._global_step_at_batch:
             # The optimizer stepped where no torch step hook saw it (a custom `optimizer_step`):
             # the step ends here, late, rather than merging into the next batch.
             bounds.step_end()
@@ -446,6 +458,7 @@ class PhaseTimer:
         self._restore()
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
+        self._steps_total = None  # the fit's own: nothing of it kept (or pickled) past its end
         if core is None or bounds is None:
             return
         bounds.finish()
@@ -467,6 +480,31 @@ class PhaseTimer:
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._finish(trainer, interrupted=True)
+
+
+def _steps_count(trainer: pl.Trainer, manual: bool) -> Any:
+    """The object whose ``completed`` is ``trainer.global_step``: one attribute read, where the property goes
+    through six others (~1.5 µs a read in a real step, twice a batch).  Lightning's progress tracker of
+    optimizer steps is kept in place through the fit (reset and restored field by field).  None where it is not
+    found, or does not say what ``global_step`` says now: then the property itself is read."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        total = (loop.manual_optimization.optim_step_progress.total if manual
+                 else loop.automatic_optimization.optim_progress.optimizer.step.total)
+        return total if total.completed == trainer.global_step else None
+    except AttributeError:
+        return None
+
+
+def _training_stage(trainer: pl.Trainer) -> Any:
+    """``RunningStage.TRAINING`` of the namespace the Trainer comes from (``lightning.pytorch`` or
+    ``pytorch_lightning``), for an identity test first (``trainer.training`` compares enums by value)."""
+    module = type(trainer).__module__
+    package = module[: module.index(".trainer")] if ".trainer" in module else "lightning.pytorch"
+    try:
+        return importlib.import_module(f"{package}.trainer.states").RunningStage.TRAINING
+    except (ImportError, AttributeError):
+        return "train"  # the enum's value: `!=` still compares right
 
 
 def _loggers(trainer: pl.Trainer) -> list[Any]:

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from threading import get_ident
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_grad_enabled = torch.is_grad_enabled
 _RESERVED = HOST_PHASES | set(TOTALS) | {"idle", BETWEEN, PAUSED}
 _END_STEP = ("optimizer", "manual")
 
@@ -212,7 +214,7 @@ class LoopTimer:
             self._handles.append(model.register_forward_pre_hook(self._on_forward))
         bounds = self._bounds
         assert bounds is not None
-        self._handles.append(StepHooks(self.optimizers, bounds.optimizer_start, self._on_optimizer_end))
+        self._handles.append(StepHooks(self.optimizers, bounds.on_optimizer_start, self._on_optimizer_end))
         backward_calls.listen(self)
         self._listening = True
         if self._scaler is not None:
@@ -256,19 +258,22 @@ class LoopTimer:
     def _warn_once(self, key: str, msg: str) -> None:
         warn_once(log, self._warned, key, msg, 4)
 
+    # The hooks below test the usual case first (the loop's thread, known), then the full rule: a few µs a
+    # step in a real loop, where every attribute and call costs several times its price in a hot loop.
     def _fetch(self) -> None:
-        if self._bounds is not None and self._loader_here():
-            self._bounds.fetch()
+        bounds = self._bounds
+        if bounds is not None and (self._loader_active and get_ident() == self._thread or self._loader_here()):
+            bounds.on_fetch()
 
     def _on_batch(self, batch: Any, t0: int) -> Any:
         bounds = self._bounds
-        timed = bounds is not None and self._loader_here()
+        timed = bounds is not None and (self._loader_active and get_ident() == self._thread or self._loader_here())
         if timed:
-            bounds.batch(None, (time.perf_counter_ns() - t0) / 1e6)
+            bounds.on_batch(None, (time.perf_counter_ns() - t0) / 1e6)
         if self._copy:
             batch = _to_device(batch, self.device)
             if timed:
-                bounds.copied()
+                bounds.on_copied()
         return batch
 
     def _epoch_end(self) -> None:
@@ -279,12 +284,15 @@ class LoopTimer:
         bounds = self._bounds
         if bounds is None or bounds.in_backward:
             return
-        if not self._on_loop_thread():
+        if get_ident() != self._thread and not self._on_loop_thread():
             return
-        if not torch.is_grad_enabled() and (not module.training or not bounds.open or bounds.trailing):
+        if not _grad_enabled() and (not module.training or not bounds.open or bounds.trailing):
             bounds.pause()  # evaluation: in eval mode, or between steps
             return
-        bounds.forward(begins=not self._loader_active)
+        if self._loader_active:
+            bounds.on_forward()
+        else:  # no loader: the forward begins the step
+            bounds.forward(begins=True)
 
     def _on_loop_thread(self) -> bool:
         """True on the training loop's thread: the first forward or backward() call binds it."""
@@ -297,20 +305,20 @@ class LoopTimer:
 
     def _backward_began(self) -> bool:
         bounds = self._bounds
-        if bounds is None or not self._on_loop_thread():
+        if bounds is None or (get_ident() != self._thread and not self._on_loop_thread()):
             return False
-        bounds.backward_start()
+        bounds.on_backward_start()
         return bounds.in_backward
 
     def _backward_ended(self, failed: bool) -> None:
         if self._bounds is not None:
-            self._bounds.backward_end(failed=failed)
+            self._bounds.on_backward_end(failed)
 
     def _on_optimizer_end(self, opt: torch.optim.Optimizer) -> None:
         # With a loader, any optimizer step may be the batch's last (the next fetch says);
         # without one, the last optimizer given ends the step.
         if self._end_on_optimizer and self._bounds is not None and (self._loader_active or opt is self.optimizers[-1]):
-            self._bounds.step_end()
+            self._bounds.on_step_end()
 
     # -- public ---------------------------------------------------------------------
     def end_step(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import statistics
 from typing import TYPE_CHECKING
 
@@ -85,7 +87,13 @@ def step_tag(phase: str) -> str:
 
 def window_scalars(summary: dict[str, dict[str, float]]) -> dict[str, float]:
     """Flatten a window's statistics into ``{tag: value}``."""
-    return {window_tag(p, s): summary[p][s] for p in ordered(list(summary)) for s in WINDOW_STATS}
+    return {tag: stats[s] for p in ordered(list(summary)) for s, tag in _window_tags(p) for stats in (summary[p],)}
+
+
+@functools.lru_cache(maxsize=256)
+def _window_tags(phase: str) -> tuple[tuple[str, str], ...]:
+    """(stat, tag) of a phase's window statistics: made once, not at every window."""
+    return tuple((s, window_tag(phase, s)) for s in WINDOW_STATS)
 
 
 def rank_tag(phase: str, stat: str) -> str:

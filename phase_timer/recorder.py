@@ -26,6 +26,8 @@ class Record:
     marks: list[Any]
     labels: list[str]
     single_stream: bool = True
+    #: The clock's stream epoch at the open: two single-stream records with the same one are on one stream.
+    epoch: int = 0
     #: The step's device part ends at ``marks[end]``; later spans are between steps (-1: at the last mark).
     end: int = -1
     #: Phases measured on the host clock, already in milliseconds (``data_wait``, ``period``).
@@ -146,6 +148,7 @@ class Recorder:
             marks=marks,
             labels=self._labels,
             single_stream=self._clock.stream_epoch == self._epoch,
+            epoch=self._epoch,
             host_ms=self._host,
             host_ns=self._host_ns,
             ref=self._ref,

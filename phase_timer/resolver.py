@@ -1,8 +1,10 @@
 """The FIFO of records waiting for the device: resolved lazily, never waited on.
 
-``poll()`` asks each pending record, oldest first, whether its last mark is done
-(``Event.query()``, ~0.3 us) and stops at the first that is not: it never blocks
-and resolves at most ``max_per_poll`` records a call.  The newest ``lag`` records
+``poll()`` asks whether the pending records' last marks are done (``Event.query()``):
+the newest it may ask first, which answers for all of them when they are on one stream,
+else each, oldest first, stopping at the first that is not.  It never blocks and
+resolves at most ``max_per_poll`` records a call.  The core polls every few closes
+(``engine.POLL_EVERY``), so that one query and one run of resolution serve several steps.  The newest ``lag`` records
 are never asked (see ``Resolver.__init__``).  ``drain()`` is the one
 place that waits for the device, and only the end of training calls it.
 """
@@ -85,19 +87,36 @@ class Resolver:
         self._pending.append(record)
 
     def poll(self) -> list[StepTimes]:
-        """Resolve what the device has finished, oldest first, without waiting."""
+        """Resolve what the device has finished, oldest first, without waiting.
+
+        When the records it may ask are all on one stream, one query of the newest of them answers for
+        all (one stream completes in order); else each is asked, oldest first, up to the first not done.
+        """
         pending, lag = self._pending, self._lag
         self._blocked = False
         if len(pending) <= lag:
             return []
         out: list[StepTimes] = []
         clock = self._clock
+        known = self._batch_done(len(pending) - lag)
         while len(pending) > lag and len(out) < self._max_per_poll:
-            if not self._done(pending[0]):
+            if len(out) >= known and not self._done(pending[0]):
                 self._blocked = True
                 break
             out.append(resolve(clock, pending.popleft()))
         return out
+
+    def _batch_done(self, eligible: int) -> int:
+        """``eligible`` if the oldest ``eligible`` records are on one stream and the newest of them is done, else 0."""
+        if eligible < 2:
+            return 0
+        pending = self._pending
+        newest = pending[eligible - 1]
+        for k in range(eligible):
+            r = pending[k]
+            if not r.single_stream or r.epoch != newest.epoch:
+                return 0
+        return eligible if self._clock.done(newest.marks[-1]) else 0
 
     def _done(self, record: Record) -> bool:
         done = self._clock.done

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from operator import itemgetter
+
+from phase_timer._env import native_wanted
 
 #: Statistics written per phase for each window, in this order.
 WINDOW_STATS = ("mean", "p50", "p90", "max")
@@ -100,6 +101,38 @@ def _bucket(v: float) -> int:
     return math.floor(math.log(v) * _INV_LOG_GROWTH)
 
 
+def _bucket_counts_py(ordered: list[float], into: dict[int, int] | None = None) -> dict[int, int]:
+    """Each bucket's count among sorted values (zero and below in ``_ZERO``), added into ``into`` if given."""
+    counts: dict[int, int] = {} if into is None else into
+    n = len(ordered)
+    i = bisect_right(ordered, 0.0)
+    if i:
+        counts[_ZERO] = counts.get(_ZERO, 0) + i
+    # Sorted, a bucket is a run: found by bisecting on the bucket function itself
+    # (monotone), so a few logs per bucket the values touch, not one per value,
+    # and every value lands exactly where its own log puts it.
+    while i < n:
+        key = _bucket(ordered[i])
+        j = bisect_left(ordered, key + 1, i + 1, n, key=_bucket)
+        counts[key] = counts.get(key, 0) + j - i
+        i = j
+    return counts
+
+
+def _bucket_counts(ordered: list[float], into: dict[int, int] | None = None) -> dict[int, int]:
+    """The same in C, one pass (a window's columns at every window: ~10x less host time)."""
+    if into is None:
+        return _native_buckets(ordered, _INV_LOG_GROWTH, _ZERO)
+    return _native_buckets(ordered, _INV_LOG_GROWTH, _ZERO, into)
+
+
+try:
+    from phase_timer._native import bucket_counts as _native_buckets
+except ImportError:  # not built: the Python one
+    _native_buckets = None
+bucket_counts = _bucket_counts if _native_buckets is not None and native_wanted() else _bucket_counts_py
+
+
 class PhaseTotals:
     """Streaming count, sum, min, max and histogram of one phase's milliseconds.
 
@@ -116,7 +149,7 @@ class PhaseTotals:
         self.total = 0.0
         self.max = float("-inf")
         self.min = float("inf")
-        self._buckets: Counter[int] = Counter()
+        self._buckets: dict[int, int] = {}
 
     def add(self, v: float) -> None:
         self.extend([v])
@@ -131,18 +164,7 @@ class PhaseTotals:
         self.total += sum(ordered)
         self.max = max(self.max, ordered[-1])
         self.min = min(self.min, ordered[0])
-        buckets = self._buckets
-        i = bisect_right(ordered, 0.0)
-        if i:
-            buckets[_ZERO] += i
-        # Sorted, a bucket is a run: found by bisecting on the bucket function itself
-        # (monotone), so a few logs per bucket the window touches, not one per value,
-        # and every value lands exactly where its own log puts it.
-        while i < n:
-            key = _bucket(ordered[i])
-            j = bisect_left(ordered, key + 1, i + 1, n, key=_bucket)
-            buckets[key] += j - i
-            i = j
+        bucket_counts(ordered, self._buckets)
 
     @property
     def mean(self) -> float:

@@ -119,3 +119,114 @@ def test_a_user_phase_open_across_the_end_runs_on_under_its_name_outside_the_ste
         assert got["step"][i] == pytest.approx(4 + 3)  # the 5 ms after the end are not the step's
         assert got["between_steps"][i] == pytest.approx(1.0)
     assert got["period"] == pytest.approx([13.0, 13.0])
+
+
+# -- the usual boundaries in C (`_native.Fast`) against the Python ones ------------------------------------
+_SLOTS = ("open", "ended", "trailing", "paused", "in_backward", "_auto", "_after_backward", "_saw_forward",
+          "_saw_backward", "_failed", "_fetched", "steps", "begun", "_mem_on", "_mem_due", "_step")
+
+
+def _script(seed: int, n: int = 1500) -> list[tuple]:
+    """Mostly usual steps, with what makes a boundary unusual mixed in: pauses, user phases, accumulation,
+    a second backward or optimizer, a forward inside backward, a failed backward, ends with nothing open."""
+    import random
+
+    rng = random.Random(seed)
+    ops: list[tuple] = []
+    depth = 0
+    usual = ["fetch", "batch", "copied", "forward", "backward_start", "backward_end", "optimizer_start", "step_end"]
+    while len(ops) < n:
+        if rng.random() < 0.7:  # a usual step, sometimes cut short
+            for name in usual[: rng.choice([8, 8, 8, 8, 5, 6, 3])]:
+                if name == "batch" and rng.random() < 0.2:
+                    ops.append(("batch_at", len(ops)))  # the door gives the step's index (Lightning's)
+                else:
+                    ops.append((name, rng.random() < 0.02) if name == "backward_end" else (name,))
+            continue
+        r = rng.random()
+        if r < 0.15:
+            ops.append(("pause",))
+        elif r < 0.3:
+            ops.append(("resume",))
+        elif r < 0.4:
+            ops.append(("enter", rng.choice(["clip", "ema"])))
+            depth += 1
+        elif r < 0.5 and depth:
+            ops.append(("exit",))
+            depth -= 1
+        elif r < 0.6:
+            ops.append(("micro_batch_end",))
+        elif r < 0.65:
+            ops.append(("epoch_end",))
+        elif r < 0.7:
+            ops.append(("drop",))
+        else:
+            name = rng.choice(usual)
+            ops.append((name, rng.random() < 0.3) if name == "backward_end" else (name,))
+    return ops
+
+
+def _replay(ops: list[tuple], native: bool, seed: int, memory: bool) -> tuple[list, dict]:
+    import random
+
+    from phase_timer import memory as memory_mod
+    from tests.fakes import FakeAllocator
+
+    written: list = []
+
+    class Collect:
+        def write(self, step, scalars):
+            written.append((step, sorted(scalars.items())))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    _now[0] = 1_000_000_000
+    alloc = FakeAllocator()
+    reader_for = memory_mod.reader_for
+    if memory:  # memory steps too (their boundaries read an allocator: a fake one here)
+        memory_mod.reader_for = lambda clock: (alloc.read, alloc.info)
+    try:
+        core = TimingCore(HostClock(), [Collect()], window=7, warmup_steps=3, max_pending=64, per_step=True)
+    finally:
+        memory_mod.reader_for = reader_for
+    assert (core.memory is not None) == memory
+    if memory:
+        core.memory._rng = random.Random(seed)  # memory steps at the same steps in both runs
+    b = Boundaries(core)
+    b._hot(core._engine, native=native)
+    assert (type(b.on_forward).__name__ == "builtin_function_or_method") == native
+    b._rng, b._sample_in = random.Random(seed), 4  # the verdict's samples at the same steps in both runs
+    calls = {"forward": b.on_forward, "copied": b.on_copied, "backward_start": b.on_backward_start,
+             "backward_end": b.on_backward_end, "optimizer_start": b.on_optimizer_start, "step_end": b.on_step_end,
+             "fetch": b.on_fetch, "batch": lambda: b.on_batch(None, 0.25), "batch_at": lambda n: b.on_batch(n, None, 0.5)}
+    states = []
+    for i, (name, *args) in enumerate(ops):
+        nap(0.5 + (i * 7919 % 13) / 10)
+        call = calls.get(name) or getattr(b, name)
+        call(*args)
+        alloc.alloc(1)
+        states.append((name, type(b).__name__, list(b._explicit), *(getattr(b, s) for s in _SLOTS)))
+    b.finish()
+    core.finish()
+    out = {"written": written, "steps": core.totals.steps, "samples": len(core.signals.own_ns),
+           "memory": core.memory_summary()}
+    return states, out
+
+
+@pytest.mark.skipif(Boundaries(TimingCore(HostClock(), window=5, warmup_steps=0, max_pending=4)).on_forward.__class__
+                    .__name__ != "builtin_function_or_method", reason="the C extension is not built")
+@pytest.mark.parametrize("seed", range(8))
+def test_the_usual_boundaries_in_c_do_what_the_python_ones_do(seed):
+    ops = _script(seed)
+    memory = seed % 2 == 1
+    c_states, c_out = _replay(ops, native=True, seed=seed, memory=memory)
+    py_states, py_out = _replay(ops, native=False, seed=seed, memory=memory)
+    assert c_out["steps"] > 50 and c_out["samples"] > 3  # the script timed steps, sampled ones among them
+    assert {s[1] for s in c_states} == {"Boundaries", "_SampledBoundaries"}
+    for i, (c, p) in enumerate(zip(c_states, py_states)):
+        assert c == p, (i, ops[max(0, i - 5): i + 1])
+    assert c_out == py_out

@@ -9,9 +9,11 @@ import warnings
 import pytest
 
 from phase_timer.core import TimingCore
+from phase_timer.engine import POLL_EVERY
 from phase_timer.metrics import SKIPPED_TAG, WINDOW_STEPS_TAG, format_summary, window_tag
 from phase_timer.recorder import Recorder
 from phase_timer.resolver import Resolver
+from phase_timer import stats
 from phase_timer.stats import PhaseTotals, percentile, summarize
 from tests.fakes import FakeClock, ListSink
 
@@ -94,6 +96,7 @@ def test_poll_stops_at_first_unfinished_record():
     clock = FakeClock(lag=0)
     resolver = Resolver(clock, lag=0, max_pending=10, max_per_poll=10)
     first, second, third = _records(clock, 3)
+    third.epoch = 1  # on another stream: its being done says nothing of the others
     second.marks[-1].polls_left = 5  # the device has not reached the middle record
     for r in (first, second, third):
         resolver.push(r)
@@ -102,6 +105,24 @@ def test_poll_stops_at_first_unfinished_record():
     for _ in range(5):
         resolver.poll()
     assert len(resolver) == 0
+
+
+def test_one_query_answers_for_records_on_one_stream():
+    # One stream completes in order: the newest record it may ask being done, all before it are.
+    clock = FakeClock(lag=0)
+    resolver = Resolver(clock, lag=1, max_pending=10, max_per_poll=10)
+    for r in _records(clock, 6):
+        resolver.push(r)
+    assert [t.step for t in resolver.poll()] == [0, 1, 2, 3, 4] and clock.queries == 1
+    # Not done yet: each is asked, oldest first, up to the first not done.
+    records = _records(clock, 4, start=6)
+    records[2].marks[-1].polls_left = 2  # step 8: not done at its first two queries
+    for r in records:
+        resolver.push(r)
+    queries = clock.queries
+    assert [t.step for t in resolver.poll()] == [5, 6, 7]
+    assert clock.queries - queries == 5  # step 8 (the newest it may ask), then 5, 6, 7 and 8 again
+    assert [t.step for t in resolver.poll()] == [8]  # step 9 is the newest: never asked (lag 1)
 
 
 def test_the_newest_records_are_never_queried():
@@ -180,13 +201,13 @@ def test_windows_align_with_the_logging_interval_and_flush_at_the_end():
     clock = FakeClock(tick_ms=1.0)
     sink = ListSink()
     core = TimingCore(clock, [sink], window=5, warmup_steps=0, max_pending=8, poll_lag=0)
-    for s in range(12):
+    for s in range(2 * POLL_EVERY + 2):  # polled at closes 8 and 16: steps 0-15 resolved
         run_step(core, s, PHASES)
-    assert [step for step, _ in sink.writes] == [4, 9]  # as Lightning logs at (s+1) % 5 == 0
+    assert [step for step, _ in sink.writes] == [4, 9, 14]  # as Lightning logs at (s+1) % 5 == 0
     core.finish()
-    assert [step for step, _ in sink.writes] == [4, 9, 11]  # the last, partial window is flushed
+    assert [step for step, _ in sink.writes] == [4, 9, 14, 17]  # the last, partial window is flushed
     scalars = sink.writes[0][1]
-    assert scalars[WINDOW_STEPS_TAG] == 5.0 and sink.writes[-1][1][WINDOW_STEPS_TAG] == 2.0
+    assert scalars[WINDOW_STEPS_TAG] == 5.0 and sink.writes[-1][1][WINDOW_STEPS_TAG] == 3.0
     assert scalars[window_tag("forward", "mean")] == 1.0
     assert scalars[window_tag("step", "max")] == 4.0
     assert sink.closed
@@ -361,3 +382,26 @@ def test_nvtx_off_by_default_costs_nothing():
     core = TimingCore(FakeClock(), [], window=10, warmup_steps=0, max_pending=8)
     assert not isinstance(core._engine._recorder, NvtxRecorder)
     assert core.phase == core._engine.switch  # the bound method itself: no wrapper frame
+
+
+@pytest.mark.skipif(stats._native_buckets is None, reason="the C extension is not built")
+def test_c_buckets_equal_the_python_ones():
+    # Each value's bucket from its own log, the same in C and Python: wide and tight windows, zeros,
+    # negatives (a clock that stepped back), ties and values on a bucket's edge.
+    rng = random.Random(5)
+    edges = [stats._GROWTH ** k for k in range(-300, 300, 7)]
+    for trial in range(300):
+        n = rng.choice([1, 2, 50, 200])
+        kind = trial % 4
+        if kind == 0:
+            values = [rng.lognormvariate(0, 3) for _ in range(n)]
+        elif kind == 1:
+            values = [2.5 * (1 + rng.gauss(0, 0.02)) for _ in range(n)]
+        elif kind == 2:
+            values = [rng.choice([0.0, -0.001, 1.0, 1.0]) + rng.choice([0.0, 1e-9]) for _ in range(n)]
+        else:
+            values = [rng.choice(edges) for _ in range(n)]
+        values.sort()
+        assert stats._bucket_counts(values) == stats._bucket_counts_py(values), values
+    with pytest.raises(ValueError):
+        stats._bucket_counts([1.0, math.nan])

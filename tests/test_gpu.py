@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import functools
+import time
 
 import pytest
 import torch
@@ -280,14 +281,20 @@ def test_native_clock_notices_a_stream_switch():
     assert clock.done(m)
 
 
+def settle(eng) -> None:
+    """Test set-up: give a threaded engine's resolver thread time to ask and read what the device finished."""
+    time.sleep(0.05)
+
+
 @needs_native
-def test_c_engine_on_the_native_clock_agrees_with_the_python_engine_on_torch_events():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_c_engine_on_the_native_clock_agrees_with_the_python_engine_on_torch_events(threaded):
     """The same steps through Steps (native clock) and PyEngine (torch's events): per-step ms within 0.01."""
     from phase_timer.clock import CudaClock, NativeCudaClock
     from phase_timer.engine import PyEngine, Steps
 
     native = NativeCudaClock()
-    c_eng = Steps(native, 4, 64, 2, 4, True)
+    c_eng = Steps(native, 4, 64, 2, 4, True, threaded=threaded)
     py_eng = PyEngine(CudaClock(), window=4, max_pending=64, lag=2, per_step=True)
     a = torch.randn(2048, 2048, device="cuda")
     a = torch.tanh(a @ a * 1e-3)
@@ -320,15 +327,14 @@ def test_c_engine_on_the_native_clock_agrees_with_the_python_engine_on_torch_eve
 
 
 @needs_native
-def test_c_engine_never_waits_for_the_device():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_c_engine_never_waits_for_the_device(threaded):
     """GPU busy ~0.5 s: open/switch/close/poll return at once with nothing resolved; only drain waits."""
-    import time
-
     from phase_timer.clock import NativeCudaClock
     from phase_timer.engine import Steps
 
     clock = NativeCudaClock()
-    eng = Steps(clock, 2, 8, 0)
+    eng = Steps(clock, 2, 8, 0, threaded=threaded)
     torch.cuda._sleep(1_000_000_000)
     t0 = time.perf_counter()
     for s in range(4):
@@ -348,13 +354,51 @@ def test_c_engine_never_waits_for_the_device():
 
 
 @needs_native
-def test_c_engine_record_across_streams_waits_for_every_stream():
+def test_threaded_engine_survives_a_fork():
+    """A DataLoader worker forks the training process while the resolver thread runs: the child, which has no
+    such thread, lets go of the engine without joining it (no hang), and the parent's engine goes on."""
+    from phase_timer.clock import NativeCudaClock
+    from phase_timer.engine import native_steps
+
+    clock = NativeCudaClock()
+    eng = native_steps(clock, 2, 16, 0, threaded=True)
+    for s in range(3):
+        eng.open(s, "forward")
+        eng.switch("backward")
+        eng.close(-1.0)  # the thread is running from the first close
+    pid = os.fork()
+    if pid == 0:  # the child: drop the engine (its dealloc), then leave at once, as a forked worker does
+        try:
+            del eng
+            os._exit(0)
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        assert time.monotonic() < deadline, "the forked child hung letting go of the engine"
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    eng.open(3, "forward")
+    eng.switch("backward")
+    eng.close(-1.0)
+    torch.cuda.synchronize()
+    settle(eng)
+    (_, key, last, steps, _), = eng.poll()  # window 0 (steps 0-1), complete once step 2 is resolved
+    assert (key, last, steps) == (0, 1, 2) and eng.pending == 0
+
+
+@needs_native
+@pytest.mark.parametrize("threaded", [False, True])
+def test_c_engine_record_across_streams_waits_for_every_stream(threaded):
     """A record whose marks went to two streams is resolved only when both have finished."""
     from phase_timer.clock import NativeCudaClock
     from phase_timer.engine import Steps
 
     clock = NativeCudaClock()
-    eng = Steps(clock, 10, 8, 0)
+    eng = Steps(clock, 10, 8, 0, threaded=threaded)
     side = torch.cuda.Stream()
     eng.open(0, "h2d")
     with torch.cuda.stream(side):
@@ -363,8 +407,10 @@ def test_c_engine_record_across_streams_waits_for_every_stream():
     eng.switch("optimizer")  # back on the default stream, which is idle
     eng.close(-1.0)
     torch.cuda.current_stream().synchronize()  # test set-up: the default stream's marks are done
+    settle(eng)
     assert eng.poll() is None and eng.pending == 1  # the side stream's mark is not: not resolved
     side.synchronize()
+    settle(eng)
     assert eng.poll() is None and eng.pending == 0  # resolved into the window
     (_, key, last, steps, cols), = eng.flush()
     assert (key, last, steps) == (0, 0, 1) and cols["h2d"][0] > 100  # h2d waited on the side stream
@@ -898,6 +944,48 @@ def test_the_sync_census_on_cuda_hears_each_read_in_its_phase_and_leaves_the_use
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
+
+@pytest.mark.parametrize("engine", ["native", "threaded", "python"])
+def test_one_query_answers_only_for_records_on_one_stream(engine):
+    """A poll asks the newest record it may for all of them only when they are on one stream: a record on a
+    busy side stream between done ones is waited for (resolving it early would read events not done)."""
+    from phase_timer.clock import CudaClock, NativeCudaClock
+    from phase_timer.engine import PyEngine, native_steps
+
+    if engine != "python" and NativeCudaClock is None:
+        pytest.skip("the C clock is not built")
+    clock = NativeCudaClock("cuda") if engine != "python" else CudaClock("cuda")
+    eng = (PyEngine(clock, window=4, max_pending=16, lag=0) if engine == "python" else
+           native_steps(clock, 4, 16, 0, threaded=engine == "threaded"))
+    side = torch.cuda.Stream()
+
+    def step(s: int) -> None:
+        eng.open(s, "forward")
+        eng.switch("backward")
+        eng.close(-1.0)
+
+    torch.cuda.synchronize()
+    step(0)
+    step(1)
+    with torch.cuda.stream(side):  # all step 2's marks on the side stream, its forward busy ~0.2 s
+        eng.open(2, "forward")
+        torch.cuda._sleep(400_000_000)
+        eng.switch("backward")
+        eng.close(-1.0)
+    step(3)
+    torch.cuda.current_stream().synchronize()  # test set-up: the default stream's marks are done
+    settle(eng)
+    with sync_is_an_error():
+        assert eng.poll() is None and eng.pending == 2  # 0 and 1 resolved; 2 is not done, 3 waits behind it
+    side.synchronize()
+    for s in range(4, 10):  # one stream again: the rest resolved (windows of 4 steps: 0-3 and 4-7 complete)
+        step(s)
+    torch.cuda.synchronize()
+    settle(eng)
+    with sync_is_an_error():
+        windows = eng.poll()
+    assert [w[1:4] for w in windows] == [(0, 3, 4), (1, 7, 4)] and eng.pending == 0
+    assert windows[0][4]["forward"][-1] > 100  # step 2's forward waited on the side stream (sorted: the largest)
 
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_steps_in_flight_on_a_busy_device_never_waits(engine):

@@ -99,6 +99,30 @@ def test_gradient_accumulation_one_record_per_optimizer_step(ns, tmp_path):
     assert dw.count == 7
 
 
+@pytest.mark.parametrize("ns", NAMESPACES)
+@pytest.mark.parametrize("manual", [0, 2])
+def test_the_optimizer_step_count_it_reads_is_global_step(ns, tmp_path, manual):
+    # The timer reads Lightning's own count of optimizer steps in one attribute, not through global_step's
+    # six properties: through a fit (accumulation, manual optimization) it says what global_step says.
+    pl = importlib.import_module(ns)
+    seen = []
+
+    class Check(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            seen.append((timer._optimizer_steps(trainer), trainer.global_step, timer._steps_total is not None))
+
+        def on_train_batch_end(self, trainer, *args):
+            seen.append((timer._optimizer_steps(trainer), trainer.global_step, timer._steps_total is not None))
+
+    timer = PhaseTimer(warmup_steps=1)
+    kw = {} if manual else {"accumulate_grad_batches": 2}
+    t = trainer(ns, str(tmp_path), [timer, Check()], max_steps=6 * (manual or 1), log_every_n_steps=2, **kw)
+    t.fit(module_class(ns)(manual=manual), loader())
+    assert len(seen) >= 12 and all(ours == theirs and fast for ours, theirs, fast in seen), seen
+    assert seen[-1][1] == 6 * (manual or 1)
+    assert timer._steps_total is None  # not kept past the fit
+
+
 @pytest.mark.parametrize("n_opt", [1, 2])
 def test_manual_optimization_with_one_or_several_optimizers(tmp_path, n_opt):
     ns = "lightning.pytorch"
