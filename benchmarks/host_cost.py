@@ -201,15 +201,15 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
 
             def step() -> None:
                 i = state["i"] = state["i"] + 1
-                bounds.fetch()
-                bounds.batch(i, 0.1)
-                bounds.copied()
+                bounds.on_fetch()  # the calls the doors make (in C where built: phase_timer/_native.c, Fast)
+                bounds.on_batch(i, 0.1)
+                bounds.on_copied()
                 if x is not None:
                     x.mul_(1.0)
-                bounds.backward_start()
-                bounds.backward_end()
-                bounds.optimizer_start()
-                bounds.step_end()
+                bounds.on_backward_start()
+                bounds.on_backward_end(False)
+                bounds.on_optimizer_start()
+                bounds.on_step_end()
 
             for _ in range(200):
                 step()

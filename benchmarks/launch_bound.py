@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
+import phase_timer.engine  # noqa: E402
 from benchmarks.host_cost import print_and_save, python_engine  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model, plain_step  # noqa: E402
 from phase_timer.clock import make_clock  # noqa: E402
@@ -83,10 +84,41 @@ class Inside:
         return timed
 
     def report(self, what: str, steps: int) -> list[str]:
-        """The total per step, then each name's share of it."""
-        lines = [f"host time inside {what}, per step over {steps} steps: {sum(self.ns.values()) / steps / 1e3:.1f} us"]
-        lines += [f"    {name:36s} {ns / steps / 1e3:7.2f} us" for name, ns in self.ns.items()]
+        """The total per step, then each name's share of it (names with a dot are parts of the hooks, inside them)."""
+        hooks = {k: v for k, v in self.ns.items() if "." not in k}
+        lines = [f"host time inside {what}, per step over {steps} steps: {sum(hooks.values()) / steps / 1e3:.1f} us"]
+        lines += [f"    {name:36s} {ns / steps / 1e3:7.2f} us" for name, ns in hooks.items()]
+        parts = {k: v for k, v in self.ns.items() if "." in k}
+        if parts:
+            lines.append("  of which (a separate run, each part timed too: ~0.1-0.2 us more per call)")
+            lines += [f"    {name:36s} {ns / steps / 1e3:7.2f} us" for name, ns in parts.items()]
         return lines
+
+    def parts(self, core: Any, bounds: Any = None) -> None:
+        """Time the core's calls into its engine (marks, polls: the C engine) and its window writes too."""
+        engine = core._engine
+        proxy = _TimedEngine(engine, self)
+        core._engine = proxy
+        for name in ("phase", "relabel", "add_host", "end"):
+            setattr(core, name, getattr(proxy, {"phase": "switch"}.get(name, name)))
+        if bounds is not None and hasattr(bounds, "_hot"):  # the boundaries' own calls into the engine, timed too
+            bounds._hot(proxy)
+        core._consume = self.wrap(core._consume, "core._consume (windows, writes)")
+
+
+class _TimedEngine:
+    """An engine whose calls are timed under ``engine.<name>``; its properties pass through."""
+
+    _CALLS = ("open", "switch", "end", "relabel", "add_host", "close", "poll", "in_flight", "newest_done", "behind",
+              "discard")
+
+    def __init__(self, engine: Any, inside: Inside) -> None:
+        self._e = engine
+        for name in self._CALLS:
+            setattr(self, name, inside.wrap(getattr(engine, name), f"engine.{name}"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._e, name)
 
 
 # Every body of the plain door's hooks; they are looked up on the instance when the
@@ -94,8 +126,9 @@ class Inside:
 _PLAIN_HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
 
-def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[[Any], None], steps: int) -> Inside:
-    """Host time inside the plain door's hook bodies, in a real loop."""
+def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[[Any], None], steps: int,
+                parts: bool = False) -> Inside:
+    """Host time inside the plain door's hook bodies, in a real loop (``parts``: the engine's calls timed too)."""
     inside = Inside()
     loader = Cycle(make_batches(LAUNCH_BOUND), steps)
     timer = phase_timer.attach(model, opt, loader, log_dir=tempfile.mkdtemp(), summary=False)
@@ -103,7 +136,10 @@ def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callab
     for name in _PLAIN_HOOK_BODIES:
         setattr(timer, name, inside.wrap(getattr(timer, name), name))
     bounds = timer._bounds
-    bounds.optimizer_start = inside.wrap(bounds.optimizer_start, "optimizer_start")
+    name = "on_optimizer_start" if hasattr(bounds, "on_optimizer_start") else "optimizer_start"  # an older tree's
+    setattr(bounds, name, inside.wrap(getattr(bounds, name), "optimizer_start"))
+    if parts:
+        inside.parts(timer.core, bounds)
     timer._install()
     with timer:
         for batch in timer.loader:
@@ -168,6 +204,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=20, help="steps per block")
     ap.add_argument("--variants", default="all", help="comma-separated prefixes of the variants to run")
     ap.add_argument("--inside-steps", type=int, default=3000)
+    ap.add_argument("--parts", action="store_true", help="also time the engine's calls inside the hooks (a second run)")
+    ap.add_argument("--inside-inline", action="store_true", help="the in-hook run with the C engine resolving inline")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -185,6 +223,10 @@ def main() -> None:
     timer = make_timer()
     with python_engine():
         timer_py = make_timer()
+    inline = phase_timer.engine.RESOLVER_THREAD
+    phase_timer.engine.RESOLVER_THREAD = False
+    timer_inline = make_timer()  # the C engine resolving at the poll, on the training thread
+    phase_timer.engine.RESOLVER_THREAD = inline
     assert timer.core is not None and timer_py.core is not None
     clock = timer.core.clock
     engines = f"{type(timer.core._engine).__name__} / {type(timer_py.core._engine).__name__}"
@@ -257,6 +299,7 @@ def main() -> None:
         "none": run_none,
         "attach (phase-timer default)": attached(timer),
         "attach, Python engine": attached(timer_py),
+        "attach, resolved inline (no thread)": attached(timer_inline),
         "core only (begin, 3 switches, end, close)": core_only(2),
         "core only, poll lag 0": core_only(0),
         "core only, poll lag 8": core_only(8),
@@ -288,15 +331,23 @@ def main() -> None:
             us[name].append(block(variants[name]))
     timer.close()
     timer_py.close()
+    timer_inline.close()
     for core in cores.values():
         core.finish()
 
     lines = [
         f"device {torch.cuda.get_device_name() if DEV.type == 'cuda' else 'cpu'}  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}",
         f"{args.rounds} rounds x {len(variants)} blocks of {args.block} steps, shuffled each round; clock {type(clock).__name__}; engines {engines}",
-        *overhead_table(list(variants), us, width=40),
+        *(overhead_table(list(variants), us, width=40) if args.rounds else []),
     ]
-    lines += host_inside(model, opt, step, args.inside_steps).report("the plain door's hook bodies", args.inside_steps)
+    if args.inside_inline:
+        phase_timer.engine.RESOLVER_THREAD = False
+    inside = host_inside(model, opt, step, args.inside_steps)
+    if args.parts:  # a second run with the parts timed too: the first run's hook totals stay unbiased
+        detail = host_inside(model, opt, step, args.inside_steps, parts=True)
+        inside.ns.update({k: v for k, v in detail.ns.items() if "." in k})
+    what = "the plain door's hook bodies" + (" (resolved inline, no thread)" if args.inside_inline else "")
+    lines += inside.report(what, args.inside_steps)
     print_and_save("\n".join(lines), args.out)
 
 

@@ -180,9 +180,10 @@ def overhead(rounds: int, block: int, warmup_rounds: int) -> tuple[list[str], di
 class SelfTimed(phase_timer.PhaseTimer):
     """PhaseTimer with its per-step hook bodies and its batch_to_device wrapper timed."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, parts: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.inside = Inside()
+        self.parts = parts
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
@@ -209,12 +210,19 @@ class SelfTimed(phase_timer.PhaseTimer):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         bounds = self._bounds
-        bounds.step_end = self.inside.wrap(bounds.step_end, "step end (optimizer post-hook)")
+        if self.parts:
+            self.inside.parts(bounds.core, bounds)
+        step_end = bounds.on_step_end if hasattr(bounds, "on_step_end") else bounds.step_end  # the older tree's
+        timed = self.inside.wrap(step_end, "step end (optimizer post-hook)")
+        if hasattr(bounds, "on_step_end"):
+            bounds.on_step_end = timed
+        else:
+            bounds.step_end = timed
 
 
-def host_inside(steps: int) -> Inside:
-    """Host time inside PhaseTimer's per-step hooks, in a real fit."""
-    timer = SelfTimed(summary=False)
+def host_inside(steps: int, parts: bool = False) -> Inside:
+    """Host time inside PhaseTimer's per-step hooks, in a real fit (``parts``: the engine's calls timed too)."""
+    timer = SelfTimed(parts=parts, summary=False)
     trainer(steps, [timer]).fit(LaunchBound(), Cycle(make_batches(LAUNCH_BOUND), steps))
     assert timer.totals is not None and timer.totals.steps == steps - timer.config.warmup_steps
     return timer.inside
@@ -226,16 +234,19 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=50, help="steps per block (the logging window: 50)")
     ap.add_argument("--warmup-rounds", type=int, default=3)
     ap.add_argument("--inside-steps", type=int, default=3000)
+    ap.add_argument("--parts", action="store_true", help="also time the engine's calls inside the hooks (a second fit)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    names, us = overhead(args.rounds, args.block, args.warmup_rounds)
+    names, us = overhead(args.rounds, args.block, args.warmup_rounds) if args.rounds else ([], {})
     inside = host_inside(args.inside_steps)  # after the overhead run: it changes nothing there
+    if args.parts:  # a second fit with the parts timed too: the first one's hook totals stay unbiased
+        inside.ns.update({k: v for k, v in host_inside(args.inside_steps, parts=True).ns.items() if "." in k})
     dev = torch.cuda.get_device_name() if CUDA else "cpu"
     lines = [
         f"device {dev}  torch {torch.__version__}  lightning {pl.__version__}  {time.strftime('%Y-%m-%d')}",
         f"Lightning, launch-bound MLP: {args.rounds} rounds x {len(names)} blocks of {args.block} steps in one fit, "
         "shuffled each round; TensorBoardLogger, log_every_n_steps=50",
-        *overhead_table(names, us, width=32),
+        *(overhead_table(names, us, width=32) if args.rounds else []),
     ]
     lines += inside.report("PhaseTimer's per-step hooks (a separate fit)", args.inside_steps)
     print_and_save("\n".join(lines), args.out)
