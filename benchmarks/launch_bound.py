@@ -223,10 +223,10 @@ def main() -> None:
     timer = make_timer()
     with python_engine():
         timer_py = make_timer()
-    inline = phase_timer.engine.RESOLVER_THREAD
+    threaded = getattr(phase_timer.engine, "RESOLVER_THREAD", None)  # None: an older tree, which has no thread
     phase_timer.engine.RESOLVER_THREAD = False
     timer_inline = make_timer()  # the C engine resolving at the poll, on the training thread
-    phase_timer.engine.RESOLVER_THREAD = inline
+    phase_timer.engine.RESOLVER_THREAD = threaded
     assert timer.core is not None and timer_py.core is not None
     clock = timer.core.clock
     engines = f"{type(timer.core._engine).__name__} / {type(timer_py.core._engine).__name__}"

@@ -63,7 +63,7 @@ def code_line() -> str:
         head, commit, said = _git("rev-parse", "HEAD:phase_timer"), _git("rev-parse", "--short", "HEAD"), ""
     if head is None:
         state = "no git here: compare with `git rev-parse HEAD:phase_timer`"
-    elif head == mine:
+    elif head == mine or (len(head) >= 7 and mine.startswith(head)):  # the full hash, or an abbreviation
         state = f"= HEAD:phase_timer of commit {commit}{said}"
     else:
         state = f"dirty: HEAD:phase_timer of commit {commit}{said} is {head}"

@@ -119,8 +119,9 @@ def test_a_peak_set_on_a_step_not_read_is_between_samples(fake, monkeypatch):
     orig = core.memory.begin
     monkeypatch.setattr(core.memory, "begin", lambda begun, step, phase: (read_at.append(step), orig(begun, step, phase)))
     drive(bounds, fake, 140, finish=False)
-    spike = core.memory.next_due + 5  # between two sparse reads (>= 48 apart), whatever the schedule drew
-    drive(bounds, fake, 260, start=140, temp_in="forward", temp_at={spike})
+    spike = core.memory.next_due + 5  # between two sparse reads (>= 64 apart), whatever the schedule drew
+    # On to the read after it, however far the schedule drew that one (up to SPARSE_GAP[1] later).
+    drive(bounds, fake, spike + SPARSE_GAP[1] + 10 - 140, start=140, temp_in="forward", temp_at={spike})
     assert spike not in read_at
     mem = core.memory_summary()
     assert mem["peak_phase"] == "between samples"
