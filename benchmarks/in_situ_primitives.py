@@ -38,6 +38,12 @@ LAG = 2  # the engine's default: the two newest records are not asked
 ENGINE_CALLS = {"mark": 6, "done (record 2 steps back)": 1, "spans (6 marks)": 1, "release (6 marks)": 1}
 
 
+# What a mark reads first: torch's current stream, as a raw handle (a Python call into torch).
+RAW_STREAM = "torch's current raw stream (in a mark)"
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) if DEV.type == "cuda" else None
+index = torch.cuda.current_device() if DEV.type == "cuda" else 0
+
+
 def in_situ(steps: int) -> tuple[str, dict[str, list[int]]]:
     """The engine's calls made by hand in a real launch-bound loop: the clock's name, ns per call."""
     torch.manual_seed(0)
@@ -86,6 +92,10 @@ def in_situ(steps: int) -> tuple[str, dict[str, list[int]]]:
         t = pc()
         tiny.add_(1.0)
         ns["one-element kernel launch"].append(pc() - t)
+        if raw_stream is not None:
+            t = pc()
+            raw_stream(index)
+            ns[RAW_STREAM].append(pc() - t)
         t = pc()
         ns["empty (the timer's floor)"].append(pc() - t)
     sync()  # benchmark end: every record done before its events go back
@@ -113,6 +123,8 @@ def hot(n: int) -> dict[str, list[int]]:
         timed("spans (6 marks)", lambda: clock.spans(marks))
         timed("release (6 marks)", lambda: clock.release(marks))
         timed("one-element kernel launch", lambda: tiny.add_(1.0))
+        if raw_stream is not None:
+            timed(RAW_STREAM, lambda: raw_stream(index))
         timed("empty (the timer's floor)", lambda: None)
     return ns
 

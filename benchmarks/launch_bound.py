@@ -70,6 +70,8 @@ class Inside:
 
     def __init__(self) -> None:
         self.ns: dict[str, int] = defaultdict(int)
+        #: Time inside the hooks that is not ours (what they wrap and call), subtracted and said apart.
+        self.excluded: dict[str, int] = defaultdict(int)
 
     def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         ns = self.ns
@@ -88,6 +90,7 @@ class Inside:
         hooks = {k: v for k, v in self.ns.items() if "." not in k}
         lines = [f"host time inside {what}, per step over {steps} steps: {sum(hooks.values()) / steps / 1e3:.1f} us"]
         lines += [f"    {name:36s} {ns / steps / 1e3:7.2f} us" for name, ns in hooks.items()]
+        lines += [f"  not counted: {name} {ns / steps / 1e3:.2f} us" for name, ns in self.excluded.items()]
         parts = {k: v for k, v in self.ns.items() if "." in k}
         if parts:
             lines.append("  of which (a separate run, each part timed too: ~0.1-0.2 us more per call)")

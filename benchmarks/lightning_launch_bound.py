@@ -189,6 +189,13 @@ class SelfTimed(phase_timer.PhaseTimer):
         strategy = trainer.strategy
         copy = Inside()  # Lightning's own copy, which PhaseTimer wraps: not ours
         strategy.batch_to_device = copy.wrap(strategy.batch_to_device, "copy")
+        loop = trainer.fit_loop.epoch_loop
+        theirs = Inside()  # Lightning's own fetch hooks (its profiler's calls), which ours call: not ours either
+        timed_theirs = {}
+        for name in _FETCH_HOOKS:
+            if callable(getattr(loop, name, None)):
+                timed_theirs[name] = theirs.wrap(getattr(loop, name), name)
+                setattr(loop, name, timed_theirs[name])
         super().setup(trainer, pl_module, stage)
         wrapped = strategy.batch_to_device
 
@@ -202,10 +209,26 @@ class SelfTimed(phase_timer.PhaseTimer):
         strategy.batch_to_device = batch_to_device
         for name in _HOOKS:
             setattr(self, name, self.inside.wrap(getattr(self, name), name))
-        loop = trainer.fit_loop.epoch_loop
-        for name in _FETCH_HOOKS:  # ours, around Lightning's own (a profiler call that does nothing)
-            if name in loop.__dict__:
-                setattr(loop, name, self.inside.wrap(getattr(loop, name), f"fetch hook {name}"))
+        for name in _FETCH_HOOKS:  # ours, around Lightning's own (a profiler call that does nothing): its time apart
+            ours = loop.__dict__.get(name)
+            if ours is not None and ours is not timed_theirs.get(name):
+                setattr(loop, name, self._fetch_hook(ours, name, theirs))
+
+    def _fetch_hook(self, ours: Any, name: str, theirs: Inside) -> Any:
+        """Our fetch hook, timed less the Lightning hook it calls (counted apart, as not ours)."""
+        inside, key = self.inside, f"fetch hook {name}"
+
+        def timed() -> Any:
+            before = theirs.ns[name]
+            t0 = time.perf_counter_ns()
+            try:
+                return ours()
+            finally:
+                own = theirs.ns[name] - before
+                inside.ns[key] += time.perf_counter_ns() - t0 - own
+                inside.excluded[f"Lightning's own {name} (our fetch hook calls it)"] += own
+
+        return timed
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)

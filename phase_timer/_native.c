@@ -259,15 +259,14 @@ static Py_ssize_t mark_slot(Clock *self) {
     }
     CUevent ev = self->events[slot];  /* read under the GIL: another thread may grow the array */
     /* The stream handle 0 (torch's default stream) means the current context's
-     * legacy stream, hence the context check.  The GIL is released around the
-     * record, as torch does: it only writes a command for the device, but it can
-     * block while the driver's command queue is full. */
+     * legacy stream, hence the context check.  The GIL is held through the record,
+     * as through torch's own kernel launches: it only writes a command for the device
+     * (it can block while the driver's command queue is full, and so does every launch
+     * of the step).  Releasing and taking it back cost more than the record in a real
+     * loop, six times a step (docs/benchmarks.md). */
     int pushed;
     if (push_ctx(self, &pushed) < 0) { put_back(self, slot); return -1; }
-    CUresult r;
-    Py_BEGIN_ALLOW_THREADS
-    r = cu.EventRecord(ev, (CUstream)stream);
-    Py_END_ALLOW_THREADS
+    CUresult r = cu.EventRecord(ev, (CUstream)stream);
     pop_ctx(pushed);
     if (r != CUDA_SUCCESS) {
         put_back(self, slot);
@@ -536,6 +535,8 @@ typedef struct {
     pid_t owner;            /* the process that started it: a forked child never joins it */
     pthread_t thread;
     pthread_mutex_t mu;
+    pthread_cond_t wake;    /* signalled by a close that finds a backlog of `wake_at` or more (a very short step) */
+    Py_ssize_t wake_at;
     int stop;
     Py_ssize_t resolved;
     CUresult thread_err;    /* a driver error in the thread (it stops): raised by the next poll() */
@@ -662,11 +663,34 @@ static Py_ssize_t clock_epoch(Steps *self) { return self->clock != NULL ? self->
  * the newest of them (on one stream, that answers for all; else each, oldest first, up to the first not
  * done) and reads their spans back to back.  A driver call from this thread makes the training thread's next
  * ones slower (they share the driver's state: measured, docs/benchmarks.md), so it makes them rarely and
- * together.  Between bursts it sleeps.  No wait on the device anywhere: cuEventQuery and cuEventElapsedTime
+ * together.  Between bursts it sleeps (THREAD_NAP_US, or until a close finds a backlog of half the bound: a hot
+ * loop's steps of a few µs).  No wait on the device anywhere: cuEventQuery and cuEventElapsedTime
  * return at once. */
 #define THREAD_BATCH 8
 #define THREAD_NAP_US 1000
 #define THREAD_WAIT_US 20000
+
+/* The thread's mutex and condition (the condition on the monotonic clock): 0, or -1 with an exception set. */
+static int thread_sync_init(Steps *self) {
+    pthread_condattr_t attr;
+    int bad = pthread_mutex_init(&self->mu, NULL) != 0 || pthread_condattr_init(&attr) != 0;
+    if (!bad) {
+        bad = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 || pthread_cond_init(&self->wake, &attr) != 0;
+        pthread_condattr_destroy(&attr);
+    }
+    if (bad) PyErr_SetString(PyExc_RuntimeError, "phase-timer: the resolver thread's mutex could not be made");
+    return bad ? -1 : 0;
+}
+
+/* Sleep up to `us` (mu held), or less when a close signals a backlog. */
+static void nap_or_wake(Steps *self, long us) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_nsec += (us % 1000000) * 1000;
+    ts.tv_sec += us / 1000000 + ts.tv_nsec / 1000000000;
+    ts.tv_nsec %= 1000000000;
+    pthread_cond_timedwait(&self->wake, &self->mu, &ts);
+}
 
 static void nap(long us) {
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
@@ -698,10 +722,11 @@ static void *resolver_main(void *arg) {
         int stop = self->stop;
         Py_ssize_t first = self->resolved, waiting = self->count - self->lag - self->resolved;
         Py_ssize_t head = self->head;
+        int idle = !stop && (waiting <= 0 || (waiting < THREAD_BATCH && waited < THREAD_WAIT_US));
+        if (idle) nap_or_wake(self, THREAD_NAP_US);
         pthread_mutex_unlock(&self->mu);
         if (stop) break;
-        if (waiting <= 0 || (waiting < THREAD_BATCH && waited < THREAD_WAIT_US)) {
-            nap(THREAD_NAP_US);
+        if (idle) {
             waited = waiting > 0 ? waited + THREAD_NAP_US : 0;
             continue;
         }
@@ -755,10 +780,7 @@ static void *resolver_main(void *arg) {
 /* Start the thread if it is not running (0, or -1 with an exception set). */
 static int thread_start(Steps *self) {
     if (self->running && self->owner == getpid()) return 0;
-    if (self->owner != 0 && self->owner != getpid() && pthread_mutex_init(&self->mu, NULL) != 0) {
-        PyErr_SetString(PyExc_RuntimeError, "phase-timer: pthread_mutex_init failed");  /* a forked child's own */
-        return -1;
-    }
+    if (self->owner != 0 && self->owner != getpid() && thread_sync_init(self) < 0) return -1;  /* a forked child's own */
     self->stop = 0;
     self->resolved = 0;
     self->thread_err = CUDA_SUCCESS;
@@ -778,6 +800,7 @@ static void thread_stop(Steps *self) {
     if (!self->running || self->owner != getpid()) return;
     pthread_mutex_lock(&self->mu);
     self->stop = 1;
+    pthread_cond_signal(&self->wake);
     pthread_mutex_unlock(&self->mu);
     Py_BEGIN_ALLOW_THREADS
     pthread_join(self->thread, NULL);
@@ -840,10 +863,10 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "Steps: threaded needs a native Clock (host marks resolve at once)");
         return -1;
     }
-    if (threaded && pthread_mutex_init(&self->mu, NULL) != 0) {
-        PyErr_SetString(PyExc_RuntimeError, "Steps: pthread_mutex_init failed");
-        return -1;
-    }
+    if (threaded && thread_sync_init(self) < 0) return -1;
+    /* Half the bound: a step so short that the backlog reaches it within a nap (a hot loop's few µs) wakes the
+     * thread; a real training step never does, and the signal (no waiter) costs nothing then. */
+    self->wake_at = max_pending / 2 > THREAD_BATCH ? max_pending / 2 : THREAD_BATCH;
     self->threaded = threaded;
     return 0;
 }
@@ -851,7 +874,10 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
 static void Steps_dealloc(Steps *self) {
     if (self->threaded) {
         thread_stop(self);  /* before anything it reads goes */
-        if (self->owner == 0 || self->owner == getpid()) pthread_mutex_destroy(&self->mu);
+        if (self->owner == 0 || self->owner == getpid()) {
+            pthread_cond_destroy(&self->wake);
+            pthread_mutex_destroy(&self->mu);
+        }
     }
     if (self->ring != NULL) {
         /* Pending marks go back to the pool (the clock outlives this reference). */
@@ -994,6 +1020,7 @@ static PyObject *Steps_close(Steps *self, PyObject *arg) {
     r->end = -1;
     lock(self);
     self->count++;
+    if (self->threaded && self->count - self->lag - self->resolved >= self->wake_at) pthread_cond_signal(&self->wake);
     unlock(self);
     self->open = 0;
     Py_RETURN_TRUE;
@@ -1364,17 +1391,34 @@ static const char *slot_names[N_SLOTS] = {"open", "ended", "trailing", "paused",
                                           "_sample_in", "_mem", "_mem_due", "core"};
 enum { P_FORWARD, P_BACKWARD, P_OPTIMIZER, P_BETWEEN, P_H2D, N_PHASES };
 
+/* The core's (TimingCore's) slots the usual case reads and writes. */
+enum { C_IN_STEP, C_LAST_END, C_POLL_IN, C_BEGUN, C_WARMUP, C_CLOSED, C_TRACE, C_RANKS, C_ENGINE, N_CSLOTS };
+static const char *core_slot_names[N_CSLOTS] = {"_in_step", "_last_end", "_poll_in", "steps_begun", "_warmup",
+                                                "closed", "trace", "ranks", "_engine"};
+/* Names looked up at a call: interned once, so that a lookup makes no string. */
+enum { N_PERF_COUNTER_NS, N_CONSUME, N_COUNT_FLIGHT, N_FETCH, N_BATCH, N_FORWARD, N_COPIED, N_BACKWARD_START,
+       N_BACKWARD_END, N_OPTIMIZER_START, N_STEP_END, N_FAILED, N_NAMES };
+static const char *interned_names[N_NAMES] = {"perf_counter_ns", "_consume", "_count_flight", "fetch", "batch",
+                                              "forward", "copied", "backward_start", "backward_end",
+                                              "optimizer_start", "step_end", "failed"};
+static PyObject *names[N_NAMES];
+
 typedef struct {
     PyObject_HEAD
     PyObject *bounds;       /* the Boundaries instance */
     PyTypeObject *plain;    /* its class: a subclass (a sampled step's) takes the Python path */
     PyObject *engine;       /* a Steps (called in C), or any engine (its methods called) */
+    PyObject *core;         /* bounds.core when Fast was made: another one takes the Python path */
     PyObject *phase[N_PHASES + 2];  /* the built-in phases, then "data_wait" and "sync_wait" */
     Py_ssize_t off[N_SLOTS];
+    Py_ssize_t coff[N_CSLOTS];
     PyObject *time;         /* the time module: its perf_counter_ns looked up at each use, as Python does */
+    PyObject *flight_gap;   /* boundaries.flight_gap: closes to the next count of steps in flight */
+    long long poll_every;   /* engine.POLL_EVERY */
 } Fast;
 
 #define SLOT(f, i) (*(PyObject **)((char *)(f)->bounds + (f)->off[i]))
+#define CSLOT(f, i) (*(PyObject **)((char *)(f)->core + (f)->coff[i]))
 
 /* A slot's truth (an unset slot is false). */
 static int truth(Fast *f, int i) {
@@ -1415,7 +1459,7 @@ static PyObject *set_phase(Fast *f, int p) {
     return engine_switch(f, f->phase[p]);
 }
 
-static PyObject *python_path(Fast *f, const char *name) { return PyObject_CallMethod(f->bounds, name, NULL); }
+static PyObject *python_path(Fast *f, int name) { return PyObject_CallMethodNoArgs(f->bounds, names[name]); }
 
 /* An int slot or attribute as a C integer (-1 with an exception set when it is not one). */
 static long long as_ll(PyObject *v) {
@@ -1433,55 +1477,81 @@ static int set_slot_ll(Fast *f, int i, long long v) {
     return 0;
 }
 
-/* The core's attribute `name` as a C integer; -2 (no exception) when it is not a plain int. */
-static long long core_ll(PyObject *core, const char *name) {
-    PyObject *v = PyObject_GetAttrString(core, name);
-    if (v == NULL) { PyErr_Clear(); return -2; }
-    long long x = PyLong_CheckExact(v) ? PyLong_AsLongLong(v) : -2;
-    Py_DECREF(v);
+/* A core slot as a C integer; -2 (no exception) when it is not a plain int (None: not set yet). */
+static long long core_ll(Fast *f, int i) {
+    PyObject *v = CSLOT(f, i);
+    if (v == NULL || !PyLong_CheckExact(v)) return -2;
+    long long x = PyLong_AsLongLong(v);
     if (x == -1 && PyErr_Occurred()) { PyErr_Clear(); return -2; }
     return x;
 }
 
-static int core_is(PyObject *core, const char *name, PyObject *want) {
-    PyObject *v = PyObject_GetAttrString(core, name);
-    if (v == NULL) { PyErr_Clear(); return 0; }
-    Py_DECREF(v);
-    return v == want;
+static void core_set(Fast *f, int i, PyObject *v) {
+    Py_INCREF(v);
+    Py_XSETREF(CSLOT(f, i), v);
 }
 
-static int core_set_ll(PyObject *core, const char *name, long long x) {
+static int core_set_ll(Fast *f, int i, long long x) {
     PyObject *v = PyLong_FromLongLong(x);
     if (v == NULL) return -1;
-    int rc = PyObject_SetAttrString(core, name, v);
-    Py_DECREF(v);
-    return rc;
+    Py_XSETREF(CSLOT(f, i), v);
+    return 0;
+}
+
+static long long now_ns(Fast *f) {
+    PyObject *t = PyObject_CallMethodNoArgs(f->time, names[N_PERF_COUNTER_NS]);
+    if (t == NULL) return -1;
+    long long now = PyLong_AsLongLong(t);
+    Py_DECREF(t);
+    return now;
+}
+
+/* The engine's poll (results to the core's _consume), and at a counting close the steps in flight
+ * (TimingCore.close, past its close of the record). */
+static int core_poll(Fast *f, int flight) {
+    PyObject *results = Py_IS_TYPE(f->engine, &StepsType) ? Steps_poll((Steps *)f->engine, NULL)
+                                                          : PyObject_CallMethod(f->engine, "poll", NULL);
+    if (results == NULL) return -1;
+    PyObject *r = flight ? PyObject_CallMethodNoArgs(f->core, names[N_COUNT_FLIGHT]) : (Py_INCREF(Py_None), Py_None);
+    if (r != NULL && results != Py_None) {
+        Py_DECREF(r);
+        r = PyObject_CallMethodOneArg(f->core, names[N_CONSUME], results);
+    }
+    Py_DECREF(results);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
 }
 
 /* fetch(): the loop asks for the next batch; an ended step closes (Boundaries.fetch, _close and
- * TimingCore.close) -- in the usual case: the close counts no steps in flight, starts no census or sampled
- * step and reads no memory, and the core does not poll (one close in POLL_EVERY: Python's) and exchanges
- * nothing with other ranks. */
+ * TimingCore.close) -- in the usual case: the close starts no census or sampled step and reads no memory, and
+ * the core exchanges nothing with other ranks.  Its poll (one close in POLL_EVERY) and its count of the steps
+ * in flight (one in FLIGHT_EVERY) are here too: Python runs only where they hand it something (a window's
+ * results to _consume, the count to _count_flight). */
 static PyObject *Fast_fetch(Fast *f, PyObject *Py_UNUSED(ignored)) {
-    if (!usual(f) || truth(f, S_FETCHED) || !truth(f, S_ENDED)) return python_path(f, "fetch");
-    PyObject *core = SLOT(f, S_CORE);
+    if (!usual(f) || truth(f, S_FETCHED) || !truth(f, S_ENDED) || SLOT(f, S_CORE) != f->core)
+        return python_path(f, N_FETCH);
     long long steps = as_ll(SLOT(f, S_STEPS)), flight_at = as_ll(SLOT(f, S_FLIGHT_AT));
     long long census_at = as_ll(SLOT(f, S_CENSUS_AT)), sample_in = as_ll(SLOT(f, S_SAMPLE_IN));
     if (PyErr_Occurred()) return NULL;
-    long long last = core_ll(core, "_last_end"), poll_in = core_ll(core, "_poll_in");
-    if (steps + 1 == flight_at || steps + 1 == census_at || sample_in <= 1 || last < 0 || poll_in <= 1 ||
-        !core_is(core, "_in_step", Py_True) || !core_is(core, "ranks", Py_None) ||
-        !core_is(core, "_engine", f->engine))
-        return python_path(f, "fetch");
-    PyObject *t = PyObject_CallMethod(f->time, "perf_counter_ns", NULL);
-    if (t == NULL) return NULL;
-    long long now = PyLong_AsLongLong(t);
-    Py_DECREF(t);
+    long long last = core_ll(f, C_LAST_END), poll_in = core_ll(f, C_POLL_IN), warmup = core_ll(f, C_WARMUP);
+    if (steps + 1 == census_at || sample_in <= 1 || last < 0 || poll_in < 0 || warmup < 0 ||
+        CSLOT(f, C_IN_STEP) != Py_True || CSLOT(f, C_RANKS) != Py_None || CSLOT(f, C_ENGINE) != f->engine)
+        return python_path(f, N_FETCH);
+    long long now = now_ns(f);
     if (now == -1 && PyErr_Occurred()) return NULL;
     set_slot(f, S_FETCHED, Py_True);
     if (set_slot_ll(f, S_STEPS, steps + 1) < 0) return NULL;
+    int flight = steps + 1 == flight_at;
+    if (flight) {
+        PyObject *gap = PyObject_CallFunction(f->flight_gap, "L", steps + 1 - warmup);
+        long long g = as_ll(gap);
+        Py_XDECREF(gap);
+        if (PyErr_Occurred() || set_slot_ll(f, S_FLIGHT_AT, flight_at + g) < 0) return NULL;
+    }
     /* TimingCore.close */
-    if (PyObject_SetAttrString(core, "_in_step", Py_False) < 0 || core_set_ll(core, "_last_end", now) < 0) return NULL;
+    core_set(f, C_IN_STEP, Py_False);
+    if (core_set_ll(f, C_LAST_END, now) < 0) return NULL;
     PyObject *period = PyFloat_FromDouble((double)(now - last) / 1e6);
     if (period == NULL) return NULL;
     PyObject *r = Py_IS_TYPE(f->engine, &StepsType) ? Steps_close((Steps *)f->engine, period)
@@ -1489,7 +1559,9 @@ static PyObject *Fast_fetch(Fast *f, PyObject *Py_UNUSED(ignored)) {
     Py_DECREF(period);
     if (r == NULL) return NULL;
     Py_DECREF(r);
-    if (core_set_ll(core, "_poll_in", poll_in - 1) < 0) return NULL;
+    int poll = poll_in <= 1 || flight;
+    if (core_set_ll(f, C_POLL_IN, poll ? f->poll_every : poll_in - 1) < 0) return NULL;
+    if (poll && core_poll(f, flight) < 0) return NULL;
     /* the rest of Boundaries._close */
     set_slot(f, S_OPEN, Py_False);
     set_slot(f, S_ENDED, Py_False);
@@ -1516,12 +1588,13 @@ static PyObject *Fast_batch(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
         if (PyErr_Occurred()) return NULL;
         mem_due = begun + 1 >= due;
     }
-    long long begun_core = core_ll(core, "steps_begun"), warmup = core_ll(core, "_warmup");
+    int ours = core == f->core;
+    long long begun_core = ours ? core_ll(f, C_BEGUN) : -2, warmup = ours ? core_ll(f, C_WARMUP) : -2;
     if (!usual(f) || !truth(f, S_FETCHED) || truth(f, S_OPEN) || mem_due || begun_core < 0 || warmup < 0 ||
-        begun_core + 1 <= warmup || !core_is(core, "closed", Py_False) || !core_is(core, "trace", Py_None) ||
-        !core_is(core, "_engine", f->engine) || !Py_IS_TYPE(f->engine, &StepsType) ||
+        begun_core + 1 <= warmup || CSLOT(f, C_CLOSED) != Py_False || CSLOT(f, C_TRACE) != Py_None ||
+        CSLOT(f, C_ENGINE) != f->engine || !Py_IS_TYPE(f->engine, &StepsType) ||
         ((Steps *)f->engine)->count >= ((Steps *)f->engine)->max_pending) {
-        PyObject *meth = PyObject_GetAttrString(f->bounds, "batch");
+        PyObject *meth = PyObject_GetAttr(f->bounds, names[N_BATCH]);
         if (meth == NULL) return NULL;
         PyObject *r = PyObject_CallFunctionObjArgs(meth, step, wait, sync, NULL);
         Py_DECREF(meth);
@@ -1533,7 +1606,8 @@ static PyObject *Fast_batch(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
     int bad = set_slot_ll(f, S_BEGUN, begun + 1) < 0;
     if (!bad) set_slot(f, S_STEP, step);
     /* TimingCore.begin_step */
-    bad = bad || PyObject_SetAttrString(core, "_in_step", Py_True) < 0 || core_set_ll(core, "steps_begun", begun_core + 1) < 0;
+    if (!bad) core_set(f, C_IN_STEP, Py_True);
+    bad = bad || core_set_ll(f, C_BEGUN, begun_core + 1) < 0;
     PyObject *oa[2] = {step, f->phase[P_H2D]};
     PyObject *r = bad ? NULL : Steps_open((Steps *)f->engine, oa, 2);
     Py_DECREF(step);
@@ -1566,7 +1640,7 @@ static PyObject *Fast_batch(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
 
 /* forward(): the training forward starts (a loop with a loader: it does not begin the step). */
 static PyObject *Fast_forward(Fast *f, PyObject *Py_UNUSED(ignored)) {
-    if (!usual(f) || truth(f, S_TRAILING)) return python_path(f, "forward");
+    if (!usual(f) || truth(f, S_TRAILING)) return python_path(f, N_FORWARD);
     if (truth(f, S_IN_BACKWARD) || !truth(f, S_OPEN)) Py_RETURN_NONE;
     set_slot(f, S_SAW_FORWARD, Py_True);
     set_slot(f, S_AFTER_BACKWARD, Py_False);
@@ -1575,7 +1649,7 @@ static PyObject *Fast_forward(Fast *f, PyObject *Py_UNUSED(ignored)) {
 
 /* copied(): the batch is on the device. */
 static PyObject *Fast_copied(Fast *f, PyObject *Py_UNUSED(ignored)) {
-    if (!usual(f)) return python_path(f, "copied");
+    if (!usual(f)) return python_path(f, N_COPIED);
     if (!truth(f, S_OPEN)) Py_RETURN_NONE;
     set_slot(f, S_SAW_FORWARD, Py_True);
     return set_phase(f, P_FORWARD);
@@ -1585,9 +1659,9 @@ static PyObject *Fast_copied(Fast *f, PyObject *Py_UNUSED(ignored)) {
 static PyObject *Fast_backward_start(Fast *f, PyObject *Py_UNUSED(ignored)) {
     if (!truth(f, S_OPEN) || truth(f, S_IN_BACKWARD)) {
         if (Py_TYPE(f->bounds) == f->plain) Py_RETURN_NONE;
-        return python_path(f, "backward_start");  /* a sampled step times even a call that does nothing */
+        return python_path(f, N_BACKWARD_START);  /* a sampled step times even a call that does nothing */
     }
-    if (!usual(f) || truth(f, S_TRAILING) || !truth(f, S_SAW_FORWARD)) return python_path(f, "backward_start");
+    if (!usual(f) || truth(f, S_TRAILING) || !truth(f, S_SAW_FORWARD)) return python_path(f, N_BACKWARD_START);
     if (truth(f, S_AFTER_BACKWARD)) {  /* a second backward: what ran since the first was loss math */
         PyObject *r = engine_relabel(f, f->phase[P_FORWARD]);
         if (r == NULL) return NULL;
@@ -1602,9 +1676,9 @@ static PyObject *Fast_backward_start(Fast *f, PyObject *Py_UNUSED(ignored)) {
 /* backward_end(failed): backward() returned (or raised). */
 static PyObject *Fast_backward_end(Fast *f, PyObject *failed) {
     if (!usual(f)) {
-        PyObject *meth = PyObject_GetAttrString(f->bounds, "backward_end");
+        PyObject *meth = PyObject_GetAttr(f->bounds, names[N_BACKWARD_END]);
         if (meth == NULL) return NULL;
-        PyObject *args = PyTuple_New(0), *kw = Py_BuildValue("{sO}", "failed", failed);
+        PyObject *args = PyTuple_New(0), *kw = Py_BuildValue("{OO}", names[N_FAILED], failed);
         PyObject *r = args != NULL && kw != NULL ? PyObject_Call(meth, args, kw) : NULL;
         Py_DECREF(meth);
         Py_XDECREF(args);
@@ -1621,7 +1695,7 @@ static PyObject *Fast_backward_end(Fast *f, PyObject *failed) {
 /* optimizer_start(): an optimizer step begins. */
 static PyObject *Fast_optimizer_start(Fast *f, PyObject *Py_UNUSED(ignored)) {
     if (!usual(f) || truth(f, S_TRAILING) || (truth(f, S_SAW_FORWARD) && !truth(f, S_SAW_BACKWARD)))
-        return python_path(f, "optimizer_start");
+        return python_path(f, N_OPTIMIZER_START);
     if (!truth(f, S_OPEN)) Py_RETURN_NONE;
     set_slot(f, S_AFTER_BACKWARD, Py_False);
     return set_phase(f, P_OPTIMIZER);
@@ -1629,7 +1703,7 @@ static PyObject *Fast_optimizer_start(Fast *f, PyObject *Py_UNUSED(ignored)) {
 
 /* step_end(): an optimizer step ended: the step's device part ends here, unless the batch goes on. */
 static PyObject *Fast_step_end(Fast *f, PyObject *Py_UNUSED(ignored)) {
-    if (!usual(f)) return python_path(f, "step_end");
+    if (!usual(f)) return python_path(f, N_STEP_END);
     if (!truth(f, S_OPEN)) Py_RETURN_NONE;
     PyObject *r = Py_IS_TYPE(f->engine, &StepsType) ? Steps_end((Steps *)f->engine, NULL, 0)
                                                      : PyObject_CallMethod(f->engine, "end", NULL);
@@ -1642,34 +1716,46 @@ static PyObject *Fast_step_end(Fast *f, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-/* Fast(bounds, engine, (forward, backward, optimizer, between, h2d, data_wait, sync_wait), time_module) */
+/* Where CPython keeps instances' `name` of type `t`: a writable object slot (__slots__), or -1 with a TypeError. */
+static int slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off) {
+    PyObject *d = PyObject_GetAttrString((PyObject *)t, name);
+    if (d == NULL) return -1;
+    int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+             !(((PyMemberDescrObject *)d)->d_member->flags & READONLY);
+    if (ok) *off = ((PyMemberDescrObject *)d)->d_member->offset;
+    Py_DECREF(d);
+    if (!ok) PyErr_Format(PyExc_TypeError, "Fast: %s.%s is not a writable slot", t->tp_name, name);
+    return ok ? 0 : -1;
+}
+
+/* Fast(bounds, engine, (forward, backward, optimizer, between, h2d, data_wait, sync_wait), time_module,
+ *      flight_gap, poll_every) */
 static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
-    PyObject *bounds, *engine, *phases, *time;
-    if (!PyArg_ParseTuple(args, "OOO!O", &bounds, &engine, &PyTuple_Type, &phases, &time)) return -1;
+    PyObject *bounds, *engine, *phases, *time, *flight_gap;
+    long long poll_every;
+    if (!PyArg_ParseTuple(args, "OOO!OOL", &bounds, &engine, &PyTuple_Type, &phases, &time, &flight_gap, &poll_every))
+        return -1;
     if (PyTuple_GET_SIZE(phases) != N_PHASES + 2) {
         PyErr_SetString(PyExc_ValueError,
                         "Fast: phases are (forward, backward, optimizer, between, h2d, data_wait, sync_wait)");
         return -1;
     }
+    if (poll_every < 1) { PyErr_SetString(PyExc_ValueError, "Fast: poll_every must be >= 1"); return -1; }
     PyTypeObject *plain = Py_TYPE(bounds);
-    for (int i = 0; i < N_SLOTS; i++) {
-        PyObject *d = PyObject_GetAttrString((PyObject *)plain, slot_names[i]);
-        if (d == NULL) return -1;
-        int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
-                 !(((PyMemberDescrObject *)d)->d_member->flags & READONLY);
-        if (ok) f->off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
-        Py_DECREF(d);
-        if (!ok) {
-            PyErr_Format(PyExc_TypeError, "Fast: %s.%s is not a writable slot", plain->tp_name, slot_names[i]);
-            return -1;
-        }
-    }
+    for (int i = 0; i < N_SLOTS; i++)
+        if (slot_offset(plain, slot_names[i], &f->off[i]) < 0) return -1;
+    PyObject *core = *(PyObject **)((char *)bounds + f->off[S_CORE]);
+    if (core == NULL) { PyErr_SetString(PyExc_TypeError, "Fast: the boundaries have no core"); return -1; }
+    for (int i = 0; i < N_CSLOTS; i++)
+        if (slot_offset(Py_TYPE(core), core_slot_names[i], &f->coff[i]) < 0) return -1;
     Py_INCREF(bounds);
     Py_XSETREF(f->bounds, bounds);
     Py_INCREF(plain);
     Py_XSETREF(f->plain, plain);
     Py_INCREF(engine);
     Py_XSETREF(f->engine, engine);
+    Py_INCREF(core);
+    Py_XSETREF(f->core, core);
     for (int i = 0; i < N_PHASES + 2; i++) {
         PyObject *p = PyTuple_GET_ITEM(phases, i);
         Py_INCREF(p);
@@ -1677,6 +1763,9 @@ static int Fast_init(Fast *f, PyObject *args, PyObject *kwds) {
     }
     Py_INCREF(time);
     Py_XSETREF(f->time, time);
+    Py_INCREF(flight_gap);
+    Py_XSETREF(f->flight_gap, flight_gap);
+    f->poll_every = poll_every;
     return 0;
 }
 
@@ -1684,7 +1773,9 @@ static int Fast_traverse(Fast *f, visitproc visit, void *arg) {
     Py_VISIT(f->bounds);
     Py_VISIT(f->plain);
     Py_VISIT(f->engine);
+    Py_VISIT(f->core);
     Py_VISIT(f->time);
+    Py_VISIT(f->flight_gap);
     return 0;
 }
 
@@ -1692,7 +1783,9 @@ static int Fast_clear(Fast *f) {
     Py_CLEAR(f->bounds);
     Py_CLEAR(f->plain);
     Py_CLEAR(f->engine);
+    Py_CLEAR(f->core);
     Py_CLEAR(f->time);
+    Py_CLEAR(f->flight_gap);
     for (int i = 0; i < N_PHASES + 2; i++) Py_CLEAR(f->phase[i]);
     return 0;
 }
@@ -1768,34 +1861,13 @@ static int count_add(PyObject *counts, double key, Py_ssize_t n) {
     return bad ? -1 : 0;
 }
 
-/* bucket_counts(values, inv_log_growth, zero_key[, into]) -> {bucket: count}: each value's bucket,
- * floor(log(v) * inv_log_growth) as Python's math.floor(math.log(v) * inv) computes it (the same libm
- * log), and values <= 0 in zero_key; counted into `into` (a dict, or a Counter: its own items, not
- * __missing__) when given, else a new dict.  What stats.PhaseTotals counts, in one pass; runs of one
- * bucket (sorted values) cost one dict update. */
-static PyObject *bucket_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "bucket_counts(values, inv_log_growth, zero_key[, into])");
-        return NULL;
-    }
-    if (nargs == 4 && !PyDict_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "bucket_counts: `into` must be a dict");
-        return NULL;
-    }
-    double inv = PyFloat_AsDouble(args[1]);
-    if (inv == -1.0 && PyErr_Occurred()) return NULL;
-    double zero = PyFloat_AsDouble(args[2]);  /* an int, exactly representable */
-    if (zero == -1.0 && PyErr_Occurred()) return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "bucket_counts() takes a list of floats");
-    if (seq == NULL) return NULL;
-    PyObject *counts = nargs == 4 ? (Py_INCREF(args[3]), args[3]) : PyDict_New();
-    if (counts == NULL) { Py_DECREF(seq); return NULL; }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), run = 0;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    double key = 0.0;
+/* Count the values' buckets into `counts`, adding them up into *sum (left to right): 0, or -1 with an exception. */
+static int count_buckets(PyObject *const *items, Py_ssize_t n, double inv, double zero, PyObject *counts, double *sum) {
+    Py_ssize_t run = 0;
+    double key = 0.0, total = 0.0;
     for (Py_ssize_t i = 0; i < n; i++) {
         double v = PyFloat_AsDouble(items[i]);
-        if (v == -1.0 && PyErr_Occurred()) goto fail;
+        if (v == -1.0 && PyErr_Occurred()) return -1;
         double k;
         if (v <= 0.0) {
             k = zero;
@@ -1803,28 +1875,87 @@ static PyObject *bucket_counts(PyObject *module, PyObject *const *args, Py_ssize
             k = floor(log(v) * inv);
         } else {
             PyErr_Format(isnan(v) ? PyExc_ValueError : PyExc_OverflowError, "bucket_counts: a duration of %R", items[i]);
-            goto fail;
+            return -1;
         }
+        total += v;
         if (run && k != key) {
-            if (count_add(counts, key, run) < 0) goto fail;
+            if (count_add(counts, key, run) < 0) return -1;
             run = 0;
         }
         key = k;
         run++;
     }
-    if (run && count_add(counts, key, run) < 0) goto fail;
+    if (run && count_add(counts, key, run) < 0) return -1;
+    *sum = total;
+    return 0;
+}
+
+static int bucket_args(PyObject *const *args, Py_ssize_t nargs, const char *usage, double *inv, double *zero) {
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (nargs == 4 && !PyDict_Check(args[3])) {
+        PyErr_Format(PyExc_TypeError, "%s: `into` must be a dict", usage);
+        return -1;
+    }
+    *inv = PyFloat_AsDouble(args[1]);
+    if (*inv == -1.0 && PyErr_Occurred()) return -1;
+    *zero = PyFloat_AsDouble(args[2]);  /* an int, exactly representable */
+    return *zero == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* bucket_counts(values, inv_log_growth, zero_key[, into]) -> {bucket: count}: each value's bucket,
+ * floor(log(v) * inv_log_growth) as Python's math.floor(math.log(v) * inv) computes it (the same libm
+ * log), and values <= 0 in zero_key; counted into `into` (a dict, or a Counter: its own items, not
+ * __missing__) when given, else a new dict.  What stats.PhaseTotals counts, in one pass; runs of one
+ * bucket (sorted values) cost one dict update. */
+static PyObject *bucket_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    double inv, zero, sum;
+    if (bucket_args(args, nargs, "bucket_counts(values, inv_log_growth, zero_key[, into])", &inv, &zero) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "bucket_counts() takes a list of floats");
+    if (seq == NULL) return NULL;
+    PyObject *counts = nargs == 4 ? (Py_INCREF(args[3]), args[3]) : PyDict_New();
+    int bad = counts == NULL ||
+              count_buckets(PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq), inv, zero, counts, &sum) < 0;
     Py_DECREF(seq);
+    if (bad) Py_CLEAR(counts);
     return counts;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(counts);
-    return NULL;
+}
+
+/* The q-th percentile (0-100) of sorted floats by linear interpolation, as stats.percentile computes it. */
+static double sorted_percentile(PyObject *const *items, Py_ssize_t n, double q) {
+    double pos = (double)(n - 1) * q / 100.0;
+    double lo = floor(pos);
+    Py_ssize_t i = (Py_ssize_t)lo, j = i + 1 < n ? i + 1 : n - 1;
+    double a = PyFloat_AsDouble(items[i]), b = PyFloat_AsDouble(items[j]);
+    return a + (b - a) * (pos - lo);
+}
+
+/* sorted_stats(values, inv_log_growth, zero_key, into) -> (sum, p50, p90): a window's sorted column in one
+ * pass -- its buckets counted into `into` (as bucket_counts), its sum (left to right), its median and 90th
+ * percentile (as stats.percentile).  What stats.PhaseTotals.add_sorted needs. */
+static PyObject *sorted_stats(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    double inv, zero, sum;
+    const char *usage = "sorted_stats(values, inv_log_growth, zero_key, into)";
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, usage); return NULL; }
+    if (bucket_args(args, nargs, usage, &inv, &zero) < 0) return NULL;
+    if (!PyList_CheckExact(args[0]) || PyList_GET_SIZE(args[0]) == 0) {
+        PyErr_SetString(PyExc_TypeError, "sorted_stats() takes a non-empty list of floats");
+        return NULL;
+    }
+    PyObject *const *items = ((PyListObject *)args[0])->ob_item;
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    if (count_buckets(items, n, inv, zero, args[3], &sum) < 0) return NULL;
+    return Py_BuildValue("(ddd)", sum, sorted_percentile(items, n, 50.0), sorted_percentile(items, n, 90.0));
 }
 
 static PyMethodDef module_methods[] = {
     {"masked_crc32c", masked_crc32c, METH_O, "The masked CRC-32C of a TFRecord (TensorBoard event file) record."},
     {"bucket_counts", (PyCFunction)(void (*)(void))bucket_counts, METH_FASTCALL,
      "bucket_counts(values, inv_log_growth, zero_key[, into]) -> {bucket: count}, as stats.PhaseTotals buckets them."},
+    {"sorted_stats", (PyCFunction)(void (*)(void))sorted_stats, METH_FASTCALL,
+     "sorted_stats(values, inv_log_growth, zero_key, into) -> (sum, p50, p90) of sorted values, their buckets into `into`."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1834,6 +1965,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     crc_init();
+    for (int i = 0; i < N_NAMES; i++)
+        if (names[i] == NULL && (names[i] = PyUnicode_InternFromString(interned_names[i])) == NULL) return NULL;
     if (PyType_Ready(&ClockType) < 0 || PyType_Ready(&StepsType) < 0 || PyType_Ready(&FastType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -38,6 +38,7 @@ from typing import Any
 
 from phase_timer._env import native_wanted, warn_once
 from phase_timer.core import TimingCore
+from phase_timer.engine import POLL_EVERY
 from phase_timer.metrics import BETWEEN, PAUSED
 from phase_timer.syncs import SyncCensus
 
@@ -152,7 +153,8 @@ class Boundaries:
         In a real loop a boundary through Python costs a few µs of frames and attributes (``docs/benchmarks.md``)."""
         fast = None
         if native and _Fast is not None and native_wanted() and type(self) is Boundaries:
-            fast = _Fast(self, engine, (FORWARD, BACKWARD, OPTIMIZER, BETWEEN, H2D, "data_wait", "sync_wait"), time)
+            fast = _Fast(self, engine, (FORWARD, BACKWARD, OPTIMIZER, BETWEEN, H2D, "data_wait", "sync_wait"), time,
+                         flight_gap, POLL_EVERY)
         if fast is not None:
             self.on_fetch, self.on_batch = fast.fetch, fast.batch
             self.on_forward, self.on_copied, self.on_step_end = fast.forward, fast.copied, fast.step_end

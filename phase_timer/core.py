@@ -36,7 +36,7 @@ from phase_timer.metrics import (
 )
 from phase_timer.ranks import RankExchange, RankWindow
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
-from phase_timer.stats import RunTotals, WindowSeries, sorted_columns, summarize_columns
+from phase_timer.stats import RunTotals, WindowSeries
 from phase_timer.syncs import format_census
 from phase_timer.trace import TraceWriter
 
@@ -50,6 +50,11 @@ def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
 
 class TimingCore:
     """One run's timing: which steps are recorded, their resolution, statistics and output."""
+
+    # Slots for what the boundaries' C path (``_native.Fast``) reads and writes at every step, where CPython
+    # keeps them (no attribute lookup); everything else in ``__dict__``.
+    __slots__ = ("_in_step", "_last_end", "_poll_in", "steps_begun", "_warmup", "closed", "trace", "ranks", "_engine",
+                 "__dict__")
 
     def __init__(
         self,
@@ -174,8 +179,18 @@ class TimingCore:
             return
         self._poll_in = POLL_EVERY
         results = engine.poll()  # None unless a window (or, per_step, a step) is ready
-        if count_in_flight and self._flight:
+        if count_in_flight:
+            self._count_flight()
+        if results is not None:
+            self._consume(results)
+        if self.ranks is not None:
+            self._rank_close()
+
+    def _count_flight(self) -> None:
+        """At a close that counts them, after its poll: the steps in flight (device clock only)."""
+        if self._flight:
             # No wait: the poll's own answer, or a query of an older step's last mark.
+            engine = self._engine
             n = engine.in_flight()
             if n == 0:  # every earlier step is done: is the one just ended done too (the device idle now)?
                 self.signals.tail_checked += 1
@@ -183,10 +198,6 @@ class TimingCore:
             self.signals.flight[n] += 1
             self._flight_sum += n
             self._flight_n += 1
-        if results is not None:
-            self._consume(results)
-        if self.ranks is not None:
-            self._rank_close()
 
     def _rank_close(self) -> None:
         # Every rank ends the same steps, so every rank reports at the same ones.
@@ -276,11 +287,10 @@ class TimingCore:
                 self.trace.add(item[1])
 
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
-        columns = sorted_columns(columns)  # sorted once, for the statistics and the run totals
-        self.totals.add_window(steps, columns)
+        # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
+        summary = self.totals.add_sorted_window(steps, columns)
         if self.ranks is not None:
             self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory())
-        summary = summarize_columns(columns)
         self.signals.add_window(steps, summary)
         self.series.add(last_step, steps, summary, columns)
         scalars = window_scalars(summary)

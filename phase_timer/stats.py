@@ -126,11 +126,28 @@ def _bucket_counts(ordered: list[float], into: dict[int, int] | None = None) -> 
     return _native_buckets(ordered, _INV_LOG_GROWTH, _ZERO, into)
 
 
+def _sorted_stats_py(ordered: list[float], into: dict[int, int]) -> tuple[float, float, float]:
+    """Sorted values' sum (left to right), median and 90th percentile; their buckets counted into ``into``."""
+    total = 0.0
+    for v in ordered:
+        total += v
+    _bucket_counts_py(ordered, into)
+    return total, percentile(ordered, 50), percentile(ordered, 90)
+
+
+def _sorted_stats(ordered: list[float], into: dict[int, int]) -> tuple[float, float, float]:
+    """The same in C, one pass."""
+    return _native_sorted_stats(ordered, _INV_LOG_GROWTH, _ZERO, into)
+
+
 try:
     from phase_timer._native import bucket_counts as _native_buckets
-except ImportError:  # not built: the Python one
-    _native_buckets = None
-bucket_counts = _bucket_counts if _native_buckets is not None and native_wanted() else _bucket_counts_py
+    from phase_timer._native import sorted_stats as _native_sorted_stats
+except ImportError:  # not built: the Python ones
+    _native_buckets = _native_sorted_stats = None
+_native = _native_buckets is not None and native_wanted()
+bucket_counts = _bucket_counts if _native else _bucket_counts_py
+sorted_stats = _sorted_stats if _native else _sorted_stats_py
 
 
 class PhaseTotals:
@@ -165,6 +182,19 @@ class PhaseTotals:
         self.max = max(self.max, ordered[-1])
         self.min = min(self.min, ordered[0])
         bucket_counts(ordered, self._buckets)
+
+    def add_sorted(self, ordered: list[float]) -> dict[str, float]:
+        """Count a window's sorted values, non-empty (one pass: no copy); returns their statistics, as
+        :func:`summarize` computes them."""
+        total, p50, p90 = sorted_stats(ordered, self._buckets)
+        n = len(ordered)
+        self.count += n
+        self.total += total
+        if ordered[-1] > self.max:
+            self.max = ordered[-1]
+        if ordered[0] < self.min:
+            self.min = ordered[0]
+        return {"mean": total / n, "p50": p50, "p90": p90, "max": ordered[-1]}
 
     @property
     def mean(self) -> float:
@@ -205,6 +235,19 @@ class RunTotals:
             if totals is None:
                 totals = self.phases[phase] = PhaseTotals()
             totals.extend(values)
+
+    def add_sorted_window(self, steps: int, columns: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+        """:meth:`add_window` for sorted columns, each non-empty (the engines' windows), in one pass a phase;
+        returns the window's statistics, as :func:`summarize_columns`."""
+        self.steps += steps
+        phases = self.phases
+        summary = {}
+        for phase, values in columns.items():
+            totals = phases.get(phase)
+            if totals is None:
+                totals = phases[phase] = PhaseTotals()
+            summary[phase] = totals.add_sorted(values)
+        return summary
 
 
 #: Statistics a :class:`WindowSeries` keeps per phase and batch.

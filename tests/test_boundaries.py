@@ -196,6 +196,7 @@ def _replay(ops: list[tuple], native: bool, seed: int, memory: bool) -> tuple[li
     assert (core.memory is not None) == memory
     if memory:
         core.memory._rng = random.Random(seed)  # memory steps at the same steps in both runs
+    core._flight = True  # the steps in flight counted as on a device clock (the host engine answers 0)
     b = Boundaries(core)
     b._hot(core._engine, native=native)
     assert (type(b.on_forward).__name__ == "builtin_function_or_method") == native
@@ -209,11 +210,13 @@ def _replay(ops: list[tuple], native: bool, seed: int, memory: bool) -> tuple[li
         call = calls.get(name) or getattr(b, name)
         call(*args)
         alloc.alloc(1)
-        states.append((name, type(b).__name__, list(b._explicit), *(getattr(b, s) for s in _SLOTS)))
+        states.append((name, type(b).__name__, list(b._explicit), *(getattr(b, s) for s in _SLOTS),
+                       b._flight_at, b._sample_in, core._poll_in, core._in_step, core.steps_begun, core._flight_n,
+                       core._last_end is None))
     b.finish()
     core.finish()
     out = {"written": written, "steps": core.totals.steps, "samples": len(core.signals.own_ns),
-           "memory": core.memory_summary()}
+           "memory": core.memory_summary(), "flight": dict(core.signals.flight), "tail": core.signals.tail_checked}
     return states, out
 
 
@@ -226,6 +229,7 @@ def test_the_usual_boundaries_in_c_do_what_the_python_ones_do(seed):
     c_states, c_out = _replay(ops, native=True, seed=seed, memory=memory)
     py_states, py_out = _replay(ops, native=False, seed=seed, memory=memory)
     assert c_out["steps"] > 50 and c_out["samples"] > 3  # the script timed steps, sampled ones among them
+    assert sum(c_out["flight"].values()) > 5  # and counted the steps in flight at some closes
     assert {s[1] for s in c_states} == {"Boundaries", "_SampledBoundaries"}
     for i, (c, p) in enumerate(zip(c_states, py_states)):
         assert c == p, (i, ops[max(0, i - 5): i + 1])

@@ -403,5 +403,32 @@ def test_c_buckets_equal_the_python_ones():
             values = [rng.choice(edges) for _ in range(n)]
         values.sort()
         assert stats._bucket_counts(values) == stats._bucket_counts_py(values), values
+        # A window's one pass (sum, median, 90th percentile and its buckets added in) equals Python's.
+        into_c, into_py = {3: 2, -(10**9): 1}, {3: 2, -(10**9): 1}
+        assert stats._sorted_stats(values, into_c) == stats._sorted_stats_py(values, into_py), values
+        assert into_c == into_py
+        got = stats._sorted_stats_py(values, {})
+        assert got[1:] == (stats.percentile(values, 50), stats.percentile(values, 90))
+        assert got[0] == pytest.approx(sum(values), rel=1e-12, abs=1e-12)
     with pytest.raises(ValueError):
         stats._bucket_counts([1.0, math.nan])
+    with pytest.raises(TypeError):
+        stats._sorted_stats([], {})
+
+
+def test_a_sorted_window_adds_up_as_any_window_and_summarizes_as_summarize():
+    rng = random.Random(9)
+    a, b = stats.RunTotals(), stats.RunTotals()
+    for _ in range(20):
+        columns = {p: sorted(rng.lognormvariate(0, 1) for _ in range(rng.randint(1, 60))) for p in ("forward", "step")}
+        summary = a.add_sorted_window(len(columns["step"]), {p: list(v) for p, v in columns.items()})
+        b.add_window(len(columns["step"]), columns)
+        want = stats.summarize_columns(columns)
+        assert summary.keys() == want.keys()
+        for p in want:
+            assert summary[p] == pytest.approx(want[p], rel=1e-12)
+    assert a.steps == b.steps
+    for p, t in b.phases.items():
+        u = a.phases[p]
+        assert (u.count, u.min, u.max, u._buckets) == (t.count, t.min, t.max, t._buckets)
+        assert u.total == pytest.approx(t.total, rel=1e-12)
