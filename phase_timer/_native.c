@@ -262,8 +262,7 @@ static Py_ssize_t mark_slot(Clock *self) {
      * legacy stream, hence the context check.  The GIL is held through the record,
      * as through torch's own kernel launches: it only writes a command for the device
      * (it can block while the driver's command queue is full, and so does every launch
-     * of the step).  Releasing and taking it back cost more than the record in a real
-     * loop, six times a step (docs/benchmarks.md). */
+     * of the step), and no release and re-take of the GIL, six times a step. */
     int pushed;
     if (push_ctx(self, &pushed) < 0) { put_back(self, slot); return -1; }
     CUresult r = cu.EventRecord(ev, (CUstream)stream);
@@ -1194,12 +1193,27 @@ static int batch_done(Steps *self, Py_ssize_t eligible) {
 }
 
 /* poll(), threaded: take what the thread resolved (no driver call here); raise what it failed on. */
+static PyObject *Steps_poll(Steps *self, PyObject *Py_UNUSED(ignored));
+
 static PyObject *poll_threaded(Steps *self) {
     pthread_mutex_lock(&self->mu);
-    Py_ssize_t ready = self->resolved;
+    Py_ssize_t ready = self->resolved, backlog = self->count - self->lag - self->resolved;
     CUresult err = self->thread_err;
     const char *what = self->thread_err_what;
     pthread_mutex_unlock(&self->mu);
+    if (err == CUDA_SUCCESS && backlog >= self->wake_at) {
+        /* A backlog the thread was woken for: if the device has finished it (one query, of its newest), the
+         * thread is what is behind -- steps of a few µs, a hot loop's, whose records it cannot read as fast
+         * as the host makes them -- and the rest of the run resolves inline, at the poll, as without a
+         * thread.  The thread is joined: a wait for its burst at most, once, never for the device. */
+        int d = rec_done(self, &self->ring[(self->head + self->count - self->lag - 1) % self->ring_cap]);
+        if (d < 0) return NULL;
+        if (d) {
+            thread_stop(self);
+            self->threaded = 0;
+            return Steps_poll(self, NULL);
+        }
+    }
     if (ready > self->max_per_poll) ready = self->max_per_poll;
     Py_ssize_t done = 0;
     int bad = 0;
@@ -1326,6 +1340,7 @@ static PyObject *Steps_is_open(Steps *self, void *closure) { return PyBool_FromL
 static PyObject *Steps_pending(Steps *self, void *closure) { return PyLong_FromSsize_t(self->count); }
 static PyObject *Steps_full(Steps *self, void *closure) { return PyBool_FromLong(self->count >= self->max_pending); }
 static PyObject *Steps_max_pending(Steps *self, void *closure) { return PyLong_FromSsize_t(self->max_pending); }
+static PyObject *Steps_threaded(Steps *self, void *closure) { return PyBool_FromLong(self->threaded); }
 static PyObject *Steps_current(Steps *self, void *closure) {
     if (!self->open) Py_RETURN_NONE;
     PyObject *name = PyList_GET_ITEM(self->names, self->current);
@@ -1356,6 +1371,8 @@ static PyGetSetDef Steps_getset[] = {
     {"pending", (getter)Steps_pending, NULL, "Closed records waiting for the device.", NULL},
     {"full", (getter)Steps_full, NULL, "max_pending records are waiting.", NULL},
     {"max_pending", (getter)Steps_max_pending, NULL, "The bound on pending records.", NULL},
+    {"threaded", (getter)Steps_threaded, NULL, "Records are resolved on the engine's own thread (False: at the poll; "
+                 "a threaded engine turns inline when its thread falls behind the host).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -153,6 +153,7 @@ class RankExchange:
         self._touched = -1  # the newest exchange read
         self._read: dict[int, int] = {}  # exchange -> bytes of it already read
         self._counted: dict[int, int] = {}  # exchange -> reports it holds
+        self._frames: dict[int, int] = {}  # exchange -> reports read from it (one may be in before its count)
         self._heard: dict[int, tuple[int, float]] = {}  # rank -> (newest exchange it was heard in, when)
         self._final_at: dict[int, int] = {}  # rank -> the exchange of its final report
         self._in: dict[int, set[int]] = {}  # exchange -> the ranks read in it
@@ -380,9 +381,13 @@ class RankExchange:
             if count > self._counted.get(k, 0):
                 frames, self._read[k] = decode(store.get(f"{ns}/{k}"), self._read.get(k, 0))
                 self._counted[k] = count
+                self._frames[k] = self._frames.get(k, 0) + len(frames)
                 for frame in frames:
                     self._take(k, *frame)
-            if k == self._next and self._in.get(k, set()) >= self._expected(k):
+            # Closed (its keys deleted) once every report read from it is counted too: a rank appends its
+            # report, then bumps the count, and a count bumped after the delete would make the key again.
+            if (k == self._next and self._in.get(k, set()) >= self._expected(k)
+                    and count >= self._frames.get(k, 0)):
                 self._close(k)
         self._mark_gone(last)
 
@@ -419,6 +424,7 @@ class RankExchange:
         self._forget(k)
         self._read.pop(k, None)
         self._counted.pop(k, None)
+        self._frames.pop(k, None)
         self._in.pop(k, None)
         self._next = k + 1
 

@@ -354,6 +354,56 @@ def test_c_engine_never_waits_for_the_device(threaded):
 
 
 @needs_native
+def test_threaded_engine_keeps_its_thread_while_the_device_is_behind():
+    """A backlog the device has not finished is the device's, not the thread's: the engine stays threaded,
+    nothing waits, and what the thread reads later comes out."""
+    from phase_timer.clock import NativeCudaClock
+    from phase_timer.engine import Steps
+
+    clock = NativeCudaClock()
+    eng = Steps(clock, 4, 16, 0, threaded=True)  # a backlog of 8 wakes the thread
+    torch.cuda._sleep(300_000_000)
+    t0 = time.perf_counter()
+    for s in range(12):
+        eng.open(s, "forward")
+        eng.switch("backward")
+        eng.close(-1.0)
+        assert eng.poll() is None
+    assert (time.perf_counter() - t0) * 1e3 < 50 and eng.threaded
+    torch.cuda.synchronize()
+    settle(eng)
+    windows = eng.poll()
+    assert eng.threaded and [w[1:4] for w in windows] == [(0, 3, 4), (1, 7, 4)]
+    eng.drain()
+
+
+@needs_native
+def test_a_hot_loop_times_every_step_with_the_resolver_thread():
+    """Steps of a few µs (host_cost.py's hot loop: marks and nothing else) outrun the resolver thread; the
+    engine then resolves at the poll, and no step goes untimed for want of room (the max_pending bound)."""
+    import warnings
+
+    from phase_timer.clock import NativeCudaClock
+    from phase_timer.core import TimingCore
+
+    core = TimingCore(NativeCudaClock(), [], window=50, warmup_steps=0, max_pending=64, memory=False)
+    assert core._engine.threaded
+    n = 5000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the bound's warning would fail the test
+        for i in range(n):
+            core.begin_step(i, "h2d")
+            core.phase("forward")
+            core.phase("backward")
+            core.phase("optimizer")
+            core.end()
+            core.close()
+    totals = core.finish()
+    print(f"hot loop: threaded at the end: {core._engine.threaded}, skipped {core.skipped}")
+    assert core.skipped == 0 and totals.steps == n
+
+
+@needs_native
 def test_threaded_engine_survives_a_fork():
     """A DataLoader worker forks the training process while the resolver thread runs: the child, which has no
     such thread, lets go of the engine without joining it (no hang), and the parent's engine goes on."""
