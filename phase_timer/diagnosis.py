@@ -34,9 +34,9 @@ PACED_RATIO = 1.25
 #: ... and the device was more than a phase behind the host at fewer than this share of the sampled
 #: steps' boundaries (at or above it the device is busy, even when the host is held to its pace).
 #: Calibrated on an H100 against the device's busy share on the profiler's timeline (docs/diagnosis.md):
-#: 0-28% in host-held runs (busy 0.45-0.66; the step's tail boundary alone reads ~10%), 44-100% in
+#: 0-30% in host-held runs (busy 0.45-0.66; the step's tail boundary alone reads ~10%), 44-100% in
 #: GPU-bound ones (a sync mid-step on a busy GPU: 44-50%; the host far ahead: 100%).
-BEHIND_SHARE = 0.3
+BEHIND_SHARE = 0.35
 #: UNSTABLE: a window is spiky when p90/p50 or max/p50 of ``step`` or ``period`` reach these ...
 SPIKE_P90 = 1.5
 SPIKE_MAX = 4.0

@@ -129,6 +129,8 @@ def test_a_device_still_running_only_the_steps_tail_is_host_bound():
     s.behind_checked, s.behind = 120, 30  # the step's end and a few more: a quarter of the boundaries
     d = diagnose(totals(**GPU_STEP), s, clock="cuda")
     assert d.kind == "HOST_BOUND" and d.evidence["tail_busy"] == 10
+    s.behind = 36  # 30%: the most a host-held run has read (the plain GPT-2 at busy 0.51, 29 of 96)
+    assert diagnose(totals(**GPU_STEP), s, clock="cuda").kind == "HOST_BOUND"
     s.behind = 60  # behind at half the boundaries (a sync mid-step on a busy GPU): GPU_BOUND
     d = diagnose(totals(**GPU_STEP), s, clock="cuda")
     assert d.kind == "GPU_BOUND" and "more than a phase behind" in d.why
