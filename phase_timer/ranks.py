@@ -154,6 +154,7 @@ class RankExchange:
         self._read: dict[int, int] = {}  # exchange -> bytes of it already read
         self._counted: dict[int, int] = {}  # exchange -> reports it holds
         self._frames: dict[int, int] = {}  # exchange -> reports read from it (one may be in before its count)
+        self._uncounted: set[int] = set()  # closed exchanges with a report read before its count was bumped
         self._heard: dict[int, tuple[int, float]] = {}  # rank -> (newest exchange it was heard in, when)
         self._final_at: dict[int, int] = {}  # rank -> the exchange of its final report
         self._in: dict[int, set[int]] = {}  # exchange -> the ranks read in it
@@ -355,7 +356,7 @@ class RankExchange:
                 elif item[0] == "read":
                     self._read_up_to(item[1], beyond=item[2])
                 elif item[0] == "forget":
-                    for k in range(self._next, max(self._sent, self._touched + 1)):
+                    for k in [*range(self._next, max(self._sent, self._touched + 1)), *self._uncounted]:
                         self._forget(k)
                 item[-1].set()
         except Exception as err:  # noqa: BLE001 - the training thread gives up at its next exchange
@@ -384,11 +385,11 @@ class RankExchange:
                 self._frames[k] = self._frames.get(k, 0) + len(frames)
                 for frame in frames:
                     self._take(k, *frame)
-            # Closed (its keys deleted) once every report read from it is counted too: a rank appends its
-            # report, then bumps the count, and a count bumped after the delete would make the key again.
-            if (k == self._next and self._in.get(k, set()) >= self._expected(k)
-                    and count >= self._frames.get(k, 0)):
+            if k == self._next and self._in.get(k, set()) >= self._expected(k):
                 self._close(k)
+        for k in [k for k in self._uncounted if store.check([f"{ns}/{k}/n"])]:  # its late count made it again
+            self._uncounted.discard(k)
+            self._forget(k)
         self._mark_gone(last)
 
     def _take(self, k: int, rank: int, final: bool, windows: list[Any]) -> None:
@@ -422,9 +423,12 @@ class RankExchange:
                 for j in [j for j in self._held.get(r, {}) if j <= k]:
                     del self._held[r][j]
         self._forget(k)
+        # A rank appends its report, then bumps the count: a report read before its count means a bump still
+        # to come, which makes the counter key again after this delete (deleted when seen, or at the end).
+        if self._frames.pop(k, 0) > self._counted.get(k, 0):
+            self._uncounted.add(k)
         self._read.pop(k, None)
         self._counted.pop(k, None)
-        self._frames.pop(k, None)
         self._in.pop(k, None)
         self._next = k + 1
 

@@ -290,6 +290,39 @@ def test_a_report_read_before_it_is_counted_leaves_no_key(store) -> None:
     assert store.num_keys() == before
 
 
+def test_a_report_never_counted_holds_up_no_exchange_after_it(store, monkeypatch) -> None:
+    # Rank 2's report of exchange 0 is appended, and its count fails (the rank's store connection broke):
+    # rank 0 reads a report that is never counted.  It must still close that exchange and go on, not read
+    # every exchange since at each window (a request more a window, for the rest of the run).
+    monkeypatch.setattr("phase_timer.ranks.STALE_S", 0.0)
+
+    class CountFails(SlowCountStore):
+        def add(self, key, n):
+            if n:
+                raise RuntimeError("the store connection broke")
+            return self._store.add(key, n)
+
+    ns = "phase_timer/nocount"
+    before = store.num_keys()
+    broken = CountFails(store.clone())
+    exchanges = [RankExchange(store.clone(), 0, 3, ns), RankExchange(store.clone(), 1, 3, ns), RankExchange(broken, 2, 3, ns)]
+    windows = STALE_EXCHANGES + 6
+    written = []
+    with pytest.warns(RuntimeWarning):
+        for w in range(windows):
+            for ex in exchanges:
+                ex.add(w, 5 * w + 4, 5, sums(forward=1.0 + ex.rank))
+                written += ex.exchange()
+            for ex in exchanges[:2]:
+                ex._sent_event.wait(5)
+        for ex in reversed(exchanges):
+            written += ex.finish(timeout_s=2)
+    exchanges[0]._thread.join(5)
+    assert exchanges[0]._next >= windows - 1  # every exchange but the last closed in its turn
+    assert [w.key for w in written] == list(range(windows))
+    assert store.num_keys() == before
+
+
 def test_a_store_failing_at_the_final_report_warns(store) -> None:
     class FailsSecond:
         def __init__(self) -> None:
