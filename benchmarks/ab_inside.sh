@@ -5,8 +5,8 @@
 #
 #     benchmarks/ab_inside.sh OLD_DIR [ROUNDS] [STEPS] > table.txt
 #
-# Each round runs `launch_bound.py --rounds 0 --parts` (the plain door) and `lightning_launch_bound.py
-# --rounds 0 --parts` (Lightning) from the old tree, then from this one: each its own process, importing its own
+# Each round runs `launch_bound.py --rounds 0 --parts --calibrate` (the plain door) and `lightning_launch_bound.py
+# --rounds 0 --parts --calibrate` (Lightning) from the old tree, then from this one: each its own process, importing its own
 # tree's phase_timer.  Every run's full breakdown is printed; a table of the rounds' totals comes last.
 set -uo pipefail
 old=$(cd "$1" && pwd); rounds=${2:-3}; steps=${3:-3000}
@@ -17,20 +17,22 @@ for r in $(seq "$rounds"); do
   for side in old new; do
     tree=$([ "$side" = old ] && echo "$old" || echo "$here")
     (cd "$tree" && PYTHONPATH=. timeout 300 python benchmarks/launch_bound.py --rounds 0 --variants attach \
-      --inside-steps "$steps" --parts --out "$work/plain-$side$r.txt" > "$work/plain-$side$r.log" 2>&1)
+      --inside-steps "$steps" --parts --calibrate --out "$work/plain-$side$r.txt" > "$work/plain-$side$r.log" 2>&1)
     (cd "$tree" && PYTHONPATH=. timeout 300 python benchmarks/lightning_launch_bound.py --rounds 0 \
-      --inside-steps "$steps" --parts --out "$work/light-$side$r.txt" > "$work/light-$side$r.log" 2>&1)
+      --inside-steps "$steps" --parts --calibrate --out "$work/light-$side$r.txt" > "$work/light-$side$r.log" 2>&1)
     for door in plain light; do
       echo "== round $r $side $door"
       grep -A 40 "^host time inside" "$work/$door-$side$r.txt" || tail -3 "$work/$door-$side$r.log"
     done
   done
 done
-echo "== in-hook host time per step (us), each round"
-for door in plain light; do
-  for side in old new; do
-    vals=$(for r in $(seq "$rounds"); do grep -h "^host time inside" "$work/$door-$side$r.txt" 2>/dev/null \
-      | sed -E 's/.*: ([0-9.]+) us$/\1/'; done | tr '\n' ' ')
-    echo "$door $side: $vals"
+for what in "^host time inside" "^the hooks less the timing wrapper"; do
+  echo "== in-hook host time per step (us), each round: ${what#^}"
+  for door in plain light; do
+    for side in old new; do
+      vals=$(for r in $(seq "$rounds"); do grep -h "$what" "$work/$door-$side$r.txt" 2>/dev/null \
+        | sed -E 's/.*: ([0-9.]+) us$/\1/'; done | tr '\n' ' ')
+      echo "$door $side: $vals"
+    done
   done
 done

@@ -66,31 +66,59 @@ def calibrated_burn(target_us: float) -> tuple[Callable[[], None], float]:
 
 
 class Inside:
-    """Host time spent inside wrapped functions, per name (the wrappers' own ~0.1 us included)."""
+    """Host time spent inside wrapped functions, per name (the wrappers' own cost included: see ``calibrate``)."""
 
     def __init__(self) -> None:
         self.ns: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
         #: Time inside the hooks that is not ours (what they wrap and call), subtracted and said apart.
         self.excluded: dict[str, int] = defaultdict(int)
+        #: ns per call of the same wrapper around a C call that does nothing, in the same run (None: not measured).
+        self.wrapper_ns: float | None = None
 
     def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-        ns = self.ns
+        ns, calls, clock = self.ns, self.calls, time.perf_counter_ns
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter_ns()
+        def timed(*args: Any) -> Any:  # positional only: no keyword dict made at each call
+            t0 = clock()
             try:
-                return fn(*args, **kwargs)
+                return fn(*args)
             finally:
-                ns[name] += time.perf_counter_ns() - t0
+                ns[name] += clock() - t0
+                calls[name] += 1
 
         return timed
+
+    def calibrate(self, module: torch.nn.Module) -> Callable[[], None]:
+        """Time the same wrapper around ``int()`` (a C call that does nothing) from a forward pre-hook of
+        ``module``, in situ: its own cost per call.  Returns what to call at the end (removes the hook)."""
+        calibration = Inside()
+        timed_nothing = calibration.wrap(int, "x")
+
+        def hook(module: Any, args: Any) -> None:
+            timed_nothing()
+
+        handle = module.register_forward_pre_hook(hook)
+
+        def done() -> None:
+            handle.remove()
+            self.wrapper_ns = calibration.ns["x"] / max(1, calibration.calls["x"])
+
+        return done
 
     def report(self, what: str, steps: int) -> list[str]:
         """The total per step, then each name's share of it (names with a dot are parts of the hooks, inside them)."""
         hooks = {k: v for k, v in self.ns.items() if "." not in k}
-        lines = [f"host time inside {what}, per step over {steps} steps: {sum(hooks.values()) / steps / 1e3:.1f} us"]
+        total = sum(hooks.values()) / steps / 1e3
+        lines = [f"host time inside {what}, per step over {steps} steps: {total:.1f} us"]
         lines += [f"    {name:36s} {ns / steps / 1e3:7.2f} us" for name, ns in hooks.items()]
         lines += [f"  not counted: {name} {ns / steps / 1e3:.2f} us" for name, ns in self.excluded.items()]
+        if self.wrapper_ns is not None:
+            per_step = sum(self.calls[k] for k in hooks) / steps
+            own = self.wrapper_ns * per_step / 1e3
+            lines += [f"  the timing wrapper's own cost: {self.wrapper_ns / 1e3:.2f} us a call (around an empty hook, "
+                      f"this run) x {per_step:.1f} timed calls a step = {own:.1f} us",
+                      f"the hooks less the timing wrapper's own cost: {total - own:.1f} us"]
         parts = {k: v for k, v in self.ns.items() if "." in k}
         if parts:
             lines.append("  of which (a separate run, each part timed too: ~0.1-0.2 us more per call)")
@@ -130,9 +158,11 @@ _PLAIN_HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "
 
 
 def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callable[[Any], None], steps: int,
-                parts: bool = False) -> Inside:
-    """Host time inside the plain door's hook bodies, in a real loop (``parts``: the engine's calls timed too)."""
+                parts: bool = False, calibrate: bool = False) -> Inside:
+    """Host time inside the plain door's hook bodies, in a real loop (``parts``: the engine's calls timed too;
+    ``calibrate``: the same timing wrapper around an empty forward pre-hook too, said apart: its own cost there)."""
     inside = Inside()
+    done = inside.calibrate(model) if calibrate else None
     loader = Cycle(make_batches(LAUNCH_BOUND), steps)
     timer = phase_timer.attach(model, opt, loader, log_dir=tempfile.mkdtemp(), summary=False)
     timer.detach()
@@ -148,6 +178,8 @@ def host_inside(model: torch.nn.Module, opt: torch.optim.Optimizer, step: Callab
         for batch in timer.loader:
             step(batch)
     assert timer.totals is not None and timer.totals.steps == steps - timer.config.warmup_steps
+    if done is not None:
+        done()
     return inside
 
 
@@ -208,6 +240,8 @@ def main() -> None:
     ap.add_argument("--variants", default="all", help="comma-separated prefixes of the variants to run")
     ap.add_argument("--inside-steps", type=int, default=3000)
     ap.add_argument("--parts", action="store_true", help="also time the engine's calls inside the hooks (a second run)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="the in-hook run also times an empty forward pre-hook with the same wrapper (its own cost)")
     ap.add_argument("--inside-inline", action="store_true", help="the in-hook run with the C engine resolving inline")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -345,7 +379,7 @@ def main() -> None:
     ]
     if args.inside_inline:
         phase_timer.engine.RESOLVER_THREAD = False
-    inside = host_inside(model, opt, step, args.inside_steps)
+    inside = host_inside(model, opt, step, args.inside_steps, calibrate=args.calibrate)
     if args.parts:  # a second run with the parts timed too: the first run's hook totals stay unbiased
         detail = host_inside(model, opt, step, args.inside_steps, parts=True)
         inside.ns.update({k: v for k, v in detail.ns.items() if "." in k})

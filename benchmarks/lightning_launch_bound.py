@@ -204,6 +204,7 @@ class SelfTimed(phase_timer.PhaseTimer):
             t0 = time.perf_counter_ns()
             out = wrapped(*args, **kwargs)
             self.inside.ns["batch_to_device wrapper"] += time.perf_counter_ns() - t0 - copy.ns["copy"]
+            self.inside.calls["batch_to_device wrapper"] += 1
             return out
 
         strategy.batch_to_device = batch_to_device
@@ -226,6 +227,7 @@ class SelfTimed(phase_timer.PhaseTimer):
             finally:
                 own = theirs.ns[name] - before
                 inside.ns[key] += time.perf_counter_ns() - t0 - own
+                inside.calls[key] += 1
                 inside.excluded[f"Lightning's own {name} (our fetch hook calls it)"] += own
 
         return timed
@@ -243,11 +245,16 @@ class SelfTimed(phase_timer.PhaseTimer):
             bounds.step_end = timed
 
 
-def host_inside(steps: int, parts: bool = False) -> Inside:
-    """Host time inside PhaseTimer's per-step hooks, in a real fit (``parts``: the engine's calls timed too)."""
+def host_inside(steps: int, parts: bool = False, calibrate: bool = False) -> Inside:
+    """Host time inside PhaseTimer's per-step hooks, in a real fit (``parts``: the engine's calls timed too;
+    ``calibrate``: the timing wrapper's own cost measured too, around an empty forward pre-hook)."""
     timer = SelfTimed(parts=parts, summary=False)
-    trainer(steps, [timer]).fit(LaunchBound(), Cycle(make_batches(LAUNCH_BOUND), steps))
+    model = LaunchBound()
+    done = timer.inside.calibrate(model.net) if calibrate else None
+    trainer(steps, [timer]).fit(model, Cycle(make_batches(LAUNCH_BOUND), steps))
     assert timer.totals is not None and timer.totals.steps == steps - timer.config.warmup_steps
+    if done is not None:
+        done()
     return timer.inside
 
 
@@ -258,10 +265,12 @@ def main() -> None:
     ap.add_argument("--warmup-rounds", type=int, default=3)
     ap.add_argument("--inside-steps", type=int, default=3000)
     ap.add_argument("--parts", action="store_true", help="also time the engine's calls inside the hooks (a second fit)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="the in-hook fit also times an empty forward pre-hook with the same wrapper (its own cost)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     names, us = overhead(args.rounds, args.block, args.warmup_rounds) if args.rounds else ([], {})
-    inside = host_inside(args.inside_steps)  # after the overhead run: it changes nothing there
+    inside = host_inside(args.inside_steps, calibrate=args.calibrate)  # after the overhead run: it changes nothing there
     if args.parts:  # a second fit with the parts timed too: the first one's hook totals stay unbiased
         inside.ns.update({k: v for k, v in host_inside(args.inside_steps, parts=True).ns.items() if "." in k})
     dev = torch.cuda.get_device_name() if CUDA else "cpu"
