@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from phase_timer import backward_calls
-from phase_timer._env import warn_once
+from phase_timer._env import native_wanted, warn_once
 from phase_timer.boundaries import Boundaries
 from phase_timer.clock import make_clock
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
@@ -57,6 +57,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _grad_enabled = torch.is_grad_enabled
+
+try:
+    from phase_timer._native import LoopHooks as _LoopHooks
+except ImportError:  # not built: the hooks are the methods themselves
+    _LoopHooks = None
+
+#: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
+_HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 _RESERVED = HOST_PHASES | set(TOTALS) | {"idle", BETWEEN, PAUSED}
 _END_STEP = ("optimizer", "manual")
 
@@ -85,10 +93,10 @@ class _TimedLoader:
     def __iter__(self) -> Iterator[Any]:
         timer = self._timer
         it = iter(self._loader)
-        on_batch = timer._on_batch
+        fetch, on_batch = timer._fetch, timer._on_batch
         try:
             while True:
-                timer._fetch()
+                fetch()
                 t0 = time.perf_counter_ns()
                 try:
                     batch = next(it)
@@ -123,6 +131,9 @@ class LoopTimer:
             :class:`phase_timer.syncs.SyncSite` (phase, where, code, count, known cause);
             ``sync_census`` says whether the census ran, or why not.
     """
+
+    # Slots: the state every hook reads (the C hooks read it here too, the same values); the rest in __dict__.
+    __slots__ = ("_bounds", "_thread", "_loader_active", "_end_on_optimizer", "_copy", "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -184,6 +195,7 @@ class LoopTimer:
                 "that steps another is followed through its `base_optimizer`), or use end_step='manual'"
             )
             self._bounds = Boundaries(self.core, no_end_hint=hint)
+            self._hooks_in_c()
             self.core.summary_dir = self.log_dir if self.is_rank_zero else None
             self.core.context.update(
                 door="loop", config=config_dict(config), device_type=self.device.type,
@@ -228,6 +240,19 @@ class LoopTimer:
                 return out
 
             self._scaler.update = self._scaler_wrapper = update
+
+    def _hooks_in_c(self) -> None:
+        """Each hook body's usual case in one C call (``_native.LoopHooks``), where it is built: the methods below
+        stay the one definition, and the C ones call them for anything else.  An instance attribute each, so
+        that the hooks installed and the loader wrapper take them (in a real loop a Python body costs ~1-2 µs
+        of frames and attribute lookups: ``docs/benchmarks.md``)."""
+        if _LoopHooks is None or not native_wanted():
+            return
+        own = tuple(getattr(type(self), name).__get__(self) for name in _HOOK_BODIES)
+        hooks = _LoopHooks(self, self._bounds, _grad_enabled, time, own)
+        for name, fn in zip(_HOOK_BODIES, (hooks.fetch, hooks.on_batch, hooks.forward, hooks.backward_began,
+                                           hooks.backward_ended, hooks.optimizer_end)):
+            setattr(self, name, fn)
 
     def _loader_here(self) -> bool:
         """The loader is iterated on the training loop's thread (else its fetches are not the loop's)."""

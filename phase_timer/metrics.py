@@ -87,7 +87,12 @@ def step_tag(phase: str) -> str:
 
 def window_scalars(summary: dict[str, dict[str, float]]) -> dict[str, float]:
     """Flatten a window's statistics into ``{tag: value}``."""
-    return {tag: stats[s] for p in ordered(list(summary)) for s, tag in _window_tags(p) for stats in (summary[p],)}
+    scalars = {}
+    for p in ordered(list(summary)):
+        stats = summary[p]
+        for s, tag in _window_tags(p):
+            scalars[tag] = stats[s]
+    return scalars
 
 
 @functools.lru_cache(maxsize=256)

@@ -200,6 +200,7 @@ class EventFileSink:
 
         self._event, self._summary, self._value = Event, Summary, Summary.Value
         self._crc = _record_crc()
+        self._scalars_record = _scalars_record()
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
@@ -220,9 +221,12 @@ class EventFileSink:
         self._file.write(header + _U32.pack(crc(header)) + data + _U32.pack(crc(data)))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        value = self._value
-        summary = self._summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars.items()])
-        self._record(self._event(wall_time=time.time(), step=step, summary=summary))
+        if self._scalars_record is not None:  # the same bytes, in one C call
+            self._file.write(self._scalars_record(time.time(), step, scalars))
+        else:
+            value = self._value
+            summary = self._summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars.items()])
+            self._record(self._event(wall_time=time.time(), step=step, summary=summary))
         if time.monotonic() >= self._next_flush:
             self.flush()
 
@@ -254,6 +258,16 @@ def _record_crc() -> Any:
     except ImportError:  # pragma: no cover - depends on the build
         from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as crc
     return crc
+
+
+def _scalars_record() -> Any:
+    """A scalars event's whole record in C (``_native.event_record``: protobuf's own bytes, ~10x less time with
+    the GIL held), or None: built with protobuf."""
+    try:
+        from phase_timer._native import event_record
+    except ImportError:  # pragma: no cover - depends on the build
+        return None
+    return event_record
 
 
 def open_event_file(log_dir: str, *, per_step: bool, ranks: bool = False) -> Sink:

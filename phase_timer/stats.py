@@ -172,16 +172,9 @@ class PhaseTotals:
         self.extend([v])
 
     def extend(self, values: list[float]) -> None:
-        """Count some values (a sorted copy; linear when they are sorted already, as windows' columns are)."""
-        if not values:
-            return
-        ordered = sorted(values)
-        n = len(ordered)
-        self.count += n
-        self.total += sum(ordered)
-        self.max = max(self.max, ordered[-1])
-        self.min = min(self.min, ordered[0])
-        bucket_counts(ordered, self._buckets)
+        """Count some values, in any order (a sorted copy: linear when sorted already)."""
+        if values:
+            self.add_sorted(sorted(values))
 
     def add_sorted(self, ordered: list[float]) -> dict[str, float]:
         """Count a window's sorted values, non-empty (one pass: no copy); returns their statistics, as
@@ -228,13 +221,9 @@ class RunTotals:
         self.steps = 0
 
     def add_window(self, steps: int, columns: dict[str, list[float]]) -> None:
-        """A window of ``steps`` steps: each phase's values (any order; sorted ones are cheaper)."""
-        self.steps += steps
-        for phase, values in columns.items():
-            totals = self.phases.get(phase)
-            if totals is None:
-                totals = self.phases[phase] = PhaseTotals()
-            totals.extend(values)
+        """A window of ``steps`` steps: each phase's values, in any order (sorted copies; a phase with none is
+        not counted)."""
+        self.add_sorted_window(steps, {phase: sorted(values) for phase, values in columns.items() if values})
 
     def add_sorted_window(self, steps: int, columns: dict[str, list[float]]) -> dict[str, dict[str, float]]:
         """:meth:`add_window` for sorted columns, each non-empty (the engines' windows), in one pass a phase;

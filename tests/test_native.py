@@ -59,11 +59,16 @@ def _records(path: str) -> list[bytes]:
     return out
 
 
-def test_event_file_is_read_back_by_tensorboard(tmp_path):
+@pytest.mark.parametrize("in_c", [True, False])
+def test_event_file_is_read_back_by_tensorboard(tmp_path, in_c):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.compat.proto.event_pb2 import Event
 
     sink = EventFileSink(str(tmp_path), layout={"phase-timer": {}}, flush_s=3600)
+    if not in_c:
+        sink._scalars_record = None  # protobuf's own objects
+    elif sink._scalars_record is None:
+        pytest.skip("the C extension is not built here")
     sink.write(10, {"phase_time/forward_ms/mean": 1.5, "phase_time/step_ms/mean": 4.25})
     sink.write(20, {"phase_time/forward_ms/mean": 2.5})
     sink.close()
@@ -74,6 +79,34 @@ def test_event_file_is_read_back_by_tensorboard(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("phase_time/forward_ms/mean")] == [(10, 1.5), (20, 2.5)]
     assert [e.value for e in acc.Scalars("phase_time/step_ms/mean")] == [4.25]
+
+
+@needs_native
+def test_a_scalars_record_in_c_is_protobufs_own_bytes():
+    """event_record writes what protobuf's serializer and the TFRecord framing write, byte for byte: a zero step
+    and an empty tag left out (proto3), the summary and every simple_value kept (oneof members), floats rounded
+    to float32 as protobuf rounds them, negative and large steps, non-ASCII tags, inf and nan."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    def reference(wall: float, step: int, scalars: dict) -> bytes:
+        summary = Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in scalars.items()])
+        data = Event(wall_time=wall, step=step, summary=summary).SerializeToString()
+        head = struct.pack("<Q", len(data))
+        crc = native.masked_crc32c
+        return head + struct.pack("<I", crc(head)) + data + struct.pack("<I", crc(data))
+
+    rng = random.Random(0)
+    cases = [(1.7e9, 0, {}), (1.0, -3, {"": 2.0, "é/ü_ms": float("inf")}), (12.5, 2**40, {"n": float("nan"), "i": 3}),
+             (1.7e9, 10, {"phase_time/forward_ms/mean": 1.25, "zero": 0.0, "tiny": 1e-42, "huge": 1e300})]
+    for _ in range(200):
+        tags = {f"phase_time/{rng.choice('abcdefgh') * rng.randint(1, 40)}_ms/{i}": rng.uniform(-1e6, 1e6)
+                for i in range(rng.randint(0, 60))}
+        cases.append((rng.uniform(0, 2e9), rng.randint(-(2**63), 2**63 - 1), tags))
+    for case in cases:
+        assert native.event_record(*case) == reference(*case), case[:2]
+    with pytest.raises(TypeError, match="a tag must be a str"):
+        native.event_record(1.0, 1, {3: 1.0})
 
 
 def test_event_file_flushes_by_time_and_on_close(tmp_path):
@@ -156,3 +189,42 @@ def test_window_columns_with_and_without_the_same_phases():
     assert mixed.values == {"forward": [1.0, 3.0, 2.0], "step": [2.0, 4.0], "clip": [0.5, 0.25]}
     summary = mixed.summary()
     assert summary["clip"]["max"] == 0.5 and summary["forward"]["p50"] == 2.0
+
+
+def test_the_c_close_reads_the_clock_that_python_reads(monkeypatch):
+    """The usual close in C reads time.perf_counter_ns's own clock without calling it, and a replaced one by
+    calling it (a test's virtual clock): the step's period is on the host clock the rest of the core reads."""
+    import time
+
+    from phase_timer.boundaries import Boundaries
+    from phase_timer.clock import HostClock
+    from phase_timer.core import TimingCore
+
+    core = TimingCore(HostClock(), window=5, warmup_steps=0, max_pending=8)
+    b = Boundaries(core)
+    if type(b.on_fetch).__name__ != "builtin_function_or_method":
+        pytest.skip("the C extension is not built")
+
+    def step() -> None:
+        b.on_batch(None, None)
+        b.on_copied()
+        b.on_backward_start()
+        b.on_backward_end(False)
+        b.on_optimizer_start()
+        b.on_step_end()
+
+    for _ in range(3):
+        b.on_fetch()
+        step()
+    b._sample_in = 1000  # no sampled step next: the close takes the C path
+    closed = b.steps
+    t0 = time.perf_counter_ns()
+    b.on_fetch()
+    t1 = time.perf_counter_ns()
+    assert b.steps == closed + 1 and t0 <= core._last_end <= t1
+    step()
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: t1 + 5_000_000)
+    b.on_fetch()
+    assert core._last_end == t1 + 5_000_000
+    b.finish()
+    core.finish()
