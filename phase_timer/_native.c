@@ -2160,16 +2160,19 @@ static PyObject *event_record(PyObject *module, PyObject *const *args, Py_ssize_
     if (wall == -1.0 && PyErr_Occurred()) return NULL;
     long long step = PyLong_AsLongLong(args[1]);
     if (step == -1 && PyErr_Occurred()) return NULL;
-    PyObject *scalars = args[2], *key, *value;
-    Py_ssize_t pos = 0, n = PyDict_GET_SIZE(scalars), k = 0;
+    /* The items, held (a value's __float__ could change the dict); first pass: the lengths (tags as UTF-8, kept
+     * by the str objects themselves). */
+    PyObject *items = PyDict_Items(args[2]);
+    if (items == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items), k = 0;
     size_t summary_len = 0;
-    /* First pass: the lengths (tags as UTF-8, kept by the str objects themselves). */
     const char **tags = PyMem_Malloc((n ? n : 1) * sizeof(char *));
     Py_ssize_t *tag_len = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
     float *vals = PyMem_Malloc((n ? n : 1) * sizeof(float));
     PyObject *out = NULL;
     if (tags == NULL || tag_len == NULL || vals == NULL) { PyErr_NoMemory(); goto done; }
-    while (PyDict_Next(scalars, &pos, &key, &value)) {
+    for (k = 0; k < n; k++) {
+        PyObject *item = PyList_GET_ITEM(items, k), *key = PyTuple_GET_ITEM(item, 0), *value = PyTuple_GET_ITEM(item, 1);
         if (!PyUnicode_Check(key)) { PyErr_Format(PyExc_TypeError, "event_record: a tag must be a str, got %R", key); goto done; }
         tags[k] = PyUnicode_AsUTF8AndSize(key, &tag_len[k]);
         if (tags[k] == NULL) goto done;
@@ -2178,18 +2181,21 @@ static PyObject *event_record(PyObject *module, PyObject *const *args, Py_ssize_
         vals[k] = (float)v;
         size_t value_len = (tag_len[k] ? 1 + varint_len((uint64_t)tag_len[k]) + (size_t)tag_len[k] : 0) + 5;
         summary_len += 1 + varint_len(value_len) + value_len;
-        k++;
     }
-    size_t data_len = 9 + (step ? 1 + varint_len((uint64_t)step) : 0) + 1 + varint_len(summary_len) + summary_len;
+    uint64_t wall_bits;
+    memcpy(&wall_bits, &wall, 8);
+    /* proto3: a field at its default (all-zero bits: 0.0, not -0.0; step 0) is not written */
+    size_t data_len = (wall_bits ? 9 : 0) + (step ? 1 + varint_len((uint64_t)step) : 0) + 1 + varint_len(summary_len) +
+                      summary_len;
     out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 + 4 + data_len + 4));
     if (out == NULL) goto done;
     unsigned char *rec = (unsigned char *)PyBytes_AS_STRING(out), *p = rec + 12, *data = p;
     put_le(rec, data_len, 8);
     put_le(rec + 8, masked_crc(rec, 8), 4);
-    uint64_t wall_bits;
-    memcpy(&wall_bits, &wall, 8);
-    *p++ = 0x09;
-    p = put_le(p, wall_bits, 8);
+    if (wall_bits) {
+        *p++ = 0x09;
+        p = put_le(p, wall_bits, 8);
+    }
     if (step) {
         *p++ = 0x10;
         p = put_varint(p, (uint64_t)step);
@@ -2213,6 +2219,7 @@ static PyObject *event_record(PyObject *module, PyObject *const *args, Py_ssize_
     }
     put_le(p, masked_crc(data, data_len), 4);
 done:
+    Py_DECREF(items);
     PyMem_Free(tags);
     PyMem_Free(tag_len);
     PyMem_Free(vals);

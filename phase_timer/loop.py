@@ -65,6 +65,7 @@ except ImportError:  # not built: the hooks are the methods themselves
 
 #: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
 _HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
+
 _RESERVED = HOST_PHASES | set(TOTALS) | {"idle", BETWEEN, PAUSED}
 _END_STEP = ("optimizer", "manual")
 
@@ -413,6 +414,8 @@ class LoopTimer:
         send no last report and wait for no other rank.
         """
         self.detach()
+        for name in _HOOK_BODIES:  # the C hooks hold the boundaries (and this timer: a cycle): gone with them
+            self.__dict__.pop(name, None)
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
         if core is None or bounds is None:

@@ -115,3 +115,29 @@ def test_the_hooks_in_c_do_what_the_python_methods_do(kind, tmp_path, monkeypatc
     assert c[0] > 5 or kind == "loader_thread"
     assert c == py
 
+
+
+def test_a_closed_timer_lets_go_of_its_run(tmp_path):
+    """close() drops the C hooks, which hold the boundaries and the timer itself (a cycle): a closed timer a user
+    keeps (for its totals) holds no boundaries, core or engine, and one let go is freed without the cyclic
+    collector, as with the Python methods."""
+    import gc
+    import weakref
+
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = phase_timer.attach(model, opt, None, log_dir=str(tmp_path), summary=False, warmup_steps=1)
+    assert type(timer._on_forward).__name__ == "builtin_function_or_method"
+    for _ in range(5):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    timer.close()
+    assert timer.totals is not None and timer.totals.steps > 0
+    assert not set(loop_mod._HOOK_BODIES) & set(timer.__dict__)
+    ref = weakref.ref(timer)
+    gc.disable()
+    try:
+        del timer
+        assert ref() is None, "the closed timer is only freed by the cyclic collector"
+    finally:
+        gc.enable()

@@ -98,6 +98,7 @@ def test_a_scalars_record_in_c_is_protobufs_own_bytes():
 
     rng = random.Random(0)
     cases = [(1.7e9, 0, {}), (1.0, -3, {"": 2.0, "é/ü_ms": float("inf")}), (12.5, 2**40, {"n": float("nan"), "i": 3}),
+             (0.0, 1, {"a": 1.0}), (-0.0, 0, {"a": -0.0}), (1.0, 1, {"over": 1e39, "nul\x00tag": 2.0}),
              (1.7e9, 10, {"phase_time/forward_ms/mean": 1.25, "zero": 0.0, "tiny": 1e-42, "huge": 1e300})]
     for _ in range(200):
         tags = {f"phase_time/{rng.choice('abcdefgh') * rng.randint(1, 40)}_ms/{i}": rng.uniform(-1e6, 1e6)
@@ -107,6 +108,15 @@ def test_a_scalars_record_in_c_is_protobufs_own_bytes():
         assert native.event_record(*case) == reference(*case), case[:2]
     with pytest.raises(TypeError, match="a tag must be a str"):
         native.event_record(1.0, 1, {3: 1.0})
+
+    class Grows:  # a value whose conversion changes the dict being written: the items taken first hold
+        def __float__(self) -> float:
+            scalars.update({f"k{i}": 0.0 for i in range(200)})
+            scalars.pop("b", None)
+            return 1.0
+
+    scalars = {"a": Grows(), "b": 2.0}
+    assert native.event_record(1.0, 1, scalars) == reference(1.0, 1, {"a": 1.0, "b": 2.0})
 
 
 def test_event_file_flushes_by_time_and_on_close(tmp_path):
