@@ -42,7 +42,7 @@ def main() -> None:
                 step += 1
                 if step == args.steps:
                     break
-    print(f"TensorBoard files in {timer.log_dir}")
+    # The table's last line says where the files went; in code: timer.log_dir, timer.summary_path.
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ def native_wanted() -> bool:
 
 
 def warn(log: logging.Logger, msg: str, stacklevel: int = 2) -> None:
-    """Log ``msg`` and raise it as a RuntimeWarning at ``stacklevel`` (as counted from the caller)."""
-    log.warning(msg)
+    """Raise ``msg`` as a RuntimeWarning at ``stacklevel`` (as counted from the caller); log it too where the
+    program has configured logging (else Python's last-resort handler would print it a second time)."""
+    if log.hasHandlers():
+        log.warning(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
 
 

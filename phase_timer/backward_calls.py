@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +44,8 @@ class Listener(Protocol):
         """The call it took returned, or raised (``failed``)."""
 
 
-_listeners: tuple[Listener, ...] = ()
+#: Weak references: a timer its loop never closed is still collected (and written then) once the loop drops it.
+_listeners: tuple[weakref.ref[Listener], ...] = ()
 _installed: Any = None  # what torch.autograd.backward was when the wrapper went in
 _in_chain = False  # the wrapper is installed (maybe under another tool's wrapper of it)
 _local = threading.local()
@@ -71,7 +73,8 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
     took: list[Listener] = []
     failed = True
     try:
-        took = [listener for listener in listeners if _safely(listener._backward_began)]
+        took = [listener for ref in listeners if (listener := ref()) is not None
+                and _safely(listener._backward_began)]
         out = original(*args, **kwargs)
         failed = False
         return out
@@ -88,13 +91,13 @@ def listen(listener: Listener) -> None:
         _installed = torch.autograd.backward  # whatever is there now: torch's, or another tool's wrapper
         torch.autograd.backward = _backward
         _in_chain = True
-    _listeners = (*_listeners, listener)
+    _listeners = (*_listeners, weakref.ref(listener))
 
 
 def unlisten(listener: Listener) -> None:
     """Stop telling ``listener``; the last one out puts back what the wrapper replaced."""
     global _listeners, _in_chain
-    _listeners = tuple(x for x in _listeners if x is not listener)
+    _listeners = tuple(x for x in _listeners if x() is not listener and x() is not None)
     if not _listeners and torch.autograd.backward is _backward:
         torch.autograd.backward = _installed
         _in_chain = False

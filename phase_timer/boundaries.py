@@ -356,11 +356,12 @@ class Boundaries:
         if self.open:
             self._drop()
 
-    def finish(self) -> None:
+    def finish(self, *, interrupted: bool = False) -> None:
         """End of training: the last step closes if it ended; a half-done one is dropped by the core.
 
         When nothing was timed, the core's summary says why; a run whose steps never ended
-        (or that saw no batch) also warns once.
+        (or that saw no batch) also warns once -- unless it was ``interrupted``: an exception
+        ended it, and advice about a cause that was not the cause would only hide the real one.
         """
         if self._census is not None and not self._census.running:
             self._census_at = -1  # no step follows this close: the census has none to hear
@@ -371,6 +372,8 @@ class Boundaries:
         warmup = self.core.warmup_steps
         if self.begun == 0:
             self.core.untimed_reason = "no batch came through the timer"
+        elif self.steps == 0 and interrupted:
+            self.core.untimed_reason = "the run was interrupted before its first step ended"
         elif self.steps == 0:
             self.core.untimed_reason = f"{self.begun} step(s) began but none ended: {self.no_end_hint}"
             self._warn_once("no-end", f"phase-timer: no step was timed: {self.core.untimed_reason}")
@@ -591,8 +594,8 @@ class _SampledBoundaries(Boundaries):
         super()._drop()
         self._sample_state = "dropped"
 
-    def finish(self) -> None:
-        super().finish()
+    def finish(self, *, interrupted: bool = False) -> None:
+        super().finish(interrupted=interrupted)
         self._sample_state = self._sample_state or "dropped"
 
     def _end_sample(self) -> None:

@@ -96,6 +96,9 @@ class TimingCore:
         self.context: dict = {}
         #: Where rank zero writes the run summary file at the end (None: nowhere).
         self.summary_dir: str | None = None
+        #: Where the TensorBoard values go (None: nowhere), and why none go when the package is missing.
+        self.log_dir: str | None = None
+        self.outputs_missing: str | None = None
         self.diagnosis: Diagnosis | None = None
         self.summary_path: str | None = None
         self.interrupted = False
@@ -423,7 +426,23 @@ class TimingCore:
             table += "\n" + census
         if self.diagnosis is not None and self.totals.steps:
             table += "\n" + format_verdict(self.diagnosis)
+        files = self.files_line()
+        if files:
+            table += "\n" + files
         return table
+
+    def files_line(self) -> str | None:
+        """Where this run's files went (rank zero): its TensorBoard directory and its summary file."""
+        if self.ranks is not None and self.ranks.rank != 0:
+            return None
+        parts = []
+        if self.log_dir is not None:
+            parts.append(f"TensorBoard values in {self.log_dir}")
+        elif self.outputs_missing is not None:
+            parts.append(self.outputs_missing)
+        if self.summary_path is not None:
+            parts.append(f"summary {self.summary_path}")
+        return "files: " + "; ".join(parts) if parts else None
 
     def memory_summary(self) -> dict | None:
         """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""

@@ -34,10 +34,12 @@ Trainer's training loop (callbacks are not handed the Trainer itself).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
@@ -45,6 +47,7 @@ from phase_timer.boundaries import FORWARD
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disabled_by_env
 from phase_timer.loop import LoopTimer
 from phase_timer.runinfo import loader_info
+from phase_timer.stats import RunTotals
 
 try:
     from transformers import TrainerCallback
@@ -79,9 +82,14 @@ class PhaseTimerCallback(TrainerCallback):
         rank_timeout_s, memory: as for ``PhaseTimer``.
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) times nothing.
 
-    Attributes:
-        timer: the :class:`~phase_timer.LoopTimer` of the last ``train()`` call (its ``totals``,
-            ``diagnosis``, ``summary_path``, ``log_dir``, ``last_summary``).
+    Attributes (as ``PhaseTimer``'s; ``None`` before the end of ``train()``):
+        totals, diagnosis, last_summary, summary_path, log_dir, syncs, sync_census: the last
+            ``train()`` call's, as for ``PhaseTimer``.
+        timer: the :class:`~phase_timer.LoopTimer` of the last ``train()`` call.
+
+    Passed in ``Trainer(callbacks=[...])``, it also guards the Trainer's whole training loop: an
+    exception or Ctrl+C anywhere in it (a callback, clipping, logging) writes what was measured,
+    marked interrupted, puts every wrapped method back, and goes on to the caller unchanged.
     """
 
     def __init__(
@@ -113,7 +121,29 @@ class PhaseTimerCallback(TrainerCallback):
         self._state: TrainerState | None = None
         self._saved: dict[str, Any] = {}
 
+    # -- the results, as every door has them ----------------------------------------------
+    @property
+    def totals(self) -> RunTotals | None:
+        """Every timed step of the last ``train()`` (empty when disabled; None before the end)."""
+        timer = self.timer
+        if timer is not None:
+            return timer.totals
+        return RunTotals() if not self.enabled or disabled_by_env() else None
+
+    diagnosis = property(lambda self: _of_timer(self, "diagnosis", None), doc="The verdict of the last ``train()``.")
+    last_summary = property(lambda self: _of_timer(self, "last_summary", None), doc="The table as printed.")
+    summary_path = property(lambda self: _of_timer(self, "summary_path", None), doc="Where the summary file went.")
+    log_dir = property(lambda self: _of_timer(self, "log_dir", None), doc="Where the TensorBoard values went.")
+    syncs = property(lambda self: _of_timer(self, "syncs", ()), doc="The sync census's syncs of one warm-up step.")
+    sync_census = property(lambda self: _of_timer(self, "sync_census", None), doc="Whether the census ran, or why not.")
+
     # -- train() begins and ends --------------------------------------------------------
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """The Trainer is built: guard its whole training loop (nothing measured is lost, whatever raises)."""
+        trainer = _calling_trainer()
+        if trainer is not None and "_inner_training_loop" not in trainer.__dict__:
+            _guard_loop(self, trainer)
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, optimizer: Any = None, train_dataloader: Any = None, **kw: Any) -> None:
         self._restore()  # a train() that raised left its wrappers: gone before this one
@@ -266,6 +296,32 @@ class PhaseTimerCallback(TrainerCallback):
             trainer.__dict__.pop(name, None)  # the class's own method again ...
         trainer.__dict__.update(self._saved)  # ... or what the user had put on the instance
         self._saved = {}
+
+
+def _of_timer(callback: PhaseTimerCallback, name: str, default: Any) -> Any:
+    timer = callback.timer
+    return getattr(timer, name, default) if timer is not None else default
+
+
+def _guard_loop(callback: PhaseTimerCallback, trainer: Trainer) -> None:
+    """Wrap the Trainer instance's ``_inner_training_loop`` (``train()`` looks it up at each call): whatever raises
+    in it -- the callbacks' events, clipping, ``floating_point_ops``, a KeyboardInterrupt between two of our
+    hooks -- closes the timer (written, marked interrupted, hooks put back) and goes on unchanged.  Held weakly:
+    the Trainer keeps the callback, not the other way round."""
+    original = trainer._inner_training_loop
+    ref = weakref.ref(callback)
+
+    @functools.wraps(original)  # accelerate's find_executable_batch_size reads the signature
+    def inner_training_loop(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except BaseException:
+            cb = ref()
+            if cb is not None:
+                cb._finish(interrupted=True)
+            raise
+
+    trainer._inner_training_loop = inner_training_loop
 
 
 def _replace(config: TimerConfig, **changes: Any) -> TimerConfig:

@@ -29,19 +29,22 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
+from phase_timer import backward_calls, lifecycle
 from phase_timer._env import warn
+from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
-from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
-from phase_timer.ranks import RankExchange
-from phase_timer.runinfo import config_dict, cpu_count, device_name, loader_info, optimizer_info
-from phase_timer.sinks import BackgroundSink, GuardedSink, Sink, SummaryWriterSink, open_event_file
+from phase_timer.runinfo import loader_info, optimizer_info
+from phase_timer.sinks import BackgroundSink, GuardedSink, SummaryWriterSink
+from phase_timer.stats import RunTotals
 from phase_timer.syncs import SyncSite
 
 if TYPE_CHECKING:
@@ -121,6 +124,30 @@ class _LoggerSink:
 
     def close(self) -> None:
         self._logger.save()
+
+
+class _RawBackward:
+    """Manual optimization: a ``loss.backward()`` the step calls itself, not ``self.manual_backward``.
+
+    Lightning's ``on_before_backward``/``on_after_backward`` bracket only ``manual_backward``; a raw call
+    goes through ``torch.autograd.backward`` alone (:mod:`phase_timer.backward_calls`).  Taken only where
+    Lightning's hooks have not begun the backward already, on the training loop's thread.
+    """
+
+    def __init__(self, timer: PhaseTimer, thread: int) -> None:
+        self._timer, self._thread = timer, thread
+
+    def _backward_began(self) -> bool:
+        bounds = self._timer._bounds
+        if bounds is None or bounds.in_backward or threading.get_ident() != self._thread:
+            return False  # manual_backward: Lightning's own hooks have it
+        bounds.on_backward_start()
+        return bounds.in_backward
+
+    def _backward_ended(self, failed: bool) -> None:
+        bounds = self._timer._bounds
+        if bounds is not None:
+            bounds.on_backward_end(failed)
 
 
 class PhaseTimer:
@@ -221,7 +248,11 @@ class PhaseTimer:
         self._fetch_hooked = False
         self._global_step_at_batch = 0
         self._steps_total: Any = None  # Lightning's own count of optimizer steps (None: read global_step)
-        self.totals = None
+        self._trainer_ref: Any = None  # the fit's Trainer, weakly, while it runs (to write it if never ended)
+        self._open_key: int | None = None
+        self._raw_backward: _RawBackward | None = None
+        #: A disabled timer's results exist, and are empty.
+        self.totals: RunTotals | None = None if self.enabled else RunTotals()
         #: The verdict (:class:`phase_timer.Diagnosis`), set at the end of ``fit``.
         self.diagnosis = None
         #: Where rank zero wrote ``phase_timer_summary.json`` (None: not written).
@@ -308,47 +339,38 @@ class PhaseTimer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._raw_backward is not None:
+            backward_calls.unlisten(self._raw_backward)
+            self._raw_backward = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.enabled or not self._originals:
             return
         cfg = self.config
-        clock = make_clock(trainer.strategy.root_device)
-        ranks = RankExchange.create()  # None unless distributed; not a collective, never waits
         # Files only where the user asked for them: the Trainer's loggers, or log_dir (a debug run
         # with fast_dev_run, like Lightning itself, leaves nothing behind unless log_dir says where).
         writes = trainer.is_global_zero and (cfg.log_dir is not None or not getattr(trainer, "fast_dev_run", False))
-        self.log_dir = None  # this fit's: set by _make_sinks
-        sinks = self._make_sinks(trainer, ranks is not None) if writes else []
-        self.core = TimingCore(
-            clock,
-            sinks,
-            window=cfg.window or max(1, trainer.log_every_n_steps or 50),
-            warmup_steps=cfg.warmup_steps,
-            max_pending=cfg.max_pending,
-            per_step=cfg.per_step,
-            nvtx=cfg.nvtx,
-            trace=cfg.make_trace(self.log_dir or trainer.default_root_dir, clock.kind) if trainer.is_global_zero else None,
-            ranks=ranks,
-            memory=cfg.memory,
+        root = trainer.strategy.root_device
+        self.core = start_core(
+            cfg, root, door="lightning", window=cfg.window or max(1, trainer.log_every_n_steps or 50),
+            outputs=self._outputs(trainer) if writes else None, trace_dir=trainer.default_root_dir,
+            context=dict(precision=str(trainer.precision), optimizers=optimizer_info(trainer.optimizers)),
         )
+        self.log_dir = self.core.log_dir  # this fit's
         bounds = self._bounds = Boundaries(
             self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"
         )
-        if writes:
-            self.core.summary_dir = self.log_dir or _first_log_dir(_loggers(trainer))
-        root = trainer.strategy.root_device
-        self.core.context.update(
-            door="lightning", config=config_dict(cfg), device_type=root.type,
-            device_name=device_name(root), cpu_count=cpu_count(), precision=str(trainer.precision),
-            optimizers=optimizer_info(trainer.optimizers),
-        )
+        self._trainer_ref = weakref.ref(trainer)
+        self._open_key = lifecycle.register(self._close_unclosed)
         self._iter_mode = type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ == "_DataLoaderIterDataFetcher"
         # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
         # step.  Automatic optimization calls `optimizer.step(closure)` before it runs
         # training_step, so only manual optimization takes the pre-hook as `optimizer`.
         manual = not pl_module.automatic_optimization
         self._steps_total = _steps_count(trainer, manual)
+        if manual:  # a raw `loss.backward()` fires no Lightning hook: heard at torch.autograd.backward
+            self._raw_backward = _RawBackward(self, threading.get_ident())
+            backward_calls.listen(self._raw_backward)
         self._hooks.append(
             StepHooks(trainer.optimizers, bounds.on_optimizer_start if manual else None, lambda opt: bounds.on_step_end())
         )
@@ -364,26 +386,28 @@ class PhaseTimer:
 
             self._patch(scaler, "update", scaler_update)
 
-    def _make_sinks(self, trainer: pl.Trainer, ranks: bool) -> list[Sink]:
-        sinks: list[Sink] = []
-        tensorboard = _tensorboard_loggers(trainer)
-        for lg in _loggers(trainer):
-            if tensorboard and isinstance(lg, tensorboard):
-                layout = custom_scalars_layout(self.config.per_step, ranks)
-                writer = SummaryWriterSink(lg.experiment, owned=False, layout=layout)
-                sink: Sink = BackgroundSink(writer, type(lg).__name__)
-                self.log_dir = lg.log_dir
-            else:
-                sink = GuardedSink(_LoggerSink(lg), type(lg).__name__)
-            sinks.append(sink)
-        if not sinks and self.config.log_dir is not None:
-            self.log_dir = os.fspath(self.config.log_dir)
-            try:
-                sinks.append(open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks))
-            except OSError as err:  # the run goes on: the summary and timer.totals still say it all
-                msg = f"phase-timer: cannot write TensorBoard files in {self.log_dir} ({type(err).__name__}: {err}); timing goes on without them"
-                warn(log, msg, 2)
-        return sinks
+    def _outputs(self, trainer: pl.Trainer) -> Any:
+        """Every logger of the trainer (a TensorBoardLogger's writer straight, on a thread of its own), or
+        without one, an event file of our own in ``log_dir``: a failure there warns and the run goes on."""
+
+        def outputs(ranks: bool) -> Outputs:
+            out = Outputs()
+            tensorboard = _tensorboard_loggers(trainer)
+            loggers = _loggers(trainer)
+            for lg in loggers:
+                if tensorboard and isinstance(lg, tensorboard):
+                    layout = custom_scalars_layout(self.config.per_step, ranks)
+                    writer = SummaryWriterSink(lg.experiment, owned=False, layout=layout)
+                    out.sinks.append(BackgroundSink(writer, type(lg).__name__))
+                    out.log_dir = lg.log_dir
+                else:
+                    out.sinks.append(GuardedSink(_LoggerSink(lg), type(lg).__name__))
+            if not out.sinks and self.config.log_dir is not None:
+                return own_event_file(os.fspath(self.config.log_dir), config=self.config, ranks=ranks, fail_fast=False)
+            out.summary_dir = out.log_dir or _first_log_dir(loggers)
+            return out
+
+        return outputs
 
     # -- the step -----------------------------------------------------------------
     def _on_batch(self, trainer: pl.Trainer, bounds: Boundaries) -> None:
@@ -458,25 +482,33 @@ class PhaseTimer:
             self._bounds.resume()
 
     # -- the end --------------------------------------------------------------------
-    def _finish(self, trainer: pl.Trainer, *, interrupted: bool) -> None:
+    def _finish(self, trainer: pl.Trainer | None, *, interrupted: bool) -> None:
+        lifecycle.unregister(self._open_key)
+        self._open_key = None
         self._restore()
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
-        self._steps_total = None  # the fit's own: nothing of it kept (or pickled) past its end
+        self._steps_total = self._trainer_ref = None  # the fit's own: nothing of it kept (or pickled) past its end
         if core is None or bounds is None:
             return
-        bounds.finish()
-        core.context["loader"] = _train_loader_info(trainer)
+        bounds.finish(interrupted=interrupted)
+        if trainer is not None:
+            core.context["loader"] = _train_loader_info(trainer)
         # The one blocking wait: pending steps are resolved and written (and the other
         # ranks' last reports awaited, briefly when the run failed: a rank may be gone).
         core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
         if self.config.summary or interrupted:
             self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
-            if trainer.is_global_zero and self.config.summary:
+            if (core.ranks is None or core.ranks.rank == 0) and self.config.summary:
                 print(self.last_summary, flush=True)
         self.totals = core.totals
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
         self.syncs, self.sync_census = tuple(core.signals.syncs), core.signals.census
+
+    def _close_unclosed(self, interrupted: bool, why: str) -> None:
+        """The fit never reached teardown (the process is exiting, or SIGTERM): write what it measured."""
+        ref = self._trainer_ref
+        self._finish(ref() if ref is not None else None, interrupted=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

@@ -36,18 +36,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from phase_timer import backward_calls
-from phase_timer._env import native_wanted, warn_once
+from phase_timer import backward_calls, lifecycle
+from phase_timer._env import native_wanted, warn, warn_once
+from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
-from phase_timer.clock import make_clock
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.diagnosis import Diagnosis
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
-from phase_timer.ranks import RankExchange
-from phase_timer.runinfo import config_dict, cpu_count, device_name, loader_info, optimizer_info, precision_name
-from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, next_version_dir, open_event_file
+from phase_timer.runinfo import loader_info, optimizer_info, precision_name
+from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
 from phase_timer.stats import RunTotals
 from phase_timer.syncs import SyncSite
 
@@ -174,22 +173,17 @@ class LoopTimer:
         self._warned: set[str] = set()
         self.log_dir: str | None = None
         self.core: TimingCore | None = None
+        self._open_key: int | None = None  # registered with lifecycle while the run is open
         self._bounds: Boundaries | None = None
         # Disabled, the wrapper still copies when asked to: the loop relies on it.
         self.loader = _TimedLoader(self, loader) if loader is not None and (self.enabled or copy_to_device) else loader
         if self.enabled:
-            clock = make_clock(self.device)
-            # Under torch.distributed every rank times itself and reports to rank zero,
-            # which alone writes.  Not a collective: no rank waits here for the others.
-            ranks = RankExchange.create()
-            self.is_rank_zero = ranks is None or ranks.rank == 0
-            sinks = self._make_sinks(writer, ranks is not None) if self.is_rank_zero else []
-            self.core = TimingCore(
-                clock, sinks, window=config.window or 50,
-                warmup_steps=config.warmup_steps, max_pending=config.max_pending, per_step=config.per_step,
-                nvtx=config.nvtx, trace=config.make_trace(self.log_dir, clock.kind) if self.is_rank_zero else None,
-                ranks=ranks, memory=config.memory,
+            self.core = start_core(
+                config, self.device, door="loop", window=config.window or 50, outputs=self._outputs(writer),
+                context=dict(loader=loader_info(loader), optimizers=optimizer_info(self.optimizers)),
             )
+            self.log_dir = self.core.log_dir
+            self.is_rank_zero = self.core.ranks is None or self.core.ranks.rank == 0
             hint = (
                 "call timer.end_step() where each step ends (end_step='manual')" if end_step == "manual" else
                 "the attached optimizers' step() never ran; attach the optimizer the loop steps (an optimizer "
@@ -197,29 +191,28 @@ class LoopTimer:
             )
             self._bounds = Boundaries(self.core, no_end_hint=hint)
             self._hooks_in_c()
-            self.core.summary_dir = self.log_dir if self.is_rank_zero else None
-            self.core.context.update(
-                door="loop", config=config_dict(config), device_type=self.device.type,
-                device_name=device_name(self.device), cpu_count=cpu_count(), loader=loader_info(loader),
-                optimizers=optimizer_info(self.optimizers),
-            )
             self._install()
+            self._open_key = lifecycle.register(self._close_unclosed)
+        else:
+            self.totals = RunTotals()  # a disabled timer's results exist, and are empty
 
     def _first_param(self) -> torch.nn.Parameter | None:
         """The models' first parameter: its device is the default device, its dtype the weights' precision."""
         return next((p for model in self.models for p in model.parameters()), None)
 
-    def _make_sinks(self, writer: SummaryWriter | None, ranks: bool) -> list[Sink]:
-        layout = custom_scalars_layout(self.config.per_step, ranks)
-        if writer is not None:
-            self.log_dir = writer.log_dir
-            return [BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), "SummaryWriter")]
-        self.log_dir = next_version_dir(self.config.log_dir or DEFAULT_LOG_DIR)
-        try:
-            return [open_event_file(self.log_dir, per_step=self.config.per_step, ranks=ranks)]
-        except OSError as err:  # before any training: a clear error naming the argument
-            _fail("attach", "log_dir", self.config.log_dir, "a directory phase-timer can write",
-                  f" ({type(err).__name__}: {err})")
+    def _outputs(self, writer: SummaryWriter | None) -> Any:
+        """Where rank zero's values go: the user's SummaryWriter, or an event file of our own in
+        ``log_dir`` (default ``phase-timer-logs/version_N``); a directory that cannot be written fails here."""
+
+        def outputs(ranks: bool) -> Outputs:
+            if writer is not None:
+                layout = custom_scalars_layout(self.config.per_step, ranks)
+                sink = BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), "SummaryWriter")
+                return Outputs([sink], writer.log_dir, writer.log_dir)
+            log_dir = next_version_dir(self.config.log_dir or DEFAULT_LOG_DIR)
+            return own_event_file(log_dir, config=self.config, ranks=ranks, fail_fast=True)
+
+        return outputs
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
@@ -413,6 +406,8 @@ class LoopTimer:
         ``interrupted`` (set when the ``with`` block raises): under torch.distributed,
         send no last report and wait for no other rank.
         """
+        lifecycle.unregister(self._open_key)
+        self._open_key = None
         self.detach()
         for name in _HOOK_BODIES:  # the C hooks hold the boundaries (and this timer: a cycle): gone with them
             self.__dict__.pop(name, None)
@@ -420,8 +415,8 @@ class LoopTimer:
         bounds, self._bounds = self._bounds, None
         if core is None or bounds is None:
             return self.totals
-        bounds.finish()
-        if bounds.begun == 0 and self._thread is not None and self._loader_active:
+        bounds.finish(interrupted=interrupted)
+        if not interrupted and bounds.begun == 0 and self._thread is not None and self._loader_active:
             core.untimed_reason = "the model trained, but no batch came through timer.loader"
             self._warn_once("no batch", "phase-timer: no step was timed: the model trained, but no batch came "
                             "through timer.loader; iterate timer.loader (the wrapped loader), not the loader passed to attach()")
@@ -435,6 +430,23 @@ class LoopTimer:
         if self.config.summary and self.is_rank_zero:
             print(self.last_summary, flush=True)
         return self.totals
+
+    def _close_unclosed(self, interrupted: bool, why: str) -> None:
+        """The run is still open at interpreter exit or on SIGTERM (:mod:`phase_timer.lifecycle`): write it."""
+        if self.core is None:
+            return
+        if why != "on SIGTERM":  # a preemption is no mistake of the user's: the table says "interrupted"
+            warn(log, f"phase-timer: the timer was never closed, so what it measured is written {why}; leave a "
+                      "`with phase_timer.attach(...) as timer:` block or call timer.close() where training ends", 2)
+        self.close(interrupted=interrupted)
+
+    def __del__(self) -> None:
+        # Collected while open (the loop, its model and optimizer all dropped without close()): write it, once.
+        try:
+            if getattr(self, "core", None) is not None:
+                self._close_unclosed(False, "when the timer was garbage collected")
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
 
     totals: RunTotals | None = None
     last_summary: str | None = None

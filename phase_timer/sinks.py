@@ -60,12 +60,24 @@ class SummaryWriterSink:
         self._file_writer = file_writer() if callable(file_writer) else None
         if layout is not None:
             writer.add_custom_scalars(layout)
+        self._next_check = 0.0
+        self._dir_warned = False
+
+    def _check_dir(self) -> None:
+        if not self._dir_warned and not os.path.isdir(self.log_dir):
+            self._dir_warned = True
+            warn(log, f"phase-timer: the TensorBoard directory {self.log_dir} was deleted during the run: the "
+                      "values written there are lost (the SummaryWriter keeps writing to the deleted file)", 3)
 
     @property
     def log_dir(self) -> str:
         return self._writer.log_dir
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
+        now = time.monotonic()
+        if now >= self._next_check:  # one stat every few seconds, off the training thread
+            self._next_check = now + 2.0
+            self._check_dir()
         if self._file_writer is None:  # a writer without the batch path: one call per scalar
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, step)
@@ -81,6 +93,7 @@ class SummaryWriterSink:
         self._writer.flush()
 
     def close(self) -> None:
+        self._check_dir()
         if self._owned:
             self._writer.close()
         else:
@@ -202,17 +215,23 @@ class EventFileSink:
         self._crc = _record_crc()
         self._scalars_record = _scalars_record()
         self.log_dir = log_dir
-        os.makedirs(log_dir, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
-        self.path = os.path.join(log_dir, name)
-        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._layout = layout
         self._flush_s = flush_s
-        self._record(Event(wall_time=time.time(), file_version="brain.Event:2"))
-        if layout is not None:
+        self._open()
+
+    def _open(self) -> None:
+        """A new event file in ``log_dir`` (made if missing): its header, the layout."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
+        self.path = os.path.join(self.log_dir, name)
+        self._file = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+        self._record(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+        if self._layout is not None:
             from torch.utils.tensorboard.summary import custom_scalars
 
-            self._record(Event(wall_time=time.time(), summary=custom_scalars(layout)))
-        self.flush()
+            self._record(self._event(wall_time=time.time(), summary=custom_scalars(self._layout)))
+        self._file.flush()
+        self._next_flush = time.monotonic() + self._flush_s
 
     def _record(self, event: Any) -> None:
         data = event.SerializeToString()
@@ -221,6 +240,8 @@ class EventFileSink:
         self._file.write(header + _U32.pack(crc(header)) + data + _U32.pack(crc(data)))
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
+        if not os.path.exists(self.path):  # one stat a window, off the training thread
+            self._reopen()
         if self._scalars_record is not None:  # the same bytes, in one C call
             self._file.write(self._scalars_record(time.time(), step, scalars))
         else:
@@ -241,9 +262,20 @@ class EventFileSink:
         self._file.flush()
         self._next_flush = time.monotonic() + self._flush_s
 
+    def _reopen(self) -> None:
+        """The file (or its directory) was deleted under us: say so once, and go on in a new file there."""
+        lost = self.path
+        self._file.close()
+        self._open()
+        warn(log, f"phase-timer: the TensorBoard file {lost} was deleted during the run (its directory removed?): "
+                  f"the values it held are lost; the next ones go to {self.path}", 2)
+
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+            if not os.path.exists(self.path):
+                warn(log, f"phase-timer: the TensorBoard file {self.path} was deleted during the run "
+                          "(its directory removed?): the values it held are lost", 2)
 
 
 _FILE_IDS = itertools.count()

@@ -326,7 +326,9 @@ def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypat
     assert own["samples"] == 4 and own["us_per_step"] > 0
     assert own["share_of_period"] == pytest.approx(own["us_per_step"] / 1e3 / data["phases"]["period"]["mean_ms"])
     assert "phase-timer's own host time" in timer.last_summary
-    assert timer.last_summary.rstrip().splitlines()[-len(format_verdict(d).splitlines()):] == format_verdict(d).splitlines()
+    *lines, files = timer.last_summary.rstrip().splitlines()  # the verdict, then where the files went
+    assert lines[-len(format_verdict(d).splitlines()):] == format_verdict(d).splitlines()
+    assert files == f"files: TensorBoard values in {timer.log_dir}; summary {timer.summary_path}"
 
 
 def test_the_verdict_reaches_tensorboard_as_text(tmp_path):

@@ -1,0 +1,122 @@
+"""What every door builds the same way: the clock, the ranks, the outputs and the core of one run.
+
+A door (Lightning, the plain loop, the 🤗 Trainer) says only what is its own: the device,
+the window, and where its values go (:class:`Outputs`, made by the door for rank zero).
+Everything else -- the clock for the device, the rank exchange, the trace, the run's
+context, and the registration that writes the run at interpreter exit or on SIGTERM when
+nobody closed it (:mod:`phase_timer.lifecycle`) -- is here, once.
+
+TensorBoard is an output, never a condition of timing: without the ``tensorboard``
+package every door still times, prints the table and the verdict and writes the summary
+file, and says once which extra writes the TensorBoard values (:func:`own_event_file`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phase_timer._env import warn
+from phase_timer.clock import make_clock
+from phase_timer.config import TimerConfig, _fail
+from phase_timer.core import TimingCore
+from phase_timer.ranks import RankExchange
+from phase_timer.runinfo import config_dict, cpu_count, device_name
+from phase_timer.sinks import Sink, open_event_file
+
+log = logging.getLogger(__name__)
+
+#: What the run's end says where the TensorBoard values would have gone without the package.
+NO_TENSORBOARD = "TensorBoard values not written (the `tensorboard` package is not installed: pip install 'phase-timer[tensorboard]')"
+
+
+@dataclass
+class Outputs:
+    """Where one run's values go (rank zero): its sinks, the directory they write in, the summary's."""
+
+    sinks: list[Sink] = field(default_factory=list)
+    #: The directory the TensorBoard values go to (None: none written).
+    log_dir: str | None = None
+    #: Where the run summary file goes at the end (None: nowhere).
+    summary_dir: str | None = None
+    #: Why there are no TensorBoard values, said once at the end (None: there are, or none were asked for).
+    missing: str | None = None
+
+
+def tensorboard_installed() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def own_event_file(log_dir: str, *, config: TimerConfig, ranks: bool, fail_fast: bool) -> Outputs:
+    """An event file of our own in ``log_dir`` (and the summary file beside it).
+
+    Without the ``tensorboard`` package: no event file, one warning naming the extra, and the
+    summary file still in ``log_dir``.  A directory that cannot be written: a ``ValueError`` naming
+    ``log_dir`` (``fail_fast``, before any training), else one warning and the run goes on.
+    """
+    if not tensorboard_installed():
+        warn(log, f"phase-timer: {NO_TENSORBOARD}; the run is timed, and the table, the verdict and "
+                  f"{os.path.join(log_dir, 'phase_timer_summary.json')} are written", 3)
+        return Outputs(summary_dir=log_dir, missing=NO_TENSORBOARD)
+    try:
+        sink = open_event_file(log_dir, per_step=config.per_step, ranks=ranks)
+    except OSError as err:
+        if fail_fast:
+            _fail(config.owner, "log_dir", config.log_dir, "a directory phase-timer can write",
+                  f" ({type(err).__name__}: {err})")
+        warn(log, f"phase-timer: cannot write TensorBoard files in {log_dir} ({type(err).__name__}: {err}); "
+                  "timing goes on without them", 3)
+        return Outputs()
+    return Outputs([sink], log_dir, log_dir)
+
+
+def start_core(
+    config: TimerConfig,
+    device: Any,
+    *,
+    door: str,
+    window: int,
+    outputs: Callable[[bool], Outputs] | None,
+    trace_dir: str | None = None,
+    context: dict[str, Any] | None = None,
+) -> TimingCore:
+    """The core of one run, with its clock, ranks and (rank zero) outputs.
+
+    ``outputs(distributed)`` is called on rank zero only (None: no files at all).  Under
+    torch.distributed every rank times itself and reports to rank zero, which alone writes;
+    making the exchange is not a collective: no rank waits here for the others.
+    """
+    clock = make_clock(device)
+    ranks = RankExchange.create()
+    rank_zero = ranks is None or ranks.rank == 0
+    out = outputs(ranks is not None) if rank_zero and outputs is not None else Outputs()
+    core = TimingCore(
+        clock, out.sinks, window=window, warmup_steps=config.warmup_steps, max_pending=config.max_pending,
+        per_step=config.per_step, nvtx=config.nvtx,
+        trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
+        ranks=ranks, memory=config.memory,
+    )
+    core.summary_dir = out.summary_dir if rank_zero else None
+    core.log_dir = out.log_dir
+    core.outputs_missing = out.missing
+    dev = _device(device)
+    core.context.update(door=door, config=config_dict(config), device_type=dev.type if dev is not None else "cpu",
+                        device_name=device_name(dev) if dev is not None else "cpu", cpu_count=cpu_count())
+    core.context.update(context or {})
+    return core
+
+
+def _device(device: Any) -> Any:
+    import torch
+
+    try:
+        return torch.device(device) if device is not None else None
+    except (RuntimeError, TypeError):
+        return None

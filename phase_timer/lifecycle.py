@@ -1,0 +1,127 @@
+"""Runs nobody closed: written at interpreter exit, and on SIGTERM before the signal goes on.
+
+Every door registers its open run here (a weak reference to its close; closing
+unregisters it).  What was measured is never lost for want of a ``close()``:
+
+* **At interpreter exit** (``atexit``), each run still open is closed, once, with a warning
+  that it was not closed.  An uncaught exception that ends the program marks it interrupted
+  (Python sets ``sys.last_value`` before the exit handlers run).
+* **On SIGTERM** (a cluster's preemption notice, ``kill``, torchrun stopping its workers),
+  each open run is closed as interrupted, then the signal goes on to what was there before:
+  the handler the program had installed is called, and where there was none (the default,
+  which ends the process) the default is put back and the signal raised again, so the
+  process ends exactly as it would have, with the same status.  Never installed when
+  SIGTERM was ignored (the process would live on) or its handler is not Python's
+  (it could not be chained), nor off the main thread (Python allows handlers only there).
+  Put back when the last open run closes, unless the program replaced it since.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from phase_timer._env import warn
+
+log = logging.getLogger(__name__)
+
+#: Open runs: id -> a weak reference to the method that closes one (``close(interrupted: bool, why: str)``).
+_open: dict[int, weakref.WeakMethod] = {}
+_ids = itertools.count()
+_lock = threading.Lock()
+_atexit_registered = False
+#: The SIGTERM handler that was there when ours went in (ours: installed while ``_ours`` is set).
+_previous: Any = None
+_ours: Any = None
+
+
+def register(close: Callable[[bool, str], Any]) -> int:
+    """Track an open run until :func:`unregister`; ``close`` is a bound method (held weakly)."""
+    global _atexit_registered
+    with _lock:
+        key = next(_ids)
+        _open[key] = weakref.WeakMethod(close)  # type: ignore[arg-type]
+        if not _atexit_registered:
+            atexit.register(_at_exit)
+            _atexit_registered = True
+    _install_sigterm()
+    return key
+
+
+def unregister(key: int | None) -> None:
+    if key is None:
+        return
+    with _lock:
+        _open.pop(key, None)
+        empty = not _open
+    if empty:
+        _uninstall_sigterm()
+
+
+def _close_all(interrupted: bool, why: str) -> None:
+    with _lock:
+        closes = [ref() for ref in reversed(list(_open.values()))]  # the newest run first
+        _open.clear()
+    for close in closes:
+        if close is None:
+            continue
+        try:
+            close(interrupted, why)
+        except Exception as err:  # noqa: BLE001 - never in the way of the exit or the signal
+            warn(log, f"phase-timer: could not write an unclosed run ({type(err).__name__}: {err})")
+
+
+def _at_exit() -> None:
+    _close_all(getattr(sys, "last_value", None) is not None, "at interpreter exit")
+
+
+def _install_sigterm() -> None:
+    global _previous, _ours
+    if _ours is not None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, AttributeError):  # pragma: no cover - a platform without SIGTERM
+        return
+    if previous is signal.SIG_IGN or previous is None:  # ignored (lives on), or set outside Python (no chain)
+        return
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # pragma: no cover - not allowed here
+        return
+    _previous, _ours = previous, _on_sigterm
+
+
+def _uninstall_sigterm() -> None:
+    global _previous, _ours
+    if _ours is None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is _ours:  # replaced since: the program's handler stays
+            signal.signal(signal.SIGTERM, _previous)
+    except (ValueError, OSError):  # pragma: no cover
+        pass
+    _previous = _ours = None
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Write every open run, then let the signal do what it would have done without us."""
+    global _previous, _ours
+    previous = _previous
+    _close_all(True, "on SIGTERM")
+    _uninstall_sigterm()  # (if the last run's close did not already)
+    if callable(previous) and previous is not _on_sigterm:
+        previous(signum, frame)
+        return
+    # The default: end the process by this very signal, as it would have ended.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import os
+
+    os.kill(os.getpid(), signal.SIGTERM)
