@@ -20,6 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 _SECTION = re.compile(r"^(Args|Attributes)( \(.*\))?:$")
 _ENTRY = re.compile(r"^    (\S[^:]*?): (.*)$")
+#: An entry's names that go on, at the entry's own indent, on the next line (Google style wraps a long list
+#: of names there: "    warmup_steps, max_pending, ...," then "    rank_timeout_s, memory: as for ...").
+_NAMES_GO_ON = re.compile(r"^    \w+(?:\s*[,/]\s*\w+)*\s*[,/]$")
 
 
 def _markdown(doc: str) -> str:
@@ -33,6 +36,11 @@ def _markdown(doc: str) -> str:
             out += [f"**{line[:-1]}**", ""]
             i += 1
             while i < len(lines) and (lines[i].startswith("    ") or not lines[i].strip()):
+                nxt = lines[i + 1] if i + 1 < len(lines) else ""
+                if _NAMES_GO_ON.match(lines[i]) and (_ENTRY.match(nxt) or _NAMES_GO_ON.match(nxt)):
+                    lines[i + 1] = f"{lines[i].rstrip()} {lines[i + 1].strip()}"  # one entry, its names rejoined
+                    i += 1
+                    continue
                 m = _ENTRY.match(lines[i])
                 if m:
                     names = ", ".join(f"`{n.strip()}`" for n in re.split(r"\s*[,/]\s*", m.group(1)))

@@ -500,9 +500,9 @@ typedef struct {
     PyObject *ids;          /* phase name -> id */
     PyObject *names;        /* id -> phase name */
     int32_t step_id, period_id;
-    int32_t between_id, paused_id;  /* spans after the step's end fold into `between`; `paused` spans are dropped */
-    PyObject *folded;       /* names of the built-in phases that fold into `between` after the end */
-    unsigned char *fold;    /* per id: 1 if folded */
+    int32_t between_id, paused_id;  /* what an end() runs into by default; `paused` spans are dropped */
+    PyObject *after_end;    /* name -> the name its spans take after the step's end (metrics.after_end), or NULL */
+    int32_t *after;         /* per id: the id its spans take after the step's end (itself without after_end) */
     int32_t pre_end;        /* the label that ran into the last end(): a second end() continues it */
     Rec cur;
     int open;
@@ -595,12 +595,13 @@ static int ensure_ids(Steps *self, Py_ssize_t n) {
     self->field = p;
     GROW(col, double *) GROW(col_n, Py_ssize_t) GROW(col_cap, Py_ssize_t) GROW(col_order, int32_t)
     GROW(in_win, unsigned char) GROW(acc, double) GROW(seen, unsigned char) GROW(touched, int32_t)
-    GROW(fold, unsigned char)
+    GROW(after, int32_t)
 #undef GROW
     for (Py_ssize_t i = self->ncols; i < c; i++) {
         self->col[i] = NULL;
         self->col_n[i] = self->col_cap[i] = 0;
-        self->in_win[i] = self->seen[i] = self->fold[i] = 0;
+        self->in_win[i] = self->seen[i] = 0;
+        self->after[i] = (int32_t)i;
         self->acc[i] = 0.0;
     }
     self->ncols = c;
@@ -623,7 +624,20 @@ static int32_t known_id(Steps *self, PyObject *name) {
     return id;
 }
 
-/* The id of a phase name (a str), interned on first sight; -1 with an exception set. */
+/* A new id for `name` (not known yet), its spans after the end its own; -1 with an exception set. */
+static int32_t new_id(Steps *self, PyObject *name) {
+    Py_ssize_t id = PyList_GET_SIZE(self->names);
+    if (ensure_ids(self, id + 1) < 0) return -1;
+    PyObject *i = PyLong_FromSsize_t(id);
+    if (i == NULL) return -1;
+    int bad = PyDict_SetItem(self->ids, name, i) < 0 || PyList_Append(self->names, name) < 0;
+    Py_DECREF(i);
+    return bad ? -1 : (int32_t)id;
+}
+
+/* The id of a phase name (a str), interned on first sight; -1 with an exception set.  A new name asks
+ * `after_end` (once) what its spans after the step's end are called, and interns that too: the rule is
+ * Python's, the one PyEngine applies at each span, so the two engines cannot name them apart. */
 static int32_t phase_id(Steps *self, PyObject *name) {
     int32_t known = known_id(self, name);
     if (known != -2) return known;
@@ -631,16 +645,29 @@ static int32_t phase_id(Steps *self, PyObject *name) {
         PyErr_Format(PyExc_TypeError, "a phase name must be a str, got %R", name);
         return -1;
     }
-    Py_ssize_t id = PyList_GET_SIZE(self->names);
-    if (ensure_ids(self, id + 1) < 0) return -1;
-    int folded = self->folded != NULL ? PySequence_Contains(self->folded, name) : 0;
-    if (folded < 0) return -1;
-    PyObject *i = PyLong_FromSsize_t(id);
-    if (i == NULL) return -1;
-    int bad = PyDict_SetItem(self->ids, name, i) < 0 || PyList_Append(self->names, name) < 0;
-    Py_DECREF(i);
-    self->fold[id] = (unsigned char)folded;
-    return bad ? -1 : (int32_t)id;
+    PyObject *later = NULL;
+    if (self->after_end != NULL) {  /* asked first: a failure leaves no name half made */
+        later = PyObject_CallOneArg(self->after_end, name);
+        if (later == NULL) return -1;
+        if (!PyUnicode_Check(later)) {
+            PyErr_Format(PyExc_TypeError, "after_end(%R) must return a str, got %R", name, later);
+            Py_DECREF(later);
+            return -1;
+        }
+    }
+    int32_t id = new_id(self, name), lid = id;
+    if (id >= 0 && later != NULL) {
+        int same = PyUnicode_Compare(later, name);
+        if (same == -1 && PyErr_Occurred()) lid = -1;
+        else if (same != 0) {
+            PyObject *v = PyDict_GetItemWithError(self->ids, later);
+            lid = v != NULL ? (int32_t)PyLong_AsLong(v) : PyErr_Occurred() ? -1 : new_id(self, later);
+        }
+    }
+    Py_XDECREF(later);
+    if (id < 0 || lid < 0) return -1;
+    self->after[id] = lid;
+    return id;
 }
 
 /* The ids of two phase names, taken as new references (either may be NULL: an error already set). */
@@ -851,13 +878,13 @@ static void unlock(Steps *self) { if (self->threaded) pthread_mutex_unlock(&self
 
 static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"clock", "window", "max_pending", "lag", "max_per_poll", "per_step", "between", "paused",
-                             "folded", "threaded", NULL};
-    PyObject *clock, *between = NULL, *paused = NULL, *folded = NULL;
+                             "after_end", "threaded", NULL};
+    PyObject *clock, *between = NULL, *paused = NULL, *after_end = NULL;
     long long window;
     Py_ssize_t max_pending, lag = 2, max_per_poll = 4;
     int per_step = 0, threaded = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUOp", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
-                                     &per_step, &between, &paused, &folded, &threaded))
+                                     &per_step, &between, &paused, &after_end, &threaded))
         return -1;
     if (self->ids != NULL) { PyErr_SetString(PyExc_RuntimeError, "Steps.__init__ called twice"); return -1; }
     if (window < 1 || max_pending < 1 || lag < 0 || max_per_poll < 1) {
@@ -884,10 +911,14 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     if (self->ids == NULL || self->names == NULL) return -1;
     if (two_ids(self, PyUnicode_InternFromString("step"), PyUnicode_InternFromString("period"),
                 &self->step_id, &self->period_id) < 0) return -1;
-    if (folded != NULL) {
-        self->folded = PySequence_Tuple(folded);
-        if (self->folded == NULL) return -1;
+    if (after_end == Py_None) after_end = NULL;
+    if (after_end != NULL && !PyCallable_Check(after_end)) {
+        PyErr_SetString(PyExc_TypeError, "Steps(after_end): a callable, name -> the name of its spans after the step's end");
+        return -1;
     }
+    /* A module-level function (metrics.after_end): Steps is no GC type, so it must not hold what holds it. */
+    self->after_end = after_end;
+    Py_XINCREF(after_end);
     if (two_ids(self, between != NULL ? (Py_INCREF(between), between) : PyUnicode_InternFromString("between_steps"),
                 paused != NULL ? (Py_INCREF(paused), paused) : PyUnicode_InternFromString("paused"),
                 &self->between_id, &self->paused_id) < 0) return -1;
@@ -925,8 +956,8 @@ static void Steps_dealloc(Steps *self) {
     for (Py_ssize_t i = 0; i < self->ncols; i++) PyMem_Free(self->col[i]);
     PyMem_Free(self->col); PyMem_Free(self->col_n); PyMem_Free(self->col_cap); PyMem_Free(self->col_order);
     PyMem_Free(self->in_win); PyMem_Free(self->acc); PyMem_Free(self->seen); PyMem_Free(self->touched);
-    PyMem_Free(self->fold);
-    Py_XDECREF(self->folded);
+    PyMem_Free(self->after);
+    Py_XDECREF(self->after_end);
     PyMem_Free(self->spans);
     Py_XDECREF(self->clock);
     Py_XDECREF(self->now);
@@ -1134,8 +1165,8 @@ static int resolve(Steps *self, Rec *r, const double *given) {
         for (Py_ssize_t i = 0; i < nspans; i++) self->spans[i] = (double)(r->marks[i + 1] - r->marks[i]) / 1e6;
     }
     /* ms per phase, summed as the Python engine does: host phases, then device spans, then the step.
-     * Spans before the end are the step's; later ones are between steps (built-in phases fold
-     * into `between`, custom ones keep their names); paused spans are nobody's. */
+     * Spans before the end are the step's; later ones are between steps, named by `after` (built-in
+     * phases fold into `between`, a custom one is `between_steps.<name>`); paused spans are nobody's. */
     double total = 0.0;
     Py_ssize_t end = r->end >= 0 ? r->end : nspans;
 #define TOUCH(id, v)                                          \
@@ -1153,7 +1184,7 @@ static int resolve(Steps *self, Rec *r, const double *given) {
         int32_t label = r->labels[i];
         if (label == self->paused_id) continue;
         if (i < end) total += self->spans[i];
-        else if (self->fold[label]) label = self->between_id;
+        else label = self->after[label];
         TOUCH(label, self->spans[i]);
     }
     if (self->seen[self->step_id]) self->acc[self->step_id] = 0.0;  /* "step" is set, not summed */

@@ -39,7 +39,7 @@ from typing import Any
 from phase_timer._env import native_wanted, warn_once
 from phase_timer.core import TimingCore
 from phase_timer.engine import POLL_EVERY
-from phase_timer.metrics import BETWEEN, PAUSED
+from phase_timer.metrics import BETWEEN, PAUSED, after_end
 from phase_timer.syncs import SyncCensus
 
 try:
@@ -349,7 +349,10 @@ class Boundaries:
             return PAUSED
         if not self.open or self._fetched:  # a micro-batch's fetch too (the core has it paused, as data_wait)
             return "data_wait"
-        return self._explicit[-1] if self._explicit else self._auto
+        if not self._explicit:
+            return self._auto
+        # after the step's end a user phase's time is `between_steps.<name>`, as the engines name it
+        return after_end(self._explicit[-1]) if self.trailing else self._explicit[-1]
 
     def drop(self) -> None:
         """Drop the open record, if any: what it measured cannot be trusted (a door found out too late)."""

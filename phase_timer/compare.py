@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import STEP_PHASES, TOTALS, ordered
+from phase_timer.metrics import TOTALS, ordered, share_base
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.runs import (
     ReportError,
@@ -309,7 +309,7 @@ class Comparison:
 def parts_of(phase: str, rows: dict[str, Row]) -> list[str]:
     """The phases that make up a total: the step's phases for ``step``, everything in the period for ``period``."""
     if phase == "step":
-        return [p for p in rows if p in STEP_PHASES]
+        return [p for p in rows if share_base(p) == "step"]
     if phase == "period":
         return [p for p in rows if p not in TOTALS]
     return []

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED
+from phase_timer.metrics import share_base
 from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.syncs import SyncCensus, SyncSite
 
@@ -421,7 +421,7 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
     if median < 1 and (ratio is None or ratio < PACED_RATIO) and not lagging:
         return None
     step = totals.phases["step"]
-    inner = {p: t for p, t in totals.phases.items() if p not in ("step", "period", BETWEEN, "data_wait", "sync_wait")}
+    inner = {p: t for p, t in totals.phases.items() if share_base(p) == "step"}  # custom ones after the end are not
     largest = max(inner, key=lambda p: inner[p].total) if inner else "step"
     share = inner[largest].total / step.total if inner and step.total > 0 else 1.0
     if median >= 1:
@@ -615,7 +615,7 @@ def _headroom(mem: dict[str, Any]) -> Diagnosis | None:
 
 def _stepping(site: SyncSite) -> bool:
     """A sync inside the step (not in the fetch, between steps, or in a pause)."""
-    return site.phase not in HOST_PHASES and site.phase not in (BETWEEN, PAUSED)
+    return share_base(site.phase) == "step"
 
 
 def _syncs_said(signals: Signals) -> tuple[str, list[str]] | None:

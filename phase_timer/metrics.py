@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 
 import statistics
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.stats import WINDOW_STATS, RunTotals
@@ -26,26 +27,67 @@ PHASE_ORDER = ("data_wait", "sync_wait", *STEP_PHASES, BETWEEN)
 HOST_PHASES = frozenset({"data_wait", "sync_wait", "period"})
 #: Totals, shown last.
 TOTALS = ("step", "period")
+#: A custom phase's time after the step's end is named apart: ``between_steps.<name>``.  So a name says
+#: whether its time is part of ``step`` (``clip``) or of the time between steps (``between_steps.ema``),
+#: and each share is of the right total, in the run's own table as in a report read back from TensorBoard
+#: alone.  An in-step phase keeps the user's name (its tag is the one the README shows); a user's name is an
+#: identifier, so it never holds the dot, and no user phase can take a name made here.
+BETWEEN_PREFIX = BETWEEN + "."
+#: Names that are no custom phase: they keep their name after the step's end.
+_NOT_CUSTOM = frozenset({BETWEEN, PAUSED, *HOST_PHASES, *TOTALS})
+
+
+def after_end(phase: str) -> str:
+    """The name of a span of ``phase`` after the step's end (between steps).
+
+    Built-in step phases fold into ``between_steps``; a custom phase becomes ``between_steps.<phase>`` (one
+    used both inside the step and after it, e.g. left open across ``optimizer.step()``, is two rows, each
+    of its own total); anything else keeps its name.  Both engines apply this one rule: the Python one at
+    each span, the C one once per name (``engine.native_steps``).
+    """
+    if phase in STEP_PHASES:
+        return BETWEEN
+    if phase in _NOT_CUSTOM or phase.startswith(BETWEEN_PREFIX):
+        return phase
+    return BETWEEN_PREFIX + phase
 
 
 def share_base(phase: str) -> str | None:
-    """What a phase's share is of: the step's built-in phases of ``step``; the rest of ``period``.
+    """What a phase's share is of: the step's phases (built-in and custom) of ``step``; the rest of ``period``.
 
-    ``period`` is the time per step, so any span of a step's record is part of it; a
-    custom phase may run inside the step or between steps, so its share is of ``period``.
+    ``period`` is the time per step, and ``step`` the part of it from the batch in hand to the step's end;
+    a custom phase inside the step is part of ``step``, one between steps (``between_steps.<name>``) is not.
     """
     if phase in TOTALS:
         return None
-    return "step" if phase in STEP_PHASES else "period"
+    if phase in STEP_PHASES or _in_step_custom(phase):
+        return "step"
+    return "period"
 
 
-def share_note(clock: str | None = None) -> str:
-    """The footnote that says what the share column is, on this clock (``None``: not known)."""
-    if clock == "host":  # no device clock: no idle, and each phase is host time (on a CPU, the work itself)
-        return ("share: h2d, forward, backward, optimizer of `step`; the rest of `period`. All on the host clock: "
-                "a phase is the host's time between its boundaries (on a CPU, the work itself)")
-    note = "share: h2d, forward, backward, optimizer, idle of `step`; the rest of `period`"
-    return note if clock is None else note.replace("`step`", "`step` (device clock)")
+def _in_step_custom(phase: str) -> bool:
+    return phase not in PHASE_ORDER and phase not in _NOT_CUSTOM and not phase.startswith(BETWEEN_PREFIX)
+
+
+def share_note(clock: str | None = None, phases: Iterable[str] | None = None) -> str:
+    """The footnote that says what the share column is, on this clock (``None``: not known).
+
+    ``phases``: the table's, named under their base (``share: h2d, forward, ..., idle, clip of `step`;
+    data_wait, between_steps, between_steps.ema of `period```); without them, what each base takes.
+    """
+    if phases is None:
+        of_step = "h2d, forward, backward, optimizer, idle and custom phases inside the step"
+        of_period = "the rest (data_wait, sync_wait, between_steps, custom phases after the step's end: " \
+                    f"{BETWEEN_PREFIX}<name>)"
+    else:
+        shown = ordered(list(phases))
+        of_step = ", ".join(p for p in shown if share_base(p) == "step") or "none"
+        of_period = ", ".join(p for p in shown if share_base(p) == "period") or "none"
+    step = "`step`" if clock in (None, "host") else "`step` (device clock)"
+    note = f"share: {of_step} of {step}; {of_period} of `period`"
+    if clock == "host":  # no device clock: each phase is host time (on a CPU, the work itself)
+        note += ". All on the host clock: a phase is the host's time between its boundaries (on a CPU, the work itself)"
+    return note
 
 WINDOW_PREFIX = "phase_time"
 STEP_PREFIX = "phase_time_step"
@@ -68,13 +110,16 @@ MEMORY_ORDER = ("step_begin", "forward_begin", "backward_begin", "optimizer_begi
 DIAGNOSIS_TAG = "phase_timer/diagnosis"
 
 
-def ordered(phases: set[str] | list[str]) -> list[str]:
-    """Built-ins in their order, then custom phases alphabetically, then the totals."""
+def ordered(phases: set[str] | list[str] | dict[str, Any]) -> list[str]:
+    """The step's phases (built-ins in their order, then custom ones alphabetically), then the time between
+    steps (``between_steps``, then custom phases after the step's end), then the totals; ``data_wait`` and
+    ``sync_wait`` first."""
     present = set(phases)
-    builtin = [p for p in PHASE_ORDER if p in present]
-    totals = [p for p in TOTALS if p in present]
-    custom = sorted(present - set(builtin) - set(totals))
-    return builtin + custom + totals
+    custom = sorted(present - set(PHASE_ORDER) - set(TOTALS))
+    inside = [p for p in PHASE_ORDER if p in present and p != BETWEEN] + [p for p in custom if share_base(p) == "step"]
+    between = [BETWEEN] if BETWEEN in present else []
+    after = [p for p in custom if share_base(p) != "step"]
+    return inside + between + after + [p for p in TOTALS if p in present]
 
 
 def window_tag(phase: str, stat: str) -> str:
@@ -155,8 +200,8 @@ def custom_scalars_layout(per_step: bool, ranks: bool = False) -> dict[str, dict
 def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer", untimed_reason: str | None = None) -> str:
     """The end-of-training table: per phase mean, p50, p90, max and share.
 
-    Device phases show their share of ``step`` (total over total); ``data_wait`` its
-    share of ``period`` (both on the host clock).  Percentiles are within 0.5% (1%-wide histogram buckets).
+    The step's phases (built-in and custom) show their share of ``step``, the rest of ``period``
+    (:func:`share_base`; total over total).  Percentiles are within 0.5% (1%-wide histogram buckets).
     """
     phases = ordered(list(totals.phases))
     if not phases:
@@ -177,7 +222,7 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer",
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     rule = "-" * len(line(head))
     body = "\n".join(line(r) for r in rows)
-    note = share_note(clock) + _between_note(totals)
+    note = share_note(clock, totals.phases) + _between_note(totals)
     return f"{title}: {totals.steps} steps timed\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{note}"
 
 

@@ -21,10 +21,12 @@ Where the numbers come from (``source``):
     p50 = median of window p50, p90 = max of window p90, max = max of window
     max.  ``steps`` is then unknown (``null``).
 
-``share`` is a phase's part of the time per step: the step's phases of ``step``
-(total phase time over total step time for ``step``; mean of window means over
-the same for ``window``), ``between_steps``, ``data_wait`` and ``sync_wait`` of
-``period`` (:func:`phase_timer.metrics.share_base`), ``step`` 1.0 and ``period`` ``null``.
+``share`` is a phase's part of the time per step: the step's phases, built-in and
+custom (``timer.phase("clip")`` inside the step), of ``step`` (total phase time over
+total step time for ``step``; mean of window means over the same for ``window``), so
+that they sum to 1; ``data_wait``, ``sync_wait``, ``between_steps`` and custom phases
+after the step's end (``between_steps.<name>``) of ``period``
+(:func:`phase_timer.metrics.share_base`); ``step`` 1.0 and ``period`` ``null``.
 
 ``--json`` prints, instead of the tables::
 
@@ -391,7 +393,7 @@ def format_run(report: RunReport) -> str:
     table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
     extra = summary_lines(report.summary) if report.summary is not None else []
     memory = memory_block(report.memory)
-    return "\n".join([_describe(report), table, share_note(report.clock), *([memory] if memory else []), *extra])
+    return "\n".join([_describe(report), table, share_note(report.clock, report.phases), *([memory] if memory else []), *extra])
 
 
 def has_memory(memory: dict[str, Any] | None) -> bool:
@@ -499,12 +501,18 @@ def _device_phases(reports: Sequence[RunReport]) -> list[str]:
     return [p for p in ordered({q for r in reports for q in r.phases}) if share_base(p) == "step"]
 
 
+def share_bars(reports: Sequence[RunReport]) -> dict[str, list[float]]:
+    """What the figure's bars are made of: per step phase (built-in and custom, in order), its share of
+    ``step`` in % per run (0 where a run lacks it); a run's widths add up to 100."""
+    return {phase: [100 * (r.phases[phase].share or 0.0) if phase in r.phases else 0.0 for r in reports]
+            for phase in _device_phases(reports)}
+
+
 def _draw_shares(ax: Any, reports: Sequence[RunReport], labels: list[str], colors: dict[str, Any]) -> None:
     """Stacked horizontal bars: each step phase's share of ``step``, one bar per run."""
     y = list(range(len(reports)))[::-1]  # the first run on top
     lefts = [0.0] * len(reports)
-    for phase in _device_phases(reports):
-        widths = [100 * (r.phases[phase].share or 0.0) if phase in r.phases else 0.0 for r in reports]
+    for phase, widths in share_bars(reports).items():
         bars = ax.barh(y, widths, left=lefts, color=colors[phase], label=phase, height=0.6)
         ax.bar_label(bars, labels=[f"{w:.0f}%" if w >= 4 else "" for w in widths], label_type="center", fontsize=8, color="white")
         lefts = [a + w for a, w in zip(lefts, widths)]
@@ -702,7 +710,8 @@ REPORT_HELP = (
     "From per-step values (runs logged with per_step=True) the statistics are exact; from the window summaries "
     "alone the columns are: mean = mean of window means (every window weighs the same), p50 = median of window p50, "
     "p90 = max of window p90, max = max of window max.  Share: the step's phases (h2d, forward, backward, "
-    "optimizer, idle) of `step`, the rest of `period`."
+    "optimizer, idle, custom phases inside the step) of `step`, the rest (data_wait, sync_wait, between_steps, "
+    "custom phases after the step's end: between_steps.<name>) of `period`."
 )
 
 

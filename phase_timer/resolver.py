@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from phase_timer.clock import Clock
-from phase_timer.metrics import BETWEEN, PAUSED, STEP_PHASES
+from phase_timer.metrics import PAUSED, after_end
 from phase_timer.recorder import Record
 
 
@@ -35,14 +35,14 @@ def resolve(clock: Clock, record: Record) -> StepTimes:
     """Milliseconds per phase of a record whose marks are all done; its marks go back to the pool.
 
     Spans before the record's end are the step's (they add up to ``step``); later ones
-    are between steps (built-in phases fold into ``between_steps``, custom ones keep
-    their names); paused spans are nobody's.
+    are between steps (built-in phases fold into ``between_steps``, a custom one becomes
+    ``between_steps.<name>``: :func:`~phase_timer.metrics.after_end`); paused spans are nobody's.
     """
     marks = record.marks
     ms = record.host_ms  # host phases are in already; device phases join them
     durations = clock.spans(marks)  # one call: len(marks) - 1 elapsed times
     end = record.end if record.end >= 0 else len(durations)
-    labels = [BETWEEN if i >= end and label in STEP_PHASES else label for i, label in enumerate(record.labels)]
+    labels = [after_end(label) if i >= end else label for i, label in enumerate(record.labels)]
     get = ms.get
     step = 0.0
     for i, (label, span) in enumerate(zip(labels, durations)):

@@ -12,9 +12,9 @@ import json
 import os
 import platform
 import re
+import secrets
 import statistics
 import sys
-import tempfile
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phase_timer.metrics import HOST_PHASES, ordered, share_base
@@ -159,7 +159,7 @@ def write_summary(core: RunRecord, directory: str | os.PathLike[str]) -> str:
     data = _finite(build_summary(core))
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(os.fspath(directory), FILE_NAME)
-    fd, tmp = tempfile.mkstemp(prefix=".phase_timer_summary.", suffix=".tmp", dir=directory)
+    fd, tmp = _new_temp(os.fspath(directory))
     try:
         with os.fdopen(fd, "w") as f:
             f.write(_one_line_lists(json.dumps(data, indent=1, allow_nan=False, default=str)))
@@ -172,6 +172,23 @@ def write_summary(core: RunRecord, directory: str | os.PathLike[str]) -> str:
             pass
         raise
     return path
+
+
+def _new_temp(directory: str) -> tuple[int, str]:
+    """A new, uniquely named file in ``directory`` for the atomic write, open for writing.
+
+    Made as ``open()`` makes a file, mode 0666 less the umask, like the event files beside it: ``mkstemp``'s
+    0600 would leave the summary unreadable to another user or a CI step that can read the rest of the run.
+    ``O_EXCL``: never an existing file (nor a link planted there).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".phase_timer_summary.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {FILE_NAME} in {directory}")
 
 
 _SCALAR = r"(?:-?[0-9][0-9.eE+-]*|null|true|false)"

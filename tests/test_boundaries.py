@@ -99,7 +99,9 @@ def test_period_after_a_dropped_batch_does_not_carry_it():
     assert got["period"] == pytest.approx([4.0, 4.0]), got["period"]  # and no period holds its 30 ms
 
 
-def test_a_user_phase_open_across_the_end_runs_on_under_its_name_outside_the_step():
+def test_a_user_phase_open_across_the_end_runs_on_after_it_as_between_steps_name():
+    """Its part inside the step keeps its name and is the step's; its part after the end is
+    ``between_steps.stepping``, outside the step: each name is of one total."""
     def drive(b: Boundaries) -> None:
         for _ in range(3):
             micro_batch(b)
@@ -115,7 +117,8 @@ def test_a_user_phase_open_across_the_end_runs_on_under_its_name_outside_the_ste
     got = run(drive)
     assert "between_steps" in got
     for i in range(3):
-        assert got["stepping"][i] == pytest.approx(8.0)  # 3 inside the step, 5 after its end
+        assert got["stepping"][i] == pytest.approx(3.0)  # inside the step
+        assert got["between_steps.stepping"][i] == pytest.approx(5.0)  # after its end
         assert got["step"][i] == pytest.approx(4 + 3)  # the 5 ms after the end are not the step's
         assert got["between_steps"][i] == pytest.approx(1.0)
     assert got["period"] == pytest.approx([13.0, 13.0])

@@ -58,3 +58,42 @@ def test_every_result_file_is_cited_by_a_doc():
     """benchmarks/results holds current figures only: a file no doc cites is superseded or stray."""
     present = {p.name for p in (ROOT / "benchmarks" / "results").iterdir()}
     assert not present - _cited_results(), sorted(present - _cited_results())
+
+
+_API_ENTRY = re.compile(r"^- (`[^`]+`(?:, `[^`]+`)*): (.+)$")
+
+
+def _api_sections() -> dict[str, tuple[list[str], list[str]]]:
+    """Per ``## `` section of docs/api.md that has an ``Args`` list: its signature's parameters and the list's lines."""
+    out = {}
+    for section in re.split(r"^## ", (ROOT / "docs" / "api.md").read_text(), flags=re.M)[1:]:
+        args = re.search(r"^\*\*Args[^\n]*\*\*\n\n((?:.+\n)+)", section, flags=re.M)
+        sig = re.search(r"^```python\n\S+\(\n((?:    .*\n)+)\)", section, flags=re.M)
+        if args and sig:
+            params = [p.strip().split(":")[0].split("=")[0].strip().rstrip(",") for p in sig.group(1).splitlines()]
+            out[section.splitlines()[0]] = ([p for p in params if p != "*"], args.group(1).splitlines())
+    return out
+
+
+def test_each_documented_argument_is_its_own_entry_of_the_api_reference():
+    """Every line of an Args list is one entry that names parameters of the signature above it (a Google-style
+    list of names wrapped onto the next line included), each parameter is documented once, and no description
+    runs into the next parameters' names (``...logging_steps). warmup_steps, max_pending, ...``)."""
+    sections = _api_sections()
+    assert {"`phase_timer.PhaseTimer`", "`phase_timer.attach`", "`phase_timer.PhaseTimerCallback`"} <= {
+        title.split(":")[0] for title in sections}
+    for title, (params, lines) in sections.items():
+        named: list[str] = []
+        for line in lines:
+            m = _API_ENTRY.match(line)
+            assert m, (title, line)
+            names = [n.strip("`") for n in m.group(1).split(", ")]
+            assert set(names) <= set(params), (title, line)
+            named += names
+            bare = re.sub(r"`[^`]*`", "", m.group(2))  # what the description says outside code
+            run_on = [p for p in params if re.search(rf"\b{p}\s*,", bare)]
+            assert not run_on, (title, line, run_on)
+        assert len(named) == len(set(named)), (title, named)
+        text = "\n".join(lines)
+        undocumented = [p for p in params if p not in named and f"`{p}`" not in text]
+        assert not undocumented, (title, undocumented)

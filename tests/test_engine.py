@@ -160,6 +160,30 @@ def test_c_engine_checks_its_arguments():
     bad = Steps(lambda: "not ns", 10, 4)
     with pytest.raises(TypeError):
         bad.open(0, "h2d")
+    with pytest.raises(TypeError, match="after_end"):
+        Steps(lambda: 0, 10, 4, after_end=42)
+    with pytest.raises(TypeError, match="must return a str"):
+        Steps(lambda: 0, 10, 4, after_end=lambda name: 7)
+
+
+@needs_steps
+def test_c_engine_names_spans_after_the_end_once_per_name_by_the_rule_it_is_given():
+    """The rule is Python's (``metrics.after_end``), asked once per new name: a custom phase after the step's end
+    is ``between_steps.<name>``, a built-in one folds into ``between_steps``, before the end both keep theirs."""
+    from phase_timer.metrics import after_end
+
+    asked: list[str] = []
+    ticks = iter(range(0, 10**12, 1_000_000))  # 1 ms per mark
+    eng = Steps(lambda: next(ticks), 1, 8, 0, 4, True, after_end=lambda n: asked.append(n) or after_end(n))
+    for s in range(2):
+        eng.open(s, "forward")
+        eng.switch("clip")
+        eng.end("clip")  # a user phase open across the end runs on after it
+        eng.switch("optimizer")
+        eng.close(-1.0)
+    got = [r[2] for r in eng.drain() if r[0] == "step"]
+    assert got == [{"forward": 1.0, "clip": 1.0, "between_steps.clip": 1.0, "between_steps": 1.0, "step": 2.0}] * 2
+    assert sorted(asked) == ["between_steps", "clip", "forward", "optimizer", "paused"]
 
 
 @needs_steps
