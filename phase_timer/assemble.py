@@ -26,6 +26,7 @@ from phase_timer.core import TimingCore
 from phase_timer.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name
 from phase_timer.sinks import Sink, open_event_file
+from phase_timer.throughput import BatchCounter
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def start_core(
         trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
         ranks=ranks, memory=config.memory,
     )
+    core.counter = BatchCounter(config.samples_per_batch, config.tokens_per_batch)
     core.summary_dir = out.summary_dir if rank_zero else None
     core.log_dir = out.log_dir
     core.outputs_missing = out.missing

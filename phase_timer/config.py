@@ -44,6 +44,14 @@ def check_bool(owner: str, name: str, value: Any) -> None:
         _fail(owner, name, value, "True or False")
 
 
+def check_count(owner: str, name: str, value: Any) -> None:
+    """``None`` (read from the batch's shapes), an int >= 0, or a function of the batch."""
+    if value is None or callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        _fail(owner, name, value, "None (read from the batch's shapes), an int >= 0, or a function of the batch")
+
+
 def check_seconds(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
         _fail(owner, name, value, "a finite number of seconds > 0")
@@ -87,6 +95,10 @@ class TimerConfig:
     trace_path: str | os.PathLike[str] | None = None
     rank_timeout_s: float = 30.0
     memory: bool = True
+    #: A step's samples and tokens for its throughput: None reads them from each batch's shapes (tokens: the
+    #: input ids' numel, padding included); or a count a batch, or a function of the batch (``throughput.py``).
+    samples_per_batch: Any = None
+    tokens_per_batch: Any = None
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -105,6 +117,8 @@ class TimerConfig:
         check_path(o, "trace_path", self.trace_path, kind="file")
         check_seconds(o, "rank_timeout_s", self.rank_timeout_s)
         check_bool(o, "memory", self.memory)
+        check_count(o, "samples_per_batch", self.samples_per_batch)
+        check_count(o, "tokens_per_batch", self.tokens_per_batch)
         ts = self.trace_steps
         if ts is not None and not (
             isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)

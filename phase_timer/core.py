@@ -18,6 +18,7 @@ from phase_timer._env import warn
 from phase_timer.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
 from phase_timer import memory as _memory
+from phase_timer import throughput
 from phase_timer.engine import POLL_EVERY, make_engine
 from phase_timer.memory import MemoryTracker
 from phase_timer.metrics import (
@@ -81,6 +82,9 @@ class TimingCore:
         self._window_size = window
         self._warmup = warmup_steps
         self.totals = RunTotals()
+        #: Samples, tokens and steps a second (counted from the batches' shapes by the door: ``counter``).
+        self.throughput = throughput.RunThroughput()
+        self.counter: throughput.BatchCounter | None = None
         #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
         self.series = WindowSeries()
         self.steps_begun = 0
@@ -285,15 +289,21 @@ class TimingCore:
             if kind == "window":
                 self._emit(*item[1:])
             elif kind == "step":
-                self._write(item[1], step_scalars(item[2]))
+                ms = item[2]
+                for name in throughput.COUNTS:
+                    ms.pop(name, None)  # counts, not phases: a step's rates are its window's
+                self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
                 self.trace.add(item[1])
 
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
+        counts = throughput.split_counts(columns)  # samples and tokens are counts, not phases: out first
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
         summary = self.totals.add_sorted_window(steps, columns)
+        if counts:
+            self.throughput.add(counts)
         if self.ranks is not None:
-            self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory())
+            self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory(), counts=counts or None)
         self.signals.add_window(steps, summary)
         self.series.add(last_step, steps, summary, columns)
         scalars = window_scalars(summary)
@@ -303,6 +313,7 @@ class TimingCore:
             self._flight_sum = self._flight_n = 0
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
+        scalars.update(throughput.scalars(counts))
         self._write(last_step, scalars)
 
     def _rank_memory(self) -> dict[str, float] | None:
@@ -316,7 +327,10 @@ class TimingCore:
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
             self.signals.add_rank_window(w.means)
-            self._write(w.step, rank_scalars(w))
+            scalars = rank_scalars(w)
+            job = throughput.job_rates(w.counts)
+            scalars.update({f"{throughput.PREFIX}/job_{k}": v for k, v in job.items()})
+            self._write(w.step, scalars)
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
         rows = self._memory_rows
@@ -414,6 +428,9 @@ class TimingCore:
                                title=title if ranks is None else f"{title} (rank {ranks.rank})")
         if ranks is not None and ranks.totals is not None:
             table += "\n\n" + format_rank_table(ranks.totals, title=title)
+        rates = throughput.format_line(self.throughput.rates(), self.job_throughput())
+        if rates:
+            table += "\n" + rates
         mem = format_memory(self.memory_summary())
         if mem:
             table += "\n" + mem
@@ -443,6 +460,13 @@ class TimingCore:
         if self.summary_path is not None:
             parts.append(f"summary {self.summary_path}")
         return "files: " + "; ".join(parts) if parts else None
+
+    def job_throughput(self) -> dict[str, float] | None:
+        """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""
+        ranks = self.ranks
+        if ranks is None or ranks.totals is None or not ranks.totals.counts:
+            return None
+        return throughput.job_rates(ranks.totals.counts)
 
     def memory_summary(self) -> dict | None:
         """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""

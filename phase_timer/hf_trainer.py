@@ -40,6 +40,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
@@ -79,7 +80,8 @@ class PhaseTimerCallback(TrainerCallback):
         log_dir: write to this directory instead (``version_N`` inside it).
         window: steps per logging window (default: the Trainer's ``logging_steps``).
         warmup_steps, max_pending, per_step, summary, nvtx, trace_steps, trace_path,
-        rank_timeout_s, memory: as for ``PhaseTimer``.
+        rank_timeout_s, memory, samples_per_batch, tokens_per_batch: as for ``PhaseTimer`` (tokens: the
+            batches' ``input_ids``, padding included).
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) times nothing.
 
     Attributes (as ``PhaseTimer``'s; ``None`` before the end of ``train()``):
@@ -106,12 +108,15 @@ class PhaseTimerCallback(TrainerCallback):
         trace_path: str | os.PathLike[str] | None = None,
         rank_timeout_s: float = 30.0,
         memory: bool = True,
+        samples_per_batch: int | Callable[[Any], int] | None = None,
+        tokens_per_batch: int | Callable[[Any], int] | None = None,
         enabled: bool = True,
     ) -> None:
         self.config = TimerConfig(
             window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
             summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
-            rank_timeout_s=rank_timeout_s, memory=memory, owner="PhaseTimerCallback",
+            rank_timeout_s=rank_timeout_s, memory=memory, samples_per_batch=samples_per_batch,
+            tokens_per_batch=tokens_per_batch, owner="PhaseTimerCallback",
         )
         check_bool("PhaseTimerCallback", "enabled", enabled)
         self.enabled = enabled
@@ -219,6 +224,10 @@ class PhaseTimerCallback(TrainerCallback):
                 bounds.batch(state.global_step if state is not None else None,
                              (time.perf_counter_ns() - t0) / 1e6, first=FORWARD)
                 self._first_micro = True
+                core = timer.core
+                if core is not None and core.counter is not None:  # the step's micro-batches: its samples/tokens
+                    for batch in out[0]:
+                        core.counter.add(core.add_host, batch)
             return out
 
         return get_batch_samples

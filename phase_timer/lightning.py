@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phase_timer import backward_calls, lifecycle
@@ -178,6 +179,11 @@ class PhaseTimer:
         memory: on CUDA, read the caching allocator's counters at each boundary of a sampled step
             (about one in 128; never a sync, never a reset of the user's peak): memory per phase,
             the peak's phase, creep and headroom (``phase_memory/*``).  ``False``: not read.
+        samples_per_batch, tokens_per_batch: throughput's counts of a batch (``throughput/*``: samples,
+            tokens and steps a second, from ``period``).  ``None`` (default) reads them from the batch's
+            shapes on the host: a tensor's leading dimension; tokens, the input ids' ``numel`` (an integer
+            tensor of 2+ dimensions, or a mapping's ``input_ids``), padding included.  Or a count, or a
+            function of the batch (e.g. the tokens that are not padding, counted on the host).
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
@@ -213,6 +219,8 @@ class PhaseTimer:
         trace_path: str | os.PathLike[str] | None = None,
         rank_timeout_s: float = 30.0,
         memory: bool = True,
+        samples_per_batch: int | Callable[[Any], int] | None = None,
+        tokens_per_batch: int | Callable[[Any], int] | None = None,
         enabled: bool = True,
     ) -> None:
         super().__init__()
@@ -228,6 +236,8 @@ class PhaseTimer:
             trace_path=trace_path,
             rank_timeout_s=rank_timeout_s,
             memory=memory,
+            samples_per_batch=samples_per_batch,
+            tokens_per_batch=tokens_per_batch,
             owner="PhaseTimer",
             window_arg="log_every_n_steps",
         )
@@ -275,6 +285,9 @@ class PhaseTimer:
             if bounds is None or (stage is not training and stage != training):
                 return original(batch, device, dataloader_idx)
             self._on_batch(trainer, bounds)
+            core = self.core
+            if core is not None and core.counter is not None:  # the step's samples/tokens, from shapes
+                core.counter.add(core.add_host, batch)
             out = original(batch, device, dataloader_idx)
             bounds.on_copied()
             return out

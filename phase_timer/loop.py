@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from threading import get_ident
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +48,7 @@ from phase_timer.optim_hooks import StepHooks
 from phase_timer.runinfo import loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
 from phase_timer.stats import RunTotals
+from phase_timer.throughput import COUNTS
 from phase_timer.syncs import SyncSite
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ except ImportError:  # not built: the hooks are the methods themselves
 #: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
 _HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
-_RESERVED = HOST_PHASES | set(TOTALS) | {"idle", BETWEEN, PAUSED}
+_RESERVED = HOST_PHASES | set(TOTALS) | {"idle", BETWEEN, PAUSED, *COUNTS}
 _END_STEP = ("optimizer", "manual")
 
 
@@ -94,6 +95,8 @@ class _TimedLoader:
         timer = self._timer
         it = iter(self._loader)
         fetch, on_batch = timer._fetch, timer._on_batch
+        core = timer.core
+        count, add_host = (core.counter.add, core.add_host) if core is not None and core.counter is not None else (None, None)
         try:
             while True:
                 fetch()
@@ -102,7 +105,10 @@ class _TimedLoader:
                     batch = next(it)
                 except StopIteration:
                     return
-                yield on_batch(batch, t0)
+                out = on_batch(batch, t0)
+                if count is not None and timer._loader_active:  # the step's samples/tokens, from shapes
+                    count(add_host, batch)
+                yield out
         finally:  # the loader ran out, or the loop left it (break, an exception): a cut-off step is dropped
             timer._epoch_end()
 
@@ -558,6 +564,8 @@ def attach(
     trace_path: str | os.PathLike[str] | None = None,
     rank_timeout_s: float = 30.0,
     memory: bool = True,
+    samples_per_batch: int | Callable[[Any], int] | None = None,
+    tokens_per_batch: int | Callable[[Any], int] | None = None,
     enabled: bool = True,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
@@ -579,6 +587,8 @@ def attach(
         rank_timeout_s: under torch.distributed, how long ``close()`` waits for the other
             ranks' last reports (not at all when the ``with`` block raised).
         memory: as for ``PhaseTimer``: memory per phase on CUDA, sampled, never a sync.
+        samples_per_batch, tokens_per_batch: as for ``PhaseTimer``: throughput's counts of a batch
+            (default: from the shapes of each batch ``timer.loader`` hands over).
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
@@ -586,7 +596,8 @@ def attach(
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
         summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
-        rank_timeout_s=rank_timeout_s, memory=memory, owner="attach",
+        rank_timeout_s=rank_timeout_s, memory=memory, samples_per_batch=samples_per_batch,
+        tokens_per_batch=tokens_per_batch, owner="attach",
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,

@@ -65,6 +65,8 @@ class RankWindow:
     ranks: int
     #: Each rank's peak allocated MB as of this window (CUDA ranks that read memory only).
     peak_mb: dict[int, float] = field(default_factory=dict)
+    #: Each rank's counts over this window (``throughput.split_counts``), where its batches were counted.
+    counts: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def stats(self, phase: str) -> dict[str, float]:
         by_rank = self.means[phase]
@@ -83,6 +85,13 @@ class RankTotals:
     #: Each rank's memory as of its latest report: peak_allocated_mb, peak_reserved_mb, device_total_mb,
     #: alloc_retries (CUDA ranks that read memory only).
     memory: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: Each rank's counts over the run (samples, tokens, period_ms, steps), for the job's throughput.
+    counts: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def add_counts(self, rank: int, counts: dict[str, float]) -> None:
+        mine = self.counts.setdefault(rank, {})
+        for k, v in counts.items():
+            mine[k] = mine.get(k, 0.0) + float(v)
 
     def add(self, rank: int, steps: int, sums: dict[str, list[float]]) -> None:
         """One window of ``rank``: ``sums`` is ``{phase: [sum_ms, count]}``."""
@@ -188,7 +197,7 @@ class RankExchange:
 
     # -- the training thread, once a window -------------------------------------------
     def add(self, key: int, last_step: int, steps: int, values: dict[str, list[float]], *,
-            memory: dict[str, float] | None = None) -> None:
+            memory: dict[str, float] | None = None, counts: dict[str, float] | None = None) -> None:
         """A window this rank has written (its ms per phase; its memory, if read: ``peak_allocated_mb``,
         ``peak_reserved_mb``, ``device_total_mb``, ``alloc_retries``); it goes out with the next exchange.
         Rank zero keeps its own.
@@ -196,8 +205,11 @@ class RankExchange:
         if self.broken:
             return  # the exchange stopped: keep nothing (memory stays flat)
         report: list[Any] = [key, last_step, steps, {p: [sum(vs), len(vs)] for p, vs in values.items()}]
-        if memory:
-            report.append(memory)
+        extra = dict(memory or {})
+        if counts:
+            extra["counts"] = counts  # the window's samples/tokens and their period: the job's throughput
+        if extra:
+            report.append(extra)
         if self.rank == 0:
             self._receive(0, report)
         else:
@@ -328,17 +340,23 @@ class RankExchange:
             self._written = key
             means: dict[str, dict[int, float]] = {}
             peaks: dict[int, float] = {}
-            for rank, (_, _, steps, sums, *peak) in reports.items():
+            counts: dict[int, dict[str, float]] = {}
+            for rank, (_, _, steps, sums, *extra) in reports.items():
                 assert self.totals is not None
                 self.totals.add(rank, steps, sums)
                 for phase, (s, c) in sums.items():
                     if c:
                         means.setdefault(phase, {})[rank] = s / c
-                if peak and isinstance(peak[0], dict) and isinstance(peak[0].get("peak_allocated_mb"), (int, float)):
-                    self.totals.memory[rank] = peak[0]
-                    peaks[rank] = float(peak[0]["peak_allocated_mb"])
+                peak = dict(extra[0]) if extra and isinstance(extra[0], dict) else {}
+                mine = peak.pop("counts", None)
+                if isinstance(mine, dict):
+                    counts[rank] = mine
+                    self.totals.add_counts(rank, mine)
+                if isinstance(peak.get("peak_allocated_mb"), (int, float)):
+                    self.totals.memory[rank] = peak
+                    peaks[rank] = float(peak["peak_allocated_mb"])
             step = max(int(r[1]) for r in reports.values())
-            out.append(RankWindow(key, step, means, len(reports), peaks))
+            out.append(RankWindow(key, step, means, len(reports), peaks, counts))
         return out
 
     # -- the exchange's own thread -----------------------------------------------------

@@ -58,7 +58,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -124,9 +124,19 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
                   "other_threads": core.signals.sync_other_threads, "paused": core.signals.sync_paused,
                   "sites": [site.as_dict() for site in core.signals.syncs]},
         "memory": core.memory_summary(),
+        "throughput": _throughput(core),
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }
+
+
+def _throughput(core: RunRecord) -> dict[str, Any] | None:
+    """The run's rates (this rank's; under torch.distributed, the job's beside them), None if nothing was counted."""
+    run = getattr(core, "throughput", None)
+    out = run.as_dict() if run is not None else None
+    if out is not None:
+        out["job"] = core.job_throughput() if hasattr(core, "job_throughput") else None
+    return out
 
 
 def _environment(core: RunRecord, ctx: dict[str, Any]) -> dict[str, Any]:

@@ -80,4 +80,5 @@ def precision_name(param_dtype: torch.dtype | None, autocast: torch.dtype | None
 def config_dict(config: Any) -> dict[str, Any]:
     """The timer's arguments as given (``window``: None means the framework's logging interval)."""
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in ("owner", "window_arg")}
-    return {k: (os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in out.items()}
+    return {k: (os.fspath(v) if isinstance(v, os.PathLike) else f"<function {getattr(v, '__qualname__', type(v).__name__)}>"
+                if callable(v) else v) for k, v in out.items()}

@@ -82,6 +82,12 @@ def test_plain_torchrun_names_the_slow_rank_and_backward_holds_the_all_reduce(tm
     assert d["evidence"]["others_backward_wait_ms"] >= 20.0
     assert data["ranks"]["reported"] == [0, 1] and data["environment"]["world_size"] == 2
     assert "verdict: RANK_STRAGGLER" in summary
+    # The job's throughput: each rank's batches (16 samples) over its own period, summed over the ranks
+    per_rank = data["ranks"]["per_rank"]
+    expected = sum(16 / (per_rank[r]["mean_ms"]["period"] / 1e3) for r in ("0", "1"))
+    assert data["throughput"]["job"]["samples_per_s"] == pytest.approx(expected, rel=1e-6)
+    assert "the job (every rank)" in summary
+    assert values(s, "throughput/job_samples_per_s")
 
 
 def test_plain_accumulation_with_no_sync_counts_optimizer_steps(tmp_path: pytest.TempPathFactory) -> None:
