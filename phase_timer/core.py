@@ -193,6 +193,17 @@ class TimingCore:
         if self.ranks is not None:
             self._rank_close()
 
+    def _finished_now(self) -> list[tuple] | None:
+        """What the device has finished, without waiting for it: a few polls (the resolver thread's share
+        included), at most ~0.1 s of host time, never a device wait."""
+        engine, out = self._engine, []
+        for _ in range(64):
+            out.extend(engine.poll() or ())
+            if not engine.pending:
+                break
+            time.sleep(0.002)
+        return out or None
+
     def _count_flight(self) -> None:
         """At a close that counts them, after its poll: the steps in flight (device clock only)."""
         if self._flight:
@@ -349,11 +360,13 @@ class TimingCore:
         """Resolve finished steps now (never waits)."""
         self._consume(self._engine.poll())
 
-    def finish(self, rank_timeout_s: float = 30.0, *, interrupted: bool = False) -> RunTotals:
+    def finish(self, rank_timeout_s: float = 30.0, *, interrupted: bool = False, wait: bool = True) -> RunTotals:
         """End of training: drop a half-done step, wait for the rest, write and close.
 
         The only place that waits for the device (through the engine's ``drain``), and,
         when distributed, for the other ranks' last reports (at most ``rank_timeout_s``).
+        ``wait=False`` (SIGTERM: the process is about to end, and its GPU may be stuck in a
+        collective): no wait for the device; the steps it has finished are kept, the rest dropped.
         Safe to call twice; the second call does nothing.
         """
         if self.closed:
@@ -363,7 +376,7 @@ class TimingCore:
         self._engine.discard()  # a step cut off mid-way has no honest total
         self._in_step = False
         try:
-            self._consume(self._engine.drain())
+            self._consume(self._engine.drain() if wait else self._finished_now())
         except Exception as err:  # noqa: BLE001 - e.g. the device died: keep what was resolved
             msg = f"phase-timer: could not resolve the last steps ({type(err).__name__}: {err})"
             warn(log, msg, 2)

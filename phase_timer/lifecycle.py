@@ -6,14 +6,18 @@ unregisters it).  What was measured is never lost for want of a ``close()``:
 * **At interpreter exit** (``atexit``), each run still open is closed, once, with a warning
   that it was not closed.  An uncaught exception that ends the program marks it interrupted
   (Python sets ``sys.last_value`` before the exit handlers run).
-* **On SIGTERM** (a cluster's preemption notice, ``kill``, torchrun stopping its workers),
-  each open run is closed as interrupted, then the signal goes on to what was there before:
-  the handler the program had installed is called, and where there was none (the default,
-  which ends the process) the default is put back and the signal raised again, so the
-  process ends exactly as it would have, with the same status.  Never installed when
-  SIGTERM was ignored (the process would live on) or its handler is not Python's
-  (it could not be chained), nor off the main thread (Python allows handlers only there).
-  Put back when the last open run closes, unless the program replaced it since.
+* **On SIGTERM** (a cluster's preemption notice, ``kill``, torchrun stopping its workers) the
+  signal goes on to what was there before.  Where the program had a handler of its own
+  (Lightning's, a requeue handler), it is called and nothing else happens: the process goes
+  on, or ends, through that handler, and the doors' own ends (an exception leaving the loop,
+  ``teardown``, the exit handler above) write the run, marked interrupted.  Where there was
+  none (the default, which ends the process at once) every open run is written first, marked
+  interrupted, *without waiting for the device* (it may be stuck in a collective: the steps it
+  finished are kept), then the default is put back and the signal raised again, so the process
+  ends exactly as it would have, with the same status.  Never installed when SIGTERM was
+  ignored (the process lives on) or its handler is not Python's (it could not be chained), nor
+  off the main thread (Python allows handlers only there).  Put back when the last open run
+  closes, unless the program replaced it since.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ _atexit_registered = False
 #: The SIGTERM handler that was there when ours went in (ours: installed while ``_ours`` is set).
 _previous: Any = None
 _ours: Any = None
+#: A SIGTERM came (a handler of the program's took it on): a run written at exit after it was interrupted.
+_sigterm_seen = False
 
 
 def register(close: Callable[[bool, str], Any]) -> int:
@@ -79,7 +85,7 @@ def _close_all(interrupted: bool, why: str) -> None:
 
 
 def _at_exit() -> None:
-    _close_all(getattr(sys, "last_value", None) is not None, "at interpreter exit")
+    _close_all(getattr(sys, "last_value", None) is not None or _sigterm_seen, "at interpreter exit")
 
 
 def _install_sigterm() -> None:
@@ -112,14 +118,15 @@ def _uninstall_sigterm() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    """Write every open run, then let the signal do what it would have done without us."""
-    global _previous, _ours
+    """Let the signal do what it would have done without us; where that ends the process at once, write first."""
+    global _sigterm_seen
+    _sigterm_seen = True
     previous = _previous
+    if callable(previous) and previous is not _on_sigterm:
+        previous(signum, frame)  # the program's own: it decides (the doors' ends write the run)
+        return
     _close_all(True, "on SIGTERM")
     _uninstall_sigterm()  # (if the last run's close did not already)
-    if callable(previous) and previous is not _on_sigterm:
-        previous(signum, frame)
-        return
     # The default: end the process by this very signal, as it would have ended.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import os

@@ -495,7 +495,7 @@ class PhaseTimer:
             self._bounds.resume()
 
     # -- the end --------------------------------------------------------------------
-    def _finish(self, trainer: pl.Trainer | None, *, interrupted: bool) -> None:
+    def _finish(self, trainer: pl.Trainer | None, *, interrupted: bool, wait: bool = True) -> None:
         lifecycle.unregister(self._open_key)
         self._open_key = None
         self._restore()
@@ -509,7 +509,7 @@ class PhaseTimer:
             core.context["loader"] = _train_loader_info(trainer)
         # The one blocking wait: pending steps are resolved and written (and the other
         # ranks' last reports awaited, briefly when the run failed: a rank may be gone).
-        core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
+        core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted, wait=wait)
         if self.config.summary or interrupted:
             self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
             if (core.ranks is None or core.ranks.rank == 0) and self.config.summary:
@@ -521,7 +521,7 @@ class PhaseTimer:
     def _close_unclosed(self, interrupted: bool, why: str) -> None:
         """The fit never reached teardown (the process is exiting, or SIGTERM): write what it measured."""
         ref = self._trainer_ref
-        self._finish(ref() if ref is not None else None, interrupted=True)
+        self._finish(ref() if ref is not None else None, interrupted=True, wait=why != "on SIGTERM")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

@@ -429,7 +429,8 @@ class LoopTimer:
         ctx = core.context
         first = self._first_param()
         ctx["precision"] = precision_name(first.dtype if first is not None else None, ctx.pop("autocast", None))
-        self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted)
+        self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted,
+                                  wait=self._wait_at_close)
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
         self.syncs, self.sync_census = tuple(core.signals.syncs), core.signals.census
         self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
@@ -441,7 +442,9 @@ class LoopTimer:
         """The run is still open at interpreter exit or on SIGTERM (:mod:`phase_timer.lifecycle`): write it."""
         if self.core is None:
             return
-        if why != "on SIGTERM":  # a preemption is no mistake of the user's: the table says "interrupted"
+        if why == "on SIGTERM":  # a preemption is no mistake of the user's: the table says "interrupted"
+            self._wait_at_close = False  # the process ends next: no wait for the device (it may be stuck)
+        else:
             warn(log, f"phase-timer: the timer was never closed, so what it measured is written {why}; leave a "
                       "`with phase_timer.attach(...) as timer:` block or call timer.close() where training ends", 2)
         self.close(interrupted=interrupted)
@@ -456,6 +459,7 @@ class LoopTimer:
 
     totals: RunTotals | None = None
     last_summary: str | None = None
+    _wait_at_close = True  # False on SIGTERM's default: the one wait, for the device, is skipped
     #: The verdict (:class:`phase_timer.Diagnosis`), set by :meth:`close`.
     diagnosis: Diagnosis | None = None
     #: Where rank zero wrote ``phase_timer_summary.json`` (None: not written).
