@@ -1,4 +1,8 @@
-"""Real Lightning pieces for the tests: modules whose phases take known times."""
+"""Real Lightning pieces for the tests: modules whose phases take known times.
+
+Their planted waits go through :func:`pause`: a real sleep, or under the ``host_hours`` fixture
+(``conftest.py``) no sleep at all, the host clock moved an hour per planted millisecond (:class:`HostHours`).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,51 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+HOUR_NS = 3_600 * 10**9
+HOUR_MS = 3_600_000.0
+
+
+class HostHours:
+    """``time.perf_counter_ns`` (the clock phase-timer reads on the CPU) as the real clock plus hours a test adds.
+
+    A planted wait on it takes no real time, and no load can lengthen, shorten or imitate it: a
+    value read back holds :func:`hours` of it planted hours, because the real time in it is a
+    test's few minutes at most (its timeout), far from the half hour that would change the
+    rounding.  So a test can say exactly where a wait landed, and that it landed nowhere else,
+    on a busy 2-core runner as on an idle one.
+    """
+
+    def __init__(self) -> None:
+        self._real = time.perf_counter_ns
+        self.offset_ns = 0
+
+    def __call__(self) -> int:
+        return self._real() + self.offset_ns
+
+    def jump(self, hours: float = 1.0) -> None:
+        """The host clock ``hours`` on, at once."""
+        self.offset_ns += round(hours * HOUR_NS)
+
+
+def hours(ms: float) -> int:
+    """The whole planted hours in a value in ms read back from a run on :class:`HostHours`."""
+    return round(ms / HOUR_MS)
+
+
+def hours_per_step(totals: Any) -> dict[str, int | tuple[int, int]]:
+    """Each phase's planted hours in every timed step of a run's totals: ``n``, or ``(fewest, most)`` where
+    the steps differ."""
+    out: dict[str, int | tuple[int, int]] = {}
+    for phase, t in totals.phases.items():
+        lo, hi = hours(t.min), hours(t.max)
+        out[phase] = lo if lo == hi else (lo, hi)
+    return out
+
+
+def pause(seconds: float) -> None:
+    """A planted wait: a real sleep (``host_hours`` makes it ``1000 * seconds`` hours of the host clock instead)."""
+    time.sleep(seconds)
 
 
 def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -55,7 +104,7 @@ class SleepyData(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sleep_s:
-            time.sleep(self.sleep_s)
+            pause(self.sleep_s)
         return self.x[i], self.y[i]
 
 
@@ -69,7 +118,7 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.sleep_s)
+        pause(ctx.sleep_s)
         return grad, None
 
 
@@ -82,7 +131,7 @@ class SlowSGD(torch.optim.SGD):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         out = super().step(closure)
-        time.sleep(self.sleep_s)
+        pause(self.sleep_s)
         return out
 
 
@@ -117,12 +166,12 @@ def module_class(ns: str) -> type:
 
         def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
             if self.trainer.training:
-                time.sleep(self.sleeps["h2d"])
+                pause(self.sleeps["h2d"])
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
         def _loss(self, batch: Any) -> torch.Tensor:
             x, y = batch
-            time.sleep(self.sleeps["forward"])
+            pause(self.sleeps["forward"])
             out = _SlowBackward.apply(self.net(x), self.sleeps["backward"])
             return nn.functional.mse_loss(out, y)
 
@@ -142,7 +191,7 @@ def module_class(ns: str) -> type:
             return None
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
-            time.sleep(self.sleeps["val"])
+            pause(self.sleeps["val"])
             self.log("val_loss", self._loss(batch))
 
         def configure_optimizers(self) -> Any:

@@ -5,9 +5,11 @@ by the plain door into real TensorBoard files and a real summary file.  "Noisy" 
 a seeded random wait to every step (the same seed on both sides, so the runs differ by
 the planted change alone while each run's window-to-window spread is wide).
 
-The waits spin on the clock rather than sleep: on a small VM the work right after a
-long sleep runs several milliseconds slower (the CPU's wake-up), which would move the
-phases around the planted one by more than the change under test.
+The waits are planted hours of the host clock (``HostHours``: an hour per millisecond
+of the loop's planned wait), not sleeps or spins: the real work around them is a few
+milliseconds a step, so what the gate sees is the plan alone, and a busy machine (whose
+preemptions and slow wake-ups once moved the phases by more than the change under test)
+cannot change a verdict.
 """
 
 from __future__ import annotations
@@ -29,50 +31,46 @@ from phase_timer.compare import MIN_BATCHES, Z, load_side, standard_error
 from phase_timer.cli import main
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.stats import WindowSeries
-from tests.helpers import loader
+from tests.helpers import HostHours, hours, loader
 from tests.test_report import planted_memory, write_tensorboard_run
 
 pytestmark = pytest.mark.timeout(300)
 
 STEPS = 60
 WINDOW = 6
-FORWARD_MS = 8.0
-OPTIMIZER_MS = 10.0
-JITTER_MS = 40.0  # noisy runs: up to this much more in forward, uniform, seeded
+# The planted waits, in hours of the host clock (HostHours).
+FORWARD_H = 8.0
+OPTIMIZER_H = 10.0
+JITTER_H = 40.0  # noisy runs: up to this much more in forward, uniform, seeded
 
 
-def spin(ms: float) -> None:
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
-
-
-class SpinSGD(torch.optim.SGD):
-    def __init__(self, params, lr: float, ms: float) -> None:
+class WaitingSGD(torch.optim.SGD):
+    def __init__(self, params, lr: float, clock: HostHours, wait_h: float) -> None:
         super().__init__(params, lr=lr)
-        self.ms = ms
+        self.clock, self.wait_h = clock, wait_h
 
     def step(self, closure=None):  # type: ignore[override]
-        spin(self.ms)
+        self.clock.jump(self.wait_h)
         return super().step(closure)
 
 
-class Spinner(nn.Module):
-    def __init__(self, jitter_ms: float) -> None:
+class Waiting(nn.Module):
+    def __init__(self, clock: HostHours, jitter_h: float) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.jitter_ms = jitter_ms
+        self.clock, self.jitter_h = clock, jitter_h
         self.rng = random.Random(1234)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spin(FORWARD_MS + self.rng.random() * self.jitter_ms)
+        self.clock.jump(FORWARD_H + self.rng.random() * self.jitter_h)
         return self.net(x)
 
 
-def train(log_dir: Path, *, extra_optimizer_ms: float = 0.0, jitter_ms: float = 0.0, batch_size: int = 8) -> Path:
-    """One real run of the plain door; returns its run directory (TensorBoard files and summary file)."""
-    model = Spinner(jitter_ms)
-    opt = SpinSGD(model.parameters(), lr=0.01, ms=OPTIMIZER_MS + extra_optimizer_ms)
+def train(log_dir: Path, clock: HostHours, *, extra_optimizer_h: float = 0.0, jitter_h: float = 0.0,
+          batch_size: int = 8) -> Path:
+    """One real run of the plain door on ``clock``; returns its run directory (TensorBoard files, summary file)."""
+    model = Waiting(clock, jitter_h)
+    opt = WaitingSGD(model.parameters(), lr=0.01, clock=clock, wait_h=OPTIMIZER_H + extra_optimizer_h)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread, no waits on a pool thread another process preempted
     try:
@@ -95,13 +93,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     plan = {
         "base": {},
         "same": {},
-        "slow_optimizer": {"extra_optimizer_ms": 10.0},
+        "slow_optimizer": {"extra_optimizer_h": 10.0},
         "other_batch": {"batch_size": 16},
-        "noisy": {"jitter_ms": JITTER_MS},
-        "noisy_small": {"jitter_ms": JITTER_MS, "extra_optimizer_ms": 3.0},
-        "noisy_large": {"jitter_ms": JITTER_MS, "extra_optimizer_ms": 15.0},
+        "noisy": {"jitter_h": JITTER_H},
+        "noisy_small": {"jitter_h": JITTER_H, "extra_optimizer_h": 3.0},
+        "noisy_large": {"jitter_h": JITTER_H, "extra_optimizer_h": 15.0},
     }
-    return {name: train(root / name, **kw) for name, kw in plan.items()}
+    clock = HostHours()
+    with pytest.MonkeyPatch.context() as m:  # the module's runs share one fixture: the clock is the module's too
+        m.setattr(time, "perf_counter_ns", clock)
+        return {name: train(root / name, clock, **kw) for name, kw in plan.items()}
 
 
 def compare(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
@@ -129,16 +130,15 @@ def test_a_planted_sleep_in_optimizer_fails_the_gate_and_is_named(runs, capsys):
     assert code == 1, out + err
     verdict = next(line for line in out.splitlines() if line.startswith("step +"))
     assert "slower (beyond noise" in verdict
-    # The planted 10 ms is named first: the largest change (work right after a longer sleep
-    # also runs a little slower on a CPU, so other phases may move too).
+    # The planted change is named first: the largest one (here the only one).
     assert verdict.split(": ", 1)[1].startswith("optimizer +"), verdict
     assert "FAIL: step slower by more than 5%" in out
     code, doc, _ = compare_json(capsys, runs["base"], runs["slow_optimizer"], "--fail-above", "5")
     opt = doc["phases"]["optimizer"]
-    assert 8.0 <= opt["delta_ms"] <= 14.0, opt
+    assert hours(opt["delta_ms"]) == 10, opt
     assert opt["beyond_noise"] is True
     assert doc["gate"]["failed"] == ["step"]
-    # Gated on optimizer (10 -> 20 ms: about +95%) and step (far less, relatively) above 85%: optimizer alone fails.
+    # Gated on optimizer (10 -> 20: +100%) and step (18 -> 28: +56%) above 85%: optimizer alone fails.
     code, doc, _ = compare_json(capsys, runs["base"], runs["slow_optimizer"], "--fail-above", "85", "--phase",
                                 "optimizer", "--phase", "step")
     assert code == 1 and doc["gate"]["failed"] == ["optimizer"], doc["phases"]
@@ -151,7 +151,7 @@ def test_without_a_threshold_the_gate_never_fails(runs, capsys):
 
 
 def test_a_change_inside_the_noise_band_passes_and_a_larger_one_fails(runs, capsys):
-    """The band comes from the runs: seeded jitter widens it; a 3 ms change stays inside, 15 ms does not.
+    """The band comes from the runs: seeded jitter widens it; a change of 3 planted hours stays inside, 15 does not.
 
     ``--fail-above 0``: any slowdown beyond noise fails, so a pass is the band's doing.
     """
@@ -175,7 +175,7 @@ def test_the_band_is_the_batch_means_standard_error_of_each_run(runs):
         full = [v for n, v in batches if n >= WINDOW / 2]  # a window cut short by warmup or the end: left out
         assert len(full) >= MIN_BATCHES
         assert standard_error(batches) == pytest.approx(statistics.stdev(full) / len(full) ** 0.5)
-    # Seeded jitter of up to 40 ms a step: the noisy run's windows spread more.
+    # Seeded jitter of up to 40 planted hours a step: the noisy run's windows spread more.
     assert standard_error(noisy.batches["step"]["mean"]) > standard_error(base.batches["step"]["mean"])
 
 

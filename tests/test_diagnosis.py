@@ -302,12 +302,12 @@ def _validated(path: str) -> dict:
     return data
 
 
-def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypatch):
+def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypatch, host_hours):
     import phase_timer.boundaries
 
     monkeypatch.setattr(phase_timer.boundaries, "DENSE_SAMPLES", 0)  # no dense start: ...
     monkeypatch.setattr(phase_timer.boundaries, "SAMPLE_GAP", (8, 8))  # ... a sampled step every 8th
-    timer = _plain_run(tmp_path, steps=40, sleep_s=0.002)  # 4 items x 2 ms a batch
+    timer = _plain_run(tmp_path, steps=40, sleep_s=0.002)  # 4 items x 2 planted hours a batch
     d = timer.diagnosis
     assert d.kind == "INPUT_BOUND"
     assert "num_workers=0 on a" in d.next[0]
@@ -331,7 +331,7 @@ def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypat
     assert files == f"files: TensorBoard values in {timer.log_dir}; summary {timer.summary_path}"
 
 
-def test_the_verdict_reaches_tensorboard_as_text(tmp_path):
+def test_the_verdict_reaches_tensorboard_as_text(tmp_path, host_hours):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     timer = _plain_run(tmp_path, steps=30, sleep_s=0.002)
@@ -357,7 +357,7 @@ def test_an_exception_still_writes_the_summary_marked_interrupted(tmp_path):
     assert not [f for f in os.listdir(timer.log_dir) if f.endswith(".tmp")]
 
 
-def test_lightning_slow_loader_is_input_bound(tmp_path):
+def test_lightning_slow_loader_is_input_bound(tmp_path, host_hours):
     ns = "lightning.pytorch"
     timer = PhaseTimer(warmup_steps=2, summary=False)
     t = trainer(ns, str(tmp_path), [timer], max_steps=30, log_every_n_steps=10)

@@ -2,15 +2,20 @@
 
 Each run is a separate ``torchrun`` (plain loop) or Lightning-launched job with a
 timeout: a hang fails the test instead of stalling the suite.
+
+A rank is slowed by a real sleep (the other rank's wait for it is real too).  What a
+sleep guarantees is checked (the sleeping rank's phase holds at least the sleep); where
+the other rank's wait went is checked against that rank's other phases in the same
+window, never against a constant: a loaded runner stretches every phase.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -45,6 +50,12 @@ def values(scalars: dict, tag: str) -> list[float]:
     return [v for _, v in scalars[tag]]
 
 
+def below(scalars: dict, low: str, high: str) -> None:
+    """In every window, ``low`` (a phase/stat across ranks) is less than ``high`` (two measurements of one run)."""
+    a, b = values(scalars, f"phase_time_ranks/{low}"), values(scalars, f"phase_time_ranks/{high}")
+    assert len(a) == len(b) and all(x < y for x, y in zip(a, b)), (low, a, high, b)
+
+
 def test_plain_torchrun_names_the_slow_rank_and_backward_holds_the_all_reduce(tmp_path: pytest.TempPathFactory) -> None:
     # Rank 1 sleeps 30 ms in every forward; 23 steps in windows of 5 end mid-window.
     proc, result = torchrun("--log-dir", str(tmp_path), "--slow-forward", "0.03", "--steps", "23", "--window", "5")
@@ -54,12 +65,11 @@ def test_plain_torchrun_names_the_slow_rank_and_backward_holds_the_all_reduce(tm
     assert [step for step, _ in s["phase_time_ranks/forward_ms/slowest_rank"]] == [4, 9, 14, 19, 22]
     assert values(s, "phase_timer/ranks_reporting") == [2.0] * 5
     assert values(s, "phase_time_ranks/forward_ms/slowest_rank") == [1.0] * 5
-    assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 30.0
-    assert max(values(s, "phase_time_ranks/forward_ms/min")) < 15.0
+    assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 30.0  # rank 1's, with its sleep
     # Rank 0 waits for rank 1 in DDP's all-reduce: its backward holds the wait (the
-    # end of backward comes after DDP's own end-of-backward callback).
+    # end of backward comes after DDP's own end-of-backward callback), its forward does not.
     assert values(s, "phase_time_ranks/backward_ms/slowest_rank") == [0.0] * 5
-    assert min(values(s, "phase_time_ranks/backward_ms/max")) >= 20.0
+    below(s, "forward_ms/min", "backward_ms/max")  # rank 0's forward, rank 0's backward
     for stat in ("min", "median", "max"):
         assert f"phase_time_ranks/step_ms/{stat}" in s
     # the end-of-run table, per rank
@@ -78,8 +88,11 @@ def test_plain_torchrun_names_the_slow_rank_and_backward_holds_the_all_reduce(tm
     assert d["kind"] == "RANK_STRAGGLER", d
     assert (d["evidence"]["rank"], d["evidence"]["phase"]) == (1, "forward")
     assert d["evidence"]["windows"] == d["evidence"]["of_windows"] == 5
-    assert d["evidence"]["margin_ms"] >= 7.5  # forward >= 30 ms against < 15 ms: half the gap, over the 2-rank median
-    assert d["evidence"]["others_backward_wait_ms"] >= 20.0
+    # the margin over the median of 2 ranks: half the gap between them, each window
+    gaps = [(hi - lo) / 2 for hi, lo in zip(values(s, "phase_time_ranks/forward_ms/max"),
+                                             values(s, "phase_time_ranks/forward_ms/min"))]
+    assert d["evidence"]["margin_ms"] == pytest.approx(statistics.fmean(gaps), rel=1e-3)
+    assert d["evidence"]["others_backward_wait_ms"] > 0  # rank 0's backward is the longer: its wait
     assert data["ranks"]["reported"] == [0, 1] and data["environment"]["world_size"] == 2
     assert "verdict: RANK_STRAGGLER" in summary
     # The job's throughput: each rank's batches (16 samples) over its own period, summed over the ranks
@@ -105,12 +118,11 @@ def test_plain_accumulation_with_no_sync_counts_optimizer_steps(tmp_path: pytest
 
 def test_ranks_that_run_different_numbers_of_steps_finish_without_hanging(tmp_path: pytest.TempPathFactory) -> None:
     # No DDP: rank 0 runs 7 more steps than rank 1.  Rank 1's final report says it is
-    # done, so rank 0 neither waits for it (a 60 s timeout would show) nor warns.
-    t0 = time.monotonic()
+    # done, so rank 0 neither waits for it nor warns (a wait for it ends only at the
+    # 60 s timeout, with "no final report within 60 s").
     proc, result = torchrun(
         "--log-dir", str(tmp_path), "--no-ddp", "--steps", "20", "--extra-steps", "7", "--window", "5", "--rank-timeout", "60"
     )
-    assert time.monotonic() - t0 < 60
     assert "exchange between ranks stopped" not in proc.stderr and "no final report" not in proc.stderr
     assert result["steps"] == 27
     s = read_scalars(result["log_dir"])
@@ -146,14 +158,12 @@ def test_a_rank_still_running_at_the_timeout_is_reported_missing(tmp_path: pytes
     assert "rank(s) [1] had not finished when rank 0 did" in proc.stderr
 
 
-def _fails_fast(args: list[str], limit_s: float) -> subprocess.CompletedProcess[str]:
+def _fails(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The job fails, and ends: a hang is the subprocess's timeout (TimeoutExpired fails the test)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    t0 = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
-    elapsed = time.monotonic() - t0
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "planted failure on rank 1" in proc.stderr + proc.stdout
-    assert elapsed < limit_s, f"the failed job took {elapsed:.0f} s to end"
     return proc
 
 
@@ -161,12 +171,12 @@ def test_an_exception_on_one_rank_ends_the_job_instead_of_hanging(tmp_path: pyte
     # Rank 1 raises mid-run while rank 0 waits in DDP's all-reduce: rank 1 must not
     # leave a last report behind that keeps its process (and the job) alive.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    _fails_fast([*cmd, os.path.join(SCRIPTS, "plain_ddp.py"), "--log-dir", str(tmp_path), "--fail-at", "7"], limit_s=60)
+    _fails([*cmd, os.path.join(SCRIPTS, "plain_ddp.py"), "--log-dir", str(tmp_path), "--fail-at", "7"])
 
 
 def test_an_exception_on_one_lightning_rank_ends_the_job(tmp_path: pytest.TempPathFactory) -> None:
     script = os.path.join(SCRIPTS, "lightning_ddp.py")
-    _fails_fast([sys.executable, script, "--root", str(tmp_path), "--strategy", "ddp", "--fail-at", "7"], limit_s=60)
+    _fails([sys.executable, script, "--root", str(tmp_path), "--strategy", "ddp", "--fail-at", "7"])
 
 
 def test_lightning_ddp_names_the_rank_with_slow_data(tmp_path: pytest.TempPathFactory) -> None:
@@ -174,10 +184,10 @@ def test_lightning_ddp_names_the_rank_with_slow_data(tmp_path: pytest.TempPathFa
     assert result["steps"] == 13
     s = read_scalars(result["log_dir"])
     assert values(s, "phase_time_ranks/data_wait_ms/slowest_rank") == [1.0] * 3
-    assert min(values(s, "phase_time_ranks/data_wait_ms/max")) >= 4 * 4.0
+    assert min(values(s, "phase_time_ranks/data_wait_ms/max")) >= 4 * 4.0  # rank 1's, with its sleeps
     # rank 0 waits for it in the all-reduce, and not in its own data loading
-    assert max(values(s, "phase_time_ranks/data_wait_ms/min")) < 8.0
     assert values(s, "phase_time_ranks/backward_ms/slowest_rank") == [0.0] * 3
+    below(s, "data_wait_ms/min", "backward_ms/max")  # rank 0's data_wait, rank 0's backward
     assert "phase_time_ranks/sync_wait_ms/max" in s  # Lightning's per-batch broadcast, timed apart
     assert "per rank (2 of 2)" in result["summary"]
     assert proc.stdout.count("phase-timer (rank 0)") == 2  # the table once, plus its RESULT copy
@@ -194,8 +204,7 @@ def test_lightning_ddp_spawn_with_accumulation(tmp_path: pytest.TempPathFactory)
     # Between micro-batches (no all-reduce under no_sync) rank 0 waits for rank 1 in
     # Lightning's per-batch broadcast: sync_wait, not data_wait.
     assert values(s, "phase_time_ranks/sync_wait_ms/slowest_rank") == [0.0] * 3
-    assert min(values(s, "phase_time_ranks/sync_wait_ms/max")) >= 15.0
-    assert max(values(s, "phase_time_ranks/data_wait_ms/max")) < 10.0
+    below(s, "data_wait_ms/max", "sync_wait_ms/max")  # rank 0's sync_wait holds more than either rank's data_wait
     assert min(values(s, "phase_time_ranks/forward_ms/max")) >= 2 * 20.0  # two micro-batches a step
     assert values(s, "phase_timer/ranks_reporting") == [2.0] * 3
 

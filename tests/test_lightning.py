@@ -11,7 +11,10 @@ import pytest
 
 from phase_timer import PhaseTimer
 from phase_timer.metrics import window_tag
-from tests.helpers import NAMESPACES, event_files, loader, module_class, open_files_under, read_scalars, trainer
+from tests import helpers
+from tests.helpers import (
+    NAMESPACES, event_files, hours, hours_per_step, loader, module_class, open_files_under, read_scalars, trainer,
+)
 
 pytestmark = pytest.mark.timeout(300)
 STATS = ("mean", "p50", "p90", "max")
@@ -69,20 +72,19 @@ def test_custom_scalars_layout_in_the_loggers_run_dir(tmp_path):
     assert len(event_files(t.logger.log_dir)) == 1  # same run directory as the logger
 
 
-def test_phases_are_attributed_where_the_time_is_spent(tmp_path):
+def test_phases_are_attributed_where_the_time_is_spent(tmp_path, host_hours):
     ns = "lightning.pytorch"
     model = module_class(ns)(h2d=0.004, forward=0.006, backward=0.008, optimizer=0.010)
     timer = PhaseTimer(warmup_steps=2)
     t = trainer(ns, str(tmp_path), [timer], max_steps=14, log_every_n_steps=4)
     t.fit(model, loader(sleep_s=0.0005))
-    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
-    for phase, sleep_ms in {"h2d": 4, "forward": 6, "backward": 8, "optimizer": 10, "data_wait": 4}.items():
-        assert sleep_ms <= p50[phase] < 3 * sleep_ms + 25, (phase, p50)  # the lower bound proves attribution
-    assert p50["period"] >= p50["step"] + p50["data_wait"] * 0.9
+    # Every step: its planted hours where they were planted (8 items of 0.5 in the fetch), and nowhere else.
+    assert hours_per_step(timer.totals) == {"data_wait": 4, "h2d": 4, "forward": 6, "backward": 8, "optimizer": 10,
+                                            "between_steps": 0, "step": 28, "period": 32}
 
 
 @pytest.mark.parametrize("ns", NAMESPACES)
-def test_gradient_accumulation_one_record_per_optimizer_step(ns, tmp_path):
+def test_gradient_accumulation_one_record_per_optimizer_step(ns, tmp_path, host_hours):
     model = module_class(ns)(forward=0.003, backward=0.002)
     timer = PhaseTimer(warmup_steps=1, per_step=True)
     t = trainer(ns, str(tmp_path), [timer], max_steps=8, log_every_n_steps=2, accumulate_grad_batches=4)
@@ -93,7 +95,7 @@ def test_gradient_accumulation_one_record_per_optimizer_step(ns, tmp_path):
     assert steps_of(scalars) == [s for s, _ in scalars["train_loss"]][-len(steps_of(scalars)):]
     fwd = [v for _, v in scalars["phase_time_step/forward_ms"]]
     bwd = [v for _, v in scalars["phase_time_step/backward_ms"]]
-    assert min(fwd) >= 4 * 3 and min(bwd) >= 4 * 2  # four micro-batches summed
+    assert {hours(v) for v in fwd} == {4 * 3} and {hours(v) for v in bwd} == {4 * 2}  # four micro-batches summed
     assert "phase_time_step/idle_ms" in scalars  # the device between micro-batches
     dw = timer.totals.phases["data_wait"]
     assert dw.count == 7
@@ -124,23 +126,22 @@ def test_the_optimizer_step_count_it_reads_is_global_step(ns, tmp_path, manual):
 
 
 @pytest.mark.parametrize("n_opt", [1, 2])
-def test_manual_optimization_with_one_or_several_optimizers(tmp_path, n_opt):
+def test_manual_optimization_with_one_or_several_optimizers(tmp_path, n_opt, host_hours):
     ns = "lightning.pytorch"
     model = module_class(ns)(manual=n_opt, forward=0.003, optimizer=0.005, backward=0.002)
     timer = PhaseTimer(warmup_steps=1)
     t = trainer(ns, str(tmp_path), [timer], max_steps=8 * n_opt, log_every_n_steps=2)
     t.fit(model, loader())
-    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
-    assert 5 * n_opt <= p50["optimizer"] < 15 * n_opt + 25
-    assert 3 * n_opt <= p50["forward"] < 9 * n_opt + 25
-    assert 2 * n_opt <= p50["backward"] < 6 * n_opt + 25
+    per_step = hours_per_step(timer.totals)
+    assert {p: per_step[p] for p in ("forward", "backward", "optimizer", "between_steps")} == {
+        "forward": 3 * n_opt, "backward": 2 * n_opt, "optimizer": 5 * n_opt, "between_steps": 0}
     assert timer.totals.steps == 7  # one record per batch, whatever the number of optimizers
     scalars = read_scalars(t.logger.log_dir)
     assert_increasing_unique(steps_of(scalars))
     assert all(opt._optimizer_step_pre_hooks == {} for opt in t.optimizers)  # hooks removed
 
 
-def test_validation_and_sanity_check_are_not_counted(tmp_path):
+def test_validation_and_sanity_check_are_not_counted(tmp_path, host_hours):
     ns = "lightning.pytorch"
     model = module_class(ns)(val=0.03)
     timer = PhaseTimer(warmup_steps=1)
@@ -151,12 +152,11 @@ def test_validation_and_sanity_check_are_not_counted(tmp_path):
     t.fit(model, loader(), loader())
     totals = timer.totals.phases
     assert totals["h2d"].count == 19  # the validation batches' copies are not in
-    # validation (4 batches of 30 ms) follows 3 of 19 steps: counted, it would set the p90
-    assert totals["period"].quantile(90) < 80
-    assert totals["data_wait"].quantile(90) < 80
+    # validation (4 batches of 30 planted hours) follows 3 of 19 steps, the sanity check comes before the first
+    assert set(hours_per_step(timer.totals).values()) == {0}
 
 
-def test_bf16_mixed_and_gradient_clipping(tmp_path):
+def test_bf16_mixed_and_gradient_clipping(tmp_path, host_hours):
     ns = "lightning.pytorch"
     timer = PhaseTimer(warmup_steps=1)
     t = trainer(ns, str(tmp_path), [timer], max_steps=10, log_every_n_steps=3, precision="bf16-mixed",
@@ -164,7 +164,7 @@ def test_bf16_mixed_and_gradient_clipping(tmp_path):
     t.fit(module_class(ns)(optimizer=0.002), loader())
     scalars = read_scalars(t.logger.log_dir)
     assert steps_of(scalars) == [2, 5, 8, 9]
-    assert timer.totals.phases["optimizer"].quantile(50) >= 2
+    assert hours_per_step(timer.totals)["optimizer"] == 2
 
 
 def _assert_closed_and_flushed(t, timer, tmp_path, expect_steps):
@@ -224,6 +224,9 @@ def test_fit_twice_with_the_same_callback(tmp_path):
     assert timer.totals.steps == 9  # the second fit started afresh
 
 
+# What this test does on purpose, and Lightning says so: a checkpoint taken mid-epoch, resumed with a new Trainer.
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 def test_resume_from_checkpoint_continues_steps_without_duplicates(tmp_path):
     ns = "lightning.pytorch"
     pl = importlib.import_module(ns)
@@ -298,23 +301,21 @@ def test_positional_arguments_are_refused():
 
 
 @pytest.mark.parametrize("place", ["before", "after"])
-def test_a_busy_callback_is_named_between_steps_not_optimizer(tmp_path, place):
+def test_a_busy_callback_is_named_between_steps_not_optimizer(tmp_path, place, host_hours):
     """Issue 17: host work in another callback's on_train_batch_end, listed before or after PhaseTimer."""
-    import time
-
     pl = importlib.import_module("lightning.pytorch")
 
     class Busy(pl.Callback):
         def on_train_batch_end(self, *args):
-            time.sleep(0.02)
+            helpers.pause(0.02)
 
     timer = PhaseTimer(warmup_steps=2)
     callbacks = [Busy(), timer] if place == "before" else [timer, Busy()]
     t = trainer("lightning.pytorch", str(tmp_path), callbacks, max_steps=10, log_every_n_steps=5, logger=False)
     t.fit(module_class("lightning.pytorch")(optimizer=0.002), loader())
-    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
-    assert 20 <= p50["between_steps"] < 20 + 15
-    assert p50["optimizer"] < 2 + 10 and p50["data_wait"] < 10  # neither holds the callback's 20 ms
+    per_step = hours_per_step(timer.totals)
+    assert per_step["between_steps"] == 20
+    assert (per_step["optimizer"], per_step["data_wait"]) == (2, 0)  # neither holds the callback's 20
     assert "between_steps: " in timer.last_summary and "% of period" in timer.last_summary
 
 
@@ -331,10 +332,11 @@ def test_two_phase_timers_in_one_trainer_leave_it_working(tmp_path):
     t2.fit(module_class(ns)(), loader())
 
 
-def test_a_dataloader_iter_training_step_is_timed(tmp_path):
+# The flavor under test is experimental, and Lightning says so twice.
+@pytest.mark.filterwarnings("ignore:You are using the `dataloader_iter` step flavor")
+@pytest.mark.filterwarnings("ignore:Found `dataloader_iter` argument in the `training_step`")
+def test_a_dataloader_iter_training_step_is_timed(tmp_path, host_hours):
     """training_step(self, dataloader_iter): no batch_to_device; the step begins with forward."""
-    import time
-
     import torch
     from torch import nn
 
@@ -347,7 +349,7 @@ def test_a_dataloader_iter_training_step_is_timed(tmp_path):
 
         def training_step(self, dataloader_iter):
             (x, y), _, _ = next(dataloader_iter)
-            time.sleep(0.004)
+            helpers.pause(0.004)
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self):
@@ -356,10 +358,10 @@ def test_a_dataloader_iter_training_step_is_timed(tmp_path):
     timer = PhaseTimer(warmup_steps=1)
     t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=8, log_every_n_steps=4, logger=False)
     t.fit(IterModule(), loader(sleep_s=0.001))
-    p50 = {p: timer.totals.phases[p].quantile(50) for p in timer.totals.phases}
-    assert timer.totals.steps == 7 and "h2d" not in p50
-    assert 8 <= p50["data_wait"] < 8 + 10  # 8 items of 1 ms, fetched inside the step
-    assert p50["forward"] >= p50["data_wait"] + 4  # on the device (here the host) the fetch is inside forward
+    per_step = hours_per_step(timer.totals)
+    assert timer.totals.steps == 7 and "h2d" not in per_step
+    assert per_step["data_wait"] == 8  # 8 items of 1, fetched inside the step
+    assert per_step["forward"] == 8 + 4  # on the device (here the host) the fetch is inside forward
 
 
 def test_fast_dev_run_says_why_nothing_was_timed(tmp_path):
@@ -407,9 +409,13 @@ def test_an_unwritable_log_dir_warns_and_timing_goes_on(tmp_path):
     blocker.write_text("")
     timer = PhaseTimer(warmup_steps=1, log_dir=blocker / "runs")  # cannot be made: found out at fit
     t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=6, log_every_n_steps=3, logger=False)
-    with pytest.warns(RuntimeWarning, match="cannot write TensorBoard files.*timing goes on"):
+    with pytest.warns(RuntimeWarning) as said:
         t.fit(module_class("lightning.pytorch")(), loader())
     assert timer.totals.steps == 5 and "forward" in timer.last_summary
+    ours = [str(w.message) for w in said if str(w.message).startswith("phase-timer")]
+    assert len(ours) == 2, ours  # each file that cannot be written, once
+    assert "cannot write TensorBoard files" in ours[0] and "timing goes on" in ours[0]
+    assert ours[1].startswith("phase-timer: could not write the run summary file (NotADirectoryError")
 
 
 def test_a_subclass_of_the_callback_is_a_callback_and_pickles(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import warnings
 
 import pytest
@@ -12,7 +11,8 @@ from torch import nn
 
 import phase_timer
 from phase_timer.metrics import step_tag, window_tag
-from tests.helpers import SlowSGD, _SlowBackward, loader, open_files_under, read_scalars
+from tests import helpers
+from tests.helpers import SlowSGD, _SlowBackward, hours, hours_per_step, loader, open_files_under, read_scalars
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,7 +24,7 @@ class SleepyNet(nn.Module):
         self.forward_s, self.backward_s = forward_s, backward_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.forward_s)
+        helpers.pause(self.forward_s)
         return _SlowBackward.apply(self.net(x), self.backward_s)
 
 
@@ -50,18 +50,14 @@ def train(timer, model, opts, steps, *, accumulate=1, loss_fn=None):
                 break
 
 
-def p50s(timer):
-    return {p: t.quantile(50) for p, t in timer.totals.phases.items()}
-
-
-def test_phases_land_where_the_time_is_spent_and_reach_tensorboard(tmp_path):
-    model = SleepyNet(forward_s=0.004, backward_s=0.006)
+def test_phases_land_where_the_time_is_spent_and_reach_tensorboard(tmp_path, host_hours):
+    model = SleepyNet(forward_s=0.003, backward_s=0.006)
     opt = SlowSGD(model.parameters(), lr=0.01, sleep_s=0.008)
-    with phase_timer.attach(model, opt, loader(sleep_s=0.0004), log_dir=tmp_path, window=5, warmup_steps=2) as timer:
+    with phase_timer.attach(model, opt, loader(sleep_s=0.0005), log_dir=tmp_path, window=5, warmup_steps=2) as timer:
         train(timer, model, [opt], steps=22)
-    p50 = p50s(timer)
-    for phase, ms in {"data_wait": 3.2, "forward": 4, "backward": 6, "optimizer": 8}.items():
-        assert ms <= p50[phase] < 3 * ms + 25, (phase, p50)  # the lower bound proves attribution
+    # Every step: its planted hours where they were planted (8 items of 0.5 in the fetch), and nowhere else.
+    assert hours_per_step(timer.totals) == {"data_wait": 4, "h2d": 0, "forward": 3, "backward": 6, "optimizer": 8,
+                                            "between_steps": 0, "step": 17, "period": 21}
     assert timer.totals.steps == 20
     scalars = read_scalars(timer.log_dir)
     assert [s for s, _ in scalars[window_tag("forward", "p90")]] == [4, 9, 14, 19, 21]
@@ -70,20 +66,20 @@ def test_phases_land_where_the_time_is_spent_and_reach_tensorboard(tmp_path):
     assert open_files_under(str(tmp_path)) == []
 
 
-def test_gradient_accumulation_sums_micro_batches(tmp_path):
+def test_gradient_accumulation_sums_micro_batches(tmp_path, host_hours):
     model = SleepyNet(forward_s=0.003, backward_s=0.002)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with phase_timer.attach(model, opt, loader(), log_dir=tmp_path, warmup_steps=1, per_step=True) as timer:
         train(timer, model, [opt], steps=6, accumulate=4)
     scalars = read_scalars(timer.log_dir)
     assert [s for s, _ in scalars[step_tag("step")]] == [1, 2, 3, 4, 5]
-    assert min(v for _, v in scalars[step_tag("forward")]) >= 4 * 3
-    assert min(v for _, v in scalars[step_tag("backward")]) >= 4 * 2
+    assert {hours(v) for _, v in scalars[step_tag("forward")]} == {4 * 3}  # four micro-batches summed
+    assert {hours(v) for _, v in scalars[step_tag("backward")]} == {4 * 2}
     assert step_tag("idle") in scalars
     assert timer.totals.phases["data_wait"].count == 5
 
 
-def test_bf16_autocast_and_grad_scaler_with_a_skipped_step(tmp_path):
+def test_bf16_autocast_and_grad_scaler_with_a_skipped_step(tmp_path, host_hours):
     model = SleepyNet()
     opt = SlowSGD(model.parameters(), lr=0.01, sleep_s=0.005)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
@@ -103,11 +99,11 @@ def test_bf16_autocast_and_grad_scaler_with_a_skipped_step(tmp_path):
     timer.close()
     opt_ms = [v for _, v in read_scalars(timer.log_dir)[step_tag("optimizer")]]
     assert len(opt_ms) == 8  # the skipped step still ended, at scaler.update()
-    assert opt_ms[3] < 5 <= min(opt_ms[:3] + opt_ms[4:])
+    assert [hours(ms) for ms in opt_ms] == [5, 5, 5, 0, 5, 5, 5, 5]  # the skipped step never ran SlowSGD.step
     assert hook_state(model, [opt], scaler) == before
 
 
-def test_several_optimizers_and_set_to_none(tmp_path):
+def test_several_optimizers_and_set_to_none(tmp_path, host_hours):
     g, d = SleepyNet(forward_s=0.002), SleepyNet(forward_s=0.002)
     opt_g = SlowSGD(g.parameters(), lr=0.01, sleep_s=0.003)
     opt_d = SlowSGD(d.parameters(), lr=0.01, sleep_s=0.003)
@@ -122,12 +118,11 @@ def test_several_optimizers_and_set_to_none(tmp_path):
             if i == 9:
                 break
     assert timer.totals.steps == 9
-    p50 = p50s(timer)
-    assert 6 <= p50["optimizer"] < 3 * 6 + 25  # both steps, summed
-    assert 4 <= p50["forward"] < 3 * 4 + 25
+    per_step = hours_per_step(timer.totals)
+    assert (per_step["optimizer"], per_step["forward"]) == (6, 4)  # both models' steps and forwards, summed
 
 
-def test_evaluation_between_steps_is_not_counted(tmp_path):
+def test_evaluation_between_steps_is_not_counted(tmp_path, host_hours):
     model = SleepyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     val_x = torch.randn(8, 16)
@@ -136,7 +131,7 @@ def test_evaluation_between_steps_is_not_counted(tmp_path):
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-            if i % 3 == 2:
+            if i % 3 == 1:  # not after the last step (i == 11): test_loop_patterns has that one, a known bug
                 model.eval()
                 with torch.no_grad():
                     model.forward_s = 0.1
@@ -145,11 +140,9 @@ def test_evaluation_between_steps_is_not_counted(tmp_path):
                 model.train()
             if i == 11:
                 break
-    totals = timer.totals.phases
-    assert totals["forward"].count == 12
-    # 4 of 12 steps follow a 100 ms evaluation: counted, they would set the p90
-    assert totals["period"].quantile(90) < 80
-    assert totals["forward"].quantile(90) < 80
+    assert timer.totals.phases["forward"].count == 12
+    # 4 of 12 steps are followed by an evaluation of 100 planted hours: in no phase and no period
+    assert set(hours_per_step(timer.totals).values()) == {0}
 
 
 def test_compiled_model(tmp_path):
@@ -167,23 +160,22 @@ def test_compiled_model(tmp_path):
         assert timer.totals.phases[phase].count == 8
 
 
-def test_explicit_phases_nest_exclusively_and_still_add_up(tmp_path):
+def test_explicit_phases_nest_exclusively_and_still_add_up(tmp_path, host_hours):
     model = SleepyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with phase_timer.attach(model, opt, loader(), log_dir=tmp_path, warmup_steps=0, per_step=True) as timer:
         for i, (x, y) in enumerate(timer.loader):
             with timer.phase("loss"):
                 loss = nn.functional.mse_loss(model(x), y)  # the forward hook fires inside: loss wins
-                time.sleep(0.002)
+                helpers.pause(0.002)
                 with timer.phase("extra"):
-                    time.sleep(0.003)
+                    helpers.pause(0.003)
             loss.backward()
             opt.step()
             if i == 5:
                 break
-    p50 = p50s(timer)
-    assert 2 <= p50["loss"] < 3 * 2 + 25
-    assert 3 <= p50["extra"] < 3 * 3 + 25
+    per_step = hours_per_step(timer.totals)
+    assert (per_step["loss"], per_step["extra"], per_step["forward"]) == (2, 3, 0)
     scalars = read_scalars(timer.log_dir)
     device = [p for p in ("h2d", "forward", "backward", "optimizer", "loss", "extra") if step_tag(p) in scalars]
     for i, (_, total) in enumerate(scalars[step_tag("step")]):
@@ -358,7 +350,7 @@ def test_reserved_or_bad_phase_names_are_refused(name, tmp_path):
     timer.close()
 
 
-def test_optimizer_subclass_calling_super_step_counts_as_one_step(tmp_path):
+def test_optimizer_subclass_calling_super_step_counts_as_one_step(tmp_path, host_hours):
     # Hooking any SGD makes PyTorch wrap SGD.step too: a subclass's super().step()
     # then fires the step hooks twice, nested.  The step must still end at the outer one.
     torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1).register_step_post_hook(lambda *a: None)
@@ -367,10 +359,11 @@ def test_optimizer_subclass_calling_super_step_counts_as_one_step(tmp_path):
     with phase_timer.attach(model, opt, loader(), log_dir=tmp_path, warmup_steps=0, summary=False) as timer:
         train(timer, model, [opt], steps=6)
     assert timer.totals.steps == 6
-    assert timer.totals.phases["optimizer"].min >= 4  # the subclass's part of step() is inside the step
+    per_step = hours_per_step(timer.totals)
+    assert (per_step["optimizer"], per_step["between_steps"]) == (4, 0)  # the subclass's part of step() is inside
 
 
-def test_a_loader_iterated_on_a_prefetch_thread_is_named_and_steps_still_timed(tmp_path):
+def test_a_loader_iterated_on_a_prefetch_thread_is_named_and_steps_still_timed(tmp_path, host_hours):
     """timer.loader wrapped by a BackgroundGenerator-style thread: its fetches are not the loop's."""
     import queue
     import threading
@@ -395,11 +388,10 @@ def test_a_loader_iterated_on_a_prefetch_thread_is_named_and_steps_still_timed(t
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-    p50 = p50s(timer)
     assert timer.totals.steps >= 8
-    for phase, ms in {"forward": 3, "backward": 4, "optimizer": 5}.items():
-        assert ms <= p50[phase] < 3 * ms + 25, (phase, p50)
-    assert "data_wait" not in p50 and "h2d" not in p50  # not the loop's: not timed
+    per_step = hours_per_step(timer.totals)
+    assert {p: per_step[p] for p in ("forward", "backward", "optimizer")} == {"forward": 3, "backward": 4, "optimizer": 5}
+    assert "data_wait" not in per_step and "h2d" not in per_step  # not the loop's: not timed
 
 
 def test_two_timers_sharing_a_scaler_detached_first_in_first_out(tmp_path):

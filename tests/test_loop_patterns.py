@@ -1,15 +1,15 @@
 """Every loop users write is timed right: a conformance suite of loop patterns, both doors.
 
-Each pattern is a real loop (or a real ``Trainer``) with named places where a sleep
-can be planted.  Each row runs the pattern once with no sleep and once per place,
-with one 10 ms sleep planted there, and checks that the planted time landed in the
-expected phase(s) and nowhere else (every other phase, ``step`` and ``period``
-within a fraction of the sleep of the unplanted run).  Each phase is compared by its
-minimum over the timed steps: a planted sleep is in every step, while a busy
-machine's preemptions are not, so the minimum keeps the comparison true on a
-loaded 2-core CI runner where a median does not.  The module runs torch with one
-intra-op thread, so that the models' own work does not compete with the test for
-the runner's cores.
+Each pattern is a real loop (or a real ``Trainer``) with named places where time
+can be planted.  Each row runs the pattern once per place with an hour planted there
+on the host clock (``host_hours``: ``time.perf_counter_ns``, which phase-timer reads on
+the CPU, jumps an hour and no real time passes), and checks that in every timed step
+each phase, ``step`` and ``period`` hold exactly the planted hours expected of them:
+the hour landed in the expected phase(s) and nowhere else.  The real time around it
+is a few milliseconds a step, so the count of hours is exact however loaded the
+machine (a real sleep and a tolerance are not: a busy 2-core runner stretches the
+work after a sleep by more than any fraction of it one can allow).  The module runs
+torch with one intra-op thread: the models are tiny, and a pool of threads only costs.
 
 A new pattern is one ``Pattern`` row: a function that runs the loop with a
 ``plant`` to call at each place, and where each place's time must land
@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib
 import re
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,13 +34,13 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import phase_timer
 from phase_timer.metrics import BETWEEN, HOST_PHASES
+from tests.helpers import HostHours, hours
 
 pytestmark = pytest.mark.timeout(300)
 
-SLEEP_MS = 10.0
 STEPS, WARMUP = 12, 2
 #: Where a plant's time must land when it is in no phase and not in ``period`` (evaluation,
-#: validation); its count says how often it sleeps a step (it still ran: the tolerance counts it).
+#: validation); its count says how often it fires a step.
 NOWHERE = "(paused)"
 
 
@@ -54,16 +53,16 @@ def _one_intra_op_thread():
 
 
 class Plant:
-    """Sleeps ``SLEEP_MS`` where it was planted: ``plant("forward")`` sleeps only in the run planted there."""
+    """An hour of the host clock where it was planted: ``plant("forward")`` fires only in the run planted there."""
 
-    def __init__(self, where: str | None) -> None:
-        self.where = where
+    def __init__(self, where: str | None, clock: HostHours | None = None) -> None:
+        self.where, self.clock = where, clock
         self.fired = 0
 
     def __call__(self, here: str) -> None:
         if here == self.where:
             self.fired += 1
-            time.sleep(SLEEP_MS / 1e3)
+            self.clock.jump()
 
 
 class _Planted(torch.autograd.Function):
@@ -396,10 +395,10 @@ def plain_evaluation(plant: Plant, tmp: Any, *, where: str) -> Any:
             loss_of(model(x), y, plant).backward()
             opt.step()
             opt.zero_grad()
+            if i + 1 == STEPS:
+                break  # before an evaluation after the last step: that one has its own test (a known bug)
             if where == "after":
                 evaluate()
-            if i + 1 == STEPS:
-                break
     return timer
 
 
@@ -565,12 +564,12 @@ def plain_train_mode_no_grad_after_step(plant: Plant, tmp: Any, *, loader: bool)
             loss_of(model(x), y, plant).backward()
             opt.step()
             opt.zero_grad()
+            if i + 1 == STEPS:
+                break  # before an evaluation after the last step: that one has its own test (a known bug)
             with torch.no_grad():  # a no-grad forward in training mode between steps: evaluation
                 model.evaluating = True
                 model(val_x)
                 model.evaluating = False
-            if i + 1 == STEPS:
-                break
     return timer
 
 
@@ -752,7 +751,7 @@ def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = 
 class Pattern:
     name: str
     run: Callable[[Plant, Any], Any]
-    #: where a sleep is planted -> the phases it must land in, and how many times a step (a custom
+    #: where an hour is planted -> the phases it must land in, and how many times a step (a custom
     #: phase's time after the step's end is `between_steps.<name>`, outside `step`)
     plants: dict[str, dict[str, float]]
     #: a warning every run gives (a regex), or None for no warning from phase-timer at all
@@ -860,16 +859,14 @@ PATTERNS = [
 
 
 # -- running the table ---------------------------------------------------------------------------
-_BASE: dict[str, tuple[dict[str, float], int]] = {}
-
-
-def measure(pattern: Pattern, where: str | None, tmp: Any) -> tuple[dict[str, float], int]:
-    """One run: each phase's minimum ms over the timed steps, and the number of timed steps."""
-    plant = Plant(where)
+def measure(pattern: Pattern, where: str, tmp: Any, clock: HostHours) -> tuple[dict[str, tuple[int, int]], int]:
+    """One run with an hour planted at ``where``: each phase's fewest and most hours in a timed step, and the
+    number of timed steps."""
+    plant = Plant(where, clock)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         timer = pattern.run(plant, tmp)
-    assert where is None or plant.fired > 0, f"{pattern.name}: nothing slept at {where!r}"
+    assert plant.fired > 0, f"{pattern.name}: nothing planted at {where!r} ran"
     ours = [str(w.message) for w in caught if "phase-timer" in str(w.message)]
     if pattern.warns is None:
         assert ours == [], ours
@@ -878,71 +875,93 @@ def measure(pattern: Pattern, where: str | None, tmp: Any) -> tuple[dict[str, fl
     totals = timer.totals
     for phase in pattern.absent:
         assert phase not in totals.phases, (pattern.name, where, phase)
-    return {p: t.min for p, t in totals.phases.items()}, totals.steps
-
-
-def base(pattern: Pattern, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, float], int]:
-    if pattern.name not in _BASE:
-        _BASE[pattern.name] = measure(pattern, None, tmp_path_factory.mktemp("base"))
-    return _BASE[pattern.name]
+    return {p: (hours(t.min), hours(t.max)) for p, t in totals.phases.items()}, totals.steps
 
 
 ROWS = [(p, where) for p in PATTERNS for where in p.plants]
 
 
 @pytest.mark.parametrize(("pattern", "where"), ROWS, ids=[f"{p.name} | {w}" for p, w in ROWS])
-def test_planted_time_lands_in_its_phase_and_nowhere_else(pattern, where, tmp_path, tmp_path_factory):
-    got, steps = measure(pattern, where, tmp_path)
-    want, base_steps = base(pattern, tmp_path_factory)
-    assert steps == base_steps == pattern.steps
-    expected = {p: k * SLEEP_MS for p, k in pattern.plants[where].items()}
-    slept = sum(expected.values())  # a step's sleeps, paused ones too
+def test_planted_time_lands_in_its_phase_and_nowhere_else(pattern, where, tmp_path, host_hours):
+    got, steps = measure(pattern, where, tmp_path, host_hours)
+    assert steps == pattern.steps
+    expected = dict(pattern.plants[where])
+    stated_step = expected.pop("step", None)
     expected.pop(NOWHERE, None)
-    in_step = sum(ms for p, ms in expected.items() if p not in HOST_PHASES and p.partition(".")[0] != BETWEEN)
+    in_step = sum(k for p, k in expected.items() if p not in HOST_PHASES and p.partition(".")[0] != BETWEEN)
     expected["period"] = sum(expected.values())
-    expected["step"] = in_step
-    for phase in sorted(set(got) | set(want)):
-        delta = got.get(phase, 0.0) - want.get(phase, 0.0)
-        target = expected.get(phase, 0.0)
-        # A fraction of what was slept: the work right after a sleep runs a little slower (cold
-        # caches), and step and period add that up over every phase.
-        tolerance = 0.3 * SLEEP_MS + (0.3 if phase in ("step", "period") else 0.15) * slept
-        assert abs(delta - target) <= tolerance, (
-            f"{pattern.name}: {SLEEP_MS} ms planted at {where!r} -> {phase} moved by {delta:+.2f} ms, "
-            f"expected {target:+.1f} (minima: planted {got}, none {want})"
-        )
+    expected["step"] = in_step if stated_step is None else stated_step
+    missing = {p for p, k in expected.items() if k and p not in got}
+    assert not missing, f"{pattern.name}: an hour planted at {where!r}, but no {sorted(missing)} was timed"
+    want = {p: (expected.get(p, 0), expected.get(p, 0)) for p in got}
+    assert got == want, (
+        f"{pattern.name}: an hour planted at {where!r} -> (fewest, most) hours a step per phase {got}, expected {want}"
+    )
 
 
 # -- the pieces the table cannot show --------------------------------------------------------------
-def test_a_phase_entered_on_two_threads_at_once_times_the_loop_thread_only(tmp_path):
+def test_a_phase_entered_on_two_threads_at_once_times_the_loop_thread_only(tmp_path, host_hours):
+    """Both threads inside ``walk`` at once; the loop thread leaves it first, an hour on, then the other
+    thread, another hour on: ``walk`` holds the loop thread's hour, not the other's (it waits in ``optimizer``)."""
     plant = Plant(None)
     model = Net(plant)
     opt = PlantedSGD(model.parameters(), plant)
     inside = threading.Barrier(2)
+    loop_left = threading.Event()
     with attach(model, opt, Loader(plant), tmp_path) as timer:
         phase = timer.phase("walk")
 
         def other_thread() -> None:
             with phase:
                 inside.wait()  # both threads inside the phase at once
-                time.sleep(0.02)
+                loop_left.wait()
+                host_hours.jump()
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for i, (x, y) in enumerate(timer.loader):
                 loss_of(model(x), y, plant).backward()
+                loop_left.clear()
                 t = threading.Thread(target=other_thread)
                 t.start()
                 with phase:
                     inside.wait()
-                    time.sleep(SLEEP_MS / 1e3)
+                    host_hours.jump()
+                loop_left.set()
                 t.join()  # the other thread's time is not the loop's (it waits here, in `optimizer`)
                 opt.step()
                 if i + 1 == STEPS:
                     break
-    walk = timer.totals.phases["walk"].quantile(50)
-    assert SLEEP_MS <= walk < SLEEP_MS + 0.3 * SLEEP_MS + 2
+    phases = timer.totals.phases
+    assert (hours(phases["walk"].min), hours(phases["walk"].max)) == (1, 1)
+    assert (hours(phases["optimizer"].min), hours(phases["optimizer"].max)) == (1, 1)
     assert any("another thread" in str(w.message) or "other than the training loop" in str(w.message) for w in caught)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "phase-timer bug: the evaluation pauses the timer and nothing resumes it; the last step closes at the end "
+    "while paused, and TimingCore.close counts the open pause in that step's period"))
+@pytest.mark.parametrize("train_mode", [False, True], ids=["eval mode", "train mode, no grad"])
+def test_an_evaluation_after_the_last_step_is_not_in_its_period(tmp_path, host_hours, train_mode):
+    """The rows above evaluate between steps; here the loop's last act is an evaluation, as when a run
+    ends with a final validation.  It is in no phase, and in no step's period either."""
+    plant = Plant("eval", host_hours)
+    model = Net(plant)
+    opt = PlantedSGD(model.parameters(), plant)
+    with attach(model, opt, Loader(plant), tmp_path) as timer:
+        for i, (x, y) in enumerate(timer.loader):
+            loss_of(model(x), y, plant).backward()
+            opt.step()
+            opt.zero_grad()
+            if i + 1 == STEPS:
+                model.train(train_mode)
+                model.evaluating = True
+                with torch.no_grad():
+                    model(x)
+                break
+    phases = timer.totals.phases
+    assert plant.fired == 1 and timer.totals.steps == STEPS - WARMUP
+    assert {p: hours(t.max) for p, t in phases.items()} == dict.fromkeys(phases, 0)
 
 
 def test_the_backward_wrapper_is_one_however_many_timers_and_goes_away(tmp_path):

@@ -271,10 +271,11 @@ def test_a_reader_that_fails_mid_run_warns_once_and_the_run_goes_on(fake, caplog
         return good()
 
     fake.read = flaky
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING), pytest.warns(RuntimeWarning, match="memory is no longer read") as warned:
         core = timed(fake, 60)
     said = [r for r in caplog.records if "memory is no longer read" in r.getMessage()]
     assert len(said) == 1 and "allocator gone" in said[0].getMessage()
+    assert [str(w.message) for w in warned] == [said[0].getMessage()]  # the warning says it too, once
     assert core.totals.steps == 55  # every step still timed
     mem = core.memory_summary()  # what was read before stays, with why it stopped
     assert mem["samples"] >= 2 and mem["stopped"] == "RuntimeError: allocator gone"
@@ -512,6 +513,9 @@ def test_memory_between_micro_batches_is_idle_not_the_optimizers(fake):
     assert mem["peak_phase"] == "idle" and "idle_begin" in mem["allocated_mb"]
 
 
+# The fake device lags 3 polls behind a host that never waits for it: the max_pending bound is met and some
+# steps go untimed, said once.  Not what this test is about (the order of what is written is).
+@pytest.mark.filterwarnings("ignore:phase-timer. 16 steps are still running:RuntimeWarning")  # `.`: a colon ends the field
 def test_memory_values_reach_the_sinks_in_step_order(fake):
     from tests.fakes import FakeClock
 
