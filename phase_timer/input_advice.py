@@ -1,0 +1,230 @@
+"""What to try when the loop waits for its batches (INPUT_BOUND): the loader settings the run's own measurements say
+would help, or that none would.
+
+The model, per step (ms): the loop waits ``D`` (``data_wait``) of a ``period`` ``P``; the rest, ``S = P - D``, is
+the step.  Where the wait goes is read from the CPU clocks (:mod:`phase_timer.cpu_use`): the training thread's time
+asleep (waiting on a read, or on the workers' queue), on a CPU, or queued for one; the workers' CPU time and theirs
+asleep; the cores this process may use, and how many the machine left idle.
+
+- ``num_workers=0``: ``D`` is the batch's making, in the training process.  Under ``HANDOVER_MS`` a worker process
+  would cost the step as much to hand the batch over as it saves: keep 0.  Asleep for at least ``IO_SHARE`` of
+  ``D``, the making waits (I/O): workers overlap their waits and need no core, so the count follows the rate
+  (``HEADROOM x D / S``), not the cores.  Otherwise it is CPU work, which workers run beside the step only on
+  cores that are free: the period is at least ``S + HANDOVER_MS``, at least the process's CPU time spread over the
+  cores it can have, and at least ``D / n``; the count is the fewest workers that reach that floor.
+- ``num_workers>0`` and the training thread asleep for ``IO_SHARE`` of the wait: the workers are behind.  Asleep
+  themselves (I/O): more workers, the same rate rule (a worker now makes a batch in ``num_workers x P``).  Busy:
+  more only if the cores have room (the same floor, with the workers' CPU time a batch).
+- ``num_workers>0`` and the training thread busy while it waits: the wait is its own work, receiving each batch
+  (unpickling it, mapping its shared memory), or a core it waited for.  More workers cannot help; when the
+  workers' CPU time a batch is under the wait, making it in the training process is cheaper: ``num_workers=0``.
+- Advice that the model does not expect to shorten ``period`` by ``MIN_GAIN`` is not given: it says that no
+  loader setting is likely to help, and why.  A deeper prefetch only where the wait comes in bursts (its median
+  at most ``BURSTY`` of its mean: slow batches now and then, which a longer queue absorbs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+#: What receiving one batch from a worker process costs the training process (ms): unpickling it, and for each
+#: tensor a file descriptor fetched from the worker and its shared memory mapped.  Measured on the 2-core VM the
+#: README's quickstart runs on: 1.07 ms of the training thread's CPU a batch of two tensors, against 0.69 ms to
+#: make that batch in-process (``docs/diagnosis.md``).  At ``num_workers=0`` a batch made in less than this is not
+#: worth a worker; with workers, the step pays it, so the period's floor is ``S + HANDOVER_MS``.
+HANDOVER_MS = 1.0
+#: The training thread (or the workers) asleep for at least this share of the wait: the loading waits, not computes.
+IO_SHARE = 0.5
+#: ... or the wait at least this many times what a batch costs the workers in CPU and its handover: no CPU work
+#: explains it (this holds when the cores are busy too, where the training thread is queued rather than asleep).
+IO_RATIO = 4.0
+#: Workers for a waiting (I/O) loader: enough to deliver a batch every step with this much to spare ...
+HEADROOM = 1.5
+#: ... and at most this many per core (each holds a copy of the dataset object and its prefetched batches).
+IO_WORKERS_PER_CORE = 4
+MIN_IO_CAP = 8
+#: Advice only where the model expects ``period`` shorter by at least this share.
+MIN_GAIN = 0.1
+#: The wait comes in bursts when its median is at most this share of its mean.
+BURSTY = 0.25
+
+NOTHING = "no loader setting is likely to help: "
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the advice reads: the run's means (ms), the cores, and the CPU shares (``CpuUse.summary()``)."""
+
+    period: float
+    wait: float
+    wait_p50: float
+    cores: int | None
+    cpu: dict[str, Any] | None
+
+    @property
+    def step(self) -> float:
+        return max(self.period - self.wait, 0.05)
+
+    def thread(self, what: str) -> float | None:
+        """The training thread's ``busy``/``queued``/``asleep`` time a step (ms), or None when not read."""
+        t = (self.cpu or {}).get("thread")
+        return t[what] * self.period if t else None
+
+    def worker(self, what: str) -> float | None:
+        """The workers' share of their time ``busy``/``queued``/``asleep``, or None when not read."""
+        w = (self.cpu or {}).get("worker")
+        return w[what] if w else None
+
+    def avail(self, used: float) -> float:
+        """The cores this run could have: what it used plus what the machine left idle, at most its cores."""
+        cores = float(self.cores or 1)
+        idle = (self.cpu or {}).get("idle_cores")
+        return min(cores, used + idle) if idle is not None else cores
+
+    def gains(self, predicted: float) -> bool:
+        return predicted <= (1 - MIN_GAIN) * self.period
+
+
+def advise(loader: dict[str, Any] | None, run: Run, device_type: str | None) -> tuple[list[str], dict[str, Any]]:
+    """What to try (most likely first) and the evidence it rests on (``finding``: which case, ``estimate``)."""
+    if not loader:
+        return ["the loader's settings are unknown here: more DataLoader workers, pinned memory, persistent workers"], {}
+    if loader.get("type") != "DataLoader":
+        return [f"the loader is a {loader.get('type')}, neither a DataLoader nor a wrapper of one: its own parallel "
+                "reading and prefetching (phase-timer cannot read its settings)"], {}
+    workers = loader.get("num_workers") or 0
+    if workers and run.wait_p50 <= BURSTY * run.wait:  # most steps wait little: the workers keep up on average
+        tips, ev = _bursts(loader, run), {"finding": "bursts"}
+    else:
+        tips, ev = (_in_process(loader, run) if workers == 0 else _with_workers(loader, run, workers))
+    if ev.get("estimate", {}).get("num_workers", 0) > workers and loader.get("iterable"):
+        tips.insert(1, "the dataset is an IterableDataset: every worker iterates its own copy, so it must split its "
+                    "data by torch.utils.data.get_worker_info() or the batches repeat")
+    if loader.get("pin_memory") is False and device_type == "cuda":
+        tips.append("pin_memory=False: pinned batches copy faster and without blocking")
+    return tips, ev
+
+
+def _in_process(loader: dict[str, Any], run: Run) -> tuple[list[str], dict[str, Any]]:
+    """``num_workers=0``: the wait is the batch's making, in the training process."""
+    d, asleep = run.wait, run.thread("asleep")
+    if d < HANDOVER_MS:
+        bs = loader.get("batch_size") or "B"
+        return [f"keep num_workers=0: a batch takes {d:.2f} ms to make in the training process, less than a worker "
+                f"process costs to hand one over (~{HANDOVER_MS:g} ms): workers would slow the step",
+                f"what is left is the per-item path ({bs} __getitem__ calls and a collate a batch): index the whole "
+                f"batch at once, DataLoader(dataset, sampler=BatchSampler(RandomSampler(dataset), {bs}, "
+                "drop_last=False), batch_size=None), where dataset[list of indices] returns the batch (a "
+                "TensorDataset's does)"], {"finding": "cheap"}
+    if asleep is not None and asleep >= IO_SHARE * d:
+        n = _io_workers(d, run)
+        return [f"num_workers=0 and the loading waits: the training thread slept {min(asleep, d):.2f} of the {d:.2f} ms "
+                f"a step it waited for a batch (I/O, not CPU); try DataLoader(num_workers={n}){_beyond(n, run)}"], \
+            {"finding": "io", "estimate": {"num_workers": n}}
+    if run.cpu is None:
+        return [_unmeasured(f"num_workers=0 and a batch takes {d:.2f} ms to make in the training process: workers "
+                            f"make batches beside the step; try DataLoader(num_workers={min(2, run.cores or 2)})")], \
+            {"finding": "unmeasured"}
+    return _cpu_workers(run, 0, d, run.cpu["process_cores"], f"making a batch is CPU work ({d:.2f} ms a step in the "
+                                                             "training process)")
+
+
+def _with_workers(loader: dict[str, Any], run: Run, workers: int) -> tuple[list[str], dict[str, Any]]:
+    """``num_workers>0``: are the workers behind (waiting on reads, or on CPU), or is the wait the handover?"""
+    d, asleep = run.wait, run.thread("asleep")
+    if asleep is None or "worker_cores" not in (run.cpu or {}):
+        return [_unmeasured(f"the {workers} workers do not keep up: more workers if the loading waits on reads or the "
+                            "cores have room; num_workers=0 if a batch is cheap to make")], {"finding": "unmeasured"}
+    per_batch = run.cpu["worker_cores"] * run.period  # the workers' CPU time a batch (one batch a step)
+    w_asleep = run.worker("asleep") or 0.0
+    if w_asleep >= IO_SHARE and (asleep >= IO_SHARE * d or d >= IO_RATIO * (per_batch + HANDOVER_MS)):
+        return _io_more(run, workers, w_asleep, asleep, per_batch)
+    if asleep >= IO_SHARE * d:  # the training thread slept while it waited: the workers are behind, on CPU
+        used = run.cpu["process_cores"] + run.cpu["worker_cores"]
+        return _cpu_workers(run, workers, per_batch, used, f"the {workers} workers are CPU-bound "
+                            f"({per_batch:.2f} ms of CPU a batch, busy or queued for a core "
+                            f"{100 * (1 - w_asleep):.0f}% of their time)")
+    return _own_work(run, per_batch, asleep)
+
+
+def _own_work(run: Run, per_batch: float, asleep: float) -> tuple[list[str], dict[str, Any]]:
+    """The training thread was on a CPU or queued for one while it waited: the wait is its own, not the workers'."""
+    d, queued = run.wait, run.thread("queued") or 0.0
+    spent = f"the training thread slept only {asleep:.2f} of the {d:.2f} ms a step it waited"
+    if queued >= IO_SHARE * d:  # it waited for a core: what the wait would be without workers cannot be told
+        return [NOTHING + f"the training thread waited {queued:.2f} ms a step for a core ({spent}): the cores are "
+                "busy (other processes, or this one's threads and workers); fewer threads or processes beside the "
+                "training leave it its cores"], {"finding": "cores_busy"}
+    if per_batch < d and run.gains(run.step + per_batch):
+        return [f"try DataLoader(num_workers=0): the wait is the training process's own work ({spent}): receiving "
+                f"a batch from a worker costs it more than making one would (the workers spend {per_batch:.2f} ms of "
+                "CPU a batch)"], {"finding": "handover", "estimate": {"num_workers": 0, "period_ms": run.step + per_batch}}
+    return [NOTHING + f"the wait is the training process's own work, receiving each batch from the workers ({spent}), "
+            f"and making the batch costs the workers more ({per_batch:.2f} ms of CPU): fewer, larger tensors a batch "
+            "cost less to hand over"], {"finding": "own_work"}
+
+
+def _cpu_workers(run: Run, workers: int, making: float, used: float, what: str) -> tuple[list[str], dict[str, Any]]:
+    """CPU-bound making of ``making`` ms a batch: the fewest workers that reach the period's floor, if it gains."""
+    p, cores = run.period, run.avail(used)
+    handover = HANDOVER_MS if workers == 0 else 0.0  # with workers the step already pays it
+    floor = max(run.step + handover, (used * p + handover) / cores)
+    n = max(1, math.ceil(making / floor - 1e-9))
+    n = min(n, max(1, math.floor(cores + 1e-9)))
+    predicted = max(floor, making / n)
+    ev: dict[str, Any] = {"finding": "cpu", "cores_available": cores, "floor_ms": floor}
+    if n > workers and run.gains(predicted):
+        ev["estimate"] = {"num_workers": n, "period_ms": predicted}
+        return [f"{what}; try DataLoader(num_workers={n}): workers make batches beside the step, as many as the "
+                f"{cores:.1f} cores this run can have carry (an estimate: period {p:.2f} -> ~{predicted:.2f} ms)"], ev
+    idle = (run.cpu or {}).get("idle_cores")
+    busy = f"this run uses {used:.1f} of the {run.cores} cores" + (f", the machine idles {idle:.1f}" if idle is not None else "")
+    ev["finding"] = "cores_busy"
+    return [NOTHING + f"{what} and the cores are busy ({busy}): more workers would take their CPU from the step",
+            "make a batch cheaper (decode or augment less on the CPU, a faster format, augment on the GPU), or run "
+            "on more cores"], ev
+
+
+def _io_more(run: Run, workers: int, w_asleep: float, asleep: float, per_batch: float) -> tuple[list[str], dict[str, Any]]:
+    """Workers behind and asleep: they wait on reads; more of them overlap more waits, beyond the cores."""
+    n = _io_workers(workers * run.period, run)  # each worker makes a batch every ``workers`` periods
+    said = (f"the {workers} workers wait on I/O: asleep {100 * w_asleep:.0f}% of their time and {per_batch:.2f} ms "
+            f"of CPU a batch, while the training thread slept {min(asleep, run.wait):.2f} of the {run.wait:.2f} ms a "
+            "step it waited for them")
+    if n <= workers:
+        return [NOTHING + f"{said}, and {workers} workers is already the cap this rule sets "
+                f"({_io_cap(run)} on {run.cores} cores); the reads are the limit: faster storage, a local copy, "
+                "fewer and larger files"], {"finding": "io_capped"}
+    return [f"{said}; try DataLoader(num_workers={n}){_beyond(n, run)}"], {"finding": "io", "estimate": {"num_workers": n}}
+
+
+def _beyond(n: int, run: Run) -> str:
+    if run.cores is None or n <= run.cores:
+        return ""
+    return (f": a waiting worker needs no core, so more than the {run.cores} cores is fine (torch warns of it; "
+            "that warning is about workers that compute)")
+
+
+def _io_workers(making: float, run: Run) -> int:
+    """Workers that each make a batch in ``making`` ms and together deliver one every step, with headroom."""
+    return max(2, min(_io_cap(run), math.ceil(HEADROOM * making / run.step)))
+
+
+def _io_cap(run: Run) -> int:
+    return max(MIN_IO_CAP, IO_WORKERS_PER_CORE * (run.cores or 1))
+
+
+def _bursts(loader: dict[str, Any], run: Run) -> list[str]:
+    pf = loader.get("prefetch_factor") or 2
+    tips = [f"the wait comes in bursts (median {run.wait_p50:.2f} ms a step, mean {run.wait:.2f}): a deeper prefetch "
+            f"absorbs slow batches: prefetch_factor={2 * pf}"]
+    if not loader.get("persistent_workers"):
+        tips.append("persistent_workers=True: the workers restart every epoch, and each restart is a burst")
+    return tips
+
+
+def _unmeasured(tip: str) -> str:
+    return (tip + " (phase-timer could not read the CPU time here, so it cannot tell CPU work, which workers "
+            "speed up only as far as the free cores, from waiting, which more workers overlap)")

@@ -1,0 +1,351 @@
+"""INPUT_BOUND's advice follows what was measured, and followed, it helps (issue 36).
+
+Unit layer: the rule (``phase_timer.input_advice``) on planted measurements -- each case of the model, and each
+place where it says that no loader setting would help; the CPU readings (``phase_timer.cpu_use``) on planted
+readings; the loader's settings read through Fabric's wrapper.
+
+End to end, on this CPU machine: planted loaders run for real under ``phase_timer.attach``; the advice is read
+back, applied (the DataLoader made again with the advised ``num_workers``), and the two runs compared, interleaved,
+by their median ``period``.  A CPU-bound ``__getitem__`` and a sleeping one must get faster; a trivially cheap
+dataset must not be told to use workers.  The comparison is of the two runs against each other, never against a
+wall-clock figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import phase_timer
+from phase_timer.cpu_use import CpuUse, Reading
+from phase_timer.diagnosis import Signals, diagnose
+from phase_timer.input_advice import HANDOVER_MS, NOTHING, Run, advise
+from phase_timer.runinfo import loader_info
+from phase_timer.stats import RunTotals
+
+
+def loader(workers: int = 0, **kw) -> dict:
+    out = {"type": "DataLoader", "num_workers": workers, "pin_memory": False, "persistent_workers": False,
+           "prefetch_factor": 2 if workers else None, "batch_size": 32, "iterable": False}
+    out.update(kw)
+    return out
+
+
+def cpu(thread: tuple[float, float, float] | None = None, worker: tuple[float, float, float] | None = None,
+        process: float = 1.0, workers: float | None = None, idle: float | None = None) -> dict:
+    """A measured CPU summary: the training thread's and the workers' (busy, queued, asleep) shares, cores used."""
+    out: dict = {"steps": 100, "wall_ms": 1000.0, "process_cores": process}
+    if thread:
+        out["thread"] = dict(zip(("busy", "queued", "asleep"), thread))
+    if worker:
+        out["worker"] = dict(zip(("busy", "queued", "asleep"), worker))
+    if workers is not None:
+        out["worker_cores"], out["workers_seen"] = workers, 2
+    if idle is not None:
+        out["idle_cores"] = idle
+    return out
+
+
+def advice(info: dict, period: float, wait: float, cores: int, measured: dict | None, p50: float | None = None,
+           device: str = "cpu") -> tuple[list[str], dict]:
+    return advise(info, Run(period, wait, wait if p50 is None else p50, cores, measured), device)
+
+
+def workers_advised(tips: list[str]) -> int | None:
+    """The num_workers the first tip says to try, or None."""
+    import re
+
+    m = re.search(r"try DataLoader\(num_workers=(\d+)\)", tips[0])
+    return int(m.group(1)) if m else None
+
+
+# -- num_workers=0 ----------------------------------------------------------------------------
+def test_a_cheap_batch_keeps_num_workers_0_measured_or_not():
+    """The quickstart: 0.3 ms of a 1.5 ms step to make a batch; a worker's handover costs about as much."""
+    for measured in (None, cpu(thread=(1.0, 0.0, 0.0), process=1.6, idle=0.4)):
+        tips, ev = advice(loader(0), 1.5, 0.3, 2, measured)
+        assert tips[0].startswith("keep num_workers=0") and ev["finding"] == "cheap"
+        assert workers_advised(tips) is None and "BatchSampler" in tips[1]
+    assert HANDOVER_MS == 1.0
+
+
+def test_a_sleeping_loader_gets_workers_beyond_the_cores():
+    """8 ms a batch, 7.5 of it asleep: I/O; workers to deliver a batch each 2 ms step with headroom, on 2 cores."""
+    tips, ev = advice(loader(0), 10.0, 8.0, 2, cpu(thread=(0.25, 0.0, 0.75), process=0.3, idle=1.7))
+    assert ev["finding"] == "io" and workers_advised(tips) == 6 == ev["estimate"]["num_workers"]
+    assert "slept 7.50 of the 8.00 ms" in tips[0] and "more than the 2 cores is fine" in tips[0]
+
+
+def test_cpu_work_gets_the_workers_the_free_cores_carry():
+    """4 ms of CPU a batch, a 1 ms step, 4 idle cores: the period's floor is the step plus a handover."""
+    tips, ev = advice(loader(0), 5.0, 4.0, 4, cpu(thread=(1.0, 0.0, 0.0), process=1.0, idle=3.0))
+    assert ev["finding"] == "cpu" and workers_advised(tips) == 2  # 2 workers make a batch every 2 ms
+    assert ev["estimate"]["period_ms"] == pytest.approx(1.0 + HANDOVER_MS)
+    # on 2 cores, the process already using 1.2 of them: the floor is the CPU time over 2 cores
+    tips, ev = advice(loader(0), 5.0, 4.0, 2, cpu(thread=(1.0, 0.0, 0.0), process=1.2, idle=0.8))
+    assert workers_advised(tips) == 2 and ev["estimate"]["period_ms"] == pytest.approx((1.2 * 5 + HANDOVER_MS) / 2)
+    assert "the 2.0 cores this run can have" in tips[0]
+
+
+@pytest.mark.parametrize("cores, process, idle", [(2, 1.9, 0.05), (1, 1.0, 0.0), (8, 1.0, 0.1)])
+def test_cpu_work_on_busy_cores_says_nothing_would_help(cores, process, idle):
+    """No free core (the machine's idle time says so, whatever the core count): workers would take the step's CPU."""
+    tips, ev = advice(loader(0), 5.0, 4.0, cores, cpu(thread=(0.9, 0.1, 0.0), process=process, idle=idle))
+    assert tips[0].startswith(NOTHING) and ev["finding"] == "cores_busy" and "estimate" not in ev
+    assert "cheaper" in tips[1]
+
+
+def test_unmeasured_cpu_says_what_it_could_not_tell():
+    tips, ev = advice(loader(0), 5.0, 4.0, 16, None)
+    assert ev["finding"] == "unmeasured" and "could not read the CPU time" in tips[0]
+    assert "num_workers=0" in tips[0]
+
+
+# -- num_workers>0 ----------------------------------------------------------------------------
+def test_io_bound_workers_get_more_even_at_the_cores():
+    """The issue's loader: 2 workers on 2 cores asleep in __getitem__; it never said more workers there."""
+    measured = cpu(thread=(0.45, 0.0, 0.55), worker=(0.02, 0.0, 0.98), process=0.5, workers=0.02, idle=1.4)
+    tips, ev = advice(loader(2), 20.0, 10.0, 2, measured)
+    assert ev["finding"] == "io" and workers_advised(tips) == 6  # a worker makes a batch in 40 ms; a step is 10
+    assert "more than the 2 cores is fine" in tips[0]
+    assert not any("prefetch_factor" in t for t in tips)  # the wait is steady: a deeper queue would not help
+
+
+def test_io_bound_workers_at_the_cap_say_the_reads_are_the_limit():
+    measured = cpu(thread=(0.45, 0.0, 0.55), worker=(0.02, 0.0, 0.98), process=0.5, workers=0.1, idle=1.4)
+    tips, ev = advice(loader(8), 20.0, 10.0, 2, measured)
+    assert tips[0].startswith(NOTHING) and ev["finding"] == "io_capped" and "faster storage" in tips[0]
+
+
+def test_a_wait_far_above_what_the_workers_spend_is_io_even_when_the_thread_is_queued():
+    """On busy cores the training thread is queued, not asleep; a 10 ms wait for 0.2 ms of CPU a batch is still I/O."""
+    measured = cpu(thread=(0.4, 0.5, 0.1), worker=(0.01, 0.02, 0.97), process=0.9, workers=0.01, idle=0.0)
+    tips, ev = advice(loader(2), 20.0, 10.0, 2, measured)
+    assert ev["finding"] == "io" and workers_advised(tips) == 6
+
+
+def test_cpu_bound_workers_get_more_where_cores_are_free():
+    measured = cpu(thread=(0.5, 0.0, 0.5), worker=(0.95, 0.0, 0.05), process=0.5, workers=1.9, idle=5.6)
+    tips, ev = advice(loader(2), 10.0, 5.0, 8, measured)
+    assert ev["finding"] == "cpu" and workers_advised(tips) == 4  # 19 ms of CPU a batch, a 5 ms step
+
+
+def test_cpu_bound_workers_on_busy_cores_say_nothing_would_help():
+    measured = cpu(thread=(0.5, 0.0, 0.5), worker=(0.6, 0.35, 0.05), process=0.9, workers=1.05, idle=0.05)
+    tips, ev = advice(loader(2), 10.0, 5.0, 2, measured)
+    assert tips[0].startswith(NOTHING) and ev["finding"] == "cores_busy"
+
+
+def test_a_cheap_batch_with_workers_is_told_num_workers_0():
+    """The quickstart followed: the training thread busy while it waits (receiving), the workers idle and cheap."""
+    measured = cpu(thread=(0.9, 0.03, 0.07), worker=(0.05, 0.05, 0.9), process=1.3, workers=0.1, idle=0.3)
+    tips, ev = advice(loader(2), 3.0, 1.0, 2, measured)
+    assert ev["finding"] == "handover" and workers_advised(tips) == 0
+    assert ev["estimate"]["period_ms"] == pytest.approx(2.0 + 0.3)
+
+
+def test_the_training_thread_queued_for_a_core_says_the_cores_are_busy():
+    measured = cpu(thread=(0.6, 0.35, 0.05), worker=(0.05, 0.05, 0.9), process=1.3, workers=0.1, idle=0.0)
+    tips, ev = advice(loader(2), 3.0, 1.0, 2, measured)
+    assert tips[0].startswith(NOTHING) and ev["finding"] == "cores_busy" and "for a core" in tips[0]
+
+
+def test_prefetch_is_advised_only_for_bursts_and_deeper_than_it_is():
+    measured = cpu(thread=(0.5, 0.0, 0.5), worker=(0.1, 0.0, 0.9), process=0.5, workers=0.1, idle=1.0)
+    tips, ev = advice(loader(4, prefetch_factor=3), 10.0, 2.0, 8, measured, p50=0.2)
+    assert ev["finding"] == "bursts" and "prefetch_factor=6" in tips[0] and "persistent_workers=True" in tips[1]
+    tips, _ = advice(loader(4, prefetch_factor=3, persistent_workers=True), 10.0, 2.0, 8, measured, p50=0.2)
+    assert len(tips) == 1
+    for p50 in (1.0, 2.0):  # a steady wait: no prefetch advice
+        tips, _ = advice(loader(4), 10.0, 2.0, 8, measured, p50=p50)
+        assert not any("prefetch" in t for t in tips), tips
+
+
+def test_an_iterable_dataset_is_warned_before_more_workers():
+    measured = cpu(thread=(0.25, 0.0, 0.75), process=0.3, idle=1.7)
+    tips, _ = advice(loader(0, iterable=True), 10.0, 8.0, 2, measured)
+    assert workers_advised(tips) == 6 and "get_worker_info" in tips[1]
+
+
+def test_another_loader_is_named_and_pin_memory_only_on_cuda():
+    tips, _ = advice({"type": "MyStream"}, 10.0, 8.0, 2, None)
+    assert "MyStream" in tips[0] and "cannot read its settings" in tips[0]
+    measured = cpu(thread=(0.25, 0.0, 0.75), process=0.3, idle=1.7)
+    assert any("pin_memory" in t for t in advice(loader(0), 10.0, 8.0, 2, measured, device="cuda")[0])
+    assert not any("pin_memory" in t for t in advice(loader(0), 10.0, 8.0, 2, measured)[0])
+
+
+# -- the readings ---------------------------------------------------------------------------------
+def reading(ms: float, *, process: float, thread: tuple[float, float], steps: int, period: float,
+            workers: dict | None = None, reaped: float = 0.0, idle: float | None = None, tid: int = 1) -> Reading:
+    ns = 1_000_000
+    return Reading(int(ms * ns), int(process * ns), tid, (int(thread[0] * ns), int(thread[1] * ns)),
+                   {pid: tuple(int(x * ns) for x in w) for pid, w in (workers or {}).items()}, int(reaped * ns),
+                   None if idle is None else int(idle * ns), steps, period)
+
+
+def test_the_readings_give_shares_over_the_longest_span_of_steps():
+    use = CpuUse()
+    use.readings = [
+        reading(0, process=0, thread=(0, 0), steps=20, period=200, workers={7: (0, 0, 0), 8: (0, 0, 0)}, idle=0),
+        reading(100, process=80, thread=(60, 10), steps=30, period=300, workers={7: (10, 5, 1), 8: (20, 15, 3)},
+                idle=100),
+        # the workers restarted (an epoch's end): 7 and 8 reaped with 40 ms of CPU in all; 9 new
+        reading(200, process=160, thread=(120, 20), steps=40, period=400, workers={9: (5, 5, 0)}, reaped=40, idle=200),
+        reading(300, process=240, thread=(180, 30), steps=50, period=500, workers={9: (15, 10, 1)}, reaped=40, idle=300),
+        # a pause (validation, the run's end): wall time that was no step's; left out
+        reading(900, process=300, thread=(200, 30), steps=60, period=600, workers={9: (16, 11, 1)}, reaped=40, idle=1500),
+    ]
+    s = use.summary()
+    assert s["steps"] == 30 and s["wall_ms"] == 300
+    assert s["process_cores"] == pytest.approx(0.8)
+    assert s["thread"] == pytest.approx({"busy": 0.6, "queued": 0.1, "asleep": 0.3})
+    assert s["worker_cores"] == pytest.approx((15 + 40) / 300)  # live 9's CPU and the reaped ones'
+    # the workers' own split, from those seen at both ends of each pair: 7 and 8 over 100 ms, 9 over 100 ms
+    assert s["worker"]["busy"] == pytest.approx((5 + 15 + 5) / 300)
+    assert s["worker"]["queued"] == pytest.approx((1 + 3 + 1) / 300)
+    assert s["idle_cores"] == pytest.approx(1.0)
+
+
+def test_no_span_no_summary():
+    use = CpuUse()
+    assert use.summary() is None
+    use.readings = [reading(0, process=0, thread=(0, 0), steps=20, period=200),
+                    reading(100, process=80, thread=(60, 10), steps=25, period=250)]  # 5 steps: too few
+    assert use.summary() is None
+    use.readings[1] = reading(100, process=80, thread=(60, 10), steps=40, period=400, tid=2)  # another thread
+    assert use.summary() is None
+
+
+def test_the_readings_are_taken_at_a_few_windows_only():
+    use = CpuUse()
+    for _ in range(100):
+        use.add_window(20, 200.0)
+    assert [r.steps for r in use.readings] == [20 * w for w in (1, 2, 3, 4, 8, 16, 32, 64)]
+
+
+def test_a_failed_reading_stops_the_readings_and_the_run_goes_on(monkeypatch):
+    import phase_timer.cpu_use as cpu_use
+
+    def broken(steps: int, period_ms: float) -> Reading:
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(cpu_use, "read", broken)
+    use = CpuUse()
+    use.add_window(20, 200.0)
+    use.add_window(20, 200.0)
+    assert use.failed == "OSError: no /proc" and use.summary() is None
+
+
+def test_fabrics_loader_is_looked_through():
+    from lightning.fabric.wrappers import _FabricDataLoader
+
+    inner = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2, num_workers=1, persistent_workers=True)
+    info = loader_info(_FabricDataLoader(inner))
+    assert info["type"] == "DataLoader" and info["num_workers"] == 1 and info["persistent_workers"] is True
+    assert info["wrapper"] == "_FabricDataLoader" and info["iterable"] is False
+    tips, _ = advice(info, 10.0, 8.0, 2, cpu(thread=(0.25, 0.0, 0.75), worker=(0.02, 0.0, 0.98), workers=0.01))
+    assert not any("_FabricDataLoader" in t for t in tips)
+
+
+# -- end to end: planted loaders, the advice applied ------------------------------------------------
+class CpuItems(Dataset):
+    """Each item costs ``us`` µs of CPU (a spin: Python work, as decoding or augmenting is)."""
+
+    def __init__(self, n: int, us: float) -> None:
+        self.x, self.y, self.us = torch.randn(n, 16), torch.randn(n, 1), us
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = time.perf_counter() + self.us / 1e6
+        while time.perf_counter() < end:
+            pass
+        return self.x[i], self.y[i]
+
+
+class SleepyItems(CpuItems):
+    """Each item waits ``us`` µs (a read from slow storage) and costs next to no CPU."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.us / 1e6)
+        return self.x[i], self.y[i]
+
+
+STEPS = 60
+
+
+def _run(tmp_path, dataset: Dataset, batch_size: int | None, **loader_kw):
+    """STEPS steps of a small regression under attach(); one epoch, so workers start once, in the warm-up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = DataLoader(dataset, batch_size=batch_size, **loader_kw)
+    timer = phase_timer.attach(model, opt, data, log_dir=str(tmp_path), window=10, warmup_steps=5, summary=False)
+    with timer:
+        for x, y in timer.loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return timer
+
+
+def _period(timer) -> float:
+    return timer.totals.phases["period"].quantile(50)
+
+
+def _followed(tmp_path, make, batch_size: int, advised: dict, pairs: int = 3) -> tuple[list[float], list[float]]:
+    """The run as it was and as advised, interleaved ``pairs`` times: each run's median period (ms)."""
+    before, after = [], []
+    for i in range(pairs):
+        before.append(_period(_run(tmp_path / f"b{i}", make(), batch_size)))
+        after.append(_period(_run(tmp_path / f"a{i}", make(), batch_size, **advised)))
+    return before, after
+
+
+@pytest.mark.parametrize("name, make, batch_size", [
+    ("cpu", lambda: CpuItems(8 * (STEPS + 1), 500.0), 8),  # 4 ms of CPU a batch
+    ("io", lambda: SleepyItems(8 * (STEPS + 1), 1000.0), 8),  # 8 waits of 1 ms a batch
+])
+def test_advised_workers_shorten_the_period(tmp_path, name, make, batch_size):
+    first = _run(tmp_path / "first", make(), batch_size)
+    d = first.diagnosis
+    assert d.kind == "INPUT_BOUND", (d.kind, d.why)
+    n = d.evidence.get("estimate", {}).get("num_workers")
+    if d.evidence.get("finding") == "cores_busy":  # an honest answer on a machine other work keeps busy
+        assert d.next[0].startswith(NOTHING) and d.evidence["cpu"]["idle_cores"] < 1.0
+        pytest.skip(f"the cores were busy ({d.evidence['cpu']}): the advice was that no setting would help")
+    assert d.evidence["finding"] == name and n is not None and n >= 1, (d.next, d.evidence)
+    assert f"try DataLoader(num_workers={n})" in d.next[0]
+    before, after = _followed(tmp_path, make, batch_size, {"num_workers": n})
+    assert statistics.median(after) < statistics.median(before), (d.next[0], before, after)
+
+
+def test_a_cheap_dataset_is_not_told_to_use_workers_and_its_advice_helps(tmp_path):
+    """The quickstart's data: a TensorDataset, 64 items a batch; the rest of the advice (a batched index) applied."""
+    n, bs = 64 * (STEPS + 1), 64
+
+    def make() -> TensorDataset:
+        return TensorDataset(torch.randn(n, 16), torch.randn(n, 1))
+
+    d = _run(tmp_path / "first", make(), bs).diagnosis
+    tips = d.next if d.kind == "INPUT_BOUND" else ()
+    assert not any("try DataLoader(num_workers=" in t and "num_workers=0)" not in t for t in tips), tips
+    assert d.kind != "INPUT_BOUND" or d.evidence["finding"] in ("cheap", "cores_busy"), (d.next, d.evidence)
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    before, after = [], []
+    for i in range(3):
+        data = make()
+        before.append(_period(_run(tmp_path / f"b{i}", data, bs)))
+        batched = {"sampler": BatchSampler(SequentialSampler(data), bs, drop_last=False), "batch_size": None}
+        timer = _run(tmp_path / f"a{i}", data, **batched)
+        after.append(_period(timer))
+    assert statistics.median(after) < statistics.median(before), (before, after)
