@@ -4,20 +4,25 @@ would help, or that none would.
 The model, per step (ms): the loop waits ``D`` (``data_wait``) of a ``period`` ``P``; the rest, ``S = P - D``, is
 the step.  Where the wait goes is read from the CPU clocks (:mod:`phase_timer.cpu_use`): the training thread's time
 asleep (waiting on a read, or on the workers' queue), on a CPU, or queued for one; the workers' CPU time and theirs
-asleep; the cores this process may use, and how many the machine left idle.
+asleep; the cores this process may use (and, named beside the advice, what other processes kept busy).
 
 - ``num_workers=0``: ``D`` is the batch's making, in the training process.  Under ``HANDOVER_MS`` a worker process
   would cost the step as much to hand the batch over as it saves: keep 0.  Asleep for at least ``IO_SHARE`` of
   ``D``, the making waits (I/O): workers overlap their waits and need no core, so the count follows the rate
   (``HEADROOM x D / S``), not the cores.  Otherwise it is CPU work, which workers run beside the step only on
-  cores that are free: the period is at least ``S + HANDOVER_MS``, at least the process's CPU time spread over the
-  cores it can have, and at least ``D / n``; the count is the fewest workers that reach that floor.
-- ``num_workers>0`` and the training thread asleep for ``IO_SHARE`` of the wait: the workers are behind.  Asleep
-  themselves (I/O): more workers, the same rate rule (a worker now makes a batch in ``num_workers x P``).  Busy:
-  more only if the cores have room (the same floor, with the workers' CPU time a batch).
-- ``num_workers>0`` and the training thread busy while it waits: the wait is its own work, receiving each batch
-  (unpickling it, mapping its shared memory), or a core it waited for.  More workers cannot help; when the
-  workers' CPU time a batch is under the wait, making it in the training process is cheaper: ``num_workers=0``.
+  cores: the period is at least ``S + HANDOVER_MS``, at least the process's CPU time a step spread over its cores,
+  and at least ``D / n``; the count is the fewest workers that reach that floor, at most one a core.
+- ``num_workers>0``: the workers' CPU time a batch ``c`` (their CPU time over the span, one batch a step).  Workers
+  asleep for ``IO_SHARE`` of their time and a wait of at least ``IO_RATIO x (c + HANDOVER_MS)``, which no CPU work
+  explains: they wait on reads, and more of them help (the rate rule; a worker now makes a batch in
+  ``num_workers x P``).  A worker ahead of the loop sleeps too, waiting for work, so asleep alone says nothing.
+- ``num_workers>0`` and the training thread on a CPU (or queued for one) while it waits: the wait is its own work,
+  receiving each batch (unpickling it, fetching each tensor's shared memory from the worker), or a core it waited
+  for.  More workers cannot help; when ``c`` is under the wait, making the batch in the training process is
+  cheaper: ``num_workers=0``.
+- ``num_workers>0``, the training thread asleep while it waits, the workers busy: they are behind on CPU; more only
+  if the cores have room (the same floor, with ``c``).  The workers asleep too but the wait near ``c`` plus a
+  handover: reads or the handover, not told apart; it says so.
 - Advice that the model does not expect to shorten ``period`` by ``MIN_GAIN`` is not given: it says that no
   loader setting is likely to help, and why.  A deeper prefetch only where the wait comes in bursts (its median
   at most ``BURSTY`` of its mean: slow batches now and then, which a longer queue absorbs).
@@ -37,9 +42,10 @@ from typing import Any
 HANDOVER_MS = 1.0
 #: The training thread (or the workers) asleep for at least this share of the wait: the loading waits, not computes.
 IO_SHARE = 0.5
-#: ... or the wait at least this many times what a batch costs the workers in CPU and its handover: no CPU work
-#: explains it (this holds when the cores are busy too, where the training thread is queued rather than asleep).
-IO_RATIO = 4.0
+#: With workers, asleep is not enough (a worker is asleep too when it is ahead, waiting for work): the wait must
+#: also be at least this many times what a batch costs the workers in CPU plus its handover, which no CPU work
+#: explains.  It holds when the cores are busy too, where the training thread is queued rather than asleep.
+IO_RATIO = 2.0
 #: Workers for a waiting (I/O) loader: enough to deliver a batch every step with this much to spare ...
 HEADROOM = 1.5
 #: ... and at most this many per core (each holds a copy of the dataset object and its prefetched batches).
@@ -49,6 +55,9 @@ MIN_IO_CAP = 8
 MIN_GAIN = 0.1
 #: The wait comes in bursts when its median is at most this share of its mean.
 BURSTY = 0.25
+
+#: Other processes' load named beside the advice from this many cores.
+OTHERS_CORES = 0.5
 
 NOTHING = "no loader setting is likely to help: "
 
@@ -77,11 +86,21 @@ class Run:
         w = (self.cpu or {}).get("worker")
         return w[what] if w else None
 
-    def avail(self, used: float) -> float:
-        """The cores this run could have: what it used plus what the machine left idle, at most its cores."""
-        cores = float(self.cores or 1)
-        idle = (self.cpu or {}).get("idle_cores")
-        return min(cores, used + idle) if idle is not None else cores
+    def making_cpu(self) -> float:
+        """At ``num_workers=0``: the batch's making in CPU time (ms), the wait less the training thread's sleep and
+        its share queued for a core (spread evenly over the step); the wait itself when the thread is unread."""
+        t = (self.cpu or {}).get("thread")
+        if not t:
+            return self.wait
+        awake = max(0.0, self.wait - t["asleep"] * self.period)
+        return awake * t["busy"] / (t["busy"] + t["queued"]) if t["busy"] + t["queued"] > 0 else awake
+
+    def others(self) -> float | None:
+        """Cores other processes kept busy: the machine's cores less its idle time and this run's CPU (None: unread)."""
+        cpu = self.cpu or {}
+        if self.cores is None or cpu.get("idle_cores") is None:
+            return None
+        return max(0.0, self.cores - cpu["idle_cores"] - cpu["process_cores"] - cpu.get("worker_cores", 0.0))
 
     def gains(self, predicted: float) -> bool:
         return predicted <= (1 - MIN_GAIN) * self.period
@@ -104,21 +123,29 @@ def advise(loader: dict[str, Any] | None, run: Run, device_type: str | None) -> 
                     "data by torch.utils.data.get_worker_info() or the batches repeat")
     if loader.get("pin_memory") is False and device_type == "cuda":
         tips.append("pin_memory=False: pinned batches copy faster and without blocking")
+    others = run.others()
+    if others is not None and others >= OTHERS_CORES:
+        ev["other_cores"] = others
+        tips.append(f"other processes kept {others:.1f} of the {run.cores} cores busy during the run: its figures, and "
+                    "this advice, hold for that load")
     return tips, ev
 
 
 def _in_process(loader: dict[str, Any], run: Run) -> tuple[list[str], dict[str, Any]]:
     """``num_workers=0``: the wait is the batch's making, in the training process."""
     d, asleep = run.wait, run.thread("asleep")
-    if d < HANDOVER_MS:
+    io = asleep is not None and asleep >= IO_SHARE * d
+    cost = run.making_cpu()
+    if d < HANDOVER_MS or (not io and cost < HANDOVER_MS):
         bs = loader.get("batch_size") or "B"
-        return [f"keep num_workers=0: a batch takes {d:.2f} ms to make in the training process, less than a worker "
-                f"process costs to hand one over (~{HANDOVER_MS:g} ms): workers would slow the step",
+        queued = f" (of its {d:.2f} ms wait, the rest it was queued for a core)" if cost < d - 0.05 else ""
+        return [f"keep num_workers=0: a batch costs {cost:.2f} ms to make in the training process{queued}, less than "
+                f"a worker process costs it to hand one over (~{HANDOVER_MS:g} ms): workers would slow the step",
                 f"what is left is the per-item path ({bs} __getitem__ calls and a collate a batch): index the whole "
                 f"batch at once, DataLoader(dataset, sampler=BatchSampler(RandomSampler(dataset), {bs}, "
                 "drop_last=False), batch_size=None), where dataset[list of indices] returns the batch (a "
-                "TensorDataset's does)"], {"finding": "cheap"}
-    if asleep is not None and asleep >= IO_SHARE * d:
+                "TensorDataset's does)"], {"finding": "cheap", "making_ms": cost}
+    if io:
         n = _io_workers(d, run)
         return [f"num_workers=0 and the loading waits: the training thread slept {min(asleep, d):.2f} of the {d:.2f} ms "
                 f"a step it waited for a batch (I/O, not CPU); try DataLoader(num_workers={n}){_beyond(n, run)}"], \
@@ -127,8 +154,8 @@ def _in_process(loader: dict[str, Any], run: Run) -> tuple[list[str], dict[str, 
         return [_unmeasured(f"num_workers=0 and a batch takes {d:.2f} ms to make in the training process: workers "
                             f"make batches beside the step; try DataLoader(num_workers={min(2, run.cores or 2)})")], \
             {"finding": "unmeasured"}
-    return _cpu_workers(run, 0, d, run.cpu["process_cores"], f"making a batch is CPU work ({d:.2f} ms a step in the "
-                                                             "training process)")
+    return _cpu_workers(run, 0, cost, run.cpu["process_cores"], f"making a batch is CPU work ({cost:.2f} ms a step "
+                                                                "in the training process)")
 
 
 def _with_workers(loader: dict[str, Any], run: Run, workers: int) -> tuple[list[str], dict[str, Any]]:
@@ -139,14 +166,21 @@ def _with_workers(loader: dict[str, Any], run: Run, workers: int) -> tuple[list[
                             "cores have room; num_workers=0 if a batch is cheap to make")], {"finding": "unmeasured"}
     per_batch = run.cpu["worker_cores"] * run.period  # the workers' CPU time a batch (one batch a step)
     w_asleep = run.worker("asleep") or 0.0
-    if w_asleep >= IO_SHARE and (asleep >= IO_SHARE * d or d >= IO_RATIO * (per_batch + HANDOVER_MS)):
+    if w_asleep >= IO_SHARE and d >= IO_RATIO * (per_batch + HANDOVER_MS):
         return _io_more(run, workers, w_asleep, asleep, per_batch)
-    if asleep >= IO_SHARE * d:  # the training thread slept while it waited: the workers are behind, on CPU
+    if asleep < IO_SHARE * d:  # the training thread on a CPU (or queued for one) while it waited
+        return _own_work(run, per_batch, asleep)
+    if w_asleep < IO_SHARE:  # it slept while the workers computed: they are behind, on CPU
         used = run.cpu["process_cores"] + run.cpu["worker_cores"]
         return _cpu_workers(run, workers, per_batch, used, f"the {workers} workers are CPU-bound "
                             f"({per_batch:.2f} ms of CPU a batch, busy or queued for a core "
                             f"{100 * (1 - w_asleep):.0f}% of their time)")
-    return _own_work(run, per_batch, asleep)
+    # Both asleep, the wait near what a batch costs: workers waiting on reads, or for work (then the wait is the
+    # handover, and its round trips to the worker for each tensor's memory are asleep too).  Not told apart here.
+    return [f"the {workers} workers were asleep {100 * w_asleep:.0f}% of their time and spend {per_batch:.2f} ms of "
+            f"CPU a batch; the wait ({d:.2f} ms a step) is too near that plus a handover (~{HANDOVER_MS:g} ms) to "
+            f"tell whether they wait on reads (then more workers help) or for work (then the wait is the handover, and "
+            "num_workers=0 is faster): try both"], {"finding": "unclear"}
 
 
 def _own_work(run: Run, per_batch: float, asleep: float) -> tuple[list[str], dict[str, Any]]:
@@ -168,21 +202,22 @@ def _own_work(run: Run, per_batch: float, asleep: float) -> tuple[list[str], dic
 
 def _cpu_workers(run: Run, workers: int, making: float, used: float, what: str) -> tuple[list[str], dict[str, Any]]:
     """CPU-bound making of ``making`` ms a batch: the fewest workers that reach the period's floor, if it gains."""
-    p, cores = run.period, run.avail(used)
+    # The cores are this run's affinity: other processes' load is no wall (the scheduler shares the cores by
+    # runnable thread, so workers take their share from them too); advise() names that load.
+    p, cores = run.period, float(run.cores or 1)
     handover = HANDOVER_MS if workers == 0 else 0.0  # with workers the step already pays it
     floor = max(run.step + handover, (used * p + handover) / cores)
     n = max(1, math.ceil(making / floor - 1e-9))
     n = min(n, max(1, math.floor(cores + 1e-9)))
     predicted = max(floor, making / n)
-    ev: dict[str, Any] = {"finding": "cpu", "cores_available": cores, "floor_ms": floor}
+    ev: dict[str, Any] = {"finding": "cpu", "floor_ms": floor}
     if n > workers and run.gains(predicted):
         ev["estimate"] = {"num_workers": n, "period_ms": predicted}
         return [f"{what}; try DataLoader(num_workers={n}): workers make batches beside the step, as many as the "
-                f"{cores:.1f} cores this run can have carry (an estimate: period {p:.2f} -> ~{predicted:.2f} ms)"], ev
-    idle = (run.cpu or {}).get("idle_cores")
-    busy = f"this run uses {used:.1f} of the {run.cores} cores" + (f", the machine idles {idle:.1f}" if idle is not None else "")
+                f"{run.cores} cores carry (an estimate: period {p:.2f} -> ~{predicted:.2f} ms)"], ev
     ev["finding"] = "cores_busy"
-    return [NOTHING + f"{what} and the cores are busy ({busy}): more workers would take their CPU from the step",
+    return [NOTHING + f"{what} and this run keeps the cores busy ({used * p:.2f} ms of CPU a step on {run.cores} "
+            f"core(s), {used:.1f} in use): more workers would take their CPU from the step",
             "make a batch cheaper (decode or augment less on the CPU, a faster format, augment on the GPU), or run "
             "on more cores"], ev
 
