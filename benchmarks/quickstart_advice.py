@@ -21,6 +21,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.provenance import code_line  # noqa: E402
+
 VARIANTS = ("shipped", "workers2", "batched")
 
 CHILD = r'''
@@ -71,10 +74,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--note", default="", help="a line for the file: how the machine was shared, say")
     args = parser.parse_args()
     variants = args.variants.split(",")
-    lines = [f"examples/lightning_quickstart.py --steps {args.steps}, {os.cpu_count()} cores; "
-             f"variants interleaved, {args.pairs} rounds, a fresh process each", ""]
+    lines = [code_line(), f"examples/lightning_quickstart.py --steps {args.steps}, {os.cpu_count()} cores; "
+             f"variants interleaved, {args.pairs} rounds, a fresh process each", *([args.note] if args.note else []), ""]
     rows: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(args.pairs):
         for v in variants:

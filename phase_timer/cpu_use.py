@@ -106,8 +106,9 @@ def read(steps: int, period_ms: float) -> Reading:
                    workers, _children_cpu_ns(), _idle_ns(), steps, period_ms)
 
 
-#: A span is used only if its wall time is at most this multiple of the ``period`` time its steps took: longer,
-#: and it holds time that was no step's (a validation, the run's end), whose CPU says nothing of the loading.
+#: A span between two readings is used only if its wall time is at most this multiple of the ``period`` time its
+#: steps took: longer, and it holds time that was no step's (a validation, the run's end), whose CPU says nothing
+#: of the loading.  Of the spans that qualify, the one with the most steps.
 SPAN_SLACK = 1.25
 #: ... and only with at least this many steps.
 MIN_SPAN_STEPS = 10
@@ -155,17 +156,22 @@ class CpuUse:
         return out
 
     def _span(self) -> tuple[Reading, Reading, list[Reading]] | None:
-        """The first reading and the latest one after it on the same thread whose span was steps (no pause)."""
-        if len(self.readings) < 2:
+        """The two readings on the same thread, the most steps apart, whose span was steps (no pause within)."""
+        best = None
+        rs = self.readings
+        for i, first in enumerate(rs):
+            for j in range(len(rs) - 1, i, -1):
+                last = rs[j]
+                steps, period_ms = last.steps - first.steps, last.period_ms - first.period_ms
+                wall_ms = (last.wall_ns - first.wall_ns) / 1e6
+                if last.thread == first.thread and steps >= MIN_SPAN_STEPS and 0 < wall_ms <= SPAN_SLACK * period_ms:
+                    if best is None or steps > best[0]:
+                        best = (steps, i, j)
+                    break  # the latest j for this i is its longest
+        if best is None:
             return None
-        first = self.readings[0]
-        for j in range(len(self.readings) - 1, 0, -1):
-            last = self.readings[j]
-            steps, period_ms = last.steps - first.steps, last.period_ms - first.period_ms
-            wall_ms = (last.wall_ns - first.wall_ns) / 1e6
-            if last.thread == first.thread and steps >= MIN_SPAN_STEPS and 0 < wall_ms <= SPAN_SLACK * period_ms:
-                return first, last, self.readings[: j + 1]
-        return None
+        _, i, j = best
+        return rs[i], rs[j], rs[i: j + 1]
 
 
 def _shares(busy_ns: int, queued_ns: int, wall_ns: int) -> dict[str, float]:

@@ -46,6 +46,8 @@ IO_SHARE = 0.5
 #: also be at least this many times what a batch costs the workers in CPU plus its handover, which no CPU work
 #: explains.  It holds when the cores are busy too, where the training thread is queued rather than asleep.
 IO_RATIO = 2.0
+#: The training thread queued for a core at least this share of the period: the cores are contended.
+CONTENDED = 0.1
 #: Workers for a waiting (I/O) loader: enough to deliver a batch every step with this much to spare ...
 HEADROOM = 1.5
 #: ... and at most this many per core (each holds a copy of the dataset object and its prefetched batches).
@@ -166,35 +168,52 @@ def _with_workers(loader: dict[str, Any], run: Run, workers: int) -> tuple[list[
                             "cores have room; num_workers=0 if a batch is cheap to make")], {"finding": "unmeasured"}
     per_batch = run.cpu["worker_cores"] * run.period  # the workers' CPU time a batch (one batch a step)
     w_asleep = run.worker("asleep") or 0.0
-    if w_asleep >= IO_SHARE and d >= IO_RATIO * (per_batch + HANDOVER_MS):
+    # The training thread asleep while it waits: for the workers' next batch, or, where the cores are contended, for
+    # a worker thread queued behind others (each tensor's memory is fetched from the worker).  Only uncontended
+    # does its sleep alone say the workers are behind; contended, the wait must be more than a batch's cost.
+    contended = (run.thread("queued") or 0.0) >= CONTENDED * run.period
+    behind = asleep >= IO_SHARE * d and not contended
+    if w_asleep >= IO_SHARE and (behind or d >= IO_RATIO * (per_batch + HANDOVER_MS)):
         return _io_more(run, workers, w_asleep, asleep, per_batch)
     if asleep < IO_SHARE * d:  # the training thread on a CPU (or queued for one) while it waited
-        return _own_work(run, per_batch, asleep)
+        return _own_work(run, workers, per_batch, asleep)
     if w_asleep < IO_SHARE:  # it slept while the workers computed: they are behind, on CPU
         used = run.cpu["process_cores"] + run.cpu["worker_cores"]
         return _cpu_workers(run, workers, per_batch, used, f"the {workers} workers are CPU-bound "
                             f"({per_batch:.2f} ms of CPU a batch, busy or queued for a core "
                             f"{100 * (1 - w_asleep):.0f}% of their time)")
-    # Both asleep, the wait near what a batch costs: workers waiting on reads, or for work (then the wait is the
-    # handover, and its round trips to the worker for each tensor's memory are asleep too).  Not told apart here.
+    # Both asleep on contended cores, the wait near what a batch costs: workers waiting on reads, or for work (then
+    # the wait is the handover, its round trips held up by a queue for a core).  Not told apart here.
+    queued = run.thread("queued") or 0.0
     return [f"the {workers} workers were asleep {100 * w_asleep:.0f}% of their time and spend {per_batch:.2f} ms of "
-            f"CPU a batch; the wait ({d:.2f} ms a step) is too near that plus a handover (~{HANDOVER_MS:g} ms) to "
-            f"tell whether they wait on reads (then more workers help) or for work (then the wait is the handover, and "
-            "num_workers=0 is faster): try both"], {"finding": "unclear"}
+            f"CPU a batch, and the training thread waited {queued:.2f} ms a step for a core: on contended cores a "
+            f"wait of {d:.2f} ms a step does not tell whether they wait on reads (then more workers help) or for work "
+            "(then the wait is the handover, and num_workers=0 is faster): try both"], {"finding": "unclear"}
 
 
-def _own_work(run: Run, per_batch: float, asleep: float) -> tuple[list[str], dict[str, Any]]:
+def _own_work(run: Run, workers: int, per_batch: float, asleep: float) -> tuple[list[str], dict[str, Any]]:
     """The training thread was on a CPU or queued for one while it waited: the wait is its own, not the workers'."""
     d, queued = run.wait, run.thread("queued") or 0.0
     spent = f"the training thread slept only {asleep:.2f} of the {d:.2f} ms a step it waited"
-    if queued >= IO_SHARE * d:  # it waited for a core: what the wait would be without workers cannot be told
-        return [NOTHING + f"the training thread waited {queued:.2f} ms a step for a core ({spent}): the cores are "
-                "busy (other processes, or this one's threads and workers); fewer threads or processes beside the "
-                "training leave it its cores"], {"finding": "cores_busy"}
-    if per_batch < d and run.gains(run.step + per_batch):
+    # In the training process the batch would cost what the workers spend on it less sending it (its pickling and
+    # shared memory, ~a handover), and at least half of what they spend.
+    making = max(per_batch - HANDOVER_MS, per_batch / 2)
+    # Where the cores were this run's, the training thread's queue for one is its own workers' doing: without them
+    # the step loses its share of that queue (the queue spread evenly over the period).
+    others = run.others()
+    own = others is not None and others < OTHERS_CORES
+    step = run.step - (queued * run.step / run.period if own else 0.0)
+    if making < d and run.gains(step + making):
+        held = (f"; and it waited {queued:.2f} ms a step for a core, which the cores being this run's, its {workers} "
+                "workers held" if own and queued >= 0.1 * d else "")
         return [f"try DataLoader(num_workers=0): the wait is the training process's own work ({spent}): receiving "
                 f"a batch from a worker costs it more than making one would (the workers spend {per_batch:.2f} ms of "
-                "CPU a batch)"], {"finding": "handover", "estimate": {"num_workers": 0, "period_ms": run.step + per_batch}}
+                f"CPU a batch, sending it included){held}"], \
+            {"finding": "handover", "estimate": {"num_workers": 0, "period_ms": step + making}}
+    if queued >= IO_SHARE * d:  # it waited for a core, and not (only) for its workers
+        return [NOTHING + f"the training thread waited {queued:.2f} ms a step for a core ({spent}): the cores are "
+                "busy with other processes; fewer threads or processes beside the training leave it its cores"], \
+            {"finding": "cores_busy"}
     return [NOTHING + f"the wait is the training process's own work, receiving each batch from the workers ({spent}), "
             f"and making the batch costs the workers more ({per_batch:.2f} ms of CPU): fewer, larger tensors a batch "
             "cost less to hand over"], {"finding": "own_work"}
@@ -205,8 +224,11 @@ def _cpu_workers(run: Run, workers: int, making: float, used: float, what: str) 
     # The cores are this run's affinity: other processes' load is no wall (the scheduler shares the cores by
     # runnable thread, so workers take their share from them too); advise() names that load.
     p, cores = run.period, float(run.cores or 1)
-    handover = HANDOVER_MS if workers == 0 else 0.0  # with workers the step already pays it
-    floor = max(run.step + handover, (used * p + handover) / cores)
+    # From num_workers=0, each batch also costs a handover: the training process receives it, the worker sends it
+    # (its pickling and shared memory, taken as much again).  With workers, both are paid already.
+    handover = HANDOVER_MS if workers == 0 else 0.0
+    making += handover
+    floor = max(run.step + handover, (used * p + 2 * handover) / cores)
     n = max(1, math.ceil(making / floor - 1e-9))
     n = min(n, max(1, math.floor(cores + 1e-9)))
     predicted = max(floor, making / n)
