@@ -218,7 +218,8 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
         return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS}, tuple(mem))
     found = [f for f in (
-        _input_bound(totals, signals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals), _straggler(signals, rank_totals),
+        _input_bound(totals, signals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals),
+        _straggler(signals, rank_totals),
     ) if f is not None]
     found.sort(key=lambda f: -f.evidence["share_of_period"])
     host = _host_bound(totals, signals, clock)

@@ -18,8 +18,9 @@ asleep; the cores this process may use (and, named beside the advice, what other
   ``num_workers x P``).  A worker ahead of the loop sleeps too, waiting for work, so asleep alone says nothing.
 - ``num_workers>0`` and the training thread on a CPU (or queued for one) while it waits: the wait is its own work,
   receiving each batch (unpickling it, fetching each tensor's shared memory from the worker), or a core it waited
-  for.  More workers cannot help; when ``c`` is under the wait, making the batch in the training process is
-  cheaper: ``num_workers=0``.
+  for.  More workers cannot help; when making the batch in the training process (``c`` less sending it) is cheaper
+  than the wait, ``num_workers=0`` -- on the condition that a batch reads nothing where the workers were mostly
+  asleep (ahead of the loop, or waiting on reads: their CPU time is all of the making only in the first case).
 - ``num_workers>0``, the training thread asleep while it waits, the workers busy: they are behind on CPU; more only
   if the cores have room (the same floor, with ``c``).  The workers asleep too but the wait near ``c`` plus a
   handover: reads or the handover, not told apart; it says so.
@@ -111,7 +112,8 @@ class Run:
 def advise(loader: dict[str, Any] | None, run: Run, device_type: str | None) -> tuple[list[str], dict[str, Any]]:
     """What to try (most likely first) and the evidence it rests on (``finding``: which case, ``estimate``)."""
     if not loader:
-        return ["the loader's settings are unknown here: more DataLoader workers, pinned memory, persistent workers"], {}
+        return ["the loader's settings are unknown here: more DataLoader workers, pinned memory, persistent "
+                "workers"], {}
     if loader.get("type") != "DataLoader":
         return [f"the loader is a {loader.get('type')}, neither a DataLoader nor a wrapper of one: its own parallel "
                 "reading and prefetching (phase-timer cannot read its settings)"], {}
@@ -128,8 +130,8 @@ def advise(loader: dict[str, Any] | None, run: Run, device_type: str | None) -> 
     others = run.others()
     if others is not None and others >= OTHERS_CORES:
         ev["other_cores"] = others
-        tips.append(f"other processes kept {others:.1f} of the {run.cores} cores busy during the run: its figures, and "
-                    "this advice, hold for that load")
+        tips.append(f"other processes kept {others:.1f} of the {run.cores} cores busy during the run: its figures, "
+                    "and this advice, hold for that load")
     return tips, ev
 
 
@@ -140,7 +142,7 @@ def _in_process(loader: dict[str, Any], run: Run) -> tuple[list[str], dict[str, 
     cost = run.making_cpu()
     if d < HANDOVER_MS or (not io and cost < HANDOVER_MS):
         bs = loader.get("batch_size") or "B"
-        queued = f" (of its {d:.2f} ms wait, the rest it was queued for a core)" if cost < d - 0.05 else ""
+        queued = f" (of its {d:.2f} ms wait; the rest it slept or was queued for a core)" if cost < d - 0.05 else ""
         return [f"keep num_workers=0: a batch costs {cost:.2f} ms to make in the training process{queued}, less than "
                 f"a worker process costs it to hand one over (~{HANDOVER_MS:g} ms): workers would slow the step",
                 f"what is left is the per-item path ({bs} __getitem__ calls and a collate a batch): index the whole "
@@ -149,23 +151,24 @@ def _in_process(loader: dict[str, Any], run: Run) -> tuple[list[str], dict[str, 
                 "TensorDataset's does)"], {"finding": "cheap", "making_ms": cost}
     if io:
         n = _io_workers(d, run)
-        return [f"num_workers=0 and the loading waits: the training thread slept {min(asleep, d):.2f} of the {d:.2f} ms "
-                f"a step it waited for a batch (I/O, not CPU); try DataLoader(num_workers={n}){_beyond(n, run)}"], \
+        return [f"num_workers=0 and the loading waits: the training thread slept {min(asleep, d):.2f} of the {d:.2f} "
+                f"ms a step it waited for a batch (I/O, not CPU); try DataLoader(num_workers={n}){_beyond(n, run)}"], \
             {"finding": "io", "estimate": {"num_workers": n}}
     if run.cpu is None:
         return [_unmeasured(f"num_workers=0 and a batch takes {d:.2f} ms to make in the training process: workers "
                             f"make batches beside the step; try DataLoader(num_workers={min(2, run.cores or 2)})")], \
             {"finding": "unmeasured"}
-    return _cpu_workers(run, 0, cost, run.cpu["process_cores"], f"making a batch is CPU work ({cost:.2f} ms a step "
-                                                                "in the training process)")
+    return _cpu_workers(run, 0, cost, run.cpu["process_cores"], f"num_workers=0 and making a batch is CPU work "
+                                                                f"({cost:.2f} ms a step in the training process)")
 
 
 def _with_workers(loader: dict[str, Any], run: Run, workers: int) -> tuple[list[str], dict[str, Any]]:
     """``num_workers>0``: are the workers behind (waiting on reads, or on CPU), or is the wait the handover?"""
     d, asleep = run.wait, run.thread("asleep")
     if asleep is None or "worker_cores" not in (run.cpu or {}):
-        return [_unmeasured(f"the {workers} workers do not keep up: more workers if the loading waits on reads or the "
-                            "cores have room; num_workers=0 if a batch is cheap to make")], {"finding": "unmeasured"}
+        return [_unmeasured(f"the {workers} workers do not keep up: more workers if the loading waits on reads or "
+                            "the cores have room; num_workers=0 if a batch is cheap to make")], \
+            {"finding": "unmeasured"}
     per_batch = run.cpu["worker_cores"] * run.period  # the workers' CPU time a batch (one batch a step)
     w_asleep = run.worker("asleep") or 0.0
     # The training thread asleep while it waits: for the workers' next batch, or, where the cores are contended, for
@@ -176,7 +179,7 @@ def _with_workers(loader: dict[str, Any], run: Run, workers: int) -> tuple[list[
     if w_asleep >= IO_SHARE and (behind or d >= IO_RATIO * (per_batch + HANDOVER_MS)):
         return _io_more(run, workers, w_asleep, asleep, per_batch)
     if asleep < IO_SHARE * d:  # the training thread on a CPU (or queued for one) while it waited
-        return _own_work(run, workers, per_batch, asleep)
+        return _own_work(run, workers, per_batch, asleep, w_asleep)
     if w_asleep < IO_SHARE:  # it slept while the workers computed: they are behind, on CPU
         used = run.cpu["process_cores"] + run.cpu["worker_cores"]
         return _cpu_workers(run, workers, per_batch, used, f"the {workers} workers are CPU-bound "
@@ -191,7 +194,8 @@ def _with_workers(loader: dict[str, Any], run: Run, workers: int) -> tuple[list[
             "(then the wait is the handover, and num_workers=0 is faster): try both"], {"finding": "unclear"}
 
 
-def _own_work(run: Run, workers: int, per_batch: float, asleep: float) -> tuple[list[str], dict[str, Any]]:
+def _own_work(run: Run, workers: int, per_batch: float, asleep: float,
+              w_asleep: float) -> tuple[list[str], dict[str, Any]]:
     """The training thread was on a CPU or queued for one while it waited: the wait is its own, not the workers'."""
     d, queued = run.wait, run.thread("queued") or 0.0
     spent = f"the training thread slept only {asleep:.2f} of the {d:.2f} ms a step it waited"
@@ -206,10 +210,15 @@ def _own_work(run: Run, workers: int, per_batch: float, asleep: float) -> tuple[
     if making < d and run.gains(step + making):
         held = (f"; and it waited {queued:.2f} ms a step for a core, which the cores being this run's, its {workers} "
                 "workers held" if own and queued >= 0.1 * d else "")
-        return [f"try DataLoader(num_workers=0): the wait is the training process's own work ({spent}): receiving "
-                f"a batch from a worker costs it more than making one would (the workers spend {per_batch:.2f} ms of "
-                f"CPU a batch, sending it included){held}"], \
-            {"finding": "handover", "estimate": {"num_workers": 0, "period_ms": step + making}}
+        # Workers mostly asleep are ahead of the loop, or wait on reads within each batch: their CPU time is the
+        # whole of a batch's making only in the first case, which the user can tell and this cannot.
+        reads = w_asleep >= IO_SHARE
+        when = (f"if a batch reads nothing (its data in memory: the workers were asleep {100 * w_asleep:.0f}% of "
+                "their time, waiting for work or on reads), " if reads else "")
+        return [f"{when}try DataLoader(num_workers=0): the wait is the training process's own work ({spent}): "
+                f"receiving a batch from a worker costs it more than making one would (the workers spend "
+                f"{per_batch:.2f} ms of CPU a batch, sending it included){held}"], \
+            {"finding": "handover", "if_no_reads": reads, "estimate": {"num_workers": 0, "period_ms": step + making}}
     if queued >= IO_SHARE * d:  # it waited for a core, and not (only) for its workers
         return [NOTHING + f"the training thread waited {queued:.2f} ms a step for a core ({spent}): the cores are "
                 "busy with other processes; fewer threads or processes beside the training leave it its cores"], \
@@ -244,7 +253,8 @@ def _cpu_workers(run: Run, workers: int, making: float, used: float, what: str) 
             "on more cores"], ev
 
 
-def _io_more(run: Run, workers: int, w_asleep: float, asleep: float, per_batch: float) -> tuple[list[str], dict[str, Any]]:
+def _io_more(run: Run, workers: int, w_asleep: float, asleep: float,
+             per_batch: float) -> tuple[list[str], dict[str, Any]]:
     """Workers behind and asleep: they wait on reads; more of them overlap more waits, beyond the cores."""
     n = _io_workers(workers * run.period, run)  # each worker makes a batch every ``workers`` periods
     said = (f"the {workers} workers wait on I/O: asleep {100 * w_asleep:.0f}% of their time and {per_batch:.2f} ms "
@@ -254,7 +264,8 @@ def _io_more(run: Run, workers: int, w_asleep: float, asleep: float, per_batch: 
         return [NOTHING + f"{said}, and {workers} workers is already the cap this rule sets "
                 f"({_io_cap(run)} on {run.cores} cores); the reads are the limit: faster storage, a local copy, "
                 "fewer and larger files"], {"finding": "io_capped"}
-    return [f"{said}; try DataLoader(num_workers={n}){_beyond(n, run)}"], {"finding": "io", "estimate": {"num_workers": n}}
+    return [f"{said}; try DataLoader(num_workers={n}){_beyond(n, run)}"], \
+        {"finding": "io", "estimate": {"num_workers": n}}
 
 
 def _beyond(n: int, run: Run) -> str:

@@ -313,7 +313,7 @@ def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypat
     timer = _plain_run(tmp_path, steps=40, sleep_s=0.002)  # 4 items x 2 ms a batch
     d = timer.diagnosis
     assert d.kind == "INPUT_BOUND"
-    assert "num_workers=0 and the loading waits" in d.next[0]  # 2 ms sleeps: I/O, measured
+    assert "num_workers=0" in d.next[0]  # the case it makes of it: tests/test_input_advice.py
     assert d.evidence["loader"]["num_workers"] == 0 and d.evidence["share_of_period"] > 0.5
     data = _validated(timer.summary_path)
     assert timer.summary_path == os.path.join(timer.log_dir, FILE_NAME)

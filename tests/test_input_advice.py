@@ -163,6 +163,7 @@ def test_a_cheap_batch_with_workers_is_told_num_workers_0():
     measured = cpu(thread=(0.9, 0.03, 0.07), worker=(0.05, 0.05, 0.9), process=1.3, workers=0.1, idle=0.3)
     tips, ev = advice(loader(2), 3.0, 1.0, 2, measured)
     assert ev["finding"] == "handover" and workers_advised(tips) == 0
+    assert tips[0].startswith("if a batch reads nothing") and ev["if_no_reads"]  # asleep: ahead, or on reads
     # at least half their CPU is the making; the step less its share of the (this run's own) queue for a core
     assert ev["estimate"]["period_ms"] == pytest.approx(2.0 - 0.09 * 2.0 / 3.0 + 0.3 / 2)
 
@@ -186,6 +187,10 @@ def test_the_training_thread_queued_for_a_core_by_its_own_workers_is_told_num_wo
     measured = cpu(thread=(0.6, 0.35, 0.05), worker=(0.3, 0.1, 0.6), process=1.5, workers=0.5, idle=0.0)
     tips, ev = advice(loader(2), 3.0, 1.0, 2, measured)  # 1.5 ms of workers' CPU a batch: 0.75 making
     assert ev["finding"] == "handover" and workers_advised(tips) == 0 and "its 2 workers held" in tips[0]
+    assert tips[0].startswith("if a batch reads nothing")
+    busy = {**measured, "worker": {"busy": 0.6, "queued": 0.2, "asleep": 0.2}}  # their CPU time is the making
+    tips, ev = advice(loader(2), 3.0, 1.0, 2, busy)
+    assert tips[0].startswith("try DataLoader(num_workers=0)") and not ev["if_no_reads"]
     assert ev["estimate"]["period_ms"] == pytest.approx(2.0 - 1.05 * 2.0 / 3.0 + 0.75)
     others = {**measured, "process_cores": 0.8}  # 0.7 of a core for other processes: the queue is theirs
     assert advice(loader(2), 3.0, 1.0, 2, others)[1]["finding"] == "cores_busy"
@@ -456,4 +461,5 @@ def test_fabrics_loader_gets_the_measured_advice_end_to_end(tmp_path):
             opt.step()
     d = timer.diagnosis
     assert d.kind == "INPUT_BOUND" and d.evidence["loader"]["wrapper"] == "_FabricDataLoader"
-    assert d.evidence["finding"] == "io" and "num_workers=0 and the loading waits" in d.next[0], d.next
+    assert d.evidence["loader"]["num_workers"] == 0 and d.evidence["finding"] and "num_workers=" in d.next[0], d.next
+    assert not any("_FabricDataLoader" in t for t in d.next)  # before: "the loader is a _FabricDataLoader: ..."
