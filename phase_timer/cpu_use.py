@@ -2,14 +2,15 @@
 
 The INPUT_BOUND advice depends on it: a loader whose batches are cheap to make gains nothing
 from worker processes (handing a batch over costs as much), one whose batches wait on I/O gains
-from more workers than cores, one whose batches are CPU work only up to the free cores.
+from more workers than cores, one whose batches are CPU work only as far as the cores carry.
 
 Read at a few window ends (windows 1-4, then the 8th, 16th, 32nd, ...), never per step, on the
 thread that resolves the windows (the training thread).  One reading is 30-120 µs: the process's
-CPU clock, the thread's scheduler counters and each live worker's, from Linux's
-``/proc/<pid>/schedstat`` (time on a CPU, time waiting in the run queue for one); the rest of a
-thread's wall time it slept (I/O, a queue, a lock).  Off Linux the scheduler counters are
-missing and the advice says what it could not tell.
+CPU clock; the thread's scheduler counters and each of its DataLoader workers', from Linux's
+``/proc/<pid>/schedstat`` (time on a CPU, time waiting in the run queue for one; the rest of a
+thread's wall time it slept: I/O, a queue, a lock); the CPU time of the workers already ended;
+the machine's idle time.  Off Linux the scheduler counters are missing and the advice says what
+it could not tell.
 
 The loader's own code is never run to measure it: a batch made on the main thread at the end
 of a run could open files a later fork would inherit (h5py), draw from the random generators,
@@ -18,9 +19,7 @@ or behave unlike its workers (``get_worker_info()``).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,19 +29,26 @@ from typing import Any
 DENSE_READS = 4
 
 
-def _schedstat(path: str) -> tuple[int, int] | None:
-    """(ns on a CPU, ns waiting for one) from a ``schedstat`` file, or None where there is none."""
+def _read(path: str) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        fields = os.read(fd, 128).split()
-        return int(fields[0]), int(fields[1])
-    except (OSError, ValueError, IndexError):
+        return os.read(fd, 4096)
+    except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _schedstat(path: str) -> tuple[int, int] | None:
+    """(ns on a CPU, ns waiting for one) from a ``schedstat`` file, or None where there is none."""
+    fields = (_read(path) or b"").split()
+    try:
+        return int(fields[0]), int(fields[1])
+    except (ValueError, IndexError):
+        return None
 
 
 def _idle_ns() -> int | None:
@@ -55,13 +61,25 @@ def _idle_ns() -> int | None:
         return None
 
 
-def _worker_pids() -> list[int]:
-    """The live daemon child processes: a DataLoader's workers are daemons (``multiprocessing`` knows them)."""
-    return [p.pid for p in multiprocessing.active_children() if p.daemon and p.pid is not None]
+#: The name torch's DataLoader gives its worker processes (``_worker_loop``); other children are not read.
+WORKER_NAME = b"pt_data_worker"
+
+
+def _worker_pids(tid: int) -> list[int]:
+    """The DataLoader workers this thread started (Linux's ``children`` of the thread; those torch named, or all of
+    them under a torch that names none).  Read from /proc, so nothing is reaped: ``multiprocessing.active_children``
+    would wait for ended ones, which the DataLoader's own failure check then could not see."""
+    pids = [int(p) for p in (_read(f"/proc/self/task/{tid}/children") or b"").split()]
+    named = [p for p in pids if (_read(f"/proc/{p}/comm") or b"").strip() == WORKER_NAME]
+    return named or pids
 
 
 def _children_cpu_ns() -> int:
     """CPU time of the children already ended and reaped (a non-persistent loader's workers at each epoch's end)."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return 0
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return int((ru.ru_utime + ru.ru_stime) * 1e9)
 
@@ -86,19 +104,20 @@ def _worker(pid: int) -> tuple[int, int, int] | None:
     a CPU and queued for one (the thread that makes the batches, or waits for the next index)."""
     main = _schedstat(f"/proc/{pid}/schedstat")
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+        tids = os.listdir(f"/proc/{pid}/task") if main is not None else []
+    except OSError:  # it ended between the two reads
         return None
     if main is None:
         return None
-    total = sum(s[0] for s in map(lambda t: _schedstat(f"/proc/{pid}/task/{t}/schedstat"), tids) if s is not None)
+    threads = (_schedstat(f"/proc/{pid}/task/{t}/schedstat") for t in tids)
+    total = sum(t[0] for t in threads if t is not None)
     return max(total, main[0]), main[0], main[1]
 
 
 def read(steps: int, period_ms: float) -> Reading:
     tid = threading.get_native_id()
     workers = {}
-    for pid in _worker_pids():
+    for pid in _worker_pids(tid):
         w = _worker(pid)
         if w is not None:
             workers[pid] = w
