@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from phase_timer.cpu_use import CpuUse
+from phase_timer.input_advice import Run, advise
 from phase_timer.metrics import share_base
 from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.syncs import SyncCensus, SyncSite
@@ -140,6 +142,9 @@ class Signals:
         #: Syncs on that step that were no step's: other threads outside backward, pauses (evaluation, saves).
         self.sync_other_threads = 0
         self.sync_paused = 0
+        #: The CPU time of the training process, its training thread and the loader's workers, read at a few
+        #: window ends (``phase_timer.cpu_use``): what the INPUT_BOUND advice is made of.
+        self.cpu = CpuUse()
 
     def add_census(self, census: SyncCensus, step: int) -> None:
         """What the census heard on warm-up step ``step``."""
@@ -156,6 +161,9 @@ class Signals:
         if steps < 10:
             return
         self.windows += 1
+        mean = (summary.get("period") or {}).get("mean")
+        if mean is not None:
+            self.cpu.add_window(steps, steps * mean)
         for total in ("step", "period"):
             s = summary.get(total)
             if s and s["p50"] > 0 and (s["p90"] / s["p50"] >= SPIKE_P90 or s["max"] / s["p50"] >= SPIKE_MAX):
@@ -210,7 +218,8 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
         return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS}, tuple(mem))
     found = [f for f in (
-        _input_bound(totals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals), _straggler(signals, rank_totals),
+        _input_bound(totals, signals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals),
+        _straggler(signals, rank_totals),
     ) if f is not None]
     found.sort(key=lambda f: -f.evidence["share_of_period"])
     host = _host_bound(totals, signals, clock)
@@ -237,36 +246,20 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
     return Diagnosis(first.kind, first.severity, first.why, first.next, first.evidence, tuple(rest))
 
 
-def _input_bound(totals: Any, ctx: dict[str, Any]) -> Diagnosis | None:
+def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any]) -> Diagnosis | None:
     share = _share(totals, "data_wait", "period")
     if share is None or share < MATERIAL:
         return None
-    dw = totals.phases["data_wait"].mean
+    wait = totals.phases["data_wait"]
     loader = ctx.get("loader")
     cores = ctx.get("cpu_count")
-    tips = []
-    if not loader:
-        tips.append("the loader's settings are unknown here: more DataLoader workers, pinned memory, persistent workers")
-    elif loader.get("type") != "DataLoader":
-        tips.append(f"the loader is a {loader.get('type')}: give it more parallel workers or prefetching")
-    else:
-        nw = loader.get("num_workers")
-        if nw == 0:
-            tips.append(f"num_workers=0 on a {cores}-core machine: the loading runs in the training process; "
-                        f"try DataLoader(num_workers={max(2, min(8, (cores or 4) // 2))})")
-        elif isinstance(nw, int) and cores and nw < cores // 2:
-            tips.append(f"num_workers={nw} on a {cores}-core machine: more workers")
-        if nw and not loader.get("persistent_workers"):
-            tips.append("persistent_workers=False: the workers restart every epoch; persistent_workers=True")
-        if nw and loader.get("prefetch_factor") is not None and loader["prefetch_factor"] <= 2:
-            tips.append(f"prefetch_factor={loader['prefetch_factor']}: a deeper prefetch evens out slow batches")
-        if loader.get("pin_memory") is False and ctx.get("device_type") == "cuda":
-            tips.append("pin_memory=False: pinned batches copy faster and without blocking")
-        if nw:
-            tips.append("if the workers are already many: decode and augment less on the CPU (GPU augmentation, "
-                        "a faster format)")
-    why = f"the loop waits {dw:.2f} ms a step for its next batch: {_pct(share)} of the time per step (data_wait of period)"
-    ev = {"share_of_period": share, "data_wait_ms": dw, "loader": loader, "cpu_count": cores}
+    cpu = signals.cpu.summary()
+    run = Run(totals.phases["period"].mean, wait.mean, wait.quantile(50), cores, cpu)
+    tips, found = advise(loader, run, ctx.get("device_type"))
+    why = (f"the loop waits {wait.mean:.2f} ms a step for its next batch: {_pct(share)} of the time per step "
+           "(data_wait of period)")
+    ev = {"share_of_period": share, "data_wait_ms": wait.mean, "data_wait_p50_ms": run.wait_p50, "loader": loader,
+          "cpu_count": cores, "cpu": cpu, **found}
     return Diagnosis("INPUT_BOUND", _severity(share), why, tuple(tips), ev)
 
 

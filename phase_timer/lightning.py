@@ -36,7 +36,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phase_timer import backward_calls, lifecycle
-from phase_timer._env import warn
 from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
 from phase_timer.config import TimerConfig, disabled_by_env

@@ -43,7 +43,7 @@ from phase_timer.boundaries import Boundaries
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
 from phase_timer.core import TimingCore
 from phase_timer.diagnosis import Diagnosis
-from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, TOTALS, custom_scalars_layout
+from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.runinfo import loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
@@ -66,7 +66,7 @@ except ImportError:  # not built: the hooks are the methods themselves
 #: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
 _HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
-_RESERVED = HOST_PHASES | set(TOTALS) | {"idle", BETWEEN, PAUSED, *COUNTS}
+_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *COUNTS}  # a built-in's name would merge into it
 _END_STEP = ("optimizer", "manual")
 
 
@@ -359,9 +359,11 @@ class LoopTimer:
 
         The innermost open phase owns the time (nesting is exclusive, so phases still
         add up); built-in boundaries inside it take effect when it closes.  Inside a
-        step it is part of ``step``; between steps (an EMA after ``optimizer.step()``)
-        it is timed the same way and is part of the time between steps.  Only the
-        training loop's thread is timed; re-entry (recursion) is counted once.
+        step it is part of ``step`` under its own name (its share is of ``step``); after
+        the step's end (an EMA after ``optimizer.step()``, or the rest of a phase left open
+        across it) its time is ``between_steps.<name>``, part of ``period`` but not of
+        ``step``.  Only the training loop's thread is timed; re-entry (recursion) is
+        counted once.
         """
         if not isinstance(name, str) or not name.isidentifier() or name in _RESERVED:
             raise ValueError(

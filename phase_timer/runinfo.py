@@ -20,17 +20,51 @@ def cpu_count() -> int | None:
         return os.cpu_count()
 
 
+#: Where a wrapper keeps the loader it wraps: Fabric's ``_FabricDataLoader`` (``_dataloader``), and the like.
+_WRAPPED = ("_dataloader", "dataloader", "base_dataloader")
+
+
+def _attr(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - a property that fails: no wrapped loader there
+        return None
+
+
+def unwrap_loader(loader: Any) -> tuple[Any, list[str]]:
+    """The DataLoader inside wrappers that hold it (a few levels at most), and the wrappers' type names, outermost
+    first; a loader that is no DataLoader nor wraps one comes back as it is, with no wrappers."""
+    wrappers: list[str] = []
+    inner = loader
+    for _ in range(4):
+        if isinstance(inner, torch.utils.data.DataLoader):
+            return inner, wrappers
+        nxt = next((x for x in map(lambda a: _attr(inner, a), _WRAPPED) if x is not None), None)
+        if nxt is None or nxt is inner:
+            break
+        wrappers.append(type(inner).__name__)
+        inner = nxt
+    return loader, []
+
+
 def loader_info(loader: Any) -> dict[str, Any] | None:
-    """A DataLoader's settings as the loader itself holds them; for another iterable, its type."""
+    """A DataLoader's settings as the loader itself holds them (looked for inside a wrapper such as Fabric's);
+    for another iterable, its type."""
     if loader is None:
         return None
-    if isinstance(loader, torch.utils.data.DataLoader):
-        workers = loader.num_workers
-        return {
-            "type": "DataLoader", "num_workers": workers, "pin_memory": bool(loader.pin_memory),
-            "persistent_workers": bool(loader.persistent_workers),
-            "prefetch_factor": loader.prefetch_factor if workers else None, "batch_size": loader.batch_size,
+    inner, wrappers = unwrap_loader(loader)
+    if isinstance(inner, torch.utils.data.DataLoader):
+        workers = inner.num_workers
+        out = {
+            "type": "DataLoader", "num_workers": workers, "pin_memory": bool(inner.pin_memory),
+            "persistent_workers": bool(inner.persistent_workers),
+            "prefetch_factor": inner.prefetch_factor if workers else None, "batch_size": inner.batch_size,
+            # An iterable dataset is copied into every worker: more workers repeat its data unless it shards itself.
+            "iterable": isinstance(inner.dataset, torch.utils.data.IterableDataset),
         }
+        if wrappers:
+            out["wrapper"] = " > ".join(wrappers)
+        return out
     return {"type": type(loader).__name__}
 
 

@@ -78,6 +78,14 @@ def test_rank_exchange_at_four_ranks(tmp_path, kill):
     assert "rank 0 at    64 ranks (in-process model)" in text
 
 
+@pytest.mark.timeout(300)
+def test_quickstart_advice(tmp_path):
+    text = run_benchmark("quickstart_advice.py", tmp_path, "--pairs", "1", "--steps", "40", "--variants", "shipped,batched")
+    assert text.startswith("phase_timer tree ")
+    for variant in ("shipped", "batched"):
+        assert f"round 1 {variant}" in text and f"\n{variant}" in text and "period p50 by round" in text
+
+
 def test_the_code_line_names_the_tree_git_names(tmp_path):
     """The tree hash of phase_timer/ as a GPU results file records it is git's own (a clean copy of HEAD's
     files gives HEAD:phase_timer), and an edit changes it."""
