@@ -50,6 +50,7 @@ from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_di
 from phase_timer.stats import RunTotals
 from phase_timer.throughput import COUNTS
 from phase_timer.syncs import SyncSite
+from phase_timer.user_sinks import check_sinks, with_user_sinks
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -154,6 +155,7 @@ class LoopTimer:
         end_step: str,
         scaler: Any,
         enabled: bool,
+        sinks: Sequence[Any] = (),
     ) -> None:
         self.models = _checked_list(models, nn.Module, "model", "an nn.Module or a list of them")
         optimizers = () if optimizers is None else optimizers  # no optimizer: end_step="manual"
@@ -161,6 +163,7 @@ class LoopTimer:
                                         "a torch.optim.Optimizer, a list of them, or None with end_step='manual'",
                                         empty_ok=True)
         _check_attach_args(self.optimizers, loader, device, writer, end_step, scaler, copy_to_device, enabled)
+        self._user_sinks = check_sinks(config.owner, sinks)
         self.config = config
         self.enabled = enabled and not disabled_by_env()
         first = self._first_param()
@@ -218,7 +221,7 @@ class LoopTimer:
             log_dir = next_version_dir(self.config.log_dir or DEFAULT_LOG_DIR)
             return own_event_file(log_dir, config=self.config, ranks=ranks, fail_fast=True)
 
-        return outputs
+        return with_user_sinks(outputs, self._user_sinks, self.config.owner)
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
@@ -573,6 +576,7 @@ def attach(
     samples_per_batch: int | Callable[[Any], int] | None = None,
     tokens_per_batch: int | Callable[[Any], int] | None = None,
     enabled: bool = True,
+    sinks: Sequence[Any] = (),
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
 
@@ -598,6 +602,11 @@ def attach(
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
+        sinks: where else the values go, beside TensorBoard: a list of SummaryWriters, W&B runs
+            (``wandb.init()``'s), MLflow runs (``mlflow.start_run()``'s, or the ``mlflow`` module:
+            its active run), callables of ``(step, values)``, or sinks of your own (``write(step,
+            values)``, ``flush()``, ``close()``); None entries are skipped.  What each writes,
+            at which step, on which thread: ``docs/design.md``, "Where values go: sinks".
     """
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
@@ -607,5 +616,5 @@ def attach(
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,
-        writer=writer, end_step=end_step, scaler=scaler, enabled=enabled,
+        writer=writer, end_step=end_step, scaler=scaler, enabled=enabled, sinks=sinks,
     )
