@@ -49,6 +49,7 @@ from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disable
 from phase_timer.loop import LoopTimer
 from phase_timer.runinfo import loader_info
 from phase_timer.stats import RunTotals
+from phase_timer.user_sinks import trainer_reporters
 
 try:
     from transformers import TrainerCallback
@@ -184,6 +185,7 @@ class PhaseTimerCallback(TrainerCallback):
         self.timer = timer = LoopTimer(
             module, optimizer, None, config=config, device=None, copy_to_device=False, writer=writer,
             end_step="optimizer", scaler=getattr(optimizer, "scaler", None), enabled=True,
+            sinks=_reporters(trainer),  # report_to's W&B and MLflow runs, beside TensorBoard
         )
         timer._loader_active = True  # the batches come through get_batch_samples, wrapped below
         if timer.core is not None:
@@ -352,6 +354,17 @@ def _calling_trainer() -> Trainer | None:
             return owner
         frame = frame.f_back
     return None
+
+
+def _reporters(trainer: Any) -> list[Any]:
+    """Sinks into the Trainer's other reporters (``report_to``: W&B, MLflow), at its ``global_step``; a reporter
+    that cannot be written warns once and is left out (the run is still timed)."""
+    try:
+        return trainer_reporters(trainer)
+    except Exception as err:  # noqa: BLE001 - an integration's internals changed: time the run all the same
+        warn(log, f"phase-timer: the Trainer's reporters cannot be written ({type(err).__name__}: {err}); "
+                  "the values go to TensorBoard and the summary file")
+        return []
 
 
 def _tensorboard_writer(trainer: Any) -> Any:

@@ -297,25 +297,14 @@ def test_bad_sinks_fail_at_construction_naming_the_argument(sinks, why, enabled)
 
 # -- the 🤗 Trainer's report_to -------------------------------------------------------------------------
 def hf_trainer(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, report_to: str) -> Any:
-    """A tiny GPT-2 Trainer with ``report_to``, timed by PhaseTimerCallback with the Trainer's reporters as
-    sinks: until the lead's line is in ``PhaseTimerCallback._attach``, this test puts it there
-    (``trainer_reporters(trainer)`` into the LoopTimer it builds); with the line in, it is left alone."""
+    """A tiny GPT-2 Trainer with ``report_to``, timed by PhaseTimerCallback: the door finds the Trainer's reporters."""
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from phase_timer import hf_trainer as door
-    from phase_timer.user_sinks import trainer_reporters
     from tests.test_hf_trainer import Tokens
 
     cb = door.PhaseTimerCallback(warmup_steps=2, summary=False)
-    real = door.LoopTimer
-
-    def with_reporters(*args: Any, **kw: Any) -> Any:
-        if "sinks" not in kw:  # the line's not in the door yet
-            kw["sinks"] = trainer_reporters(cb._trainer)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(door, "LoopTimer", with_reporters)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
