@@ -72,8 +72,8 @@ def own_event_file(log_dir: str, *, config: TimerConfig, ranks: bool, fail_fast:
         if fail_fast:
             _fail(config.owner, "log_dir", config.log_dir, "a directory phase-timer can write",
                   f" ({type(err).__name__}: {err})")
-        warn(log, f"phase-timer: cannot write TensorBoard files in {log_dir} ({type(err).__name__}: {err}); "
-                  "timing goes on without them", 3)
+        warn(log, f"phase-timer: cannot write TensorBoard files nor the summary file in {log_dir} "
+                  f"({type(err).__name__}: {err}); timing goes on without them (the table, timer.totals)", 3)
         return Outputs()
     return Outputs([sink], log_dir, log_dir)
 
