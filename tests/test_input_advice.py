@@ -13,6 +13,7 @@ wall-clock figure.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -196,6 +197,13 @@ def test_the_training_thread_queued_for_a_core_by_its_own_workers_is_told_num_wo
     assert advice(loader(2), 3.0, 1.0, 2, others)[1]["finding"] == "cores_busy"
 
 
+def test_a_handover_that_would_cost_about_as_much_in_process_says_nothing_would_help():
+    """The wait is the handover, but the workers spend 3 ms of CPU a batch: made in-process, about 2 ms, no less."""
+    measured = cpu(thread=(0.9, 0.02, 0.08), worker=(0.5, 0.1, 0.4), process=1.0, workers=1.0, idle=0.0)
+    tips, ev = advice(loader(2), 3.0, 1.0, 2, measured)
+    assert tips[0].startswith(NOTHING) and ev["finding"] == "own_work" and "about 2.00 ms" in tips[0]
+
+
 def test_the_training_thread_queued_for_a_core_by_other_processes_says_nothing_would_help():
     measured = cpu(thread=(0.6, 0.35, 0.05), worker=(0.3, 0.1, 0.6), process=0.8, workers=0.5, idle=0.0)
     tips, ev = advice(loader(2), 3.0, 1.0, 2, measured)
@@ -298,6 +306,39 @@ def test_a_failed_reading_stops_the_readings_and_the_run_goes_on(monkeypatch):
     use.add_window(20, 200.0)
     use.add_window(20, 200.0)
     assert use.failed == "OSError: no /proc" and use.summary() is None
+
+
+def _ended(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
+def test_a_reading_sees_this_threads_dataloader_workers_and_reaps_nothing():
+    """Its workers (named pt_data_worker by torch), not another child; a daemon process that ended is left for its
+    owner to wait for, as torch's failure check of its workers does (multiprocessing.active_children would reap it)."""
+    import multiprocessing
+    import subprocess
+
+    from phase_timer.cpu_use import read
+
+    it = iter(DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=2, num_workers=2))
+    other = subprocess.Popen(["sleep", "30"])
+    ended = multiprocessing.get_context("fork").Process(target=int, daemon=True)  # after the workers: their
+    ended.start()  # start() has multiprocessing reap what has ended
+    while not _ended(ended.pid):
+        time.sleep(0.01)
+    try:
+        next(it)
+        r = read(10, 1.0)
+        assert len(r.workers) == 2 and other.pid not in r.workers and ended.pid not in r.workers
+        assert all(busy >= main > 0 for busy, main, _ in r.workers.values())
+        assert os.waitid(os.P_PID, ended.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None  # still waitable
+    finally:
+        del it
+        ended.join()
+        other.kill()
+        other.wait()
 
 
 def test_fabrics_loader_is_looked_through():
