@@ -152,8 +152,9 @@ def test_validation_and_sanity_check_are_not_counted(tmp_path, host_hours):
     t.fit(model, loader(), loader())
     totals = timer.totals.phases
     assert totals["h2d"].count == 19  # the validation batches' copies are not in
-    # validation (4 batches of 30 planted hours) follows 3 of 19 steps, the sanity check comes before the first
-    assert set(hours_per_step(timer.totals).values()) == {0}
+    # validation (4 batches of 30 planted hours) after steps 5, 10, 15 and 20 (the last), and the sanity check's
+    # 2 batches before the first step: all ran, and in no phase and no period
+    assert hours(host_hours.offset_ns / 1e6) == 30 * (2 + 4 * 4) and set(hours_per_step(timer.totals).values()) == {0}
 
 
 def test_bf16_mixed_and_gradient_clipping(tmp_path, host_hours):
