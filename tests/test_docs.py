@@ -97,3 +97,9 @@ def test_each_documented_argument_is_its_own_entry_of_the_api_reference():
         text = "\n".join(lines)
         undocumented = [p for p in params if p not in named and f"`{p}`" not in text]
         assert not undocumented, (title, undocumented)
+
+
+def test_the_readme_stays_a_front_door():
+    """Pitch, commands, quickstarts, one metric table, limits, links: a newcomer is done in five minutes."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move method, figures and tables to docs/"
