@@ -86,6 +86,12 @@ def test_quickstart_advice(tmp_path):
         assert f"round 1 {variant}" in text and f"\n{variant}" in text and "period p50 by round" in text
 
 
+@pytest.mark.timeout(300)
+def test_input_advice(tmp_path):
+    text = run_benchmark("input_advice.py", tmp_path, "--pairs", "1", "--cases", "cheap")
+    assert text.startswith("phase_timer tree ") and "cheap: INPUT_BOUND" in text and "medians" in text
+
+
 def test_the_code_line_names_the_tree_git_names(tmp_path):
     """The tree hash of phase_timer/ as a GPU results file records it is git's own (a clean copy of HEAD's
     files gives HEAD:phase_timer), and an edit changes it."""
