@@ -1,9 +1,10 @@
 """A ``transformers.Trainer`` under torchrun (DDP through accelerate, gloo on the CPU), with
 ``PhaseTimerCallback``; used by the distributed tests.
 
-    torchrun --standalone --nproc_per_node 2 tests/dist_scripts/hf_ddp.py --out DIR [--slow-forward S]
+    torchrun --standalone --nproc_per_node 2 tests/dist_scripts/hf_ddp.py --out DIR [--slow-forward S] [--planted-hours]
 
-Rank ``--slow-rank`` sleeps in every training forward.  Rank zero prints a last line
+Rank ``--slow-rank`` sleeps in every training forward (``--planted-hours``, on the CPU: and moves its
+host clock an hour per millisecond of that sleep, a lead no load on the runner can blur).  Rank zero prints a last line
 ``RESULT {json}``: its timer's log dir and summary path, and each rank's timed steps.
 """
 
@@ -20,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from benchmarks.models import Tokens
 from phase_timer import PhaseTimerCallback
+from tests.helpers import HostHours
 
 
 def main() -> None:
@@ -29,13 +31,25 @@ def main() -> None:
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-forward", type=float, default=0.0)
+    p.add_argument("--planted-hours", action="store_true")
     args = p.parse_args()
     rank = int(os.environ["RANK"])
+    clock = None
+    if args.planted_hours and not torch.cuda.is_available():  # before the timer exists (it takes the clock then)
+        clock = HostHours()
+        time.perf_counter_ns = clock
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
     if rank == args.slow_rank and args.slow_forward:
-        model.register_forward_pre_hook(lambda m, a: time.sleep(args.slow_forward) if m.training else None)
+
+        def slow(module: torch.nn.Module, inputs: object) -> None:
+            if module.training:
+                time.sleep(args.slow_forward)
+                if clock is not None:
+                    clock.jump(1000 * args.slow_forward)
+
+        model.register_forward_pre_hook(slow)
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=4, max_steps=args.steps,
                               logging_steps=args.window, report_to="none", save_strategy="no", use_cpu=True,
                               disable_tqdm=True, ddp_backend="gloo")

@@ -2,7 +2,9 @@
 
     torchrun --standalone --nproc_per_node 2 tests/dist_scripts/plain_ddp.py --log-dir DIR
 
-One rank can be slowed on purpose (a sleep in its forward or its data loading);
+One rank can be slowed on purpose (a sleep in its forward or its data loading; on the
+CPU, ``--planted-hours`` also moves its host clock an hour per millisecond of the forward's
+sleep, so its lead is hours that no load on the runner can blur);
 ``--no-ddp`` trains independent models so the ranks may run different numbers of
 steps (``--extra-steps``) without DDP itself hanging.  Rank zero prints the
 summary and a last line ``RESULT {json}``.
@@ -26,7 +28,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 import phase_timer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, run by torchrun
-from helpers import SleepyData  # noqa: E402
+from helpers import HostHours, SleepyData  # noqa: E402
+
+#: The host clock with planted hours (``--planted-hours``), or None.
+_CLOCK: HostHours | None = None
 
 
 class Net(nn.Module):
@@ -39,10 +44,13 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)  # on CUDA: the GPU idles inside forward, as a slow host would make it
+            if _CLOCK is not None:
+                _CLOCK.jump(1000 * self.forward_sleep_s)
         return self.body(x)
 
 
 def main() -> None:
+    global _CLOCK
     p = argparse.ArgumentParser()
     p.add_argument("--log-dir", required=True)
     p.add_argument("--steps", type=int, default=23)
@@ -50,6 +58,8 @@ def main() -> None:
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-forward", type=float, default=0.0, help="seconds of sleep in the slow rank's forward")
     p.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per item in the slow rank's loader")
+    p.add_argument("--planted-hours", action="store_true",
+                   help="CPU: the slow forward's sleep also moves the host clock an hour per ms (tests/helpers.py)")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--extra-steps", type=int, default=0, help="steps --extra-rank runs beyond --steps (with --no-ddp)")
@@ -68,6 +78,9 @@ def main() -> None:
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
+    if args.planted_hours and not cuda:  # before the timer exists: its engine takes the clock at construction
+        _CLOCK = HostHours()
+        time.perf_counter_ns = _CLOCK
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
