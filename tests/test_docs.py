@@ -103,3 +103,10 @@ def test_the_readme_stays_a_front_door():
     """Pitch, commands, quickstarts, one metric table, limits, links: a newcomer is done in five minutes."""
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines: move method, figures and tables to docs/"
+
+
+def test_the_readme_answers_a_newcomers_first_questions():
+    """Fabric works (say so), how long the tests take, and that the skips are the GPU tests (issue 36)."""
+    text = (ROOT / "README.md").read_text()
+    assert "fabric.setup(" in text and "setup_dataloaders" in text
+    assert "5 minutes on 2 cores" in text and "skips are the GPU tests" in text
