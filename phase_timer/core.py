@@ -198,9 +198,11 @@ class TimingCore:
         included), at most ~0.1 s of host time, never a device wait."""
         engine, out = self._engine, []
         for _ in range(64):
-            out.extend(engine.poll() or ())
-            if not engine.pending:
+            # The newest step done (one query; always on the host clock), or none left: nothing to wait for.
+            if engine.newest_done() is not False:
+                out.extend(engine.drain() or ())
                 break
+            out.extend(engine.poll() or ())
             time.sleep(0.002)
         return out or None
 

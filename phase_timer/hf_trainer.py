@@ -34,7 +34,7 @@ Trainer's training loop (callbacks are not handed the Trainer itself).
 
 from __future__ import annotations
 
-import functools
+import inspect
 import logging
 import os
 import sys
@@ -315,24 +315,36 @@ def _of_timer(callback: PhaseTimerCallback, name: str, default: Any) -> Any:
 
 
 def _guard_loop(callback: PhaseTimerCallback, trainer: Trainer) -> None:
-    """Wrap the Trainer instance's ``_inner_training_loop`` (``train()`` looks it up at each call): whatever raises
-    in it -- the callbacks' events, clipping, ``floating_point_ops``, a KeyboardInterrupt between two of our
-    hooks -- closes the timer (written, marked interrupted, hooks put back) and goes on unchanged.  Held weakly:
-    the Trainer keeps the callback, not the other way round."""
-    original = trainer._inner_training_loop
-    ref = weakref.ref(callback)
+    """Put :class:`_GuardedLoop` on the Trainer instance in place of its ``_inner_training_loop`` (``train()``
+    looks it up at each call): whatever raises in it -- the callbacks' events, clipping, ``floating_point_ops``,
+    a KeyboardInterrupt between two of our hooks -- closes the timer (written, marked interrupted, hooks put
+    back) and goes on unchanged."""
+    trainer._inner_training_loop = _GuardedLoop(callback, trainer)
 
-    @functools.wraps(original)  # accelerate's find_executable_batch_size reads the signature
-    def inner_training_loop(*args: Any, **kwargs: Any) -> Any:
+
+class _GuardedLoop:
+    """The Trainer's own ``_inner_training_loop``, guarded.  A plain object, not a closure over the bound method:
+    it pickles with the Trainer, and ``del trainer`` frees it without waiting for the cyclic collector."""
+
+    def __init__(self, callback: PhaseTimerCallback, trainer: Trainer) -> None:
+        self._callback = callback
+        self._trainer = weakref.ref(trainer)
+        # accelerate's find_executable_batch_size reads the signature: the method's own, bound
+        self.__signature__ = inspect.signature(trainer._inner_training_loop)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer()
         try:
-            return original(*args, **kwargs)
+            return type(trainer)._inner_training_loop(trainer, *args, **kwargs)
         except BaseException:
-            cb = ref()
-            if cb is not None:
-                cb._finish(interrupted=True)
+            self._callback._finish(interrupted=True)
             raise
 
-    trainer._inner_training_loop = inner_training_loop
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_callback": self._callback, "_trainer": self._trainer(), "__signature__": self.__signature__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _trainer=weakref.ref(state["_trainer"]))
 
 
 def _replace(config: TimerConfig, **changes: Any) -> TimerConfig:

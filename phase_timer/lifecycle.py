@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -39,25 +40,37 @@ log = logging.getLogger(__name__)
 #: Open runs: id -> a weak reference to the method that closes one (``close(interrupted: bool, why: str)``).
 _open: dict[int, weakref.WeakMethod] = {}
 _ids = itertools.count()
-_lock = threading.Lock()
+#: Reentrant: a SIGTERM handled while this thread holds it (a run registering) takes it again in ``_close_all``.
+_lock = threading.RLock()
 _atexit_registered = False
 #: The SIGTERM handler that was there when ours went in (ours: installed while ``_ours`` is set).
 _previous: Any = None
 _ours: Any = None
 #: A SIGTERM came (a handler of the program's took it on): a run written at exit after it was interrupted.
 _sigterm_seen = False
+#: The process that installed the handler: a forked child (a DataLoader worker) inherits it, and its copies
+#: of the open runs are not its own to write.
+_pid = -1
 
 
-def register(close: Callable[[bool, str], Any]) -> int:
-    """Track an open run until :func:`unregister`; ``close`` is a bound method (held weakly)."""
+def register(close: Callable[[bool, str], Any], *, sigterm: bool = True) -> int:
+    """Track an open run until :func:`unregister`; ``close`` is a bound method (held weakly).
+
+    ``sigterm=False`` (torch.distributed): no SIGTERM handler for this run.  A Python handler runs only when
+    the main thread next runs Python, so a rank stuck in a collective (in C) would no longer end at once on
+    SIGTERM, as it does by default; such a run is still written at exit and by the doors' own ends.
+    """
     global _atexit_registered
     with _lock:
+        for dead in [k for k, ref in _open.items() if ref() is None]:  # collected without their close
+            del _open[dead]
         key = next(_ids)
         _open[key] = weakref.WeakMethod(close)  # type: ignore[arg-type]
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
-    _install_sigterm()
+    if sigterm:
+        _install_sigterm()
     return key
 
 
@@ -102,7 +115,8 @@ def _install_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
     except (ValueError, OSError):  # pragma: no cover - not allowed here
         return
-    _previous, _ours = previous, _on_sigterm
+    global _pid
+    _previous, _ours, _pid = previous, _on_sigterm, os.getpid()
 
 
 def _uninstall_sigterm() -> None:
@@ -125,10 +139,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     if callable(previous) and previous is not _on_sigterm:
         previous(signum, frame)  # the program's own: it decides (the doors' ends write the run)
         return
-    _close_all(True, "on SIGTERM")
-    _uninstall_sigterm()  # (if the last run's close did not already)
+    if os.getpid() == _pid:  # not in a forked worker: its copies of the runs are the parent's
+        _close_all(True, "on SIGTERM")
+        _uninstall_sigterm()  # (if the last run's close did not already)
     # The default: end the process by this very signal, as it would have ended.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    import os
-
     os.kill(os.getpid(), signal.SIGTERM)

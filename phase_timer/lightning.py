@@ -373,7 +373,7 @@ class PhaseTimer:
             self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"
         )
         self._trainer_ref = weakref.ref(trainer)
-        self._open_key = lifecycle.register(self._close_unclosed)
+        self._open_key = lifecycle.register(self._close_unclosed, sigterm=self.core.ranks is None)
         self._iter_mode = type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ == "_DataLoaderIterDataFetcher"
         # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
         # step.  Automatic optimization calls `optimizer.step(closure)` before it runs

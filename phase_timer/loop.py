@@ -201,7 +201,7 @@ class LoopTimer:
             self._bounds = Boundaries(self.core, no_end_hint=hint)
             self._hooks_in_c()
             self._install()
-            self._open_key = lifecycle.register(self._close_unclosed)
+            self._open_key = lifecycle.register(self._close_unclosed, sigterm=self.core.ranks is None)
         else:
             self.totals = RunTotals()  # a disabled timer's results exist, and are empty
 
@@ -456,9 +456,12 @@ class LoopTimer:
 
     def __del__(self) -> None:
         # Collected while open (the loop, its model and optimizer all dropped without close()): write it, once.
+        # The collector may run anywhere (another run's step, another thread): no wait for the device nor for
+        # other ranks, so it never holds up what happens to be running.
         try:
             if getattr(self, "core", None) is not None:
-                self._close_unclosed(False, "when the timer was garbage collected")
+                self._wait_at_close = False
+                self._close_unclosed(True, "when the timer was garbage collected")
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass
 

@@ -18,14 +18,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 import torch
 
+from phase_timer._env import warn
 from phase_timer.config import check_count  # noqa: F401 - re-exported: the argument's rule
 
 #: The host values a step carries besides its phases (reserved: no phase may take these names).
 SAMPLES, TOKENS = "samples", "tokens"
 COUNTS = (SAMPLES, TOKENS)
 PREFIX = "throughput"
+log = logging.getLogger(__name__)
 #: Keys that name a mapping batch's token ids (🤗 models, most LM data pipelines).
 _TOKEN_KEYS = ("input_ids", "tokens", "token_ids")
 
@@ -63,18 +67,30 @@ class BatchCounter:
 
     samples: Count = None
     tokens: Count = None
+    #: A count failed once: no more counting (set by ``add``).
+    broken: bool = False
 
     def count(self, batch: Any) -> tuple[int | None, int | None]:
         samples, tokens = (None, None) if self.samples is not None and self.tokens is not None else shape_counts(batch)
         return _given(self.samples, batch, samples), _given(self.tokens, batch, tokens)
 
     def add(self, add_host: Callable[[str, float], None], batch: Any) -> None:
-        """Add one batch's counts to the open step (``core.add_host``: a no-op when no step is recorded)."""
-        samples, tokens = self.count(batch)
-        if samples is not None:
-            add_host(SAMPLES, float(samples))
-        if tokens:
-            add_host(TOKENS, float(tokens))
+        """Add one batch's counts to the open step (``core.add_host``: a no-op when no step is recorded).
+
+        Never raises into training: a count that fails (a user's function, an odd batch) warns once, and
+        batches are not counted from then on (no rate rather than a wrong one)."""
+        if self.broken:
+            return
+        try:
+            samples, tokens = self.count(batch)
+            if samples is not None:
+                add_host(SAMPLES, float(samples))
+            if tokens:
+                add_host(TOKENS, float(tokens))
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            object.__setattr__(self, "broken", True)
+            warn(log, f"phase-timer: a batch could not be counted for throughput ({type(err).__name__}: {err}); "
+                      "throughput is not reported from here on", 3)
 
 
 def _given(how: Count, batch: Any, default: int | None) -> int | None:

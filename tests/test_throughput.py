@@ -148,3 +148,13 @@ def test_lightning_and_the_hf_trainer_count_their_batches(tmp_path):
     thr = data["throughput"]
     assert thr["samples"] == 8 * 20 and thr["tokens"] == 8 * 16 * 20  # the Trainer's input_ids, 16 a sample
     assert thr["tokens_per_s"] == pytest.approx(128 / (data["phases"]["period"]["mean_ms"] / 1e3), rel=1e-9)
+
+
+def test_a_count_that_raises_warns_once_and_training_goes_on(tmp_path):
+    def broken(batch):
+        raise KeyError("no such field")
+
+    with pytest.warns(RuntimeWarning, match="could not be counted for throughput") as said:
+        timer = _lm_loop(tmp_path, tokens_per_batch=broken)
+    assert len([w for w in said if "counted for throughput" in str(w.message)]) == 1
+    assert timer.totals.steps == 38 and _summary(timer)["throughput"] is None  # no rate rather than a wrong one
