@@ -406,3 +406,21 @@ except KeyboardInterrupt:
 """, tmp_path)
     assert "INTERRUPTED" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
     assert summary_in(tmp_path / "logs" / "phase-timer-logs" / "version_0")["interrupted"] is True
+
+
+def test_a_forked_worker_that_gets_sigterm_leaves_the_parents_run_alone(tmp_path):
+    """A DataLoader worker is forked after attach and inherits the handler: SIGTERM ends it as by default, and
+    its copy of the run (stale, the parent's) is never written."""
+    out = run_script(PLAIN_LOOP + """
+import os, signal
+timer = phase_timer.attach(model, opt, loader, log_dir=LOG, warmup_steps=2, window=10, summary=False)
+pid = os.fork()
+if pid == 0:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(7)  # never reached: the signal ends the child
+_, status = os.waitpid(pid, 0)
+written = os.path.exists(os.path.join(timer.log_dir, "phase_timer_summary.json"))
+print("CHILD", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, written)
+timer.close()
+""", tmp_path)
+    assert "CHILD True False" in out.stdout, out.stdout + out.stderr
