@@ -26,6 +26,8 @@ from phase_timer.core import TimingCore
 from phase_timer.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name
 from phase_timer.sinks import Sink, open_event_file
+from phase_timer.flops import check_flops_arg
+from phase_timer.step_flops import FlopPlan
 from phase_timer.throughput import BatchCounter
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,7 @@ def start_core(
         ranks=ranks, memory=config.memory,
     )
     core.counter = BatchCounter(config.samples_per_batch, config.tokens_per_batch)
+    core.flops = _flop_plan(config, clock.kind, _device(device))
     core.summary_dir = out.summary_dir if rank_zero else None
     core.log_dir = out.log_dir
     core.outputs_missing = out.missing
@@ -113,6 +116,25 @@ def start_core(
                         device_name=device_name(dev) if dev is not None else "cpu", cpu_count=cpu_count())
     core.context.update(context or {})
     return core
+
+
+def _flop_plan(config: TimerConfig, clock: str, device: Any) -> FlopPlan | None:
+    """The run's FLOPs and MFU: counted on a device (where a peak can be known), given, or asked for with
+    ``peak_tflops=`` (the CPU); None with ``mfu=False``.  Counting on the host clock with no peak would
+    cost an untimed step for a figure nobody could read against anything."""
+    if not config.mfu or clock == "host" and config.peak_tflops is None and config.flops_per_step is None:
+        return None
+    name, units = None, None
+    if device is not None and device.type == "cuda":
+        import torch
+
+        try:  # host-side properties: no sync
+            props = torch.cuda.get_device_properties(device)
+            name, units = props.name, props.multi_processor_count
+        except Exception:  # noqa: BLE001 - no peak from the table then; peak_tflops= still works
+            pass
+    return FlopPlan(config.owner, given=check_flops_arg(config.owner, config.flops_per_step),
+                    peak_tflops=config.peak_tflops, device_name=name, compute_units=units)
 
 
 def _device(device: Any) -> Any:

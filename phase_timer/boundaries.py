@@ -39,6 +39,7 @@ from typing import Any
 from phase_timer._env import native_wanted, warn_once
 from phase_timer.core import TimingCore
 from phase_timer.engine import POLL_EVERY
+from phase_timer.flops import signature
 from phase_timer.metrics import BETWEEN, PAUSED, after_end
 from phase_timer.syncs import SyncCensus
 
@@ -317,6 +318,54 @@ class Boundaries:
         self._after_backward = False
         self._auto = BETWEEN
 
+    # -- what a batch holds -------------------------------------------------------------
+    def count_batch(self, batch: Any, step_batch: Any = None) -> None:
+        """A batch was handed over (after :meth:`batch`): its samples and tokens, and at a step's first batch
+        its FLOPs (``step_flops.py``).  ``step_batch``: what the step's FLOPs depend on when the door has every
+        micro-batch at once (the 🤗 Trainer's), else ``batch``.  Shapes only, never a value: no sync.
+        Every step pays this: one frame, the signature, a dict lookup and three host values (a few µs)."""
+        core = self.core
+        counter = core.counter
+        if counter is not None:
+            counter.add(core.add_host, batch)
+        plan = core.flops
+        if plan is None or plan.begun == self.begun or not self.open:
+            return
+        plan.begun = self.begun
+        if step_batch is None:
+            step_batch = batch
+        try:
+            carried = plan.given_carried or plan.carried.get(signature(step_batch))
+        except TypeError as err:  # a batch item whose .shape is no shape (unhashable): no FLOPs, training goes on
+            core.flops = None
+            self._warn_once("flops", f"phase-timer: the batch's shapes cannot be read ({err}); no FLOPs nor MFU")
+            return
+        if carried is None:
+            self._count_step(plan, step_batch)
+            return
+        add = core.add_host
+        for name, value in carried:
+            add(name, value)
+
+    def step_flops(self, batch: Any) -> None:
+        """Without a loader, at a step's first forward: its inputs say the step's FLOPs (no samples: a step
+        may run several forwards)."""
+        plan = self.core.flops
+        if plan is not None and plan.begun != self.begun:
+            self.count_batch(batch) if self.core.counter is None else _flops_only(self, batch)
+
+    def _count_step(self, plan: Any, batch: Any) -> None:
+        """A shape not yet counted: counted on this step, which goes untimed (``step_flops.py``)."""
+        counter = plan.counter
+        census = self._census
+        # Not on a sampled step (its host time is the verdict's) nor the sync census's (its syncs are the run's).
+        if counter.given is not None or type(self) is not Boundaries or census is not None and census.running:
+            return
+        sig = signature(batch)
+        if counter.wants(sig) and counter.start(sig, self._auto):
+            self.core.untime()
+            self.__class__ = _CountedBoundaries
+
     # -- pauses and ends ---------------------------------------------------------------
     def pause(self) -> None:
         """Evaluation or validation begins: neither the record nor ``period`` counts what follows."""
@@ -520,6 +569,62 @@ class Boundaries:
 
     def _warn_once(self, key: str, msg: str) -> None:
         warn_once(log, self._warned, key, msg, 4)
+
+
+def _flops_only(bounds: Boundaries, batch: Any) -> None:
+    """``count_batch`` with the samples and tokens left out."""
+    core = bounds.core
+    counter, core.counter = core.counter, None
+    try:
+        bounds.count_batch(batch)
+    finally:
+        core.counter = counter
+
+
+class _CountedBoundaries(Boundaries):
+    """The step whose FLOPs are being counted (untimed): each boundary also marks the FLOP count's phase.
+
+    Swapped in for that one step as a sampled step's class is (the same slots): the C boundaries take
+    the methods' path while it is on.  The count ends at the step's close (a batch that goes on after
+    its first optimizer step is counted whole), or is dropped with the step."""
+
+    __slots__ = ()
+
+    def _set(self, phase: str) -> None:
+        if phase != self._auto:
+            self.core.flops.counter.mark(phase)
+        super()._set(phase)
+
+    def pause(self) -> None:
+        if not self.paused:
+            self.core.flops.counter.mark(PAUSED)
+        super().pause()
+
+    def _wake(self) -> None:
+        super()._wake()
+        self.core.flops.counter.mark(self._auto)
+
+    def _end_count(self, keep: bool) -> None:
+        self.__class__ = Boundaries
+        plan = self.core.flops
+        flops = plan.counter.stop(drop=(PAUSED,)) if keep else plan.counter.close()
+        if flops is not None:
+            plan.carried[plan.counter.last_signature] = plan.carry(flops)
+
+    def _close(self) -> None:
+        self._end_count(keep=True)
+        Boundaries._close(self)  # plain from here: a sampled step may begin at this close
+
+    def _drop(self) -> None:
+        self._end_count(keep=False)
+        Boundaries._drop(self)
+
+    def finish(self, *, interrupted: bool = False) -> None:
+        if self.ended:
+            self._end_count(keep=True)
+        else:
+            self._end_count(keep=False)
+        Boundaries.finish(self, interrupted=interrupted)
 
 
 def _pair_ns() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from phase_timer._env import env_flag
@@ -69,6 +70,32 @@ def check_path(owner: str, name: str, value: Any, *, kind: str = "file") -> None
         _fail(owner, name, value, "a file path", ", which is an existing directory")
 
 
+def _positive(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < float("inf"))
+
+
+def check_flops(owner: str, name: str, value: Any) -> None:
+    """``flops_per_step=``: None, FLOPs per step (an int or float > 0), or ``{"forward": f, "backward": b}``
+    (each > 0; other phases may be named too)."""
+    expected = 'FLOPs per step > 0, or {"forward": f, "backward": b} with f, b > 0'
+    if value is None or _positive(value):
+        return
+    if isinstance(value, Mapping) and value:
+        bad = [k for k, v in value.items() if not isinstance(k, str) or not _positive(v)]
+        if not bad and "forward" in value and "backward" in value:
+            return
+        why = f", whose {_shown(bad[0])} is not a phase with FLOPs > 0" if bad else ", without forward and backward"
+        _fail(owner, name, value, expected, why)
+    _fail(owner, name, value, expected)
+
+
+def check_peak(owner: str, name: str, value: Any) -> None:
+    """``peak_tflops=``: None (the table's), or the device's dense peak in TFLOP/s, a finite number > 0."""
+    if value is not None and not _positive(value):
+        _fail(owner, name, value, "the device's dense peak in TFLOP/s (a finite number > 0), or None")
+
+
 def check_nvtx(owner: str) -> None:
     """``nvtx=True`` needs torch's NVTX functions (a CUDA build); a CPU build lacks them."""
     try:
@@ -99,6 +126,11 @@ class TimerConfig:
     #: input ids' numel, padding included); or a count a batch, or a function of the batch (``throughput.py``).
     samples_per_batch: Any = None
     tokens_per_batch: Any = None
+    #: FLOPs and MFU (``step_flops.py``): the step's FLOPs if given (else counted once per batch shape on an
+    #: untimed step), the device's dense peak in TFLOP/s if given (else the table's), and whether to do it at all.
+    flops_per_step: Any = None
+    peak_tflops: Any = None
+    mfu: bool = True
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -119,6 +151,9 @@ class TimerConfig:
         check_bool(o, "memory", self.memory)
         check_count(o, "samples_per_batch", self.samples_per_batch)
         check_count(o, "tokens_per_batch", self.tokens_per_batch)
+        check_bool(o, "mfu", self.mfu)
+        check_flops(o, "flops_per_step", self.flops_per_step)
+        check_peak(o, "peak_tflops", self.peak_tflops)
         ts = self.trace_steps
         if ts is not None and not (
             isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)

@@ -36,6 +36,7 @@ from phase_timer.metrics import (
     window_scalars,
 )
 from phase_timer.ranks import RankExchange, RankWindow
+from phase_timer.step_flops import FlopPlan
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.stats import RunTotals, WindowSeries
 from phase_timer.syncs import format_census
@@ -85,6 +86,8 @@ class TimingCore:
         #: Samples, tokens and steps a second (counted from the batches' shapes by the door: ``counter``).
         self.throughput = throughput.RunThroughput()
         self.counter: throughput.BatchCounter | None = None
+        #: FLOPs and MFU (``step_flops.py``; None: not counted, no MFU).
+        self.flops: FlopPlan | None = None
         #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
         self.series = WindowSeries()
         self.steps_begun = 0
@@ -106,6 +109,8 @@ class TimingCore:
         self.diagnosis: Diagnosis | None = None
         self.summary_path: str | None = None
         self.interrupted = False
+        #: The summary's ``flops`` block, made at the end (None: no FLOPs counted nor asked for).
+        self.flops_summary: dict | None = None
         #: Added to a step's index where it is logged (the 🤗 door: the Trainer logs step k at global_step k+1).
         self.log_step_offset = 0
         #: Memory per phase (CUDA only; None: not read): sampled steps' allocator counters.
@@ -225,6 +230,12 @@ class TimingCore:
         if self.steps_ended % self._window_size == 0:
             self._write_ranks(self.ranks.exchange())
 
+    def untime(self) -> None:
+        """The step just begun goes untimed, as a warm-up step does (its FLOPs are being counted: it runs slower):
+        its record is dropped, and its close still ends the host's clock, so the next step's ``period`` is its own."""
+        if self._in_step:
+            self._engine.discard()
+
     def discard(self) -> None:
         """Drop the open record: a step abandoned before its end has no honest total.
 
@@ -303,7 +314,7 @@ class TimingCore:
                 self._emit(*item[1:])
             elif kind == "step":
                 ms = item[2]
-                for name in throughput.COUNTS:
+                for name in throughput.CARRIED:
                     ms.pop(name, None)  # counts, not phases: a step's rates are its window's
                 self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
@@ -327,6 +338,8 @@ class TimingCore:
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
         scalars.update(throughput.scalars(counts))
+        if self.flops is not None:
+            scalars.update(self.flops.scalars(counts, self.context))
         self._write(last_step, scalars)
 
     def _rank_memory(self) -> dict[str, float] | None:
@@ -397,11 +410,18 @@ class TimingCore:
 
     def _conclude(self) -> None:
         """The verdict: once to TensorBoard as text, and (rank zero) the run summary file.  Never raises."""
+        self.flops_summary, mfu_tips = None, []
+        if self.flops is not None:
+            try:
+                self.flops_summary = self.flops.run(self.throughput.counts, self.context)
+                mfu_tips = self.flops.advice(self.flops_summary, optimizer_share=self._share("optimizer"))
+            except Exception as err:  # noqa: BLE001 - MFU is an extra: the verdict and the files go on without it
+                warn(log, f"phase-timer: could not compute MFU ({type(err).__name__}: {err})")
         try:
             self.diagnosis = diagnose(
                 self.totals, self.signals, clock=self.clock.kind, context=self.context,
                 rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup, memory=self.memory_summary(),
+                warmup_steps=self._warmup, memory=self.memory_summary(), mfu=mfu_tips,
             )
         except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
             warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
@@ -446,6 +466,9 @@ class TimingCore:
         rates = throughput.format_line(self.throughput.rates(), self.job_throughput())
         if rates:
             table += "\n" + rates
+        mfu_line = self.flops.line(self.flops_summary) if self.flops is not None else None
+        if mfu_line:
+            table += "\n" + mfu_line
         mem = format_memory(self.memory_summary())
         if mem:
             table += "\n" + mem
@@ -475,6 +498,11 @@ class TimingCore:
         if self.summary_path is not None:
             parts.append(f"summary {self.summary_path}")
         return "files: " + "; ".join(parts) if parts else None
+
+    def _share(self, phase: str) -> float | None:
+        """``phase``'s part of the step over the run (None: not timed)."""
+        t, step = self.totals.phases.get(phase), self.totals.phases.get("step")
+        return t.total / step.total if t is not None and step is not None and step.total > 0 else None
 
     def job_throughput(self) -> dict[str, float] | None:
         """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""

@@ -80,7 +80,7 @@ IMBALANCE_MIN_MB = 512.0
 KINDS = (
     "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "HOST_BOUND", "UNSTABLE",
     "GPU_BOUND", "MEMORY_PRESSURE", "MEMORY_CREEP", "MEMORY_FRAGMENTATION", "MEMORY_RANK_IMBALANCE",
-    "MEMORY_HEADROOM", "NO_FINDING",
+    "MEMORY_HEADROOM", "MFU_IMPOSSIBLE", "NO_FINDING",
 )
 
 
@@ -204,12 +204,17 @@ def _pct(x: float) -> str:
 
 def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None = None,
              rank_totals: Any = None, skipped: int = 0, warmup_steps: int | None = None,
-             memory: dict[str, Any] | None = None) -> Diagnosis:
+             memory: dict[str, Any] | None = None, mfu: list[str] | None = None) -> Diagnosis:
     """The primary finding (with the others as ``secondary``) for a run's totals and signals.
 
     ``memory``: the memory summary (``TimingCore.memory_summary``); its findings come after the time ones,
-    except a high one, which comes first."""
-    ctx = context or {}
+    except a high one, which comes first.  ``mfu``: what MFU says (``mfu.mfu_advice``): a GPU-bound run's
+    tips at low MFU, or that an MFU over 100% cannot be (``MFU_IMPOSSIBLE``)."""
+    ctx = dict(context or {})
+    mfu = list(mfu or ())
+    impossible = _mfu_impossible(mfu)
+    if impossible is None:
+        ctx["mfu_tips"] = mfu
     steps = totals.steps
     mem = memory_findings(memory)
     if steps < MIN_STEPS:
@@ -228,6 +233,8 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
     unstable = _unstable(signals)
     if unstable is not None:
         found.append(unstable)
+    if impossible is not None:
+        found.append(impossible)
     if not any(f.kind in ("INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "HOST_BOUND") for f in found):
         gpu = _gpu_bound(totals, signals, clock, ctx)
         if gpu is not None:
@@ -430,7 +437,11 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
     if opt is not None and opt >= OPTIMIZER_SHARE:
         tips.append(f"the optimizer is {_pct(opt)} of the step: a fused optimizer (fused=True) or foreach")
     precision = ctx.get("precision")
-    if precision in ("32", "32-true", "fp32", "float32"):
+    mfu_tips = ctx.get("mfu_tips") or []
+    if mfu_tips:  # MFU is low: why, then which phase is far from the peak and what lifts it (precision too)
+        why += f"; {mfu_tips[0]}"
+        tips = [tips[0], *mfu_tips[1:]]
+    elif precision in ("32", "32-true", "fp32", "float32"):
         tips.append("the run is in fp32: bf16 autocast (precision='bf16-mixed') or TF32 matmuls "
                     "(torch.set_float32_matmul_precision('high'))")
     ev = {"samples": n, "median_in_flight": median, "largest_phase": largest, "largest_share_of_step": share,
@@ -451,6 +462,14 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
                               "runs it (a full launch queue)")
             tips[:0] = said[1]
     return Diagnosis("GPU_BOUND", "info", why, tuple(tips), ev)
+
+
+def _mfu_impossible(mfu: list[str]) -> Diagnosis | None:
+    """An MFU over 100% (``mfu.mfu_advice`` says only that): the FLOP count or the peak is wrong."""
+    if not mfu or not mfu[0].startswith("MFU over 100%"):
+        return None
+    return Diagnosis("MFU_IMPOSSIBLE", "medium", mfu[0].split(" cannot be")[0] + " cannot be right",
+                     (mfu[0],), {})
 
 
 def memory_findings(mem: dict[str, Any] | None) -> list[Diagnosis]:

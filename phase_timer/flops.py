@@ -25,6 +25,7 @@ without ``set_stance`` (< 2.6) cannot count safely once anything is compiled: it
 from __future__ import annotations
 
 import contextlib
+import operator
 import dataclasses
 import logging
 import threading
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from phase_timer._env import warn_once
-from phase_timer.config import _fail, _shown
+from phase_timer.config import check_flops, check_peak
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,14 @@ class StepFlops:
     phases: dict[str, float]
     source: str
     given_total: float | None = None
+    #: FLOPs by the dtype of the matmuls' inputs (``torch.bfloat16`` ...), as counted: the precision the
+    #: device's peak is read for (autocast's dtype is what the kernels see).  Empty when given.
+    dtypes: dict[Any, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype most of the step's FLOPs ran in (None: not counted)."""
+        return max(self.dtypes, key=self.dtypes.__getitem__) if self.dtypes else None
 
     @property
     def forward(self) -> float | None:
@@ -97,33 +106,22 @@ class StepFlops:
 
 
 def check_flops_arg(owner: str, value: Any, name: str = "flops_per_step") -> StepFlops | None:
-    """``flops_per_step=``: None, FLOPs per step (an int or float > 0), or ``{"forward": f, "backward": b}``
-    (each > 0; other phases may be named too).  Fails fast naming the argument; returns the count to use."""
+    """``flops_per_step=`` checked (``config.check_flops``: fails fast naming the argument), as the count to use."""
+    check_flops(owner, name, value)
     if value is None:
         return None
-    if _positive(value):
-        return StepFlops({}, GIVEN, given_total=float(value))
-    if isinstance(value, Mapping) and value:
-        bad = [k for k, v in value.items() if not isinstance(k, str) or not _positive(v)]
-        if not bad and FORWARD in value and BACKWARD in value:
-            return StepFlops({k: float(v) for k, v in value.items()}, GIVEN)
-        why = f", whose {_shown(bad[0])} is not a phase with FLOPs > 0" if bad else ", without forward and backward"
-        _fail(owner, name, value, 'FLOPs per step > 0, or {"forward": f, "backward": b} with f, b > 0', why)
-    _fail(owner, name, value, 'FLOPs per step > 0, or {"forward": f, "backward": b} with f, b > 0')
+    if isinstance(value, Mapping):
+        return StepFlops({k: float(v) for k, v in value.items()}, GIVEN)
+    return StepFlops({}, GIVEN, given_total=float(value))
 
 
 def check_peak_arg(owner: str, value: Any, name: str = "peak_tflops") -> float | None:
-    """``peak_tflops=``: None (the table's), or the device's dense peak in TFLOP/s, a finite number > 0."""
-    if value is None:
-        return None
-    if not _positive(value):
-        _fail(owner, name, value, "the device's dense peak in TFLOP/s (a finite number > 0), or None")
-    return float(value)
+    """``peak_tflops=`` checked (``config.check_peak``), as TFLOP/s (None: the table's)."""
+    check_peak(owner, name, value)
+    return None if value is None else float(value)
 
 
-def _positive(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and 0 < value < float("inf"))
+_SHAPE = operator.attrgetter("shape")
 
 
 def signature(batch: Any) -> tuple[Any, ...]:
@@ -132,17 +130,13 @@ def signature(batch: Any) -> tuple[Any, ...]:
     kind = type(batch)
     if kind is torch.Tensor:
         return (batch.shape,)
-    # The usual batches, a dict or a tuple of tensors, in one pass: a door calls this every step.
-    # (Anything else in them has no .shape, or its .shape is not a tensor's: the walk below.)
+    # The usual batches, a dict or a tuple of tensors, in one pass of C-level calls: a door calls this every
+    # step.  (An item without .shape, a nested one: the walk below.  An array's .shape is a shape too.)
     try:
         if kind is dict:
-            shapes = [v.shape for v in batch.values()]
-            if all(type(x) is torch.Size for x in shapes):
-                return (*batch, *shapes)
-        elif kind is tuple or kind is list:
-            shapes = [v.shape for v in batch]
-            if all(type(x) is torch.Size for x in shapes):
-                return (len(batch), *shapes)
+            return (*batch, *map(_SHAPE, batch.values()))
+        if kind is tuple or kind is list:
+            return (len(batch), *map(_SHAPE, batch))
     except AttributeError:
         pass
     out: list[Any] = []
@@ -214,6 +208,9 @@ class FlopCounter:
         self._phase = ""
         self._last = 0
         self._phases: dict[str, float] = {}
+        self._dtypes: dict[Any, float] = {}
+        #: The signature the last :meth:`stop` counted.
+        self.last_signature: tuple[Any, ...] | None = None
 
     def known(self, sig: tuple[Any, ...]) -> StepFlops | None:
         """The FLOPs of a step with this signature: the user's, the count made for it, or None."""
@@ -257,6 +254,7 @@ class FlopCounter:
             return False
         self._stack, self._mode, self._thread = stack, mode, threading.get_ident()
         self.counting, self._sig, self._phase, self._last, self._phases = True, sig, phase, 0, {}
+        self._dtypes = {}
         return True
 
     def mark(self, phase: str) -> None:
@@ -267,12 +265,14 @@ class FlopCounter:
         self._phases[self._phase] = self._phases.get(self._phase, 0.0) + (total - self._last)
         self._phase, self._last = phase, total
 
-    def stop(self) -> StepFlops | None:
-        """The step's end: the count, kept for its signature (None if nothing could be counted)."""
+    def stop(self, drop: tuple[str, ...] = ()) -> StepFlops | None:
+        """The step's end: the count, kept for its signature (None if nothing could be counted).
+        ``drop``: phases whose FLOPs are not the step's (an evaluation paused inside it)."""
         if not self.counting:
             return None
         self.mark("")
-        phases, sig = {p: f for p, f in self._phases.items() if p}, self._sig
+        phases, sig = {p: f for p, f in self._phases.items() if p and p not in drop}, self._sig
+        self.last_signature = sig
         self.close()
         if self.failed is not None or sig is None:
             return None
@@ -280,8 +280,14 @@ class FlopCounter:
             self._give_up("FlopCounterMode counted no FLOPs in a step (its kernels are ones it has no formula "
                           "for: custom, fused or CPU attention kernels)")
             return None
-        counts = self.counts[sig] = StepFlops(phases, COUNTED)
+        counts = self.counts[sig] = StepFlops(phases, COUNTED, dtypes=dict(self._dtypes))
         return counts
+
+    def _note(self, args: tuple[Any, ...], flops: int) -> None:
+        """A counted op's FLOPs under the dtype of its first tensor argument (the matmul's input)."""
+        if flops:
+            dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+            self._dtypes[dtype] = self._dtypes.get(dtype, 0) + flops
 
     def close(self) -> None:
         """Stop counting and leave the mode, whatever state the step is in (a failed step, the run's end)."""
@@ -357,7 +363,9 @@ def _guarded_formulas(counter: FlopCounter) -> dict[Any, Any]:
     def guard(formula: Any) -> Any:
         def count(*args: Any, **kwargs: Any) -> int:
             try:
-                return formula(*args, **kwargs)
+                flops = formula(*args, **kwargs)
+                counter._note(args, flops)
+                return flops
             except Exception as err:  # noqa: BLE001
                 counter._give_up(f"a FLOP formula failed ({type(err).__name__}: {err})")
                 return 0

@@ -81,8 +81,9 @@ class PhaseTimerCallback(TrainerCallback):
         log_dir: write to this directory instead (``version_N`` inside it).
         window: steps per logging window (default: the Trainer's ``logging_steps``).
         warmup_steps, max_pending, per_step, summary, nvtx, trace_steps, trace_path,
-        rank_timeout_s, memory, samples_per_batch, tokens_per_batch: as for ``PhaseTimer`` (tokens: the
-            batches' ``input_ids``, padding included).
+        rank_timeout_s, memory, samples_per_batch, tokens_per_batch, flops_per_step, peak_tflops, mfu: as
+            for ``PhaseTimer`` (tokens: the batches' ``input_ids``, padding included; FLOPs: counted over
+            every micro-batch of a step).
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) times nothing.
 
     Attributes (as ``PhaseTimer``'s; ``None`` before the end of ``train()``):
@@ -111,13 +112,17 @@ class PhaseTimerCallback(TrainerCallback):
         memory: bool = True,
         samples_per_batch: int | Callable[[Any], int] | None = None,
         tokens_per_batch: int | Callable[[Any], int] | None = None,
+        flops_per_step: float | dict[str, float] | None = None,
+        peak_tflops: float | None = None,
+        mfu: bool = True,
         enabled: bool = True,
     ) -> None:
         self.config = TimerConfig(
             window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
             summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
             rank_timeout_s=rank_timeout_s, memory=memory, samples_per_batch=samples_per_batch,
-            tokens_per_batch=tokens_per_batch, owner="PhaseTimerCallback",
+            tokens_per_batch=tokens_per_batch, flops_per_step=flops_per_step, peak_tflops=peak_tflops, mfu=mfu,
+            owner="PhaseTimerCallback",
         )
         check_bool("PhaseTimerCallback", "enabled", enabled)
         self.enabled = enabled
@@ -226,10 +231,8 @@ class PhaseTimerCallback(TrainerCallback):
                 bounds.batch(state.global_step if state is not None else None,
                              (time.perf_counter_ns() - t0) / 1e6, first=FORWARD)
                 self._first_micro = True
-                core = timer.core
-                if core is not None and core.counter is not None:  # the step's micro-batches: its samples/tokens
-                    for batch in out[0]:
-                        core.counter.add(core.add_host, batch)
+                for batch in out[0]:  # the step's micro-batches: its samples/tokens; all of them: its FLOPs
+                    bounds.count_batch(batch, out[0])
             return out
 
         return get_batch_samples

@@ -183,6 +183,13 @@ class PhaseTimer:
             shapes on the host: a tensor's leading dimension; tokens, the input ids' ``numel`` (an integer
             tensor of 2+ dimensions, or a mapping's ``input_ids``), padding included.  Or a count, or a
             function of the batch (e.g. the tokens that are not padding, counted on the host).
+        flops_per_step, peak_tflops, mfu: FLOPs and MFU (``throughput/tflops_per_s``, ``throughput/mfu*``, the
+            table's MFU line).  The FLOPs of a step are counted once per batch shape with ``FlopCounterMode`` on
+            an untimed warm-up step (a new shape later: on its first step, left untimed), or given:
+            ``flops_per_step=`` FLOPs per optimizer step, or ``{"forward": f, "backward": b}``.  The peak is
+            the table's dense tensor-core peak for the device and the precision the matmuls ran in, or
+            ``peak_tflops=`` (TFLOP/s; needed for a device the table lacks, and on the CPU).  ``mfu=False``
+            counts nothing.  What is counted, and MFU's definition: ``docs/flops.md``.
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
@@ -220,6 +227,9 @@ class PhaseTimer:
         memory: bool = True,
         samples_per_batch: int | Callable[[Any], int] | None = None,
         tokens_per_batch: int | Callable[[Any], int] | None = None,
+        flops_per_step: float | dict[str, float] | None = None,
+        peak_tflops: float | None = None,
+        mfu: bool = True,
         enabled: bool = True,
     ) -> None:
         super().__init__()
@@ -237,6 +247,9 @@ class PhaseTimer:
             memory=memory,
             samples_per_batch=samples_per_batch,
             tokens_per_batch=tokens_per_batch,
+            flops_per_step=flops_per_step,
+            peak_tflops=peak_tflops,
+            mfu=mfu,
             owner="PhaseTimer",
             window_arg="log_every_n_steps",
         )
@@ -284,9 +297,7 @@ class PhaseTimer:
             if bounds is None or (stage is not training and stage != training):
                 return original(batch, device, dataloader_idx)
             self._on_batch(trainer, bounds)
-            core = self.core
-            if core is not None and core.counter is not None:  # the step's samples/tokens, from shapes
-                core.counter.add(core.add_host, batch)
+            bounds.count_batch(batch)  # the step's samples/tokens and FLOPs, from shapes
             out = original(batch, device, dataloader_idx)
             bounds.on_copied()
             return out

@@ -48,7 +48,7 @@ from phase_timer.optim_hooks import StepHooks
 from phase_timer.runinfo import loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
 from phase_timer.stats import RunTotals
-from phase_timer.throughput import COUNTS
+from phase_timer.throughput import CARRIED
 from phase_timer.syncs import SyncSite
 from phase_timer.user_sinks import check_sinks, with_user_sinks
 
@@ -67,7 +67,7 @@ except ImportError:  # not built: the hooks are the methods themselves
 #: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
 _HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
-_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *COUNTS}  # a built-in's name would merge into it
+_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *CARRIED}  # a built-in's name would merge into it
 _END_STEP = ("optimizer", "manual")
 
 
@@ -96,8 +96,8 @@ class _TimedLoader:
         timer = self._timer
         it = iter(self._loader)
         fetch, on_batch = timer._fetch, timer._on_batch
-        core = timer.core
-        count, add_host = (core.counter.add, core.add_host) if core is not None and core.counter is not None else (None, None)
+        core, bounds = timer.core, timer._bounds
+        count = bounds.count_batch if bounds is not None and core is not None and (core.counter or core.flops) else None
         try:
             while True:
                 fetch()
@@ -107,8 +107,8 @@ class _TimedLoader:
                 except StopIteration:
                     return
                 out = on_batch(batch, t0)
-                if count is not None and timer._loader_active:  # the step's samples/tokens, from shapes
-                    count(add_host, batch)
+                if count is not None and timer._loader_active:  # the step's samples/tokens and FLOPs, from shapes
+                    count(batch)
                 yield out
         finally:  # the loader ran out, or the loop left it (break, an exception): a cut-off step is dropped
             timer._epoch_end()
@@ -319,8 +319,9 @@ class LoopTimer:
             return
         if self._loader_active:
             bounds.on_forward()
-        else:  # no loader: the forward begins the step
-            bounds.forward(begins=True)
+        else:  # no loader: the forward begins the step (its inputs say the step's FLOPs; no samples: a step
+            bounds.forward(begins=True)  # may run several forwards)
+            bounds.step_flops(args)
 
     def _on_loop_thread(self) -> bool:
         """True on the training loop's thread: the first forward or backward() call binds it."""
@@ -578,6 +579,9 @@ def attach(
     memory: bool = True,
     samples_per_batch: int | Callable[[Any], int] | None = None,
     tokens_per_batch: int | Callable[[Any], int] | None = None,
+    flops_per_step: float | dict[str, float] | None = None,
+    peak_tflops: float | None = None,
+    mfu: bool = True,
     enabled: bool = True,
     sinks: Sequence[Any] = (),
 ) -> LoopTimer:
@@ -602,6 +606,13 @@ def attach(
         memory: as for ``PhaseTimer``: memory per phase on CUDA, sampled, never a sync.
         samples_per_batch, tokens_per_batch: as for ``PhaseTimer``: throughput's counts of a batch
             (default: from the shapes of each batch ``timer.loader`` hands over).
+        flops_per_step, peak_tflops, mfu: FLOPs and MFU (``throughput/tflops_per_s``, ``throughput/mfu*``, the
+            table's MFU line).  The FLOPs of a step are counted once per batch shape with ``FlopCounterMode`` on
+            an untimed warm-up step (a new shape later: on its first step, left untimed), or given:
+            ``flops_per_step=`` FLOPs per optimizer step, or ``{"forward": f, "backward": b}``.  The peak is
+            the table's dense tensor-core peak for the device and the precision the matmuls ran in, or
+            ``peak_tflops=`` (TFLOP/s; needed for a device the table lacks, and on the CPU).  ``mfu=False``
+            counts nothing.  What is counted, and MFU's definition: ``docs/flops.md``.
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
@@ -615,7 +626,8 @@ def attach(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
         summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
         rank_timeout_s=rank_timeout_s, memory=memory, samples_per_batch=samples_per_batch,
-        tokens_per_batch=tokens_per_batch, owner="attach",
+        tokens_per_batch=tokens_per_batch, flops_per_step=flops_per_step, peak_tflops=peak_tflops, mfu=mfu,
+        owner="attach",
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,

@@ -34,7 +34,7 @@ _STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
 _MEMORY_RE = re.compile(rf"^{MEMORY_PREFIX}/(.+)_mb$")
 _MEMORY_RANKS_RE = re.compile(rf"^{MEMORY_RANKS_PREFIX}/peak_allocated_mb/(.+)$")
 #: Run summary file versions this phase-timer reads.
-READS_VERSIONS = (1, 2, 3, 4, 5)
+READS_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 Points = list[tuple[int, float]]
 

@@ -24,10 +24,13 @@ import torch
 
 from phase_timer._env import warn
 from phase_timer.config import check_count  # noqa: F401 - re-exported: the argument's rule
+from phase_timer.step_flops import CARRIED as FLOP_VALUES, FLOP_PERIOD_MS, FLOP_STEPS, FLOPS, PHASE_MS
 
 #: The host values a step carries besides its phases (reserved: no phase may take these names).
 SAMPLES, TOKENS = "samples", "tokens"
 COUNTS = (SAMPLES, TOKENS)
+#: Every host value a step carries that is a count, not a phase: the samples and tokens, and its FLOPs.
+CARRIED = (*COUNTS, *FLOP_VALUES)
 PREFIX = "throughput"
 log = logging.getLogger(__name__)
 #: Keys that name a mapping batch's token ids (🤗 models, most LM data pipelines).
@@ -101,17 +104,25 @@ def _given(how: Count, batch: Any, default: int | None) -> int | None:
 
 def split_counts(columns: dict[str, list[float]]) -> dict[str, float]:
     """Take the counts out of a window's columns: ``{samples, tokens}`` summed over the window's steps that
-    carry them, with ``period_ms`` summed over the same steps (every timed step has a period)."""
+    carry them, with ``period_ms`` summed over the same steps (every timed step has a period); the FLOPs
+    (``step_flops.CARRIED``) the same way, with their own ``flop_period_ms`` and forward's and backward's
+    summed GPU time (``flop_forward_ms``, ``flop_backward_ms``), the MFUs' denominators."""
     out: dict[str, float] = {}
     period = columns.get("period")
-    for name in COUNTS:
+    n = len(period) if period else 0
+    for name in CARRIED:
         values = columns.pop(name, None)
         # Counted on every step of the window (a batch whose shapes say nothing leaves a step out: then none).
-        if values and period and len(values) == len(period):
+        if values and len(values) == n:
             out[name] = float(sum(values))
-    if out and period:
+    if n and (SAMPLES in out or TOKENS in out):
         out["period_ms"] = float(sum(period))
-        out["steps"] = float(len(period))
+        out["steps"] = float(n)
+    if n and FLOPS in out:
+        out[FLOP_PERIOD_MS] = float(sum(period))
+        out[FLOP_STEPS] = float(n)
+        for phase, key in PHASE_MS.items():
+            out[key] = float(sum(columns.get(phase) or ()))
     return out
 
 
@@ -154,7 +165,7 @@ class RunThroughput:
 
     def as_dict(self) -> dict[str, Any] | None:
         """What the summary file holds (None: nothing counted)."""
-        if "samples" not in self.counts:
+        if SAMPLES not in self.counts:
             return None
         return {"samples": self.counts.get("samples"), "tokens": self.counts.get("tokens"),
                 "steps": self.counts.get("steps"), **self.rates()}

@@ -255,14 +255,14 @@ def test_a_run_that_ends_during_the_census_turns_the_check_off(monkeypatch):
 def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
     import jsonschema
 
-    from phase_timer.run_summary import schema, write_summary
+    from phase_timer.run_summary import SCHEMA_VERSION, schema, write_summary
 
     core, _, _ = _run(monkeypatch, warmup=2, steps=25)
     path = write_summary(core, tmp_path)
     with open(path) as f:
         data = json.load(f)
     jsonschema.validate(data, schema())
-    assert data["schema_version"] == 5
+    assert data["schema_version"] == SCHEMA_VERSION
     assert data["syncs"]["census"] == "done" and data["syncs"]["step"] == 2 and data["syncs"]["count"] == 1
     assert data["syncs"]["sites"][0]["phase"] == "between_steps"
     assert data["syncs"]["other_threads"] == data["syncs"]["paused"] == 0
