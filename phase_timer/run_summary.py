@@ -58,7 +58,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -125,6 +125,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
                   "sites": [site.as_dict() for site in core.signals.syncs]},
         "memory": core.memory_summary(),
         "throughput": _throughput(core),
+        "flops": None,  # FLOPs and MFU (issue 37): the doors fill it in
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }

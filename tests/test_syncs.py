@@ -262,7 +262,7 @@ def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
     with open(path) as f:
         data = json.load(f)
     jsonschema.validate(data, schema())
-    assert data["schema_version"] == 5
+    assert data["schema_version"] == 6
     assert data["syncs"]["census"] == "done" and data["syncs"]["step"] == 2 and data["syncs"]["count"] == 1
     assert data["syncs"]["sites"][0]["phase"] == "between_steps"
     assert data["syncs"]["other_threads"] == data["syncs"]["paused"] == 0
