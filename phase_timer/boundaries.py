@@ -357,9 +357,14 @@ class Boundaries:
     def _count_step(self, plan: Any, batch: Any) -> None:
         """A shape not yet counted: counted on this step, which goes untimed (``step_flops.py``)."""
         counter = plan.counter
+        if counter.given is not None:
+            return
+        if type(self) is _SampledBoundaries:  # a sampled step's host time is the verdict's: this one is not sampled
+            self._sample_state = "dropped"
+            self._end_sample()
         census = self._census
-        # Not on a sampled step (its host time is the verdict's) nor the sync census's (its syncs are the run's).
-        if counter.given is not None or type(self) is not Boundaries or census is not None and census.running:
+        # Never the sync census's step: its syncs are the run's.
+        if type(self) is not Boundaries or census is not None and census.running:
             return
         sig = signature(batch)
         if counter.wants(sig) and counter.start(sig, self._auto):
@@ -739,6 +744,6 @@ def _timed(name: str) -> Any:
     return method
 
 
-for _name in ("fetch", "batch", "micro_batch_end", "copied", "forward", "backward_start", "backward_end",
+for _name in ("fetch", "batch", "count_batch", "micro_batch_end", "copied", "forward", "backward_start", "backward_end",
               "optimizer_start", "step_end", "pause", "resume", "epoch_end", "drop", "finish", "enter", "exit"):
     setattr(_SampledBoundaries, _name, _timed(_name))

@@ -3,7 +3,8 @@
 Usage::
 
     phase-timer compare BASELINE CANDIDATE [--metric mean|p50|p90] [--fail-above PCT]
-                        [--fail-above-memory PCT] [--phase NAME ...] [--json]
+                        [--fail-above-memory PCT] [--fail-below-throughput PCT]
+                        [--phase NAME ...] [--json]
 
 Each side is a run directory (its ``phase_timer_summary.json``, else its TensorBoard
 files) or a summary file.  Where a side has no summary file (a run from before it
@@ -37,7 +38,24 @@ is higher than the baseline's by more than ``PCT`` percent; 0 otherwise; 2 (one 
 on stderr naming the path) when a side has no memory data (a CPU run, the host
 clock, ``memory=False``).  It has no noise band: the allocator's counters are
 deterministic in a steady loop (the same allocations in the same order give the same
-bytes), so a difference is a change, not chance.  Either gate failing exits 1.
+bytes), so a difference is a change, not chance.
+
+Throughput.  When both sides counted their batches, a throughput table follows: tokens/s,
+samples/s, steps/s (this rank's; under torch.distributed the job's too), and from version-6
+summary files TFLOP/s and MFU (step, forward, backward), each with its change.  A rate is a
+ratio (counts over ``period``), so its band comes from the window batches' counts and periods
+as a ratio estimator's: ``se(R) = sqrt(sum((count_i - R * period_i)**2) / (n * (n - 1))) /
+mean(period_i)``, then ``Z`` of them for the difference, as for a phase.  A summary file keeps
+each batch's steps and mean ``period``; where every step had the same count
+(``throughput.per_step``) a batch's count is that count times its steps (the band is then, to
+first order, the mean period's); TensorBoard keeps each window's rate.  A count that varied
+from step to step, with no TensorBoard files beside the summary file, leaves the band unknown.
+``--fail-below-throughput PCT`` (off by default) gates tokens/s (samples/s where a side counts
+no tokens), this rank's: exit status 1 when the candidate's is lower by more than ``PCT``
+percent **and** beyond the band (unknown: on ``PCT`` alone, and said); 2 when a side has no
+throughput.  MFU is shown, not gated: for the same model on the same device it moves with
+tokens/s, and a change of FLOP count or peak between the runs (warned) moves it with no change
+in speed.  Any gate failing exits 1.
 """
 
 from __future__ import annotations
@@ -61,9 +79,15 @@ from phase_timer.runs import (
     read_summary,
     require,
     run_dirs,
+    CountBatch,
+    summary_count_batches,
+    tensorboard_count_batches,
+    tensorboard_flops,
     tensorboard_memory,
+    tensorboard_throughput,
 )
 from phase_timer.stats import SERIES_STATS, percentile
+from phase_timer.throughput_report import RATES, format_rate, headline_rate
 
 #: Width of the band in standard errors of the difference.
 Z = 3.0
@@ -95,6 +119,12 @@ class Side:
     #: The summary file's ``memory`` object, or TensorBoard's (:func:`~phase_timer.runs.tensorboard_memory`); None:
     #: memory was not read.
     memory: dict[str, Any] | None = None
+    #: The summary file's ``throughput`` object, or TensorBoard's; None: no batch was counted.
+    throughput: dict[str, Any] | None = None
+    #: rate name (``tokens_per_s`` ...) -> each batch of windows' steps, last step, count and period (ms).
+    rate_batches: dict[str, list[CountBatch]] = field(default_factory=dict)
+    #: The summary file's ``flops`` object (version 6), or what TensorBoard has of it; None: none.
+    flops: dict[str, Any] | None = None
 
 
 # -- reading a side ---------------------------------------------------------------------
@@ -130,10 +160,12 @@ def _from_summary(path: str, data: dict[str, Any]) -> Side:
     env = data.get("environment") or {}
     side = Side(path=path, source="summary", steps=steps, clock=env.get("clock"), values=values,
                 environment=env, door=data.get("door"), interrupted=bool(data.get("interrupted")),
-                memory=data.get("memory"))
+                memory=data.get("memory"), throughput=data.get("throughput"), flops=data.get("flops"))
     windows = data.get("windows")
     if windows:
         side.batches = _summary_batches(windows)
+        side.rate_batches = summary_count_batches(data)
+        _rate_batches_beside(side)
         return side
     # A version-1 file: its windows are in the TensorBoard files beside it, if there are any.
     side.batches_from = "none (a version-1 summary file and no TensorBoard files beside it)"
@@ -143,6 +175,18 @@ def _from_summary(path: str, data: dict[str, Any]) -> Side:
     except ReportError:
         pass
     return side
+
+
+def _rate_batches_beside(side: Side) -> None:
+    """A headline rate the summary file cannot give batches of (its count varied from step to step, or a file
+    from before ``per_step``): each window's rate from the TensorBoard files beside it, where there are any."""
+    name = headline_rate(side.throughput)
+    if name is None or side.rate_batches.get(name):
+        return
+    try:
+        side.rate_batches[name] = _tensorboard_side(side.path, run_dirs(side.path)).rate_batches.get(name, [])
+    except ReportError:
+        pass
 
 
 def _summary_batches(windows: dict[str, Any]) -> dict[str, dict[str, list[tuple[int, float]]]]:
@@ -183,7 +227,8 @@ def _tensorboard_side(path: str, runs: dict[str, tuple[list[str], str | None]]) 
         steps = int(sum(window_steps.values())) or None
         source = "windows"
     return Side(path=run_dir, source=source, steps=steps, clock=None, values=values, batches=batches,
-                memory=tensorboard_memory(scalars))
+                memory=tensorboard_memory(scalars), throughput=tensorboard_throughput(scalars),
+                rate_batches=tensorboard_count_batches(scalars), flops=tensorboard_flops(scalars))
 
 
 def _weighted(batches: list[tuple[int, float]]) -> float:
@@ -201,6 +246,27 @@ def standard_error(batches: list[tuple[int, float]]) -> float | None:
     if len(values) < MIN_BATCHES:
         return None
     return statistics.stdev(values) / math.sqrt(len(values))
+
+
+def rate_relative_error(batches: list[CountBatch]) -> float | None:
+    """The relative standard error of a run's rate (its counts over its period) from its window batches.
+
+    A rate is a ratio, ``R = sum(count) / sum(period)``, so the batches give it as a ratio estimator does:
+    ``se(R) = sqrt(sum((count_i - R * period_i)**2) / (n * (n - 1))) / mean(period)``, over the batches of at
+    least half the median batch's steps, as a phase's band takes them.  With a constant count a step this is,
+    to first order, the relative error of the mean ``period``.  None with fewer than MIN_BATCHES batches."""
+    if not batches:
+        return None
+    half = statistics.median(b[0] for b in batches) / 2
+    full = [(count, ms) for n, _, count, ms in batches if n >= half]
+    if len(full) < MIN_BATCHES:
+        return None
+    counts, periods = sum(c for c, _ in full), sum(ms for _, ms in full)
+    if counts <= 0 or periods <= 0:
+        return None
+    rate, n = counts / periods, len(full)
+    se = math.sqrt(sum((c - rate * ms) ** 2 for c, ms in full) / (n * (n - 1))) / (periods / n)
+    return se / rate
 
 
 @dataclass
@@ -290,6 +356,93 @@ def _require_memory(side: Side) -> None:
 
 
 @dataclass
+class RateRow:
+    """One throughput row: a rate or an MFU, higher is better."""
+
+    what: str
+    baseline: float | None
+    candidate: float | None
+    noise_pct: float | None = None
+
+    @property
+    def delta_pct(self) -> float | None:
+        if self.baseline is None or self.candidate is None or self.baseline <= 0:
+            return None
+        return 100.0 * (self.candidate - self.baseline) / self.baseline
+
+    @property
+    def beyond_noise(self) -> bool | None:
+        delta = self.delta_pct
+        if delta is None or self.noise_pct is None:
+            return None
+        return abs(delta) > self.noise_pct
+
+
+#: The throughput table's rows past the rates: (label, where in the ``throughput`` or ``flops`` object).
+_JOB_ROWS = {"job tokens/s": ("job", "tokens_per_s"), "job samples/s": ("job", "samples_per_s")}
+_FLOPS_ROWS = {"TFLOP/s": (None, "tflops_per_s"), "MFU": ("mfu", "step"), "MFU forward": ("mfu", "forward"),
+               "MFU backward": ("mfu", "backward")}
+
+
+def _get(obj: dict[str, Any] | None, where: str | None, key: str) -> float | None:
+    inner = (obj or {}).get(where) if where else obj
+    value = (inner or {}).get(key)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def compare_rate(name: str, base: Side, cand: Side) -> RateRow:
+    """A rate of both sides, with the band of its difference from each run's window batches (``Z`` standard errors
+    of the difference, as a phase's band, in % of the baseline)."""
+    b, c = _get(base.throughput, None, name), _get(cand.throughput, None, name)
+    row = RateRow(RATES[name], b, c)
+    rel_b = rate_relative_error(base.rate_batches.get(name, []))
+    rel_c = rate_relative_error(cand.rate_batches.get(name, []))
+    if b is not None and c is not None and b > 0 and rel_b is not None and rel_c is not None:
+        row.noise_pct = 100.0 * Z * math.hypot(b * rel_b, c * rel_c) / b
+    return row
+
+
+def throughput_rows(base: Side, cand: Side) -> dict[str, RateRow] | None:
+    """The throughput table, when both sides counted their batches (None otherwise)."""
+    if not base.throughput or not cand.throughput:
+        return None
+    rows = {RATES[n]: compare_rate(n, base, cand) for n in RATES
+            if _get(base.throughput, None, n) is not None or _get(cand.throughput, None, n) is not None}
+    for table, obj in ((_JOB_ROWS, "throughput"), (_FLOPS_ROWS, "flops")):
+        for label, (where, key) in table.items():
+            b, c = _get(getattr(base, obj), where, key), _get(getattr(cand, obj), where, key)
+            if b is not None or c is not None:
+                rows[label] = RateRow(label, b, c)
+    return rows
+
+
+def gated_rate(base: Side, cand: Side) -> str:
+    """The rate the throughput gate reads: tokens/s when both sides count tokens, else samples/s."""
+    both = [headline_rate(s.throughput) for s in (base, cand)]
+    return "tokens_per_s" if both == ["tokens_per_s"] * 2 else "samples_per_s"
+
+
+def _require_throughput(side: Side) -> None:
+    if not side.throughput:
+        raise ReportError(f"{side.path}: no throughput for --fail-below-throughput (no batch was counted: pass "
+                          "samples_per_batch= or tokens_per_batch=, or a run from before phase-timer counted them)")
+
+
+def rate_verdict(row: RateRow) -> str:
+    """"tokens/s -8.1% lower (beyond noise ±1.0%)", or within noise, or noise unknown."""
+    delta = row.delta_pct
+    if delta is None:
+        return f"{row.what}: not comparable (a zero or missing baseline)"
+    way = "lower" if delta < 0 else "higher"
+    if row.noise_pct is None:
+        return (f"{row.what} {delta:+.1f}% {way} (noise unknown: too few windows, or a count that varied from step "
+                "to step with no TensorBoard windows beside the file)")
+    if row.beyond_noise:
+        return f"{row.what} {delta:+.1f}% {way} (beyond noise ±{row.noise_pct:.1f}%)"
+    return f"{row.what} {delta:+.1f}%, within noise ±{row.noise_pct:.1f}%: no change beyond noise"
+
+
+@dataclass
 class Comparison:
     base: Side
     cand: Side
@@ -304,6 +457,11 @@ class Comparison:
     memory: dict[str, MemoryRow] | None = None
     fail_above_memory: float | None = None
     memory_failed: bool = False
+    #: The throughput table (both sides with throughput), the rate gated, the gate's threshold and its outcome.
+    throughput: dict[str, RateRow] | None = None
+    throughput_gated: str | None = None
+    fail_below_throughput: float | None = None
+    throughput_failed: bool = False
 
 
 def parts_of(phase: str, rows: dict[str, Row]) -> list[str]:
@@ -373,14 +531,42 @@ def comparability(base: Side, cand: Side, phases_b: set[str], phases_c: set[str]
     if mem[0] != mem[1]:
         without = cand if mem[0] else base
         out.append(f"{without.path}: no memory data; memory is compared only when both sides have it")
+    return out + _throughput_warnings(base, cand)
+
+
+def _throughput_warnings(base: Side, cand: Side) -> list[str]:
+    """What makes the two runs' rates and MFU hard to compare."""
+    if bool(base.throughput) != bool(cand.throughput):
+        without = cand if base.throughput else base
+        return [f"{without.path}: no throughput (no batch was counted); throughput is compared only when both "
+                "sides have it"]
+    if not base.throughput:
+        return []
+    out = []
+    heads = [headline_rate(s.throughput) for s in (base, cand)]
+    if heads[0] != heads[1]:
+        which = "baseline" if heads[0] == "tokens_per_s" else "candidate"
+        out.append(f"only the {which} counts tokens: samples/s is the throughput compared")
+    fb, fc = (_get(s.flops, "per_step", "model") for s in (base, cand))
+    if fb and fc and abs(fc - fb) > 0.01 * fb:
+        out.append(f"different FLOPs a step: baseline {fb:.4g}, candidate {fc:.4g} (another model or batch): their "
+                   "rates and MFU measure unlike steps")
+    pb, pc = ((s.flops or {}).get("peak") for s in (base, cand))
+    if pb and pc and (pb.get("tflops"), pb.get("precision")) != (pc.get("tflops"), pc.get("precision")):
+        out.append(f"different MFU peaks: baseline {pb.get('tflops'):g} TFLOP/s {pb.get('precision') or ''}, "
+                   f"candidate {pc.get('tflops'):g} TFLOP/s {pc.get('precision') or ''}".rstrip())
     return out
 
 
 def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str] = ("step",),
-            fail_above: float | None = None, fail_above_memory: float | None = None) -> Comparison:
+            fail_above: float | None = None, fail_above_memory: float | None = None,
+            fail_below_throughput: float | None = None) -> Comparison:
     if fail_above_memory is not None:  # a gate on data one side lacks is bad input, not a pass
         _require_memory(base)
         _require_memory(cand)
+    if fail_below_throughput is not None:
+        _require_throughput(base)
+        _require_throughput(cand)
     if base.clock and cand.clock and base.clock != cand.clock:
         raise ReportError(f"the baseline was timed on the {base.clock} clock and the candidate on the {cand.clock} "
                            "clock: their phases do not measure the same thing")
@@ -399,8 +585,17 @@ def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str
     memory = memory_rows(base, cand)
     memory_failed = fail_above_memory is not None and memory is not None and memory_exceeds(
         memory["peak_allocated"], fail_above_memory)
+    verdicts = [verdict_line(p, rows[p], rows, metric) for p in gated]
+    rates = throughput_rows(base, cand)
+    rate_name = gated_rate(base, cand) if rates is not None else None
+    rate_row = rates.get(RATES[rate_name]) if rates is not None and rate_name else None
+    if rate_row is not None:
+        verdicts.append(rate_verdict(rate_row))
+    rate_failed = (fail_below_throughput is not None and rate_row is not None and rate_row.delta_pct is not None
+                   and rate_row.delta_pct < -fail_below_throughput and rate_row.beyond_noise is not False)
     return Comparison(base, cand, metric, rows, list(gated), fail_above, comparability(base, cand, pb, pc), failed,
-                      [verdict_line(p, rows[p], rows, metric) for p in gated], memory, fail_above_memory, memory_failed)
+                      verdicts, memory, fail_above_memory, memory_failed, rates, rate_name, fail_below_throughput,
+                      rate_failed)
 
 
 # -- output ------------------------------------------------------------------------------
@@ -423,12 +618,44 @@ def format_comparison(c: Comparison) -> str:
              "(~ within noise; blank: too few windows)"]
     if c.memory is not None:
         lines.append(format_memory_table(c.memory))
+    if c.throughput is not None:
+        lines.append(format_throughput_table(c.throughput))
     lines += c.verdicts
     if c.fail_above is not None:
         lines.append(_gate_line(c))
     if c.fail_above_memory is not None:
         lines.append(_memory_gate_line(c))
+    if c.fail_below_throughput is not None:
+        lines.append(_throughput_gate_line(c))
     return "\n".join(lines)
+
+
+def _rate(label: str, v: float | None) -> str:
+    if v is None:
+        return ""
+    return f"{100 * v:.1f}%" if label.startswith("MFU") else format_rate(v)
+
+
+def format_throughput_table(rows: dict[str, RateRow]) -> str:
+    from tabulate import tabulate
+
+    body = []
+    for label, r in rows.items():
+        way = "lower" if (r.delta_pct or 0.0) < 0 else "higher"
+        mark = "" if r.beyond_noise is None else way if r.beyond_noise else "~"
+        body.append((label, _rate(label, r.baseline), _rate(label, r.candidate), _num(r.delta_pct, "+.1f"),
+                     "" if r.noise_pct is None else f"±{r.noise_pct:.1f}", mark))
+    heads = ("throughput", "baseline", "candidate", "delta %", "noise %", "")
+    return tabulate(body, headers=heads, disable_numparse=True, colalign=("left",) + ("right",) * 4 + ("left",))
+
+
+def _throughput_gate_line(c: Comparison) -> str:
+    assert c.throughput is not None and c.throughput_gated is not None  # compare() raised otherwise
+    row = c.throughput[RATES[c.throughput_gated]]
+    if c.throughput_failed:
+        return f"FAIL: {row.what} lower by more than {c.fail_below_throughput:g}% and beyond noise"
+    note = " (noise unknown, gated on the threshold alone)" if row.noise_pct is None else ""
+    return f"pass: {row.what} not lower by more than {c.fail_below_throughput:g}% beyond noise{note}"
 
 
 def format_memory_table(rows: dict[str, MemoryRow]) -> str:
@@ -477,10 +704,15 @@ def to_json(c: Comparison) -> dict[str, Any]:
                        "delta_pct": r.delta_pct, "noise_pct": r.noise_pct, "beyond_noise": r.beyond_noise}
                    for p, r in c.rows.items()},
         "gate": {"phases": c.gated, "fail_above_pct": c.fail_above, "failed": c.failed,
-                 "fail_above_memory_pct": c.fail_above_memory, "memory_failed": c.memory_failed},
+                 "fail_above_memory_pct": c.fail_above_memory, "memory_failed": c.memory_failed,
+                 "throughput": c.throughput_gated, "fail_below_throughput_pct": c.fail_below_throughput,
+                 "throughput_failed": c.throughput_failed},
         "memory": None if c.memory is None else {
             w: {"baseline_mb": r.baseline_mb, "candidate_mb": r.candidate_mb, "delta_mb": r.delta_mb,
                 "delta_pct": r.delta_pct} for w, r in c.memory.items()},
+        "throughput": None if c.throughput is None else {
+            label: {"baseline": r.baseline, "candidate": r.candidate, "delta_pct": r.delta_pct,
+                    "noise_pct": r.noise_pct, "beyond_noise": r.beyond_noise} for label, r in c.throughput.items()},
         "verdicts": c.verdicts,
         "warnings": c.warnings,
     }
@@ -497,21 +729,26 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
                         help="exit 1 when the candidate's peak allocated memory is higher than the baseline's by "
                         "more than PCT percent (no noise band: the allocator's counters are deterministic in a steady "
                         "loop); exit 2 when a side has no memory data (default: off)")
+    parser.add_argument("--fail-below-throughput", type=float, metavar="PCT", default=None,
+                        help="exit 1 when the candidate's tokens/s (samples/s where a side counts no tokens) is lower "
+                        "than the baseline's by more than PCT percent and beyond noise; exit 2 when a side has no "
+                        "throughput (default: off)")
     parser.add_argument("--phase", action="append", metavar="NAME",
                         help="a phase to gate and give a verdict on (repeatable; default step)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    for flag, pct in (("--fail-above", args.fail_above), ("--fail-above-memory", args.fail_above_memory)):
+    for flag, pct in (("--fail-above", args.fail_above), ("--fail-above-memory", args.fail_above_memory),
+                      ("--fail-below-throughput", args.fail_below_throughput)):
         if pct is not None and not (math.isfinite(pct) and pct >= 0):
             raise ReportError(f"{flag} must be a percentage >= 0, got {pct}")
     if not args.json:
         require("tabulate")
     base, cand = load_side(args.baseline), load_side(args.candidate)
     result = compare(base, cand, metric=args.metric, gated=args.phase or ["step"], fail_above=args.fail_above,
-                     fail_above_memory=args.fail_above_memory)
+                     fail_above_memory=args.fail_above_memory, fail_below_throughput=args.fail_below_throughput)
     for w in result.warnings:
         print(f"phase-timer compare: warning: {w}", file=sys.stderr)
     print(json.dumps(to_json(result), indent=2) if args.json else format_comparison(result))
-    return EXIT_SLOWER if result.failed or result.memory_failed else 0
+    return EXIT_SLOWER if result.failed or result.memory_failed or result.throughput_failed else 0

@@ -321,7 +321,7 @@ class TimingCore:
                 self.trace.add(item[1])
 
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
-        counts = throughput.split_counts(columns)  # samples and tokens are counts, not phases: out first
+        counts = throughput.split_counts(columns, self.throughput)  # counts, not phases: out first
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
         summary = self.totals.add_sorted_window(steps, columns)
         if counts:

@@ -37,7 +37,9 @@ after the step's end (``between_steps.<name>``) of ``period``
                "skipped_steps": <steps left untimed by max_pending (int)>,
                "phases": {"<phase>": {"mean_ms": float, "p50_ms": float, "p90_ms": float,
                                       "max_ms": float, "share": float | null}},
-               "memory": {...} | null}]}
+               "memory": {...} | null,
+               "throughput": {...} | null,
+               "flops": {...} | null}]}
 
 Phases appear in :func:`phase_timer.metrics.ordered` order.  ``--png FILE`` also
 writes a figure: phase shares of the step per run (left) and each phase's window
@@ -54,6 +56,20 @@ it is there, or for a TensorBoard-only run the same names that TensorBoard has
 the host clock, ``memory=False``): absent, not zero.  The figure gets a memory panel
 (allocated at the step's begin, activations and the peak over the steps) when a run has
 memory data; without any it is as it was.
+
+Throughput and MFU (issue 37).  A run whose batches were counted gets the line it printed,
+``throughput: 36.9k tokens/s, 288.0 samples/s, 3.0 steps/s`` (and the job's, across ranks),
+and from a version-6 summary file with FLOPs a ``FLOPs:`` line (a step's, forward and backward,
+counted or given; TFLOP/s) and the MFU line with its denominator, ``MFU 41% of 989 TFLOP/s
+(bf16 dense, H100 SXM): forward 52%, backward 47%`` (:func:`phase_timer.mfu.format_mfu`), or
+the file's note on why there is none.  ``throughput`` and ``flops`` in ``--json`` are the
+summary file's objects as they are there; for a run without one, what its TensorBoard
+``throughput/*`` windows give (``source``: ``"tensorboard"``; each rate the windows' weighted by
+their period, i.e. the run's total count over its total period; ``flops`` then has
+``tflops_per_s`` and ``mfu`` only).  The figure gets a throughput panel (tokens/s, else
+samples/s, over the run; from TensorBoard's windows, else from the summary file's window batches
+where every step had the same count) and, beside it, MFU over the run (step, forward,
+backward) when a run has it.
 
 Exit status: 0 on success; 2 on a usage error or a log directory that does not
 exist, holds no event files, holds no phase-timer scalars or holds a corrupt
@@ -74,6 +90,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from phase_timer import throughput_report as rates
 from phase_timer.metrics import (
     MEMORY_PREFIX,
     STEP_PHASES,
@@ -99,7 +116,9 @@ from phase_timer.runs import (
     require,
     run_command,
     run_dirs,
+    tensorboard_flops,
     tensorboard_memory,
+    tensorboard_throughput,
 )
 from phase_timer.stats import WINDOW_STATS, percentile
 
@@ -138,6 +157,14 @@ class RunReport:
     memory_timeline: dict[str, Points] = field(default_factory=dict)
     #: Where ``memory_timeline`` came from: "TensorBoard" or the summary file's name (None: no memory data).
     memory_from: str | None = None
+    #: The summary file's ``throughput`` object, or TensorBoard's (:func:`~phase_timer.runs.tensorboard_throughput`);
+    #: None: no batch was counted.
+    throughput: dict[str, Any] | None = None
+    #: The summary file's ``flops`` object (version 6), or what TensorBoard has of it; None: none.
+    flops: dict[str, Any] | None = None
+    #: What the figure's throughput panel draws (:func:`~phase_timer.throughput_report.timeline`) and its source.
+    rate_timeline: dict[str, Points] = field(default_factory=dict)
+    rate_from: str | None = None
 
 
 def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
@@ -248,6 +275,9 @@ def build_report(run_dir: str, scalars: PhaseScalars, source: str = "auto") -> R
         timeline=_timeline(scalars),
         memory=tensorboard_memory(scalars),
         **_memory_timeline(scalars, None),
+        throughput=tensorboard_throughput(scalars),
+        flops=tensorboard_flops(scalars),
+        **_rate_timeline(scalars, None),
     )
 
 
@@ -274,7 +304,13 @@ def summary_report(run_dir: str, data: dict[str, Any], scalars: PhaseScalars) ->
         skipped_steps=int(steps.get("skipped") or 0), phases=phases, timeline=timeline,
         clock=(data.get("environment") or {}).get("clock"), summary=data,
         memory=data.get("memory"), **_memory_timeline(scalars, data.get("memory")),
+        throughput=data.get("throughput"), flops=data.get("flops"), **_rate_timeline(scalars, data),
     )
+
+
+def _rate_timeline(scalars: PhaseScalars, data: dict[str, Any] | None) -> dict[str, Any]:
+    points, source = rates.timeline(scalars, data)
+    return {"rate_timeline": points, "rate_from": source}
 
 
 def summary_lines(data: dict[str, Any]) -> list[str]:
@@ -393,7 +429,9 @@ def format_run(report: RunReport) -> str:
     table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
     extra = summary_lines(report.summary) if report.summary is not None else []
     memory = memory_block(report.memory)
-    return "\n".join([_describe(report), table, share_note(report.clock, report.phases), *([memory] if memory else []), *extra])
+    # In the run's own order: its rates and MFU, then memory, then the rest.
+    return "\n".join([_describe(report), table, share_note(report.clock, report.phases),
+                      *rates.run_lines(report.throughput, report.flops), *([memory] if memory else []), *extra])
 
 
 def has_memory(memory: dict[str, Any] | None) -> bool:
@@ -443,6 +481,7 @@ def format_comparison(reports: Sequence[RunReport]) -> str:
     if any(has_memory(r.memory) for r in reports):  # a run without memory data: blank, not zero
         rows.append(("peak allocated", *(_mb(r.memory["peak_allocated_mb"]) if has_memory(r.memory) else ""
                                          for r in reports)))
+    rows += rates.side_by_side_rows([r.throughput for r in reports], [r.flops for r in reports])
     align = ("left",) + ("right",) * len(reports)
     table = tabulate(rows, headers=("mean ms (share)", *labels), disable_numparse=True, colalign=align)
     return f"side by side ({len(reports)} runs)\n{table}"
@@ -477,6 +516,8 @@ def to_json(reports: Sequence[RunReport]) -> dict[str, Any]:
             run.update({k: r.summary.get(k) for k in _SUMMARY_KEYS})
             run["clock"] = r.clock
         run["memory"] = r.memory
+        run["throughput"] = r.throughput
+        run["flops"] = r.flops
         runs.append(run)
     return {"runs": runs}
 
@@ -641,6 +682,18 @@ def _memory_sources(reports: Sequence[RunReport], labels: list[str]) -> str:
     return "; ".join(f"{', '.join(by[src])}: {how[src]}" for src in used)
 
 
+def _draw_throughput(fig: Any, cell: Any, reports: Sequence[RunReport], labels: list[str]) -> None:
+    """The headline rate over the run (left) and MFU beside it (right), where a run has MFU; one colour per run."""
+    timelines = [r.rate_timeline for r in reports]
+    with_mfu = any(any(k in t for k in ("step", "forward", "backward")) for t in timelines)
+    cells = cell.subgridspec(1, 2, width_ratios=(1, 1.5)) if with_mfu else None
+    rate_ax = fig.add_subplot(cells[0, 0] if cells is not None else cell)
+    rates.draw_rates(rate_ax, timelines, labels, _RUN_COLORS, [r.rate_from for r in reports])
+    if cells is not None:
+        rates.draw_mfu(fig.add_subplot(cells[0, 1]), timelines, labels, _RUN_COLORS,
+                       [rates.peak_label(r.flops) for r in reports])
+
+
 def write_png(reports: Sequence[RunReport], path: str) -> None:
     """Shares and the distribution (left), the phases stacked over the run (right, one row per run), into ``path``."""
     import matplotlib
@@ -653,8 +706,10 @@ def write_png(reports: Sequence[RunReport], path: str) -> None:
     n = len(reports)
     rows = max(2, n)
     memory = any(r.memory_timeline for r in reports)  # no memory data: no panel, the figure as it was
-    fig = plt.figure(figsize=(15, 3.0 + 3.0 * n + (3.0 if memory else 0.0)), layout="constrained")
-    grid = fig.add_gridspec(rows + int(memory), 2, width_ratios=(1, 1.5))
+    throughput = rates.has_panel([r.rate_timeline for r in reports])  # likewise without rates
+    extra = int(memory) + int(throughput)
+    fig = plt.figure(figsize=(15, 3.0 + 3.0 * n + 3.0 * extra), layout="constrained")
+    grid = fig.add_gridspec(rows + extra, 2, width_ratios=(1, 1.5))
     half = max(1, rows // 2)
     _draw_shares(fig.add_subplot(grid[:half, 0]), reports, labels, colors)
     _draw_distribution(fig.add_subplot(grid[half:rows, 0]), reports, labels, colors)
@@ -669,9 +724,11 @@ def write_png(reports: Sequence[RunReport], path: str) -> None:
     for ax in axes:
         ax.set_ylim(0, top)
     axes[-1].set_xlabel("step")
-    phase_axes = list(fig.axes)  # the phase legend's: the memory panel keeps its own
+    phase_axes = list(fig.axes)  # the phase legend's: the memory and throughput panels keep their own
     if memory:
         _draw_memory(fig.add_subplot(grid[rows, :]), reports, labels)
+    if throughput:
+        _draw_throughput(fig, grid[rows + int(memory), :], reports, labels)
     handles = {h.get_label(): h for ax in phase_axes for h in ax.get_legend_handles_labels()[0]}
     names = ordered(list(handles))
     fig.legend([handles[p] for p in names], names, loc="outside lower center", ncol=min(len(names), 10), frameon=False)
@@ -691,10 +748,12 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
         "--json",
         action="store_true",
         help='print JSON instead of tables: {"runs": [{"run", "source", "steps", "windows", "skipped_steps", '
-        '"phases": {PHASE: {"mean_ms", "p50_ms", "p90_ms", "max_ms", "share"}}, "memory": {...} or null}]}',
+        '"phases": {PHASE: {"mean_ms", "p50_ms", "p90_ms", "max_ms", "share"}}, "memory": {...} or null, '
+        '"throughput": {...} or null, "flops": {...} or null}]}',
     )
     parser.add_argument("--png", metavar="FILE", help="also write a figure: phase shares and phase times over steps "
-                        "(and memory over steps, when a run has memory data)")
+                        "(and memory over steps, when a run has memory data; throughput and MFU over steps, when a "
+                        "run has them)")
     parser.add_argument(
         "--source",
         choices=("auto", "summary", "step", "window"),
@@ -711,7 +770,8 @@ REPORT_HELP = (
     "alone the columns are: mean = mean of window means (every window weighs the same), p50 = median of window p50, "
     "p90 = max of window p90, max = max of window max.  Share: the step's phases (h2d, forward, backward, "
     "optimizer, idle, custom phases inside the step) of `step`, the rest (data_wait, sync_wait, between_steps, "
-    "custom phases after the step's end: between_steps.<name>) of `period`."
+    "custom phases after the step's end: between_steps.<name>) of `period`.  Below each table: the run's "
+    "throughput (tokens/s, samples/s, steps/s) and MFU with its denominator, where the run has them."
 )
 
 

@@ -26,6 +26,8 @@ from phase_timer.metrics import (
 )
 from phase_timer.run_summary import FILE_NAME, SCHEMA
 from phase_timer.stats import WINDOW_STATS
+from phase_timer.throughput import COUNTS
+from phase_timer.throughput import PREFIX as THROUGHPUT_PREFIX
 
 EXIT_ERROR = 2
 PROG = "phase-timer"
@@ -33,6 +35,7 @@ _WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$"
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
 _MEMORY_RE = re.compile(rf"^{MEMORY_PREFIX}/(.+)_mb$")
 _MEMORY_RANKS_RE = re.compile(rf"^{MEMORY_RANKS_PREFIX}/peak_allocated_mb/(.+)$")
+_THROUGHPUT_RE = re.compile(rf"^{THROUGHPUT_PREFIX}/(.+)$")
 #: Run summary file versions this phase-timer reads.
 READS_VERSIONS = (1, 2, 3, 4, 5, 6)
 
@@ -56,10 +59,13 @@ class PhaseScalars:
     memory: dict[str, Points] = field(default_factory=dict)
     #: Across ranks: ``phase_memory_ranks/peak_allocated_mb/<stat>`` points by ``<stat>``.
     memory_ranks: dict[str, Points] = field(default_factory=dict)
+    #: ``throughput/<name>`` points by ``<name>`` (``samples_per_s``, ``tokens_per_s``, ``mfu``, ``job_...``),
+    #: one per window.
+    throughput: dict[str, Points] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        # Memory points come with a run's time points, never alone: they do not make a run by themselves.
+        # Memory and throughput points come with a run's time points, never alone: they do not make a run.
         return not self.window and not self.step
 
 
@@ -122,6 +128,8 @@ def read_phase_scalars(run_dir: str) -> PhaseScalars:
             out.memory[m.group(1)] = points
         elif m := _MEMORY_RANKS_RE.match(tag):
             out.memory_ranks[m.group(1)] = points
+        elif m := _THROUGHPUT_RE.match(tag):
+            out.throughput[m.group(1)] = points
     return out
 
 
@@ -153,6 +161,85 @@ def tensorboard_memory(scalars: PhaseScalars) -> dict[str, Any] | None:
         "peak_allocated_mb": last("peak_allocated"),
         "peak_reserved_mb": last("peak_reserved"),
     }
+
+
+# -- throughput and MFU -------------------------------------------------------------------
+#: TensorBoard's per-window MFU tags (fractions) by the summary file's ``mfu`` keys.
+MFU_TAGS = {"step": "mfu", "forward": "mfu_forward", "backward": "mfu_backward"}
+#: What a window's value is a ratio over: its rate or MFU weighs by that phase's time in the window.
+_OVER_PHASE = {"mfu_forward": "forward", "mfu_backward": "backward"}
+
+
+def _time_weighted(points: Points, scalars: PhaseScalars, phase: str) -> float:
+    """The run's value of a per-window ratio (a count or FLOPs over a phase's time in the window).
+
+    A window's ``C_w / T_w`` weighed by ``T_w`` (its mean of ``phase`` times its steps, both logged at the
+    window's last step) gives ``sum(C) / sum(T)``: the run's, as the summary file computes it.  Without
+    those, the windows' plain mean."""
+    means = dict((scalars.window.get(phase) or {}).get("mean") or [])
+    steps = dict(scalars.window_steps)
+    weights = [means.get(s, 0.0) * steps.get(s, 0.0) for s, _ in points]
+    if all(w > 0 for w in weights):
+        return sum(w * v for w, (_, v) in zip(weights, points)) / sum(weights)
+    return sum(v for _, v in points) / len(points)
+
+
+def tensorboard_throughput(scalars: PhaseScalars) -> dict[str, Any] | None:
+    """A run's rates from its ``throughput/*_per_s`` windows, in the summary file's names; None without any."""
+    tp = scalars.throughput
+    mine = {f"{n}_per_s": _time_weighted(tp[f"{n}_per_s"], scalars, "period")
+            for n in (*COUNTS, "steps") if tp.get(f"{n}_per_s")}
+    if "samples_per_s" not in mine:
+        return None
+    job = {f"{n}_per_s": _time_weighted(tp[f"job_{n}_per_s"], scalars, "period")
+           for n in COUNTS if tp.get(f"job_{n}_per_s")}
+    return {"source": "tensorboard", "windows": len(tp["samples_per_s"]), **mine, "job": job or None}
+
+
+def tensorboard_flops(scalars: PhaseScalars) -> dict[str, Any] | None:
+    """A run's TFLOP/s and MFU from its ``throughput/`` windows, in the summary file's names (what TensorBoard
+    lacks, the FLOPs a step and the peak, is null); None without any."""
+    tp = scalars.throughput
+    mfu = {k: _time_weighted(tp[tag], scalars, _OVER_PHASE.get(tag, "period")) if tp.get(tag) else None
+           for k, tag in MFU_TAGS.items()}
+    tflops = _time_weighted(tp["tflops_per_s"], scalars, "period") if tp.get("tflops_per_s") else None
+    if tflops is None and mfu["step"] is None:
+        return None
+    return {"source": "tensorboard", "per_step": None, "tflops_per_s": tflops, "peak": None,
+            "mfu": mfu if mfu["step"] is not None else None, "note": None}
+
+
+#: A window batch's counts: (steps, last step, count, summed period in ms); a rate is count over period.
+CountBatch = tuple[int, int, float, float]
+
+
+def summary_count_batches(data: dict[str, Any]) -> dict[str, list[CountBatch]]:
+    """Each window batch's counts and period from a summary file, by rate name (``samples_per_s`` ...).
+
+    The file keeps no count per window, but it keeps each batch's steps and mean ``period``: where every counted
+    step had the same count ``k`` (``throughput.per_step``), a batch's count is ``k`` times its steps (steps/s:
+    ``k`` = 1, always).  A count that varied gets no batches: its noise is unknown."""
+    windows, thr = data.get("windows") or {}, data.get("throughput") or {}
+    period = ((windows.get("phases") or {}).get("period") or {}).get("mean_ms") or []
+    if not thr or not period:
+        return {}
+    per_step = {**(thr.get("per_step") or {}), "steps": 1.0}
+    rows = [(n, last, p) for n, last, p in zip(windows.get("steps") or [], windows.get("last_step") or [], period)
+            if n and p]
+    return {f"{name}_per_s": [(n, last, k * n, n * p) for n, last, p in rows] for name, k in per_step.items() if k}
+
+
+def tensorboard_count_batches(scalars: PhaseScalars) -> dict[str, list[CountBatch]]:
+    """The same from TensorBoard: each window's rate times its period (its mean ``period`` times its steps)."""
+    steps = dict(scalars.window_steps)
+    period = dict((scalars.window.get("period") or {}).get("mean") or [])
+    out: dict[str, list[CountBatch]] = {}
+    for name in (*COUNTS, "steps"):
+        rows = [(int(steps[s]), s, v * steps[s] * period[s] / 1e3, steps[s] * period[s])
+                for s, v in scalars.throughput.get(f"{name}_per_s", []) if steps.get(s) and period.get(s)]
+        if rows:
+            out[f"{name}_per_s"] = rows
+    return out
 
 
 def run_dirs(logdir: str) -> dict[str, tuple[list[str], str | None]]:

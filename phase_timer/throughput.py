@@ -102,11 +102,13 @@ def _given(how: Count, batch: Any, default: int | None) -> int | None:
     return int(how(batch)) if callable(how) else how
 
 
-def split_counts(columns: dict[str, list[float]]) -> dict[str, float]:
+def split_counts(columns: dict[str, list[float]], run: RunThroughput | None = None) -> dict[str, float]:
     """Take the counts out of a window's columns: ``{samples, tokens}`` summed over the window's steps that
     carry them, with ``period_ms`` summed over the same steps (every timed step has a period); the FLOPs
     (``step_flops.CARRIED``) the same way, with their own ``flop_period_ms`` and forward's and backward's
-    summed GPU time (``flop_forward_ms``, ``flop_backward_ms``), the MFUs' denominators."""
+    summed GPU time (``flop_forward_ms``, ``flop_backward_ms``), the MFUs' denominators.
+
+    ``run``: the run's counts, told whether every step of this window had the same count (once a window)."""
     out: dict[str, float] = {}
     period = columns.get("period")
     n = len(period) if period else 0
@@ -115,6 +117,8 @@ def split_counts(columns: dict[str, list[float]]) -> dict[str, float]:
         # Counted on every step of the window (a batch whose shapes say nothing leaves a step out: then none).
         if values and len(values) == n:
             out[name] = float(sum(values))
+            if run is not None and name in COUNTS:
+                run.note_per_step(name, min(values), max(values))
     if n and (SAMPLES in out or TOKENS in out):
         out["period_ms"] = float(sum(period))
         out["steps"] = float(n)
@@ -150,11 +154,27 @@ def scalars(counts: Mapping[str, float]) -> dict[str, float]:
     return {f"{PREFIX}/{k}": v for k, v in rates(counts).items()}
 
 
+#: ``RunThroughput.per_step``'s mark of a count that differed from step to step.
+VARIED = -1.0
+
+
 class RunThroughput:
-    """The run's counts over every timed step, window by window."""
+    """The run's counts over every timed step, window by window.
+
+    ``per_step``: each count's value when every counted step had the same (``VARIED`` once two differed).
+    ``phase-timer compare`` needs it: with a constant count a window's rate is that count over its mean
+    ``period``, so a rate's window-to-window noise comes from the period's, which the summary file keeps.
+    """
 
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}
+        self.per_step: dict[str, float] = {}
+
+    def note_per_step(self, name: str, lowest: float, highest: float) -> None:
+        """One window's smallest and largest count of ``name`` a step."""
+        seen = self.per_step.get(name)
+        same = lowest == highest and seen in (None, lowest)
+        self.per_step[name] = lowest if same else VARIED
 
     def add(self, counts: Mapping[str, float]) -> None:
         for k, v in counts.items():
@@ -167,8 +187,10 @@ class RunThroughput:
         """What the summary file holds (None: nothing counted)."""
         if SAMPLES not in self.counts:
             return None
+        per_step = {name: (v if v != VARIED else None) for name in COUNTS if (v := self.per_step.get(name)) is not None}
         return {"samples": self.counts.get("samples"), "tokens": self.counts.get("tokens"),
-                "steps": self.counts.get("steps"), **self.rates()}
+                "steps": self.counts.get("steps"), **self.rates(),
+                "per_step": {name: per_step.get(name) for name in COUNTS}}
 
 
 def _si(x: float) -> str:

@@ -71,7 +71,11 @@ def test_with_no_warm_up_the_counted_step_goes_untimed_and_the_next_period_is_it
     assert data["flops"]["per_step"]["hardware"] == FWD + BWD
 
 
-def test_a_new_shape_is_counted_on_its_first_step_and_each_step_carries_its_own_count(tmp_path):
+@pytest.mark.parametrize("every_step_sampled", [False, True])
+def test_a_new_shape_is_counted_on_its_first_step_and_each_step_carries_its_own_count(tmp_path, monkeypatch,
+                                                                                      every_step_sampled):
+    if every_step_sampled:  # the new shape's first step is a verdict's sampled step: it gives up its sample
+        monkeypatch.setattr("phase_timer.boundaries.sample_gap", lambda rng, n: 1)
     small, large = _batches(20, b=B), _batches(20, b=2 * B)
     timer = _mlp_loop(tmp_path, small + large, peak_tflops=0.01)
     data = _summary(timer)
