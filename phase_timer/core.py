@@ -179,7 +179,9 @@ class TimingCore:
         if not self._in_step:
             return
         self._in_step = False
-        now = time.perf_counter_ns()
+        # Closed while paused (an evaluation after the last step, nothing resumed): the period ends where the
+        # pause began, and a resume moves the next period's start past the pause as usual.
+        now = self._paused_at if self._paused_at is not None else time.perf_counter_ns()
         last, self._last_end = self._last_end, now
         engine = self._engine
         engine.close((now - last) / 1e6 if last is not None else -1.0)

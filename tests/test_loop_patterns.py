@@ -938,9 +938,6 @@ def test_a_phase_entered_on_two_threads_at_once_times_the_loop_thread_only(tmp_p
     assert any("another thread" in str(w.message) or "other than the training loop" in str(w.message) for w in caught)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "phase-timer bug: the evaluation pauses the timer and nothing resumes it; the last step closes at the end "
-    "while paused, and TimingCore.close counts the open pause in that step's period"))
 @pytest.mark.parametrize("train_mode", [False, True], ids=["eval mode", "train mode, no grad"])
 def test_an_evaluation_after_the_last_step_is_not_in_its_period(tmp_path, host_hours, train_mode):
     """The rows above evaluate between steps; here the loop's last act is an evaluation, as when a run
