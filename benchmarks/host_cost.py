@@ -172,7 +172,8 @@ def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C
 def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
     """What the diagnosis's samples cost: a whole step through the boundaries, every step sampled or none.
 
-    Modes: ``off`` (nothing sampled, memory off), ``self-timing`` (every step's own host time timed, as one
+    Modes: ``off`` (nothing sampled, memory off), ``counts`` (off, and the door's ``count_batch`` every step:
+    throughput's samples and tokens and a FLOP count carried, as every step pays with a batch), ``self-timing`` (every step's own host time timed, as one
     step in ~96 is), ``in flight`` (every close counts the steps in flight, as one in 16 does, on a
     CUDA clock), ``memory`` (every step reads the allocator's counters at its five boundaries, as one
     in ~128 does after the first ones, on a CUDA clock).  A sampled step's extra cost over ``off``, divided by its gap, is what each step
@@ -198,11 +199,25 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
             core = TimingCore(clock_type(), [], window=50, warmup_steps=0, max_pending=64, memory=mode == "memory")
             bounds = Boundaries(core)
             state = {"i": 0}
+            count = None
+            if mode == "counts":  # the steady state of throughput and FLOPs: a shape counted before, carried
+                from phase_timer.flops import StepFlops, signature
+                from phase_timer.step_flops import FlopPlan
+                from phase_timer.throughput import BatchCounter
+
+                batch = (torch.randint(0, 100, (8, 128)), torch.randint(0, 100, (8, 128)))
+                core.counter = BatchCounter()
+                core.flops = FlopPlan("bench", given=None, peak_tflops=1.0, device_name=None)
+                core.flops.carried[signature(batch)] = FlopPlan.carry(StepFlops({"forward": 1e12, "backward": 2e12},
+                                                                               "counted"))
+                count = bounds.count_batch
 
             def step() -> None:
                 i = state["i"] = state["i"] + 1
                 bounds.on_fetch()  # the calls the doors make (in C where built: phase_timer/_native.c, Fast)
                 bounds.on_batch(i, 0.1)
+                if count is not None:
+                    count(batch)  # the door's, after the batch: samples, tokens, the signature, FLOPs carried
                 bounds.on_copied()
                 if x is not None:
                     x.mul_(1.0)
@@ -221,7 +236,7 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
             for k, v in saved.items():
                 setattr(b, k, v)
 
-    modes = ("off", "self-timing", "in flight", "memory") if cuda else ("off", "self-timing")
+    modes = ("off", "counts", "self-timing", "in flight", "memory") if cuda else ("off", "counts", "self-timing")
     runs: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):  # interleaved
         for m in modes:
@@ -231,10 +246,11 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
              "(min-max); amortized = extra per sampled step / its mean gap"]
     for k in modes:
         extra = med[k] - med["off"]
-        amort = "" if k == "off" else (f"   extra {extra:6.2f} us a sampled step / {gaps[k]:.0f} = amortized "
-                                       f"{extra / gaps[k]:5.2f} us/step")
+        amort = "" if k == "off" else (f"   extra {extra:6.2f} us every step (throughput and FLOPs from the batch's "
+                                       "shapes)" if k == "counts" else f"   extra {extra:6.2f} us a sampled step / "
+                                       f"{gaps[k]:.0f} = amortized {extra / gaps[k]:5.2f} us/step")
         lines.append(f"  {k:26s} {med[k]:7.2f} us ({min(runs[k]):.2f}-{max(runs[k]):.2f}){amort}")
-    lines += schedule_rows({k: med[k] - med["off"] for k in modes if k != "off"})
+    lines += schedule_rows({k: med[k] - med["off"] for k in modes if k not in ("off", "counts")})
     return lines
 
 

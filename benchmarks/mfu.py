@@ -171,6 +171,8 @@ def lightning(args: argparse.Namespace) -> None:
             trainer.fit(LM(), loader)
             wall = time.perf_counter() - t0
         row: dict[str, Any] = {"syncs_per_step": syncs.n / (args.steps + 5), "wall_s": wall}
+        if name != "both":
+            row["profiler_syncs_per_step"] = _profiled_syncs(LM, cbs_again(name, timer, monitor), batch, seq)
         if timer is not None:
             d = _read(timer.summary_path)
             row.update(ours_samples=d["throughput"]["samples_per_s"], ours_tflops=d["flops"]["tflops_per_s"],
@@ -197,13 +199,56 @@ def lightning(args: argparse.Namespace) -> None:
         f"vs {both['tm_tflops']:.1f} ({both['ours_tflops'] / both['tm_tflops'] - 1:+.2%}); MFU {both['ours_mfu']:.2%} of "
         f"{both['ours_peak']} vs {both['tm_mfu']:.2%} of {both['tm_peak']}; counted FLOPs/step {both['ours_flops']:.6g} vs "
         f"analytic {analytic:.6g} ({both['ours_flops'] / analytic - 1:+.3%})")
-    say(f"lightning, syncs a step: phase-timer alone {results['phase-timer']['syncs_per_step']:.2f}, ThroughputMonitor "
-        f"alone {results['ThroughputMonitor']['syncs_per_step']:.2f}; samples/s phase-timer alone "
+    say(f"lightning, syncs a step (torch.cuda.synchronize calls; the profiler's runtime/driver sync calls over steps "
+        f"8-19): phase-timer alone {results['phase-timer']['syncs_per_step']:.2f} "
+        f"({results['phase-timer']['profiler_syncs_per_step']:.2f}), ThroughputMonitor alone "
+        f"{results['ThroughputMonitor']['syncs_per_step']:.2f} ({results['ThroughputMonitor']['profiler_syncs_per_step']:.2f}); "
+        f"samples/s phase-timer alone "
         f"{results['phase-timer']['ours_samples']:.2f}, ThroughputMonitor alone "
         f"{results['ThroughputMonitor']['tm_samples']:.2f}")
     ROWS.append(("lightning (both)", f"{both['ours_flops'] / analytic - 1:+.3%}", f"{both['ours_samples'] * seq:.0f}",
                  f"{both['tm_samples'] * seq:.0f} (TM)", f"{both['ours_samples'] / both['tm_samples'] - 1:+.2%}",
                  f"{both['ours_mfu']:.1%} / TM {both['tm_mfu']:.1%}"))
+
+
+SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cuCtxSynchronize",
+              "cuStreamSynchronize", "cuEventSynchronize")
+
+
+def cbs_again(name: str, timer: Any, monitor: Any) -> list[Any]:
+    """Fresh callbacks of the same kind (a callback's state is its run's)."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    if name == "phase-timer":
+        return [phase_timer.PhaseTimer(log_dir=tempfile.mkdtemp(), summary=False, log_every_n_steps=10)]
+    return [ThroughputMonitor(batch_size_fn=lambda b: b.shape[0], length_fn=lambda b: b.numel(), window_size=10)]
+
+
+def _profiled_syncs(module: Any, callbacks: list[Any], batch: int, seq: int, steps: int = 12, first: int = 8) -> float:
+    """Host-device waits a step (the runtime's and the driver's sync calls on the profiler's timeline) over steps
+    ``first..first+steps-1`` of a short fit: the ones a callback adds show as the difference between runs."""
+    import lightning.pytorch as pl
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    counts: list[int] = []
+
+    def ready(prof: Any) -> None:
+        counts.append(sum(e.count for e in prof.key_averages() if e.key in SYNC_CALLS))
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=first - 1, warmup=1, active=steps, repeat=1), on_trace_ready=ready)
+
+    class Step(pl.Callback):
+        def on_train_batch_end(self, *a: Any) -> None:
+            prof.step()
+
+    trainer = pl.Trainer(max_steps=first + steps + 2, precision="bf16-mixed", logger=False,
+                         callbacks=[*callbacks, Step()], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, log_every_n_steps=10, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(_data(first + steps + 2, batch, seq), batch_size=None, pin_memory=True)
+    with prof:
+        trainer.fit(module(), loader)
+    return counts[0] / steps if counts else float("nan")
 
 
 def hf(args: argparse.Namespace) -> None:

@@ -39,14 +39,23 @@ _TOKEN_KEYS = ("input_ids", "tokens", "token_ids")
 Count = int | Callable[[Any], int] | None
 
 
+#: Token ids are integers (not a bool mask, not floats): the dtypes a tensor of ids may have.
+_ID_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
 def _first_tensor(batch: Any) -> torch.Tensor | None:
     """The batch's leading tensor: itself, a mapping's token ids or first value, a sequence's first item."""
     for _ in range(4):  # nested at most a few levels: ((x, y), meta), {"inputs": {...}}
-        if isinstance(batch, torch.Tensor):
-            return batch
-        if isinstance(batch, Mapping):
+        kind = type(batch)  # the usual kinds first, by identity: a door calls this every batch
+        if kind is tuple or kind is list:
+            if not batch:
+                return None
+            batch = batch[0]
+        elif kind is dict or isinstance(batch, Mapping):
             key = next((k for k in _TOKEN_KEYS if k in batch), None)
             batch = batch[key] if key is not None else next(iter(batch.values()), None)
+        elif isinstance(batch, torch.Tensor):
+            return batch
         elif isinstance(batch, (list, tuple)) and batch:
             batch = batch[0]
         else:
@@ -58,10 +67,12 @@ def shape_counts(batch: Any) -> tuple[int | None, int | None]:
     """(samples, tokens) of one batch from its shapes: the leading tensor's first dimension; its ``numel``
     when it holds token ids (an integer tensor of two or more dimensions), else no tokens."""
     t = _first_tensor(batch)
-    if t is None or t.dim() == 0:
+    if t is None:
         return None, None
-    tokens = t.numel() if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool else None
-    return t.shape[0], tokens
+    shape = t.shape
+    if not shape:
+        return None, None
+    return shape[0], (t.numel() if len(shape) >= 2 and t.dtype in _ID_DTYPES else None)
 
 
 @dataclass(frozen=True)

@@ -1169,3 +1169,43 @@ def test_hf_trainer_compiled_fp16_checkpointed_accumulated_on_cuda(tmp_path):
     assert totals.phases["step"].total == pytest.approx(device, rel=1e-6)
     assert all(totals.phases[p].min > 0 for p in ("forward", "backward", "optimizer", "idle"))
     assert cb.timer.sync_census == "done"
+
+
+# -- FLOPs and MFU ------------------------------------------------------------------------
+def test_flops_counted_on_a_warm_up_step_exact_on_a_linear_stack_mfu_against_the_devices_bf16_peak(
+        tmp_path, no_sync_in_timer, monkeypatch):
+    """The count's step is a warm-up one and not the census's; every Linear's 2*m*n*k forward, twice backward (the
+    first layer's input gradient aside); the peak is the table's for this device at the autocast dtype; no sync."""
+    import json
+
+    import phase_timer
+    from phase_timer.boundaries import Boundaries
+    from phase_timer.peaks import peak_tflops
+
+    monkeypatch.setattr(Boundaries, "count_batch", _strict(Boundaries.count_batch))
+    width, batch = 1024, 128
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.GELU())], nn.Linear(width, 1)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    with phase_timer.attach(model, opt, gpu_data(width=width), copy_to_device=True, log_dir=tmp_path, warmup_steps=3,
+                            summary=False) as timer:
+        for x, y in timer.loader:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    with open(timer.summary_path) as f:
+        data = json.load(f)
+    fwd = 2 * batch * (4 * width * width + width)
+    fl = data["flops"]
+    assert fl["source"] == "counted" and data["steps"]["timed"] == 13  # 16 batches, 3 warm-up (one of them counted)
+    assert fl["per_step"]["forward"] == fwd and fl["per_step"]["backward"] == 2 * fwd - 2 * batch * width * width
+    expected = peak_tflops(torch.cuda.get_device_name(), "bf16",
+                           compute_units=torch.cuda.get_device_properties(0).multi_processor_count)
+    if expected is None:
+        assert fl["mfu"] is None and "pass peak_tflops=" in fl["note"]
+    else:
+        assert fl["peak"]["tflops"] == expected.tflops and fl["peak"]["precision"] == "bf16"
+        assert 0 < fl["mfu"]["step"] < 1 and 0 < fl["mfu"]["forward"] < 1 and 0 < fl["mfu"]["backward"] < 1
+    assert data["syncs"]["census"] == "done" and data["syncs"]["step"] == 3  # the census kept its own step
