@@ -319,14 +319,15 @@ class Boundaries:
         self._auto = BETWEEN
 
     # -- what a batch holds -------------------------------------------------------------
-    def count_batch(self, batch: Any, step_batch: Any = None) -> None:
+    def count_batch(self, batch: Any, step_batch: Any = None, samples: bool = True) -> None:
         """A batch was handed over (after :meth:`batch`): its samples and tokens, and at a step's first batch
         its FLOPs (``step_flops.py``).  ``step_batch``: what the step's FLOPs depend on when the door has every
-        micro-batch at once (the 🤗 Trainer's), else ``batch``.  Shapes only, never a value: no sync.
+        micro-batch at once (the 🤗 Trainer's), else ``batch``; ``samples=False``: its FLOPs only.  Shapes only,
+        never a value: no sync.
         Every step pays this: one frame, the signature, a dict lookup and three host values (a few µs)."""
         core = self.core
         counter = core.counter
-        if counter is not None:
+        if counter is not None and samples:
             counter.add(core.add_host, batch)
         plan = core.flops
         if plan is None or plan.begun == self.begun or not self.open:
@@ -352,7 +353,7 @@ class Boundaries:
         may run several forwards)."""
         plan = self.core.flops
         if plan is not None and plan.begun != self.begun:
-            self.count_batch(batch) if self.core.counter is None else _flops_only(self, batch)
+            self.count_batch(batch, samples=False)
 
     def _count_step(self, plan: Any, batch: Any) -> None:
         """A shape not yet counted: counted on this step, which goes untimed (``step_flops.py``)."""
@@ -574,16 +575,6 @@ class Boundaries:
 
     def _warn_once(self, key: str, msg: str) -> None:
         warn_once(log, self._warned, key, msg, 4)
-
-
-def _flops_only(bounds: Boundaries, batch: Any) -> None:
-    """``count_batch`` with the samples and tokens left out."""
-    core = bounds.core
-    counter, core.counter = core.counter, None
-    try:
-        bounds.count_batch(batch)
-    finally:
-        core.counter = counter
 
 
 class _CountedBoundaries(Boundaries):
