@@ -69,6 +69,15 @@ def check_path(owner: str, name: str, value: Any, *, kind: str = "file") -> None
         _fail(owner, name, value, "a file path", ", which is an existing directory")
 
 
+def check_snapshot(owner: str, value: Any) -> None:
+    """``memory_snapshot``: None/False (off), True or ``"end"`` (the run's directory), or a file path."""
+    if value is None or isinstance(value, bool) or value == "end":
+        return
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        _fail(owner, "memory_snapshot", value, "None, True, 'end' or a file path for the snapshot")
+    check_path(owner, "memory_snapshot", value, kind="file")
+
+
 def check_nvtx(owner: str) -> None:
     """``nvtx=True`` needs torch's NVTX functions (a CUDA build); a CPU build lacks them."""
     try:
@@ -99,6 +108,9 @@ class TimerConfig:
     #: input ids' numel, padding included); or a count a batch, or a function of the batch (``throughput.py``).
     samples_per_batch: Any = None
     tokens_per_batch: Any = None
+    #: Record the CUDA allocator's history and dump a snapshot on an out-of-memory error (``phase_timer/oom.py``):
+    #: None (off), True (``memory_snapshot.pickle`` in the run's directory), ``"end"`` (also at the run's end), a path.
+    memory_snapshot: Any = None
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -119,6 +131,7 @@ class TimerConfig:
         check_bool(o, "memory", self.memory)
         check_count(o, "samples_per_batch", self.samples_per_batch)
         check_count(o, "tokens_per_batch", self.tokens_per_batch)
+        check_snapshot(o, self.memory_snapshot)
         ts = self.trace_steps
         if ts is not None and not (
             isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)
