@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from phase_timer import oom
 from phase_timer._env import warn
 from phase_timer.clock import make_clock
 from phase_timer.config import TimerConfig, _fail
@@ -115,6 +116,11 @@ def start_core(
     core.context.update(door=door, config=config_dict(config), device_type=dev.type if dev is not None else "cpu",
                         device_name=device_name(dev) if dev is not None else "cpu", cpu_count=cpu_count())
     core.context.update(context or {})
+    # The run's directory for memory_snapshot's file (rank zero's; the others learn it through the store, as they
+    # learn where to write their own summary should they run out of memory).
+    directory = (out.summary_dir or out.log_dir or trace_dir or os.getcwd()) if rank_zero else None
+    core.snapshot = oom.Snapshot.start(config.memory_snapshot, core, directory)
+    oom.publish(core, directory)
     return core
 
 

@@ -96,6 +96,15 @@ def check_peak(owner: str, name: str, value: Any) -> None:
         _fail(owner, name, value, "the device's dense peak in TFLOP/s (a finite number > 0), or None")
 
 
+def check_snapshot(owner: str, value: Any) -> None:
+    """``memory_snapshot``: None/False (off), True or ``"end"`` (the run's directory), or a file path."""
+    if value is None or isinstance(value, bool) or value == "end":
+        return
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        _fail(owner, "memory_snapshot", value, "None, True, 'end' or a file path for the snapshot")
+    check_path(owner, "memory_snapshot", value, kind="file")
+
+
 def check_nvtx(owner: str) -> None:
     """``nvtx=True`` needs torch's NVTX functions (a CUDA build); a CPU build lacks them."""
     try:
@@ -131,6 +140,9 @@ class TimerConfig:
     flops_per_step: Any = None
     peak_tflops: Any = None
     mfu: bool = True
+    #: Record the CUDA allocator's history and dump a snapshot on an out-of-memory error (``phase_timer/oom.py``):
+    #: None (off), True (``memory_snapshot.pickle`` in the run's directory), ``"end"`` (also at the run's end), a path.
+    memory_snapshot: Any = None
     owner: str = "PhaseTimer"
     #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
     window_arg: str = "window"
@@ -154,6 +166,7 @@ class TimerConfig:
         check_bool(o, "mfu", self.mfu)
         check_flops(o, "flops_per_step", self.flops_per_step)
         check_peak(o, "peak_tflops", self.peak_tflops)
+        check_snapshot(o, self.memory_snapshot)
         ts = self.trace_steps
         if ts is not None and not (
             isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)

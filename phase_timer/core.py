@@ -18,6 +18,7 @@ from phase_timer._env import warn
 from phase_timer.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
 from phase_timer import memory as _memory
+from phase_timer import oom as _oom
 from phase_timer import throughput
 from phase_timer.engine import POLL_EVERY, make_engine
 from phase_timer.memory import MemoryTracker
@@ -108,6 +109,13 @@ class TimingCore:
         self.outputs_missing: str | None = None
         self.diagnosis: Diagnosis | None = None
         self.summary_path: str | None = None
+        #: The summary file's name (None: ``phase_timer_summary.json``; a rank other than zero that ran out of
+        #: memory writes ``phase_timer_summary.rank<r>.json``).
+        self.summary_name: str | None = None
+        #: What was known when an out-of-memory error ended the run (``phase_timer/oom.py``; None: none did).
+        self.oom: dict | None = None
+        #: ``memory_snapshot=``: the allocator's history being recorded (``oom.Snapshot``; None: not asked).
+        self.snapshot: _oom.Snapshot | None = None
         self.interrupted = False
         #: The summary's ``flops`` block, made at the end (None: no FLOPs counted nor asked for).
         self.flops_summary: dict | None = None
@@ -404,6 +412,7 @@ class TimingCore:
             self._write_now(*row)
         self._memory_rows = []
         self.interrupted = interrupted
+        _oom.at_end(self)  # the snapshot's end; rank zero hears of the other ranks' out-of-memory errors
         self._conclude()
         for sink in self._sinks:
             sink.close()
@@ -423,20 +432,21 @@ class TimingCore:
             self.diagnosis = diagnose(
                 self.totals, self.signals, clock=self.clock.kind, context=self.context,
                 rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup, memory=self.memory_summary(), mfu=mfu_tips,
+                warmup_steps=self._warmup, memory=self.memory_summary(), mfu=mfu_tips, oom=self.oom,
             )
         except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
             warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
             return
-        if self.totals.steps:
+        if self.totals.steps or self.oom is not None:
             text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
             for sink in self._sinks:  # every one is guarded (finish): a sink without text is skipped there
                 sink.write_text(DIAGNOSIS_TAG, text, self._last_written_step)
-        if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0):
+        # Rank zero's file; and a rank that ran out of memory writes its own (summary_dir set by oom.caught).
+        if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0 or _oom.own(self)):
             from phase_timer.run_summary import write_summary
 
             try:
-                self.summary_path = write_summary(self, self.summary_dir)
+                self.summary_path = write_summary(self, self.summary_dir, name=self.summary_name)
             except Exception as err:  # noqa: BLE001 - e.g. a full disk: the printed summary still says it all
                 warn(log, f"phase-timer: could not write the run summary file ({type(err).__name__}: {err})")
 
@@ -481,7 +491,7 @@ class TimingCore:
         census = format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)
         if census:
             table += "\n" + census
-        if self.diagnosis is not None and self.totals.steps:
+        if self.diagnosis is not None and (self.totals.steps or self.oom is not None):
             table += "\n" + format_verdict(self.diagnosis)
         files = self.files_line()
         if files:
@@ -489,8 +499,9 @@ class TimingCore:
         return table
 
     def files_line(self) -> str | None:
-        """Where this run's files went (rank zero): its TensorBoard directory and its summary file."""
-        if self.ranks is not None and self.ranks.rank != 0:
+        """Where this run's files went (rank zero, or a rank that ran out of memory): its TensorBoard directory and
+        its summary file."""
+        if self.ranks is not None and self.ranks.rank != 0 and not _oom.own(self):
             return None
         parts = []
         if self.log_dir is not None:

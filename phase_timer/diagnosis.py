@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phase_timer.cpu_use import CpuUse
@@ -77,10 +77,20 @@ FRAG_MIN_MB = 1024.0
 IMBALANCE_SHARE = 0.1
 IMBALANCE_MIN_MB = 512.0
 
+#: OUT_OF_MEMORY (an out-of-memory error ended the run; ``phase_timer/oom.py`` says what was known): it came in
+#: one of the first OOM_FIRST_STEPS steps begun (the first optimizer step makes the optimizer's state) ...
+OOM_FIRST_STEPS = 2
+#: ... activations are large at OOM_ACTIVATIONS of what the step wanted (allocated at the failure plus the request)
+#: or of the peak allocated; the optimizer's state at OOM_OPTIMIZER of the device (or of what the step wanted);
+#: the cache held in pieces when what was reserved but unallocated could have held the request (and OOM_FRAG_MIN_MB).
+OOM_ACTIVATIONS = 0.3
+OOM_OPTIMIZER = 0.25
+OOM_FRAG_MIN_MB = 256.0
+
 KINDS = (
     "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "HOST_BOUND", "UNSTABLE",
     "GPU_BOUND", "MEMORY_PRESSURE", "MEMORY_CREEP", "MEMORY_FRAGMENTATION", "MEMORY_RANK_IMBALANCE",
-    "MEMORY_HEADROOM", "MFU_IMPOSSIBLE", "NO_FINDING",
+    "MEMORY_HEADROOM", "MFU_IMPOSSIBLE", "OUT_OF_MEMORY", "NO_FINDING",
 )
 
 
@@ -204,12 +214,27 @@ def _pct(x: float) -> str:
 
 def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None = None,
              rank_totals: Any = None, skipped: int = 0, warmup_steps: int | None = None,
-             memory: dict[str, Any] | None = None, mfu: list[str] | None = None) -> Diagnosis:
+             memory: dict[str, Any] | None = None, mfu: list[str] | None = None,
+             oom: dict[str, Any] | None = None) -> Diagnosis:
     """The primary finding (with the others as ``secondary``) for a run's totals and signals.
 
     ``memory``: the memory summary (``TimingCore.memory_summary``); its findings come after the time ones,
     except a high one, which comes first.  ``mfu``: what MFU says (``mfu.mfu_advice``): a GPU-bound run's
-    tips at low MFU, or that an MFU over 100% cannot be (``MFU_IMPOSSIBLE``)."""
+    tips at low MFU, or that an MFU over 100% cannot be (``MFU_IMPOSSIBLE``).  ``oom``: what was known when an
+    out-of-memory error ended the run (``TimingCore.oom``): ``OUT_OF_MEMORY`` then leads, whatever the number
+    of steps, and the rest follows it."""
+    found = _findings(totals, signals, clock=clock, context=context, rank_totals=rank_totals, skipped=skipped,
+                      warmup_steps=warmup_steps, memory=memory, mfu=mfu)
+    if not oom:
+        return found
+    rest = () if found.kind in ("NO_FINDING", "TOO_FEW_STEPS") else (replace(found, secondary=()),)
+    return replace(out_of_memory(oom, memory), secondary=rest + found.secondary)
+
+
+def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None,
+              rank_totals: Any, skipped: int, warmup_steps: int | None, memory: dict[str, Any] | None,
+              mfu: list[str] | None = None) -> Diagnosis:
+    """The time and memory rules' verdict."""
     ctx = dict(context or {})
     mfu = list(mfu or ())
     impossible = _mfu_impossible(mfu)
@@ -623,6 +648,142 @@ def _headroom(mem: dict[str, Any]) -> Diagnosis | None:
                         "re-tune the learning rate with it")
     tips.append("or a larger model or longer sequences on the same device")
     return Diagnosis("MEMORY_HEADROOM", "info", why, tuple(tips), ev)
+
+
+def out_of_memory(oom: dict[str, Any], mem: dict[str, Any] | None) -> Diagnosis:
+    """OUT_OF_MEMORY: where the run was when it ran out, what failed, what each phase held, and what to try,
+    from what was measured (``oom``: ``phase_timer/oom.py``'s facts; ``mem``: the memory summary, or None)."""
+    n = _oom_numbers(oom, mem)
+    when, said, creep = _oom_when(oom, mem)
+    rank = oom.get("rank")
+    why = ("the run" if rank is None else f"rank {rank}") + f" ran out of device memory {_oom_where(oom)}"
+    if oom.get("requested_mb") is not None:
+        why += f": an allocation of {_gb(oom['requested_mb'])} failed"
+    if n["allocated"] is not None:
+        why += f"; {_gb(n['allocated'])} allocated" + (f", {_gb(n['unallocated'])} more reserved but unallocated"
+                                                        if n["unallocated"] is not None else "")
+        if n["free"] is not None:
+            why += f", {_gb(n['free'])} free on the device" + (f" of {_gb(n['total'])}" if n["total"] else "")
+    held = _oom_held(oom)
+    if held:
+        why += f"; {held}"
+    why += f"; {said}"
+    tips = _oom_tips(oom, n, when, creep)
+    ev = {**oom, "when": when, "activations_mb": n["activations"], "unallocated_mb": n["unallocated"],
+          "needed_mb": n["needed"], "device_total_mb": n["total"], "expandable_segments": _expandable()}
+    return Diagnosis("OUT_OF_MEMORY", "high", why, tuple(tips), ev)
+
+
+def _oom_where(oom: dict[str, Any]) -> str:
+    phase, step = oom.get("phase"), oom.get("step")
+    warm = " (a warm-up step)" if oom.get("warmup") and oom.get("in_step") else ""
+    if phase is None:
+        return "(where in the step is not known: the run had ended)"
+    if phase == "paused":
+        phase = "paused (evaluation or validation)"
+    if oom.get("in_step") and step is not None:
+        return f"at step {step}{warm}, in {phase}"
+    return f"in {phase}" + (f", after step {step}" if step is not None else ", before the first step")
+
+
+def _oom_numbers(oom: dict[str, Any], mem: dict[str, Any] | None) -> dict[str, float | None]:
+    """The figures at the failure: the allocator's message's where it gave them (they are of the failed allocation
+    itself), else what the door read; activations, from the last memory step or the steady mean."""
+    rep = oom.get("reported") or {}
+    alloc = oom.get("allocator") or {}
+    held = oom.get("held") or {}
+    allocated = rep.get("allocated_mb", alloc.get("allocated_mb"))
+    if "reserved_unallocated_mb" in rep:
+        unallocated = rep["reserved_unallocated_mb"]
+    elif alloc.get("reserved_mb") is not None and alloc.get("allocated_mb") is not None:
+        unallocated = max(0.0, alloc["reserved_mb"] - alloc["allocated_mb"])
+    else:
+        unallocated = None
+    act = (held.get("last_mb") or {}).get("activations")
+    if act is None and mem:
+        act = _activations(mem)
+    req = oom.get("requested_mb")
+    needed = allocated + req if allocated is not None and req is not None else None
+    total = rep.get("total_mb", alloc.get("device_total_mb", (mem or {}).get("device_total_mb")))
+    return {"allocated": allocated, "unallocated": unallocated, "free": rep.get("free_mb", alloc.get("device_free_mb")),
+            "total": total, "activations": act, "needed": needed,
+            "peak": (mem or {}).get("peak_allocated_mb") or alloc.get("peak_allocated_mb")}
+
+
+def _oom_held(oom: dict[str, Any]) -> str | None:
+    """What the last memory step saw each phase hold, in a clause (None: memory not read, or no step read yet)."""
+    held = oom.get("held") or {}
+    last = held.get("last_mb")
+    if not last:
+        return None
+    parts = []
+    if "step_begin" in last:
+        parts.append(f"{_gb(last['step_begin'])} at the step's begin (weights, gradients, optimizer state)")
+    if "activations" in last:
+        parts.append(f"activations {_gb(last['activations'])}")
+    peaks = held.get("phase_peaks_mb") or {}
+    parts += [f"{phase} reached {_gb(mb)}" for phase, mb in peaks.items()]
+    return f"the last memory step (step {held.get('last_step')}) held " + ", ".join(parts) if parts else None
+
+
+def _oom_when(oom: dict[str, Any], mem: dict[str, Any] | None) -> tuple[str, str, Diagnosis | None]:
+    """When it came: ``first`` steps, after a ``creep``, in a ``steady`` run that one step outgrew, or ``unknown``
+    (memory not read); a clause that says so, and the creep's finding when there is one."""
+    begun = oom.get("steps_begun") or 0
+    if begun <= OOM_FIRST_STEPS:
+        which = {0: "before its first step", 1: "in its first step", 2: "in its second step"}.get(
+            begun, f"in its step {begun}")
+        return "first", (f"it came {which}: one step never fit (the first optimizer step makes the optimizer's "
+                         "state)"), None
+    after = f"it came after {begun - 1} steps"
+    creep = _creep(mem) if mem else None
+    if creep is not None:
+        c = creep.evidence
+        return "creep", (f"{after}, allocated at the step's begin rising {c['mb_per_step']:.2f} MB a step (steps "
+                         f"{c['from_step']} to {c['to_step']}): what was kept across steps ran the device out"), creep
+    if mem and mem.get("steady_samples"):
+        at = (mem.get("allocated_mb") or {}).get("step_begin")
+        steady = f" (about {_gb(at['mean'])} at the step's begin)" if at else ""
+        return "steady", f"{after} with memory steady{steady}: this step needed more than the ones before", None
+    return "unknown", (f"{after}; memory was not read on this device, so a creep cannot be told from one step that "
+                       "needed more"), None
+
+
+def _oom_tips(oom: dict[str, Any], n: dict[str, float | None], when: str, creep: Diagnosis | None) -> list[str]:
+    tips = []
+    if oom.get("snapshot"):
+        tips.append(f"open {oom['snapshot']} at https://pytorch.org/memory_viz: every block alive at the failure, "
+                    "and the Python line that allocated it")
+    if creep is not None:
+        tips.append(creep.next[0])
+    act, ref = n["activations"], n["needed"] or n["peak"]
+    phase = oom.get("phase")
+    if (act is not None and ref and act >= OOM_ACTIVATIONS * ref) or (act is None and phase in ("forward", "backward")):
+        size = f" ({_gb(act)}, {_pct(act / ref)} of what the step wanted)" if act is not None and ref else ""
+        tips.append(f"activations{size}: activation checkpointing (torch.utils.checkpoint; the 🤗 model's "
+                    "gradient_checkpointing_enable()), or a smaller micro-batch with more gradient accumulation "
+                    "(the same batch per optimizer step)")
+    unalloc, req = n["unallocated"], oom.get("requested_mb")
+    if unalloc is not None and unalloc >= max(req or 0.0, OOM_FRAG_MIN_MB) and not _expandable():
+        tips.append(f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: {_gb(unalloc)} was reserved but unallocated, "
+                    "enough for the request, but in pieces")
+    state = oom.get("state_mb") or {}
+    opt, weights = state.get("optimizer_state_mb"), state.get("weights_mb")
+    base = n["total"] or n["needed"]
+    if opt and base and opt >= OOM_OPTIMIZER * base:
+        times = f", {opt / weights:.1f}x the weights" if weights else ""
+        tips.append(f"the optimizer's state is {_gb(opt)}{times}: a leaner optimizer (8-bit Adam, Adafactor, SGD with "
+                    "momentum) or the state sharded across ranks (ZeRO, FSDP)")
+    if when == "first":
+        tips.append("bf16 autocast (halves activations), or shard the model and its state (FSDP) when one step cannot "
+                    "fit on one device")
+    elif when == "steady":
+        tips.append("a batch larger than the others (a longer sequence, a bigger image): bound the length, or bucket "
+                    "batches by size; or work outside the step on the training device (an evaluation, a checkpoint)")
+    if not oom.get("snapshot"):
+        tips.append("memory_snapshot=True records the allocator's history and dumps it at the next out-of-memory "
+                    "error, for https://pytorch.org/memory_viz (it costs host time on every allocation: off by default)")
+    return tips
 
 
 def _stepping(site: SyncSite) -> bool:

@@ -80,10 +80,9 @@ class PhaseTimerCallback(TrainerCallback):
     Args:
         log_dir: write to this directory instead (``version_N`` inside it).
         window: steps per logging window (default: the Trainer's ``logging_steps``).
-        warmup_steps, max_pending, per_step, summary, nvtx, trace_steps, trace_path,
-        rank_timeout_s, memory, samples_per_batch, tokens_per_batch, flops_per_step, peak_tflops, mfu: as
-            for ``PhaseTimer`` (tokens: the batches' ``input_ids``, padding included; FLOPs: counted over
-            every micro-batch of a step).
+        warmup_steps, max_pending, per_step, summary, nvtx, trace_steps, trace_path, rank_timeout_s, memory,
+        samples_per_batch, tokens_per_batch, flops_per_step, peak_tflops, mfu, memory_snapshot: as for ``PhaseTimer``
+            (tokens: the batches' ``input_ids``, padding included; FLOPs: counted over every micro-batch of a step).
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) times nothing.
 
     Attributes (as ``PhaseTimer``'s; ``None`` before the end of ``train()``):
@@ -116,13 +115,14 @@ class PhaseTimerCallback(TrainerCallback):
         peak_tflops: float | None = None,
         mfu: bool = True,
         enabled: bool = True,
+        memory_snapshot: bool | str | os.PathLike[str] | None = None,
     ) -> None:
         self.config = TimerConfig(
             window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
             summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
             rank_timeout_s=rank_timeout_s, memory=memory, samples_per_batch=samples_per_batch,
             tokens_per_batch=tokens_per_batch, flops_per_step=flops_per_step, peak_tflops=peak_tflops, mfu=mfu,
-            owner="PhaseTimerCallback",
+            memory_snapshot=memory_snapshot, owner="PhaseTimerCallback",
         )
         check_bool("PhaseTimerCallback", "enabled", enabled)
         self.enabled = enabled
@@ -287,16 +287,19 @@ class PhaseTimerCallback(TrainerCallback):
         """Run the Trainer's own method; if training fails there, close the timer (nothing lost) and re-raise."""
         try:
             return original(*args, **kwargs)
-        except BaseException:
-            self._finish(interrupted=True)
+        except BaseException as err:
+            self._finish(interrupted=True, error=err)
             raise
 
     # -- the end ------------------------------------------------------------------------
-    def _finish(self, *, interrupted: bool) -> None:
-        """Put the Trainer back and close the timer (idempotent); ``self.timer`` stays for the user."""
+    def _finish(self, *, interrupted: bool, error: BaseException | None = None) -> None:
+        """Put the Trainer back and close the timer (idempotent); ``self.timer`` stays for the user.  ``error``: what
+        ended training (an out-of-memory error is explained: ``LoopTimer._caught``)."""
         self._restore()
         if self.timer is None:
             return
+        if error is not None:
+            self.timer._caught(error)
         try:
             self.timer.close(interrupted=interrupted)
         except Exception as err:  # noqa: BLE001 - the timer must never break training
@@ -339,8 +342,8 @@ class _GuardedLoop:
         trainer = self._trainer()
         try:
             return type(trainer)._inner_training_loop(trainer, *args, **kwargs)
-        except BaseException:
-            self._callback._finish(interrupted=True)
+        except BaseException as err:
+            self._callback._finish(interrupted=True, error=err)
             raise
 
     def __getstate__(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from phase_timer import backward_calls, lifecycle
+from phase_timer import backward_calls, lifecycle, oom
 from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
 from phase_timer.config import TimerConfig, disabled_by_env
@@ -193,6 +193,12 @@ class PhaseTimer:
         enabled: ``False`` makes it a no-op; so does ``PHASE_TIMER_DISABLE=1``.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.
+        memory_snapshot: CUDA: record the caching allocator's history (Python stacks, the last
+            100,000 allocations and frees) from the start of ``fit`` and dump a snapshot for
+            https://pytorch.org/memory_viz on an out-of-memory error: ``True`` writes
+            ``memory_snapshot.pickle`` beside the summary file, ``"end"`` also at the end of ``fit``,
+            a path writes there.  Off by default: every allocation and free pays for its stack
+            (``docs/faults.md``).  On a CPU it warns once and records nothing.
 
     Attributes (readable in code after ``fit``; ``None`` before):
         totals: a :class:`phase_timer.stats.RunTotals` of every timed step of the last ``fit``.
@@ -231,6 +237,7 @@ class PhaseTimer:
         peak_tflops: float | None = None,
         mfu: bool = True,
         enabled: bool = True,
+        memory_snapshot: bool | str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self.config = TimerConfig(
@@ -250,6 +257,7 @@ class PhaseTimer:
             flops_per_step=flops_per_step,
             peak_tflops=peak_tflops,
             mfu=mfu,
+            memory_snapshot=memory_snapshot,
             owner="PhaseTimer",
             window_arg="log_every_n_steps",
         )
@@ -522,7 +530,7 @@ class PhaseTimer:
         core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted, wait=wait)
         if self.config.summary or interrupted:
             self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
-            if (core.ranks is None or core.ranks.rank == 0) and self.config.summary:
+            if (core.ranks is None or core.ranks.rank == 0 or oom.own(core)) and self.config.summary:
                 print(self.last_summary, flush=True)
         self.totals = core.totals
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
@@ -538,6 +546,8 @@ class PhaseTimer:
             self._finish(trainer, interrupted=False)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # An out-of-memory error is explained before the run is closed: the boundaries are where it happened.
+        oom.caught(exception, self.core, self._bounds, optimizers=getattr(trainer, "optimizers", ()))
         self._finish(trainer, interrupted=True)
 
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
+import weakref
 from threading import get_ident
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from phase_timer import backward_calls, lifecycle
+from phase_timer import backward_calls, lifecycle, oom
 from phase_timer._env import native_wanted, warn, warn_once
 from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
@@ -67,6 +69,7 @@ except ImportError:  # not built: the hooks are the methods themselves
 #: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
 _HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
+_NONE: Callable[[], None] = lambda: None  # noqa: E731 - a dead weak reference's answer
 _RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *CARRIED}  # a built-in's name would merge into it
 _END_STEP = ("optimizer", "manual")
 
@@ -183,6 +186,10 @@ class LoopTimer:
         self.log_dir: str | None = None
         self.core: TimingCore | None = None
         self._open_key: int | None = None  # registered with lifecycle while the run is open
+        #: An exception being handled where the timer was made (a retry inside an `except`): not this run's end.
+        #: Held weakly: its traceback holds its frames, and their tensors.
+        handled = sys.exc_info()[1]
+        self._handled_at_start = weakref.ref(handled) if handled is not None else _NONE
         self._bounds: Boundaries | None = None
         # Disabled, the wrapper still copies when asked to: the loop relies on it.
         self.loader = _TimedLoader(self, loader) if loader is not None and (self.enabled or copy_to_device) else loader
@@ -306,6 +313,9 @@ class LoopTimer:
 
     def _epoch_end(self) -> None:
         if self._bounds is not None and self._loader_here():
+            # An exception in the loop closes the loader before the door hears of it, and the close moves the
+            # boundaries on: where they were, and the frame closing it, for an out-of-memory error's finding.
+            self._cut = oom.cut(self._bounds, sys._getframe(2))
             self._bounds.epoch_end()
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
@@ -418,6 +428,11 @@ class LoopTimer:
         ``interrupted`` (set when the ``with`` block raises): under torch.distributed,
         send no last report and wait for no other rank.
         """
+        # close() in a `finally` or an `except` of the loop's error (not of one handled since before the run began)
+        handled = sys.exc_info()[1]
+        if handled is not None and handled is not self._handled_at_start() and self.core is not None:
+            self._caught(handled)
+        interrupted = interrupted or (self.core is not None and self.core.oom is not None)
         lifecycle.unregister(self._open_key)
         self._open_key = None
         self.detach()
@@ -440,9 +455,13 @@ class LoopTimer:
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
         self.syncs, self.sync_census = tuple(core.signals.syncs), core.signals.census
         self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
-        if self.config.summary and self.is_rank_zero:
+        if self.config.summary and (self.is_rank_zero or oom.own(core)):  # a rank that ran out says so too
             print(self.last_summary, flush=True)
         return self.totals
+
+    def _caught(self, exc: BaseException | None) -> None:
+        """An exception left the loop (or the Trainer's): an out-of-memory error is explained (``oom.caught``)."""
+        oom.caught(exc, self.core, self._bounds, optimizers=self.optimizers, cut=self._cut)
 
     def _close_unclosed(self, interrupted: bool, why: str) -> None:
         """The run is still open at interpreter exit or on SIGTERM (:mod:`phase_timer.lifecycle`): write it."""
@@ -453,6 +472,8 @@ class LoopTimer:
         else:
             warn(log, f"phase-timer: the timer was never closed, so what it measured is written {why}; leave a "
                       "`with phase_timer.attach(...) as timer:` block or call timer.close() where training ends", 2)
+            if interrupted:  # the uncaught exception that ends the program (set before the exit handlers run)
+                self._caught(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
         self.close(interrupted=interrupted)
 
     def __del__(self) -> None:
@@ -469,6 +490,7 @@ class LoopTimer:
     totals: RunTotals | None = None
     last_summary: str | None = None
     _wait_at_close = True  # False on SIGTERM's default: the one wait, for the device, is skipped
+    _cut: oom.Cut | None = None  # where the boundaries were when the loader was last closed
     #: The verdict (:class:`phase_timer.Diagnosis`), set by :meth:`close`.
     diagnosis: Diagnosis | None = None
     #: Where rank zero wrote ``phase_timer_summary.json`` (None: not written).
@@ -481,8 +503,9 @@ class LoopTimer:
     def __enter__(self) -> LoopTimer:
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         # Leaving by an exception: under torch.distributed, wait for no other rank.
+        self._caught(exc)
         self.close(interrupted=exc_type is not None)
 
 
@@ -584,6 +607,7 @@ def attach(
     mfu: bool = True,
     enabled: bool = True,
     sinks: Sequence[Any] = (),
+    memory_snapshot: bool | str | os.PathLike[str] | None = None,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
 
@@ -621,13 +645,15 @@ def attach(
             its active run), callables of ``(step, values)``, or sinks of your own (``write(step,
             values)``, ``flush()``, ``close()``); None entries are skipped.  What each writes,
             at which step, on which thread: ``docs/design.md``, "Where values go: sinks".
+        memory_snapshot: as for ``PhaseTimer``: record the CUDA allocator's history and dump a snapshot
+            on an out-of-memory error (``True``: in the log directory; ``"end"``: also at the end; a path).
     """
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
         summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
         rank_timeout_s=rank_timeout_s, memory=memory, samples_per_batch=samples_per_batch,
         tokens_per_batch=tokens_per_batch, flops_per_step=flops_per_step, peak_tflops=peak_tflops, mfu=mfu,
-        owner="attach",
+        memory_snapshot=memory_snapshot, owner="attach",
     )
     return LoopTimer(
         model, optimizer, loader, config=config, device=device, copy_to_device=copy_to_device,

@@ -159,6 +159,9 @@ class MemoryTracker:
         self.device_error: str | None = None  # why cudaMemGetInfo stopped being read (the rest goes on)
         #: Host time spent on memory (set by the boundaries, which time each call): the own-cost line's share.
         self.own_ns = 0
+        #: The last memory step closed: its step, its values (MB, as :meth:`end_step` returns them) and its reads
+        #: in order (what an out-of-memory error's finding says each phase held: ``phase_timer/oom.py``).
+        self.last: tuple[int, dict[str, float], list[tuple[str, Reading]]] | None = None
 
     # -- the boundaries ----------------------------------------------------------------
     @property
@@ -251,7 +254,22 @@ class MemoryTracker:
                     self.stats.setdefault(k, _Stat()).add(v)
             self.reserved.add(out["reserved"])
             self._point(self.step, out["step_begin"])
+        self.last = (self.step, out, reads)
         return out
+
+    def reads_so_far(self) -> tuple[int, list[tuple[str, Reading]]]:
+        """The memory step under way: its step and its reads so far (none between memory steps)."""
+        return self.step, list(self._reads)
+
+    def now(self) -> tuple[Reading, tuple[int, int] | None]:
+        """The counters and the device's (free, total) bytes now, once, outside the schedule (no sync)."""
+        info = None
+        if self._device_info is not None:
+            try:
+                info = self._device_info()
+            except Exception:  # noqa: BLE001 - a driver that cannot say: the counters still tell
+                info = None
+        return self._read(), info
 
     def _device(self, out: dict[str, float]) -> None:
         if self._device_info is None or (self.samples - 1) % DEVICE_EVERY:

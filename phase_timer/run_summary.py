@@ -36,6 +36,7 @@ class RunRecord(Protocol):
     context: dict[str, Any]
     diagnosis: Diagnosis | None
     interrupted: bool
+    oom: dict[str, Any] | None
     ranks: RankExchange | None
     series: WindowSeries
     signals: Signals
@@ -124,11 +125,19 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
                   "other_threads": core.signals.sync_other_threads, "paused": core.signals.sync_paused,
                   "sites": [site.as_dict() for site in core.signals.syncs]},
         "memory": core.memory_summary(),
+        "oom": getattr(core, "oom", None),
+        "memory_snapshot": _snapshot(core),
         "throughput": _throughput(core),
         "flops": getattr(core, "flops_summary", None),
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }
+
+
+def _snapshot(core: RunRecord) -> dict[str, Any] | None:
+    """``memory_snapshot=``: where the allocator's history went, or why it did not (None: not asked)."""
+    snap = getattr(core, "snapshot", None)
+    return snap.as_dict() if snap is not None else None
 
 
 def _throughput(core: RunRecord) -> dict[str, Any] | None:
@@ -165,11 +174,11 @@ def _environment(core: RunRecord, ctx: dict[str, Any]) -> dict[str, Any]:
     return env
 
 
-def write_summary(core: RunRecord, directory: str | os.PathLike[str]) -> str:
-    """Write the file atomically in ``directory``; returns its path."""
+def write_summary(core: RunRecord, directory: str | os.PathLike[str], *, name: str | None = None) -> str:
+    """Write the file atomically in ``directory`` (as ``name``, default :data:`FILE_NAME`); returns its path."""
     data = _finite(build_summary(core))
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(os.fspath(directory), FILE_NAME)
+    path = os.path.join(os.fspath(directory), name or FILE_NAME)
     fd, tmp = _new_temp(os.fspath(directory))
     try:
         with os.fdopen(fd, "w") as f:

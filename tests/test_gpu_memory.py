@@ -62,3 +62,129 @@ def test_reading_memory_adds_no_sync_in_the_profilers_trace():
     r = syncs_case()
     print("MEMORY syncs", r)
     assert r["memory"] == r["no_memory"]
+
+
+# -- issue 39: a real out-of-memory error, explained, with the allocator's snapshot -------------------------------
+OOM_AT = 30
+
+
+class _Grows(torch.nn.Module):
+    """A linear layer whose training forward of step OOM_AT asks the allocator for more than the device has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(1024, 1024)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == OOM_AT + 1:
+                _, total = torch.cuda.mem_get_info(x.device)
+                torch.empty(total + (1 << 30), dtype=torch.uint8, device=x.device)  # a real failed allocation
+        return self.lin(x)
+
+
+def _oom_plain(log_dir: str, syncs: dict[str, int]) -> tuple[torch.OutOfMemoryError, str]:
+    """A plain loop that runs out at step 30; the sync calls made while the door explains it (profiled)."""
+    import phase_timer
+    from benchmarks.memory_truth import SYNC_CALLS, _profiler
+    from phase_timer import oom
+
+    model = _Grows().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = [(torch.randn(64, 1024, device="cuda"), torch.randn(64, 1024, device="cuda")) for _ in range(40)]
+    real = oom.caught
+
+    def count(fn) -> int:
+        prof = _profiler()
+        with prof:
+            fn()
+        names = [e.name for e in prof.events()]
+        return sum(names.count(n) for n in SYNC_CALLS)
+
+    def profiled(*args, **kwargs):  # the door's call, under the profiler, beside an empty block under it (the
+        # profiler's own end synchronizes): what the out-of-memory path adds
+        syncs["empty"] = count(lambda: None)
+        syncs["oom_path"] = count(lambda: real(*args, **kwargs))
+
+    oom.caught = profiled
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            with phase_timer.attach(model, opt, data, log_dir=log_dir, warmup_steps=5, summary=False,
+                                    memory_snapshot=True) as timer:
+                for x, y in timer.loader:
+                    opt.zero_grad()
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+    finally:
+        oom.caught = real
+    return raised.value, timer.summary_path
+
+
+def _oom_lightning(log_dir: str) -> tuple[torch.OutOfMemoryError, str]:
+    import lightning.pytorch as pl
+
+    import phase_timer
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _Grows()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.model(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    timer = phase_timer.PhaseTimer(warmup_steps=5, summary=False, log_dir=log_dir, memory_snapshot=True)
+    trainer = pl.Trainer(accelerator="cuda", devices=1, max_steps=40, logger=False, callbacks=[timer],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    data = torch.utils.data.TensorDataset(torch.randn(64 * 40, 1024), torch.randn(64 * 40, 1024))
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=64))
+    assert "batch_to_device" not in trainer.strategy.__dict__ and timer.core is None
+    return raised.value, timer.summary_path
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_real_out_of_memory_in_forward_is_explained_with_a_loadable_snapshot_and_no_sync(door, tmp_path):
+    import json
+    import pickle
+
+    import jsonschema
+
+    from phase_timer.run_summary import schema
+
+    torch.cuda.empty_cache()
+    backward = torch.autograd.backward
+    syncs: dict[str, int] = {}
+    error, path = _oom_plain(str(tmp_path), syncs) if door == "plain" else _oom_lightning(str(tmp_path))
+    assert torch.autograd.backward is backward
+    assert "Tried to allocate" in str(error)
+    with open(path) as f:
+        data = json.load(f)
+    jsonschema.validate(data, schema())
+    facts = data["oom"]
+    print(f"MEMORY {door} oom", {k: facts[k] for k in ("step", "phase", "requested_mb", "allocator", "snapshot")},
+          "syncs", syncs)
+    assert (facts["step"], facts["phase"], facts["in_step"]) == (OOM_AT, "forward", True)
+    _, total = torch.cuda.mem_get_info()
+    assert facts["requested_mb"] == pytest.approx((total + (1 << 30)) / 2**20, rel=0.01)
+    assert facts["reported"]["total_mb"] == pytest.approx(total / 2**20, rel=0.01)
+    assert facts["allocator"]["allocated_mb"] > 0 and facts["allocator"]["device_total_mb"] == pytest.approx(total / 2**20)
+    assert facts["held"]["last_step"] is not None and "activations" in facts["held"]["last_mb"]
+    assert data["diagnosis"]["kind"] == "OUT_OF_MEMORY" and "at step 30, in forward" in data["diagnosis"]["why"]
+    # the snapshot: written at the error, loadable, for PyTorch's viewer; the recording stopped at the end
+    assert facts["snapshot"] == data["memory_snapshot"]["path"] and data["memory_snapshot"]["dumped"] == "oom"
+    with open(facts["snapshot"], "rb") as f:
+        snap = pickle.load(f)
+    assert "segments" in snap and any(e.get("action") == "oom" for trace in snap["device_traces"] for e in trace)
+    before = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])
+    keep = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    assert sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"]) == before  # not recorded any more
+    del keep
+    if door == "plain":  # no sync while the door explains it (the run's one wait, its drain, comes after)
+        assert syncs and syncs["oom_path"] == syncs["empty"], syncs
