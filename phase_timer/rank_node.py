@@ -15,9 +15,10 @@ as gone; ``a``, the children it reads itself (below), with their own notices.  I
 
 A node whose leader stops reading it is read by its parent's reader from where it stood (adopted):
 when the leader is taken as gone (dead), and when it finishes before its children (``ho``: they ran
-more steps, or its wait ended).  The parent reads the node's key from the ``next`` the node last said,
-drops reports of windows it had moved past (``h``), and marks the key adopted: a leader that was only
-held up sees the mark and stops.  Windows a dead leader had read but not sent up lack those reports.
+more steps, or its wait ended).  The parent reads the node's key from the oldest exchange still there
+since the ``next`` the node last said, drops reports of windows it had moved past (``h``), and marks the
+key adopted: a leader that was only held up sees the mark and stops.  Windows a dead leader had read but
+not sent up lack those reports; the ranks' run totals lose nothing (each report carries its rank's so far).
 
 Each level-1 node also keeps its ranks' run totals (the newest each rank sent) under ``<ns>/t/<index>``:
 rank zero reads those once, at the end, for the per-rank table.

@@ -162,6 +162,7 @@ class RankExchange:
     """The exchange of window reports to rank zero through the job's store (see the module's text)."""
 
     def __init__(self, store: Any, rank: int, world_size: int, namespace: str, *, fan_in: int | None = None) -> None:
+        """``fan_in``: children per group of the tree (``FAN_IN``; the tests and benchmarks make small trees)."""
         self.rank = rank
         self.world_size = world_size
         self.namespace = namespace
