@@ -1,25 +1,35 @@
-"""The exchange between ranks at scale: N real processes on this machine, no GPU needed.
+"""The exchange between ranks at scale, no GPU needed: real processes up to 32, simulated ranks up to 16k.
 
-    PYTHONPATH=. python benchmarks/rank_exchange.py [--ranks 2,8,16,32] [--windows 20] [--out FILE]
+    PYTHONPATH=. python benchmarks/rank_exchange.py [--ranks 2,8,16,32] [--scale 64,...,16384] [--out FILE]
 
-Each of N processes (forked) joins a real TCPStore, the way ``init_process_group``
-gives every job one, and a real gloo default process group over it (``--backend fake``:
-a group that makes no connections, the store alone). Then each process
-makes phase-timer's exchange (``RankExchange.create()``) and runs ``--windows``
-windows of 50 ms, calling ``add`` and ``exchange`` as the core does. Rank N−1 is
-the slowest in ``forward``. Per N, it prints:
+**Real processes** (``--ranks``). Each of N processes (forked) joins a real TCPStore, the way
+``init_process_group`` gives every job one, and a real gloo default process group over it
+(``--backend fake``: a group that makes no connections, the store alone). Then each process
+makes phase-timer's exchange (``RankExchange.create()``) and runs ``--windows`` windows of 50 ms,
+calling ``add`` and ``exchange`` as the core does. Rank N−1 is the slowest in ``forward``. Per N,
+it prints:
 
-* set-up: ``create()`` on each rank (median, max), against the previous release's
-  design, a gloo group over all ranks (``new_group``, a full mesh), made afterwards
-  in the same processes;
+* set-up: ``create()`` on each rank (median, max), against the previous release's design, a gloo
+  group over all ranks (``new_group``, a full mesh), made afterwards in the same processes;
 * per window: host time on the training thread inside ``exchange()`` (median over windows;
-  rank 0, which also writes the windows, and the median of the others), and on the
-  exchange's own thread: store requests and their time, per rank and for rank 0;
-* bytes a rank sends per window;
+  rank 0, and the median of the others), and on the exchange's own thread: store requests and
+  their time, for a rank that leads no group, for a group's leader, and for rank 0;
 * whether rank 0 wrote every window with every rank, and named rank N−1 slowest;
 * with ``--kill``: rank 1 vanishes (``os._exit``) after 2 windows, with no final report; the
-  others must finish, and rank 0 must name it gone (here after 8 exchanges and 0.5 s
-  of silence; in a real run ``STALE_S`` is 30 s), and write every window with the rest.
+  others must finish, and rank 0 must name it gone (here after 8 exchanges and 0.5 s of silence;
+  in a real run ``STALE_S`` is 30 s), and write every window with the rest.  With ``--fan-in 2``
+  rank 1 leads a group (ranks 0 and 1), so its group must be read on by the leader above it.
+
+**Simulated ranks** (``--scale``), in this one process, over a real store (``--store tcp``: a
+TCPStore server and its clients, as a job has): each simulated rank appends its window (8 phases,
+its memory, its counts) and its run totals to its group's key as its exchange thread would; then
+each group's leader reads and sends up (``RankExchange._lead``), lowest level first, and rank 0
+reads the root (``_read_root``) and does what its training thread does with each window (the
+straggler signals, the scalars, the job's rates).  Each is timed apart: per N, rank 0's time per
+window (its thread's part in brackets), its requests and the bytes it fetched, and a level-1
+leader's time.  The same N against the design before the tree (``--old-rev``, loaded from git:
+every rank appends to one key, rank 0 reads and folds in every report).  Each run checks that
+every window holds every rank, names rank N−1 slowest, and has the median across ranks within 0.5%.
 """
 
 from __future__ import annotations
@@ -39,7 +49,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
+import phase_timer.rank_reader as reader_module  # noqa: E402
 import phase_timer.ranks as ranks_module  # noqa: E402
+from benchmarks.provenance import ROOT, code_line  # noqa: E402
+from phase_timer.rank_tree import FAN_IN  # noqa: E402
 from phase_timer.ranks import RankExchange  # noqa: E402
 
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "between_steps", "step", "period")
@@ -77,12 +90,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, n: int, port: int, windows: int, period_s: float, kill: bool, backend: str, results: Any) -> None:
+def worker(rank: int, n: int, port: int, windows: int, period_s: float, kill: bool, backend: str, results: Any,
+           fan_in: int | None = None) -> None:
     if backend == "fake":
         from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - registers "fake"
 
     if kill:  # a run of seconds: a rank silent for 8 exchanges and 0.5 s is gone (a real run: 30 s)
-        ranks_module.STALE_S = 0.5
+        reader_module.STALE_S = 0.5
+    if fan_in is not None:  # a small tree over few processes: leaders, and (--kill) a dead one
+        ranks_module.FAN_IN = fan_in
 
     store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group(backend, rank=rank, world_size=n, store=store)
@@ -95,7 +111,8 @@ def worker(rank: int, n: int, port: int, windows: int, period_s: float, kill: bo
     ex = RankExchange.create()
     setup_ms = (time.perf_counter_ns() - t0) / 1e6
     assert ex is not None
-    ex.store = timed = TimedStore(ex.store)  # the thread reads self.store at each request
+    leads = bool(ex._nodes)
+    ex.store = timed = TimedStore(ex.store)  # the thread and the nodes it reads use it from now on
     exchange_us, written = [], []
     for w in range(windows):
         time.sleep(period_s)  # the window's steps
@@ -111,7 +128,7 @@ def worker(rank: int, n: int, port: int, windows: int, period_s: float, kill: bo
     finish_ms = (time.perf_counter_ns() - t) / 1e6
     sent = len(ex._outbox) if rank else 0  # nothing left unsent
     out: dict[str, Any] = {
-        "rank": rank, "setup_ms": setup_ms, "exchange_us": statistics.median(exchange_us), "finish_ms": finish_ms,
+        "rank": rank, "leads": leads, "setup_ms": setup_ms, "exchange_us": statistics.median(exchange_us), "finish_ms": finish_ms,
         "requests": timed.requests, "store_ms": timed.ns / 1e6, "unsent": sent, "slow_requests": timed.slow,
         "error": None if ex._error is None else f"{type(ex._error).__name__}: {ex._error}",
     }
@@ -133,12 +150,13 @@ def worker(rank: int, n: int, port: int, windows: int, period_s: float, kill: bo
     dist.destroy_process_group()
 
 
-def run(n: int, windows: int, period_s: float, kill: bool, backend: str, timeout_s: float) -> dict[str, Any]:
+def run(n: int, windows: int, period_s: float, kill: bool, backend: str, timeout_s: float,
+        fan_in: int | None = None) -> dict[str, Any]:
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = _free_port()
     t0 = time.monotonic()
-    procs = [ctx.Process(target=worker, args=(r, n, port, windows, period_s, kill, backend, results)) for r in range(n)]
+    procs = [ctx.Process(target=worker, args=(r, n, port, windows, period_s, kill, backend, results, fan_in)) for r in range(n)]
     for p in procs:
         p.start()
     got = []
@@ -160,7 +178,8 @@ def summarize(res: dict[str, Any], windows: int, kill: bool) -> tuple[str, bool]
     """The line for one N, and whether every check held."""
     n, ranks = res["n"], res["ranks"]
     zero = next((r for r in ranks if r["rank"] == 0), None)
-    others = [r for r in ranks if r["rank"] != 0]
+    others = [r for r in ranks if r["rank"] != 0 and not r.get("leads")]  # the ranks that lead no group
+    leaders = [r for r in ranks if r["rank"] != 0 and r.get("leads")]
     if zero is None:
         return f"{n:4d} ranks: rank 0 did not report (hung {res['hung']})", False
     wins = zero["windows"]
@@ -175,8 +194,11 @@ def summarize(res: dict[str, Any], windows: int, kill: bool) -> tuple[str, bool]
         f"{n:4d} ranks: set-up median {statistics.median(setup):6.2f} ms max {max(setup):6.2f} ms"
         + (f" | gloo group (previous) median {statistics.median(gloo):8.1f} ms max {max(gloo):8.1f} ms" if gloo else "")
         + f" | exchange() on the training thread: rank 0 {zero['exchange_us']:5.1f} us, others "
-        + (f"{statistics.median(r['exchange_us'] for r in others):5.1f} us" if others else "-")
-        + f" | per window: a rank {per_rank_req:.1f} requests {per_rank_ms:.2f} ms; rank 0 "
+        + (f"{statistics.median(r['exchange_us'] for r in ranks if r['rank']):5.1f} us" if len(ranks) > 1 else "-")
+        + f" | per window: a rank {per_rank_req:.1f} requests {per_rank_ms:.2f} ms; "
+        + (f"a leader {statistics.median(r['requests'] / (windows + 1) for r in leaders):.1f} requests "
+           f"{statistics.median(r['store_ms'] / (windows + 1) for r in leaders):.2f} ms; " if leaders else "")
+        + "rank 0 "
         + f"{zero['requests'] / (windows + 1):.1f} requests {zero['store_ms'] / (windows + 1):.2f} ms"
         + f" | windows {len(wins)}/{windows} with {want_ranks} ranks: {'yes' if complete else 'NO'}"
         + f" | slowest named: {'rank %d' % (n - 1) if slowest_ok else 'WRONG'}"
@@ -192,73 +214,258 @@ def summarize(res: dict[str, Any], windows: int, kill: bool) -> tuple[str, bool]
 
 
 def frame_bytes() -> int:
-    """What a rank sends for one window of these phases."""
-    from phase_timer.ranks import _json, encode
+    """What a rank sends for one window of these phases (its report and its run totals, in one frame)."""
+    from phase_timer.rank_node import leaf_body
+    from phase_timer.ranks import _json, _OwnTotals, encode
 
-    window = [7, 399, 50, {p: [123.456789, 50] for p in PHASES}]
-    return len(encode(3, [_json(window)]))
+    own = _OwnTotals()
+    sums = {p: [123.456789, 50] for p in PHASES}
+    own.add(50, sums, None, None)
+    return len(encode(3, leaf_body([_json([7, 399, 50, sums])], own.as_json())))
 
 
-def rank0_cost(n: int, windows: int = 9) -> tuple[float, float]:
-    """Rank 0's work per window at ``n`` ranks, in this process: (thread's decode ms, training thread's ms).
+# -- rank zero at scale, in one process: N simulated ranks over a real store -----------------------
+class CountingStore:
+    """A store connection that counts its requests and the bytes its reads fetched."""
 
-    The thread reads one buffer of ``n - 1`` frames and decodes it; the training thread
-    takes the reports in, makes the window and its scalars (what ``exchange()`` and the
-    core do).  Both hold the GIL, so both are time taken from training.
-    """
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.requests = 0
+        self.fetched = 0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._store, name)
+
+        def counted(*args: Any) -> Any:
+            self.requests += 1
+            out = fn(*args)
+            if name == "get":
+                self.fetched += len(out)
+            elif name == "multi_get":
+                self.fetched += sum(map(len, out))
+            return out
+
+        return counted
+
+
+def _store(kind: str) -> tuple[Any, Any]:
+    """(a connection for the simulated ranks, one for rank zero) to a fresh real store."""
+    if kind == "hash":
+        store = dist.HashStore()
+        return store, store
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60))
+    return server, server.clone()
+
+
+def _report(rank: int, n: int, w: int) -> tuple[list[Any], dict[str, list[float]], dict[str, float], dict[str, float]]:
+    """Rank ``rank``'s window ``w`` as ``RankExchange.add`` makes it (rank n-1 the slowest in forward), with its
+    memory (a CUDA rank) and counts (every rank counts its batches by default)."""
+    forward = 1.0 + 0.5 * rank / n
+    sums = {p: [50 * (forward if p == "forward" else 2.0), 50] for p in PHASES}
+    memory = {"peak_allocated_mb": 1000.0 + rank % 7, "peak_reserved_mb": 1200.0, "device_total_mb": 81559.0,
+              "alloc_retries": 0}
+    counts = {"samples": 800.0, "period_ms": 50 * 2.0 * len(PHASES), "steps": 50.0}
+    return [w, 50 * w + 49, 50, sums, {**memory, "counts": counts}], sums, memory, counts
+
+
+def _exact_median(n: int) -> float:
+    return statistics.median(1.0 + 0.5 * r / n for r in range(n))
+
+
+def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
+    """The tree: every rank's frame sent as its thread sends it; each leader's reading and sending up, and rank
+    zero's, run in turn in this thread (each timed on its own), exchange by exchange."""
+    from phase_timer.diagnosis import Signals
     from phase_timer.metrics import rank_scalars
-    from phase_timer.ranks import _json, decode, encode
+    from phase_timer.rank_node import leaf_body
+    from phase_timer.rank_tree import Tree
+    from phase_timer.ranks import RankExchange, _json, _OwnTotals, encode
 
-    ex = RankExchange(None, 0, n, "model")  # no store: the frames are put in by hand
-    decode_ms, train_ms = [], []
+    ns = f"bench/new/{n}"
+    ranks_store, zero_store = _store(kind)
+    tree = Tree(n, fan_in)
+    zero = RankExchange(CountingStore(zero_store), 0, n, ns, fan_in=fan_in)
+    leaders: dict[int, Any] = {}  # rank -> its exchange (not rank 0)
+    levels: list[list[tuple[Any, Any]]] = [[] for _ in range(tree.depth)]  # level -> (exchange, node) it leads
+    for level in range(1, tree.depth):
+        span = fan_in**level
+        for j in range(-(-n // span)):
+            r = tree.leader(tree.node(level, j))
+            ex = leaders.get(r) or leaders.setdefault(r, RankExchange(CountingStore(ranks_store), r, n, ns, fan_in=fan_in))
+            levels[level].append((ex, next(x for x in ex._nodes if x.node.level == level)))
+    own = [_OwnTotals() for _ in range(n)]
+    leaf = [f"{ns}/{tree.leaf_node(r).name}" for r in range(n)]
+    zero_ms, zero_thread_ms, leader_ms, windows_out, signals = [], [], [], [], Signals()
+    zero_req, zero_bytes = [], []
     for w in range(windows):
-        buf = b"".join(
-            encode(r, [_json([w, 50 * w + 49, 50, {p: [50 * (1.0 + r / n), 50] for p in PHASES}])]) for r in range(1, n)
-        )
+        for r in range(n):  # each rank's thread: one append and one count
+            report, sums, memory, counts = _report(r, n, w)
+            own[r].add(50, sums, memory, counts)
+            ranks_store.append(f"{leaf[r]}/{w}", encode(r, leaf_body([_json(report)], own[r].as_json())))
+            ranks_store.add(f"{leaf[r]}/{w}/n", 1)
+        for level in range(1, tree.depth):  # the leaders, lowest level first: each its own rank's thread
+            for ex, node in levels[level]:
+                t = time.perf_counter_ns()
+                ex._lead_node(node, w)
+                if level == 1:
+                    leader_ms.append((w, (time.perf_counter_ns() - t) / 1e6))
+        req0, bytes0 = zero.store.requests, zero.store.fetched
         t = time.perf_counter_ns()
-        frames, _ = decode(buf)
-        decode_ms.append((time.perf_counter_ns() - t) / 1e6)
-        for frame in frames:
-            ex._inbox.put(frame)
+        zero._read_root(w)  # rank zero's thread
+        t_thread = time.perf_counter_ns()
+        for win in zero._arrived():  # rank zero's training thread: what the core does with each window
+            signals.add_rank_window(win.phases)
+            scalars = rank_scalars(win)
+            scalars.update({f"throughput/job_{k}": v for k, v in win.job.items()})
+            windows_out.append(win)
+        end = time.perf_counter_ns()
+        zero_ms.append((end - t) / 1e6)
+        zero_thread_ms.append((t_thread - t) / 1e6)
+        zero_req.append(zero.store.requests - req0)
+        zero_bytes.append(zero.store.fetched - bytes0)
+    for ex in [zero, *leaders.values()]:
+        ex._todo.put(("stop",))
+    steady = slice(2, None)  # the first windows warm the caches
+    per_leader = [ms for w, ms in leader_ms if w >= 2]
+    median = _exact_median(n)
+    ok = (len(windows_out) == windows and all(x.ranks == n for x in windows_out)
+          and all(x.stats("forward")["slowest_rank"] == n - 1 for x in windows_out)
+          and all(abs(x.stats("forward")["median"] / median - 1) <= 0.005 for x in windows_out)
+          and all(abs(x.job["samples_per_s"] - n * 800 / 0.8) < 1e-6 * n * 1000 for x in windows_out))
+    return {"n": n, "depth": tree.depth, "rank0_ms": statistics.median(zero_ms[steady]),
+            "rank0_thread_ms": statistics.median(zero_thread_ms[steady]),
+            "rank0_requests": statistics.median(zero_req[steady]), "rank0_kb": statistics.median(zero_bytes[steady]) / 1e3,
+            "leader_ms": statistics.median(per_leader) if per_leader else None,
+            "leader_max_ms": max(per_leader) if per_leader else None, "leaders": len(leaders) + 1, "ok": ok}
+
+
+def _old_modules(rev: str) -> Any:
+    """``phase_timer/ranks.py``, ``metrics.py`` and ``diagnosis.py`` as they were at ``rev`` (git), loaded
+    beside today's (their imports of the rest of the package resolve to today's, unchanged there)."""
+    import subprocess
+    import types
+
+    mods = {}
+    for name in ("ranks", "metrics", "diagnosis"):
+        src = subprocess.run(["git", "show", f"{rev}:phase_timer/{name}.py"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
+        mod = types.ModuleType(f"old_{name}")
+        mod.__file__ = f"{rev}:phase_timer/{name}.py"
+        sys.modules[mod.__name__] = mod  # its dataclasses look their module up
+        exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - our own file, from git
+        mods[name] = mod
+    return types.SimpleNamespace(**mods)
+
+
+def scale_old(n: int, windows: int, kind: str, old: Any) -> dict[str, Any]:
+    """The design before the tree (``old``: its modules): every rank appends to one key, rank zero reads them all."""
+    from phase_timer import throughput
+
+    ns = f"bench/old/{n}"
+    ranks_store, zero_store = _store(kind)
+    zero = old.ranks.RankExchange(CountingStore(zero_store), 0, n, ns)
+    signals = old.diagnosis.Signals()
+    zero_ms, zero_thread_ms, zero_req, zero_bytes, written = [], [], [], [], []
+    for w in range(windows):
+        for r in range(1, n):
+            report = _report(r, n, w)[0]
+            ranks_store.append(f"{ns}/{w}", old.ranks.encode(r, [old.ranks._json(report)]))
+            ranks_store.add(f"{ns}/{w}/n", 1)
+        report, sums, memory, counts = _report(0, n, w)
+        zero.add(w, report[1], 50, {p: [s / c] * c for p, (s, c) in sums.items()}, memory=memory, counts=counts)
+        req0, bytes0 = zero.store.requests, zero.store.fetched
         t = time.perf_counter_ns()
-        ex.add(w, 50 * w + 49, 50, {p: [1.0] * 50 for p in PHASES})
-        for window in ex._arrived(final=False):
-            rank_scalars(window)
-        train_ms.append((time.perf_counter_ns() - t) / 1e6)
-    ex._todo.put(("stop",))
-    return statistics.median(decode_ms), statistics.median(train_ms)
+        zero._read_up_to(w)  # rank zero's thread
+        t_thread = time.perf_counter_ns()
+        for win in zero._arrived(final=False):  # its training thread, as the core did
+            signals.add_rank_window(win.means)
+            scalars = old.metrics.rank_scalars(win)
+            scalars.update({f"throughput/job_{k}": v for k, v in throughput.job_rates(win.counts).items()})
+            written.append(win)
+        end = time.perf_counter_ns()
+        zero_ms.append((end - t) / 1e6)
+        zero_thread_ms.append((t_thread - t) / 1e6)
+        zero_req.append(zero.store.requests - req0)
+        zero_bytes.append(zero.store.fetched - bytes0)
+    zero._todo.put(("stop",))
+    steady = slice(2, None)
+    ok = len(written) == windows and all(x.ranks == n for x in written)
+    return {"n": n, "rank0_ms": statistics.median(zero_ms[steady]), "rank0_thread_ms": statistics.median(zero_thread_ms[steady]),
+            "rank0_requests": statistics.median(zero_req[steady]), "rank0_kb": statistics.median(zero_bytes[steady]) / 1e3,
+            "ok": ok}
+
+
+def scale_line(new: dict[str, Any], old: dict[str, Any] | None) -> str:
+    n = new["n"]
+    line = f"{n:6d} ranks: rank 0 per window "
+    if old is not None:
+        line += (f"old {old['rank0_ms']:8.2f} ms ({old['rank0_thread_ms']:7.2f} thread; {old['rank0_requests']:.0f} "
+                 f"requests, {old['rank0_kb']:7.1f} kB) | ")
+    line += (f"new {new['rank0_ms']:6.2f} ms ({new['rank0_thread_ms']:5.2f} thread; {new['rank0_requests']:.0f} requests, "
+             f"{new['rank0_kb']:5.1f} kB), depth {new['depth']}, {new['leaders']} leaders")
+    if new["leader_ms"] is not None:
+        line += f" | a level-1 leader per window median {new['leader_ms']:5.2f} ms, max {new['leader_max_ms']:5.2f} ms"
+    line += f" | every window, every rank, slowest and median right: {'yes' if new['ok'] else 'NO'}"
+    if old is not None and not old["ok"]:
+        line += " (old: NOT every window)"
+    return line
+
+
+#: The code before the tree (rank zero read every rank's report): what ``--old-rev`` names by default.
+OLD_REV = "5b5f317"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", default="2,8,16,32")
+    ap.add_argument("--ranks", default="2,8,16,32", help="real processes (empty: none)")
     ap.add_argument("--windows", type=int, default=20)
     ap.add_argument("--period", type=float, default=0.05, help="seconds per window")
     ap.add_argument("--kill", action="store_true", help="rank 1 vanishes after 2 windows")
     ap.add_argument("--backend", default="gloo", choices=("gloo", "fake"),
                     help="the job's own process group (fake: no connections, the store alone)")
+    ap.add_argument("--fan-in", type=int, default=None, help=f"children per node of the tree (default {FAN_IN})")
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--rank0-model", default="256,1024,4096", help="rank 0's work per window at these rank counts")
+    ap.add_argument("--scale", default="64,128,256,512,1024,2048,4096,8192,16384",
+                    help="simulated ranks in one process: rank 0's (and a leader's) time per window (empty: none)")
+    ap.add_argument("--scale-windows", type=int, default=8)
+    ap.add_argument("--store", default="tcp", choices=("tcp", "hash"), help="the store the simulated ranks write to")
+    ap.add_argument("--old-rev", default=OLD_REV, help="the commit of the design before the tree (empty: skip it)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    lines = [
-        f"rank exchange through the job's TCPStore ({args.backend} job), {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}; "
-        f"{args.windows} windows of {args.period * 1e3:.0f} ms; {frame_bytes()} bytes a rank sends per window "
-        f"({len(PHASES)} phases)"
-    ]
-    results, failed = [], []
-    for n in map(int, args.ranks.split(",")):
-        res = run(n, args.windows, args.period, args.kill, args.backend, args.timeout)
+    fan_in = args.fan_in or FAN_IN
+    lines = [code_line()]
+    results: list[dict[str, Any]] = []
+    failed: list[str] = []
+    if args.ranks:
+        lines.append(
+            f"rank exchange through the job's TCPStore ({args.backend} job), {os.cpu_count()} CPU cores, "
+            f"{time.strftime('%Y-%m-%d')}; fan-in {fan_in}; {args.windows} windows of {args.period * 1e3:.0f} ms; "
+            f"{frame_bytes()} bytes a rank sends per window ({len(PHASES)} phases, no memory, no counts)")
+        print(lines[-1], flush=True)
+    for n in map(int, filter(None, args.ranks.split(","))):
+        res = run(n, args.windows, args.period, args.kill, args.backend, args.timeout, args.fan_in)
         results.append(res)
         line, ok = summarize(res, args.windows, args.kill)
         lines.append(line)
         if not ok:
-            failed.append(n)
+            failed.append(f"{n} processes")
         print(lines[-1], flush=True)
-    for n in map(int, filter(None, args.rank0_model.split(","))):
-        dec, train = rank0_cost(n)
-        lines.append(f"rank 0 at {n:5d} ranks (in-process model): per window, decode {dec:6.2f} ms on the exchange's "
-                     f"thread, {train:6.2f} ms on the training thread")
+    old = _old_modules(args.old_rev) if args.old_rev and args.scale else None
+    if args.scale:
+        lines.append(
+            f"rank 0 at scale, in one process ({args.store} store, {args.scale_windows} windows, the median of those "
+            f"after the first 2): N simulated ranks each send a window (8 phases, memory, counts) as its thread does; "
+            f"each leader's and rank 0's reads run in turn, timed apart. Old: commit {args.old_rev or '-'} "
+            f"(one key, rank 0 reads every rank); new: the tree, fan-in {fan_in}. Rank 0's time: its exchange "
+            f"thread's reading and merging, and its training thread's taking the windows in and writing their scalars")
+        print(lines[-1], flush=True)
+    for n in map(int, filter(None, args.scale.split(","))):
+        new = scale_new(n, fan_in, args.scale_windows, args.store)
+        was = scale_old(n, args.scale_windows, args.store, old) if old is not None else None
+        results.append({"scale": new, "old": was})
+        lines.append(scale_line(new, was))
+        if not new["ok"] or (was is not None and not was["ok"]):
+            failed.append(f"{n} simulated")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)
@@ -268,7 +475,7 @@ def main() -> None:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump(results, f)
     if failed:
-        sys.exit(f"the exchange failed a check at {failed} ranks (see the lines above)")
+        sys.exit(f"the exchange failed a check at {failed} (see the lines above)")
 
 
 if __name__ == "__main__":

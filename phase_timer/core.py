@@ -362,10 +362,9 @@ class TimingCore:
 
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
-            self.signals.add_rank_window(w.means)
+            self.signals.add_rank_window(w.phases)
             scalars = rank_scalars(w)
-            job = throughput.job_rates(w.counts)
-            scalars.update({f"{throughput.PREFIX}/job_{k}": v for k, v in job.items()})
+            scalars.update({f"{throughput.PREFIX}/job_{k}": v for k, v in w.job.items()})
             self._write(w.step, scalars)
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:

@@ -180,18 +180,18 @@ class Signals:
                 self.spiky_windows += 1
                 return
 
-    def add_rank_window(self, means: dict[str, dict[int, float]]) -> None:
-        """One window across ranks: which rank was slowest in each phase, by how much."""
-        scale_of = means.get("period") or means.get("step")
-        if not scale_of or len(scale_of) < 2:
+    def add_rank_window(self, spreads: dict[str, Any]) -> None:
+        """One window across ranks (each phase's ``ranks.Spread``): which rank was slowest in each phase, by how much."""
+        scale_of = spreads.get("period") or spreads.get("step")
+        if scale_of is None or scale_of.n < 2:
             return
-        scale = statistics.median(scale_of.values())
+        scale = scale_of.median()
         self.rank_period_ms.append(scale)
-        for phase, by_rank in means.items():
-            if phase in WAIT_PHASES or len(by_rank) < 2:
+        for phase, spread in spreads.items():
+            if phase in WAIT_PHASES or spread.n < 2:
                 continue
-            slow = max(by_rank, key=lambda r: (by_rank[r], -r))
-            margin = by_rank[slow] - statistics.median(by_rank.values())
+            slow = spread.hi_rank
+            margin = spread.hi - spread.median()
             if margin >= max(0.05, STRAGGLER_MARGIN * scale):
                 self.slowest[phase, slow] += 1
                 self.margins[phase, slow] = self.margins.get((phase, slow), 0.0) + margin

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-
-import statistics
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -152,14 +150,12 @@ def rank_tag(phase: str, stat: str) -> str:
 
 def rank_scalars(window: RankWindow) -> dict[str, float]:
     """One window across ranks as ``{tag: value}``."""
-    out = {rank_tag(p, s): v for p in ordered(list(window.means)) for s, v in window.stats(p).items()}
+    out = {rank_tag(p, s): v for p in ordered(list(window.phases)) for s, v in window.stats(p).items()}
     out[RANKS_TAG] = float(window.ranks)
     peaks = window.peak_mb
-    if len(peaks) >= 2:
-        largest = max(peaks, key=lambda r: (peaks[r], -r))
-        values = sorted(peaks.values())
-        for stat, v in (("min", values[0]), ("median", statistics.median(values)), ("max", values[-1]),
-                        ("largest_rank", float(largest))):
+    if peaks is not None and peaks.n >= 2:
+        for stat, v in (("min", peaks.lo), ("median", peaks.median()), ("max", peaks.hi),
+                        ("largest_rank", float(peaks.hi_rank))):
             out[f"{MEMORY_RANKS_PREFIX}/peak_allocated_mb/{stat}"] = v
     return out
 

@@ -212,13 +212,20 @@ def test_unstable_windows():
     assert diagnose(totals(**GPU_STEP), s2, clock="host").kind == "NO_FINDING"
 
 
+def spreads(means: dict) -> dict:
+    """A window across ranks as the exchange hands it over: each phase's spread of per-rank means."""
+    from phase_timer.ranks import RankWindow
+
+    return RankWindow.from_means(0, 0, means).phases
+
+
 def test_rank_straggler_from_windows_not_from_the_ranks_that_wait():
     s = Signals()
     for _ in range(5):
         # rank 2 is slow in forward; ranks 0 and 1 wait for it in backward (never the straggler's phase)
-        s.add_rank_window({"forward": {0: 10.0, 1: 10.2, 2: 16.0}, "backward": {0: 26.0, 1: 25.8, 2: 20.0},
-                           "period": {0: 40.0, 1: 40.0, 2: 40.1}})
-    s.add_rank_window({"forward": {0: 10.0, 1: 10.1, 2: 10.0}, "period": {0: 30.0, 1: 30.0, 2: 30.0}})
+        s.add_rank_window(spreads({"forward": {0: 10.0, 1: 10.2, 2: 16.0}, "backward": {0: 26.0, 1: 25.8, 2: 20.0},
+                                   "period": {0: 40.0, 1: 40.0, 2: 40.1}}))
+    s.add_rank_window(spreads({"forward": {0: 10.0, 1: 10.1, 2: 10.0}, "period": {0: 30.0, 1: 30.0, 2: 30.0}}))
 
     class Rt:  # the per-rank run totals the exchange keeps
         sums = {0: {}, 1: {}, 2: {}}
@@ -235,7 +242,7 @@ def test_rank_straggler_from_windows_not_from_the_ranks_that_wait():
     # a margin below 5% of period is no straggler
     s3 = Signals()
     for _ in range(5):
-        s3.add_rank_window({"forward": {0: 10.0, 1: 10.5}, "period": {0: 40.0, 1: 40.0}})
+        s3.add_rank_window(spreads({"forward": {0: 10.0, 1: 10.5}, "period": {0: 40.0, 1: 40.0}}))
     assert diagnose(totals(**GPU_STEP), s3, clock="host").kind == "NO_FINDING"
 
 

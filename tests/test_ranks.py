@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from phase_timer.metrics import RANKS_TAG, format_rank_table, rank_scalars
-from phase_timer.ranks import STALE_EXCHANGES, RankExchange, RankWindow, _json, decode, encode
+from phase_timer.rank_node import leaf_body
+from phase_timer.ranks import STALE_EXCHANGES, RankExchange, RankTotals, RankWindow, _json, decode, encode
 
 
 def sums(**ms: float) -> dict[str, list[float]]:
@@ -51,12 +52,13 @@ def run_windows(exchanges: list[RankExchange], windows: int, ms: dict[int, float
 
 def test_frames_round_trip_and_a_partial_one_waits() -> None:
     windows = [[3, 19, 5, {"forward": [10.5, 5], "step": [50.25, 5]}], [4, 24, 5, {"forward": [1.0, 5]}]]
-    a = encode(2, [json.dumps(w).encode() for w in windows], final=True)
-    b = encode(7, [])
+    a = encode(2, _json(windows), final=True)
+    b = encode(7, b"[]")
     frames, end = decode(a + b)
     assert frames == [(2, True, windows), (7, False, [])] and end == len(a + b)
     frames, end = decode(a + b[:-1])  # the second frame is not complete yet
     assert frames == [(2, True, windows)] and end == len(a)
+    assert decode(a, parse=False)[0] == [(2, True, _json(windows))]
 
 
 def test_every_rank_is_written_and_the_store_is_left_clean(store) -> None:
@@ -75,7 +77,7 @@ def test_every_rank_is_written_and_the_store_is_left_clean(store) -> None:
 
 
 def test_a_rank_that_stops_reporting_is_named_and_the_others_go_on(store, monkeypatch) -> None:
-    monkeypatch.setattr("phase_timer.ranks.STALE_S", 0.0)  # exchanges are milliseconds apart here
+    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)  # exchanges are milliseconds apart here
     exchanges = ranks(store, 3)
     with pytest.warns(RuntimeWarning, match="rank 2 has not reported"):
         written = run_windows(exchanges, 2 * STALE_EXCHANGES + 4, {0: 1.0, 1: 2.0, 2: 3.0}, stop_after={2: 2})
@@ -141,8 +143,8 @@ def test_finish_returns_once_the_final_report_is_in_the_store(store) -> None:
         ex.add(w, 5 * w + 4, 5, sums(forward=1.0))
         ex.exchange()  # three sends queued, 0.1 s each
     ex.finish(timeout_s=10)
-    assert [int(store.add(f"phase_timer/slow/{k}/n", 0)) for k in range(4)] == [1, 1, 1, 1]
-    frames, _ = decode(store.get("phase_timer/slow/3"))
+    assert [int(store.add(f"phase_timer/slow/1.0/{k}/n", 0)) for k in range(4)] == [1, 1, 1, 1]
+    frames, _ = decode(store.get("phase_timer/slow/1.0/3"))
     assert frames == [(1, True, [])]
 
 
@@ -162,10 +164,13 @@ class HookedStore:
 
 
 def send_by_hand(store, ns: str, k: int, rank: int, window: int | None, *, final: bool = False) -> None:
-    """What rank ``rank``'s thread sends for exchange ``k``: its window ``window`` (forward 3 ms)."""
-    windows = [] if window is None else [_json([window, 5 * window + 4, 5, {"forward": [15.0, 5]}])]
-    store.append(f"{ns}/{k}", encode(rank, windows, final=final))
-    store.add(f"{ns}/{k}/n", 1)
+    """What rank ``rank``'s thread sends for exchange ``k`` to the one group of a small job: its window
+    ``window`` (forward 3 ms), and its run totals."""
+    body = b"[]" if window is None else leaf_body(
+        [_json([window, 5 * window + 4, 5, {"forward": [15.0, 5]}])],
+        _json({"s": 5 * (window + 1), "p": {"forward": [15.0 * (window + 1), 5 * (window + 1)]}}))
+    store.append(f"{ns}/1.0/{k}", encode(rank, body, final=final))
+    store.add(f"{ns}/1.0/{k}/n", 1)
 
 
 def test_a_ranks_frames_read_out_of_order_are_taken_in_order(store) -> None:
@@ -177,7 +182,7 @@ def test_a_ranks_frames_read_out_of_order_are_taken_in_order(store) -> None:
     fired = []
 
     def before(key: str) -> None:
-        if key == f"{ns}/1/n" and not fired:
+        if key == f"{ns}/1.0/1/n" and not fired:
             fired.append(key)
             send_by_hand(other, ns, 0, 1, 0)
             send_by_hand(other, ns, 1, 1, 1)
@@ -215,7 +220,7 @@ class GatedStore:
 
 
 def test_a_rank_taken_as_gone_that_was_only_held_up_counts_again_and_leaves_no_keys(store, monkeypatch) -> None:
-    monkeypatch.setattr("phase_timer.ranks.STALE_S", 0.0)
+    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)
     ns = "phase_timer/held"
     before = store.num_keys()
     gated = GatedStore(store.clone())
@@ -294,7 +299,7 @@ def test_a_report_never_counted_holds_up_no_exchange_after_it(store, monkeypatch
     # Rank 2's report of exchange 0 is appended, and its count fails (the rank's store connection broke):
     # rank 0 reads a report that is never counted.  It must still close that exchange and go on, not read
     # every exchange since at each window (a request more a window, for the rest of the run).
-    monkeypatch.setattr("phase_timer.ranks.STALE_S", 0.0)
+    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)
 
     class CountFails(SlowCountStore):
         def add(self, key, n):
@@ -318,7 +323,7 @@ def test_a_report_never_counted_holds_up_no_exchange_after_it(store, monkeypatch
         for ex in reversed(exchanges):
             written += ex.finish(timeout_s=2)
     exchanges[0]._thread.join(5)
-    assert exchanges[0]._next >= windows - 1  # every exchange but the last closed in its turn
+    assert exchanges[0]._nodes[0].reader._next >= windows - 1  # every exchange but the last closed in its turn
     assert [w.key for w in written] == list(range(windows))
     assert store.num_keys() == before
 
@@ -399,28 +404,39 @@ def test_a_store_that_fails_stops_the_exchange_with_a_warning_not_an_error() -> 
     assert ex.broken
 
 
-def test_a_window_is_written_once_every_rank_reported_it_or_moved_past(store) -> None:
-    ex = ranks(store, 3)[0]
-    ex.add(0, 4, 5, sums(forward=1.0, backward=2.0))  # rank zero keeps its own
-    ex.add(1, 9, 5, sums(forward=1.0, backward=2.0))
-    ex._receive(1, [0, 4, 5, {"forward": [15.0, 5], "backward": [10.0, 5]}])
-    assert ex._ready(final=False) == []  # rank 2 has not reported window 0
-    ex._receive(2, [1, 9, 5, {"forward": [5.0, 5]}])  # rank 2 skipped window 0 entirely
-    ready = ex._ready(final=False)
+def by_hand(store, ns: str, k: int, rank: int, reports: list[list], *, final: bool = False) -> None:
+    """Rank ``rank``'s frame of exchange ``k`` to the one group of a small job, with ``reports``."""
+    store.append(f"{ns}/1.0/{k}", encode(rank, _json(reports), final=final))
+    store.add(f"{ns}/1.0/{k}/n", 1)
+
+
+def test_a_window_is_written_once_every_rank_reported_it_or_moved_past() -> None:
+    from phase_timer.rank_node import NodeReader
+    from phase_timer.rank_tree import Tree
+
+    store, ns = dist.HashStore(), "phase_timer/rule"
+    tree = Tree(3)
+    node = NodeReader(tree, tree.root, store, ns)
+    by_hand(store, ns, 0, 0, [[0, 4, 5, {"forward": [5.0, 5], "backward": [10.0, 5]}],
+                              [1, 9, 5, {"forward": [5.0, 5], "backward": [10.0, 5]}]])
+    by_hand(store, ns, 0, 1, [[0, 4, 5, {"forward": [15.0, 5], "backward": [10.0, 5]}]])
+    assert node.step(0) == []  # rank 2 has not reported window 0
+    by_hand(store, ns, 0, 2, [[1, 9, 5, {"forward": [5.0, 5]}]])  # rank 2 skipped window 0 entirely
+    ready = node.step(0)
     assert [w.key for w in ready] == [0]  # window 1 still waits for rank 1
-    w = ready[0]
+    w = RankWindow.of(ready[0])
     assert w.ranks == 2 and w.step == 4
-    assert w.means["forward"] == {0: 1.0, 1: 3.0}
-    ex._receive(2, [0, 4, 5, {"forward": [500.0, 5]}])  # a late report of a written window is dropped
-    last = ex._ready(final=True)
-    assert [w.key for w in last] == [1] and last[0].ranks == 2
-    assert ex.totals.mean(1, "forward") == pytest.approx(3.0)
-    assert ex.totals.mean(2, "forward") == pytest.approx(1.0)
-    assert ex.totals.steps == {0: 10, 1: 5, 2: 5}
+    assert w.stats("forward") == {"min": 1.0, "median": 2.0, "max": 3.0, "slowest_rank": 1.0}
+    by_hand(store, ns, 1, 2, [[0, 4, 5, {"forward": [500.0, 5]}]])  # a late report of a written window is dropped
+    by_hand(store, ns, 1, 0, [])
+    by_hand(store, ns, 1, 1, [])
+    assert node.step(1) == []
+    last = node.flush()
+    assert [s.key for s in last] == [1] and last[0].ranks == 2
 
 
 def test_cross_rank_statistics_and_tags() -> None:
-    w = RankWindow(key=2, step=14, means={"forward": {0: 1.0, 1: 5.0, 2: 2.0}, "h2d": {0: 0.5, 1: 0.5}}, ranks=3)
+    w = RankWindow.from_means(2, 14, {"forward": {0: 1.0, 1: 5.0, 2: 2.0}, "h2d": {0: 0.5, 1: 0.5}})
     assert w.stats("forward") == {"min": 1.0, "median": 2.0, "max": 5.0, "slowest_rank": 1.0}
     assert w.stats("h2d")["slowest_rank"] == 0.0  # a tie names the lowest rank
     scalars = rank_scalars(w)
@@ -429,12 +445,11 @@ def test_cross_rank_statistics_and_tags() -> None:
     assert scalars[RANKS_TAG] == 3.0
 
 
-def test_rank_table_names_the_slowest_rank_and_missing_ranks(store) -> None:
-    ex = ranks(store, 3)[0]
-    ex.add(0, 4, 5, sums(forward=1.0, step=3.0))
-    ex._receive(1, [0, 4, 5, {"forward": [20.0, 5], "step": [30.0, 5]}])
-    ex._ready(final=True)
-    table = format_rank_table(ex.totals)
+def test_rank_table_names_the_slowest_rank_and_missing_ranks() -> None:
+    totals = RankTotals(3)
+    totals.put(0, {"s": 5, "p": {"forward": [5.0, 5], "step": [15.0, 5]}})
+    totals.put(1, {"s": 5, "p": {"forward": [20.0, 5], "step": [30.0, 5]}})
+    table = format_rank_table(totals)
     lines = table.splitlines()
     head = next(line for line in lines if line.startswith("rank")).split()
     assert head == ["rank", "forward", "step", "steps"]
