@@ -303,6 +303,9 @@ def format_memory(mem: dict | None) -> str | None:
         at = f", {BEFORE_NOTE}"
     lines.append(f"  peak allocated {_mb(mem.get('peak_allocated_mb'))}{at}; peak reserved "
                  f"{_mb(mem.get('peak_reserved_mb'))}{share}")
+    reached = _phase_peaks(mem)
+    if reached:
+        lines.append(f"  the highest each phase reached (where the peak counter rose in it): {reached}")
     creep = mem.get("creep")
     if creep and creep["points"] >= 3:
         lines.append(f"  allocated at step begin: {creep['mb_per_step']:+.2f} MB/step over steps "
@@ -313,6 +316,18 @@ def format_memory(mem: dict | None) -> str | None:
         lines.append(f"  the allocator freed its cache and retried {mem['alloc_retries']} allocation(s): "
                      "each is a device-wide sync")
     return "\n".join(lines)
+
+
+#: Phases named on the memory block's line of each phase's highest (the highest first).
+PHASE_PEAKS_SHOWN = 5
+
+
+def _phase_peaks(mem: dict) -> str:
+    """"backward 2.07 GB (the peak), forward 1.07 GB" from ``phase_peaks_mb`` (empty: none, or an older file)."""
+    peaks = mem.get("phase_peaks_mb") or {}
+    top = sorted(peaks.items(), key=lambda kv: -kv[1])[:PHASE_PEAKS_SHOWN]
+    return ", ".join(f"{phase} {_mb(mb)}" + (" (the peak)" if phase == mem.get("peak_phase") else "")
+                     for phase, mb in top)
 
 
 def format_own_cost(us_per_step: float, share_of_period: float | None, samples: int, host_ahead: bool | None) -> str:
