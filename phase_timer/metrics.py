@@ -330,12 +330,38 @@ def _phase_peaks(mem: dict) -> str:
                      for phase, mb in top)
 
 
-def format_own_cost(us_per_step: float, share_of_period: float | None, samples: int, host_ahead: bool | None) -> str:
-    """"phase-timer's own host time: X µs/step (Y% of period), sampled on N steps" (+ why it may be hidden)."""
-    pct = f" ({100 * share_of_period:.2f}% of period)" if share_of_period is not None else ""
-    line = f"phase-timer's own host time: {us_per_step:.1f} µs/step{pct}, sampled on {samples} steps"
-    if host_ahead:
+def format_own_cost(own: dict) -> str:
+    """"phase-timer's own host time: ≈X µs/step (Y% of period): ordinary steps A µs ..., the verdict's sampled
+    steps B and memory reads C µs/step amortized over N steps" (+ why it may be hidden), from
+    ``TimingCore.own_cost()`` or a summary file's ``own_cost`` (one from before the ordinary steps were
+    measured says what it held: the sampled steps' mean)."""
+    us, share = own["us_per_step"], own.get("share_of_period")
+    pct = f" ({100 * share:.2f}% of period)" if share is not None else ""
+    if "ordinary_samples" not in own:
+        line = f"phase-timer's own host time: {us:.1f} µs/step{pct}, sampled on {own['samples']} steps"
+    else:
+        line = f"phase-timer's own host time: ≈{us:.1f} µs/step{pct}: {_own_parts(own)}"
+    if own.get("host_ahead"):
         line += ("; the host runs ahead of the device, so this time is hidden behind the device's work (it "
                  "includes waits in the driver's full launch queue, which the next launch would make anyway)")
     return line
 
+
+def _own_parts(own: dict) -> str:
+    ordinary, windows, steps = own.get("ordinary_us"), own.get("windows_us_per_step") or 0.0, own["steps"]
+    if ordinary is not None:
+        text = (f"ordinary steps {ordinary + windows:.1f} µs (median of {own['ordinary_samples']} timed apart, window "
+                "ends included)")
+        amortized = [f"the verdict's sampled steps {own['sampling_us_per_step']:.1f}"]
+    else:  # none measured: the sampled steps stand for one
+        text = (f"{own['sampled_us'] + windows:.1f} µs on the verdict's {own['samples']} sampled steps, which do "
+                "extra work (an upper bound: no ordinary step was timed)")
+        amortized = []
+    if own.get("memory_us_per_step") is not None:
+        amortized.append(f"memory reads {own['memory_us_per_step']:.1f}")
+    if amortized:
+        text += f", {' and '.join(amortized)} µs/step amortized over {steps} steps"
+    long_run, us = own.get("long_run_us_per_step"), own["us_per_step"]
+    if long_run is not None and long_run < us - max(1.0, 0.1 * us):
+        text += f" (≈{long_run:.1f} µs/step over a long run: the first steps are sampled densely)"
+    return text
