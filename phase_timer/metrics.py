@@ -331,8 +331,8 @@ def _phase_peaks(mem: dict) -> str:
 
 
 def format_own_cost(own: dict) -> str:
-    """"phase-timer's own host time: ≈X µs/step (Y% of period): ordinary steps A µs ..., the verdict's sampled
-    steps B and memory reads C µs/step amortized over N steps" (+ why it may be hidden), from
+    """"phase-timer's own host time: ≈X µs/step (Y% of period): ordinary steps A µs (...); window ends W, the
+    verdict's sampled steps S and memory reads M µs/step amortized over N steps" (+ why it may be hidden), from
     ``TimingCore.own_cost()`` or a summary file's ``own_cost`` (one from before the ordinary steps were
     measured says what it held: the sampled steps' mean)."""
     us, share = own["us_per_step"], own.get("share_of_period")
@@ -348,19 +348,18 @@ def format_own_cost(own: dict) -> str:
 
 
 def _own_parts(own: dict) -> str:
-    ordinary, windows, steps = own.get("ordinary_us"), own.get("windows_us_per_step") or 0.0, own["steps"]
+    ordinary, steps = own.get("ordinary_us"), own["steps"]
     if ordinary is not None:
-        text = (f"ordinary steps {ordinary + windows:.1f} µs (median of {own['ordinary_samples']} timed apart, window "
-                "ends included)")
+        text = f"ordinary steps {ordinary:.1f} µs (median of {own['ordinary_samples']} timed apart)"
         amortized = [f"the verdict's sampled steps {own['sampling_us_per_step']:.1f}"]
-    else:  # none measured: the sampled steps stand for one
-        text = (f"{own['sampled_us'] + windows:.1f} µs on the verdict's {own['samples']} sampled steps, which do "
-                "extra work (an upper bound: no ordinary step was timed)")
+    else:  # none timed: the sampled steps stand for one
+        text = (f"{own['sampled_us']:.1f} µs on the verdict's {own['samples']} sampled steps, which do extra work "
+                "(an upper bound: no ordinary step was timed)")
         amortized = []
+    amortized.insert(0, f"window ends {own.get('windows_us_per_step') or 0.0:.1f}")
     if own.get("memory_us_per_step") is not None:
         amortized.append(f"memory reads {own['memory_us_per_step']:.1f}")
-    if amortized:
-        text += f", {' and '.join(amortized)} µs/step amortized over {steps} steps"
+    text += f"; {', '.join(amortized[:-1])} and {amortized[-1]} µs/step amortized over {steps} steps"
     long_run, us = own.get("long_run_us_per_step"), own["us_per_step"]
     if long_run is not None and long_run < us - max(1.0, 0.1 * us):
         text += f" (≈{long_run:.1f} µs/step over a long run: the first steps are sampled densely)"
