@@ -41,6 +41,7 @@ from phase_timer.core import TimingCore
 from phase_timer.engine import POLL_EVERY
 from phase_timer.flops import signature
 from phase_timer.metrics import BETWEEN, PAUSED, after_end
+from phase_timer.own_cost import PlainSample
 from phase_timer.syncs import SyncCensus
 
 try:
@@ -92,6 +93,7 @@ class Boundaries:
         "_census_at",
         # a sampled step's (_SampledBoundaries)
         "_depth", "_own_ns", "_calls", "_t_begin", "_t_end", "_host_ns", "_sample_state", "_restart",
+        "_window0",
         # what the doors call inside a step (see `_hot`)
         "on_fetch", "on_batch", "on_forward", "on_copied", "on_backward_start", "on_backward_end",
         "on_optimizer_start", "on_step_end",
@@ -129,6 +131,7 @@ class Boundaries:
         self._rng = random.Random()
         self._samples = 0  # sampled steps started
         self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
+        core.signals.sample_gap = sum(SAMPLE_GAP) / 2  # what a long run pays for them (the own-cost line)
         # Memory (CUDA only): a sampled step reads the allocator's counters at each boundary (phase_timer/memory.py).
         self._mem = core.memory
         self._mem_on = False  # this step is a memory step
@@ -657,6 +660,7 @@ class _SampledBoundaries(Boundaries):
         bounds._t_begin = bounds._t_end = bounds._host_ns = 0
         bounds._sample_state = None  # "closed" or "dropped" once the sample is over
         bounds._restart = False  # the gap ran out on this sample's own close: the next one starts at its end
+        bounds._window0 = bounds.core.window_ns  # window ends within the sample are no step's: taken out
 
     def _begin(self, step: int, phase: str) -> None:
         self._t_begin = time.perf_counter_ns()
@@ -705,12 +709,15 @@ class _SampledBoundaries(Boundaries):
     def _end_sample(self) -> None:
         """Back to the plain class; a closed, recorded step's sample goes to the core."""
         state, self._sample_state = self._sample_state, None
-        own = max(0, self._own_ns - self._calls * (_SampledBoundaries._PAIR_NS or 0))
+        pair = _SampledBoundaries._PAIR_NS or 0
+        own = max(0, self._own_ns - self._calls * pair - (self.core.window_ns - self._window0))
         self.__class__ = Boundaries
         if state == "closed" and self._host_ns:
             self.core.add_sample(own, self._host_ns / 1e6)
         if self._restart:
             self._start_sample()
+        elif state == "closed":  # the next ordinary step is timed as it runs, for the own-cost line (own_cost.py)
+            PlainSample.start(self, pair)
 
 
 def _timed(name: str) -> Any:

@@ -36,6 +36,7 @@ from phase_timer.metrics import (
     step_scalars,
     window_scalars,
 )
+from phase_timer.own_cost import estimate as _own_estimate
 from phase_timer.ranks import RankExchange, RankWindow
 from phase_timer.step_flops import FlopPlan
 from phase_timer.sinks import BackgroundSink, GuardedSink, Sink
@@ -100,6 +101,9 @@ class TimingCore:
         self.untimed_reason: str | None = None
         #: What the diagnosis reads: sampled steps, windows' spread, the ranks' windows.
         self.signals = Signals()
+        #: Host time spent at window ends during the run (statistics, CPU readings, writes queued, the ranks'
+        #: exchange): spread over the steps by the own-cost line, taken out of the samples it falls in.
+        self.window_ns = 0
         #: What the door knows of the run (loader settings, precision, optimizers, configuration).
         self.context: dict = {}
         #: Where rank zero writes the run summary file at the end (None: nowhere).
@@ -238,7 +242,9 @@ class TimingCore:
         # Every rank ends the same steps, so every rank reports at the same ones.
         self.steps_ended += 1
         if self.steps_ended % self._window_size == 0:
+            t0 = time.perf_counter_ns()
             self._write_ranks(self.ranks.exchange())
+            self.window_ns += time.perf_counter_ns() - t0
 
     def untime(self) -> None:
         """The step just begun goes untimed, as a warm-up step does (its FLOPs are being counted: it runs slower):
@@ -283,15 +289,32 @@ class TimingCore:
 
     @property
     def own_us_per_step(self) -> float | None:
-        """phase-timer's own host time per step (µs, mean over the sampled steps), or None before a sample."""
-        own = self.signals.own_ns
-        return sum(own) / len(own) / 1e3 + (self.memory_us_per_step or 0.0) if own else None
+        """phase-timer's own host time per step (µs): an ordinary step's, plus the sampled work amortized
+        (:meth:`own_cost`); None before a sampled step."""
+        own = self.own_cost()
+        return own["us_per_step"] if own is not None else None
 
     @property
     def memory_us_per_step(self) -> float | None:
         """Memory's share of that: all its host time (on memory steps only), over the steps begun (None: not read)."""
         mem = self.memory
         return mem.own_ns / self.steps_begun / 1e3 if mem is not None and self.steps_begun else None
+
+    def own_cost(self) -> dict | None:
+        """The own-cost figures (µs; ``own_cost.estimate``), with the share of ``period`` and whether the host ran
+        ahead; None before a sampled step."""
+        sig, mem = self.signals, self.memory
+        own = _own_estimate(plain_ns=sig.plain_ns, sampled_ns=sig.own_ns, window_ns=self.window_ns,
+                            memory_ns=mem.own_ns if mem is not None else None,
+                            memory_steps=mem.samples if mem is not None else 0, steps=self.steps_begun,
+                            sample_gap=sig.sample_gap, memory_gap=sum(_memory.SPARSE_GAP) / 2)
+        if own is None:
+            return None
+        period = self.totals.phases.get("period")
+        own["share_of_period"] = own["us_per_step"] / 1e3 / period.mean if period is not None and period.mean > 0 else None
+        own["samples"] = len(sig.own_ns)
+        own["host_ahead"] = self.host_ahead
+        return own
 
     def _skip(self) -> None:
         self.skipped += 1
@@ -318,6 +341,7 @@ class TimingCore:
     # -- results ----------------------------------------------------------------
     def _consume(self, results: list[tuple] | None) -> None:
         """The engine's results, in step order: per-step writes, traced steps, whole windows."""
+        t0 = time.perf_counter_ns()
         for item in results or ():
             kind = item[0]
             if kind == "window":
@@ -329,6 +353,8 @@ class TimingCore:
                 self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
                 self.trace.add(item[1])
+        if not self.closed:  # the run's end is no step's
+            self.window_ns += time.perf_counter_ns() - t0
 
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
         counts = throughput.split_counts(columns, self.throughput)  # counts, not phases: out first
@@ -534,13 +560,9 @@ class TimingCore:
         return out
 
     def own_cost_line(self) -> str | None:
-        """"phase-timer's own host time: X µs/step (Y% of period)", or None before a sampled step."""
-        own = self.own_us_per_step
-        if own is None:
-            return None
-        period = self.totals.phases.get("period")
-        share = own / 1e3 / period.mean if period is not None and period.mean > 0 else None
-        return format_own_cost(own, share, len(self.signals.own_ns), self.host_ahead)
+        """"phase-timer's own host time: X µs/step (Y% of period): ordinary steps ...", or None before a sampled step."""
+        own = self.own_cost()
+        return format_own_cost(own) if own is not None else None
 
     @property
     def host_ahead(self) -> bool | None:

@@ -135,9 +135,13 @@ class Signals:
         #: issued (more than a phase behind the host inside the step), of the boundaries checked.
         self.behind_checked = 0
         self.behind = 0
-        #: Sampled steps' host time from the step's begin to its end (ms), and phase-timer's own host time (ns).
+        #: Sampled steps' host time from the step's begin to its end (ms), and phase-timer's own host time (ns,
+        #: window ends out); and the own host time of the ordinary steps timed apart (``phase_timer.own_cost``).
         self.host_step_ms: list[float] = []
         self.own_ns: list[int] = []
+        self.plain_ns: list[int] = []
+        #: The sampled steps' mean gap once sparse (set by the boundaries): the own-cost line's long-run rate.
+        self.sample_gap: float | None = None
         self.windows = 0
         self.spiky_windows = 0
         #: Per (phase, rank): windows in which the rank was slowest by a material margin, and the margins (ms).

@@ -14,8 +14,14 @@ step end), densely at first (the first :data:`DENSE` steps begun, warm-up ones i
 the run's peak is most often set by the first optimizer step), then :data:`MEDIUM_GAP`
 apart until :data:`MEDIUM` samples, then :data:`SPARSE_GAP` apart, at random so that no
 periodic work aliases with them.  In a steady loop memory per phase is the same from step
-to step, so a sample in ~128 steps loses nothing but the moment a change happens; a peak
-that rises between samples is said to be "between samples".
+to step, so a sample in ~128 steps loses nothing but the moment a change happens.
+
+The peak's phase: the phase whose rise of the allocator's peak counter, between two reads, brought it
+within :func:`peak_tolerance` of the run's peak (1% of the peak, at least 16 MB, at most 10% of it).  It is kept until a
+later rise beats that tolerance: a rise of a few KB on a step not read (allocation order varies from
+step to step) does not give it away.  A rise that no read pair holds is "between samples" only when it
+beats the tolerance too, and a named phase takes over from it (a read came close).  Each phase's
+highest reading of the counter after a rise in it is kept as well (``phase_peaks_mb``).
 
 Nothing here resets the allocator's peak: ``torch.cuda.max_memory_allocated()`` returns
 what it would without phase-timer (Lightning's ``DeviceStatsMonitor``, the 🤗 Trainer's memory
@@ -51,8 +57,22 @@ H2D, BETWEEN, PAUSED = "h2d", "between_steps", "paused"
 BEFORE = "before the first sampled step"
 BEFORE_NOTE = ("set before phase-timer's first read: earlier work in this process; torch.cuda.reset_peak_memory_stats() "
                "before training makes the peak this run's")
+#: The peak's phase is kept against rises smaller than this share of the peak, or than PEAK_TOLERANCE_MB (the
+#: larger), but never than PEAK_TOLERANCE_MAX_SHARE of it: the same peak reached again varies by KB to MB
+#: (allocation order, the caching allocator's rounding of blocks), and a small model's phases differ by a few MB.
+PEAK_TOLERANCE_SHARE = 0.01
+PEAK_TOLERANCE_MB = 16
+PEAK_TOLERANCE_MAX_SHARE = 0.1
+#: The peak's phase when a rise beyond the tolerance happened where no pair of reads holds it.
+BETWEEN_SAMPLES = "between samples"
 #: What a memory step writes that is the run's or the device's, not allocated at a boundary: no steady statistic.
 _NOT_BOUNDARIES = frozenset({"peak_allocated", "peak_reserved", "reserved", "device_free"})
+
+
+def peak_tolerance(peak: int) -> int:
+    """How far (bytes) a peak read may be from ``peak`` and still be the same peak reached again: 1% of it, at
+    least 16 MB, at most 10% of it."""
+    return min(max(int(PEAK_TOLERANCE_SHARE * peak), PEAK_TOLERANCE_MB << 20), int(PEAK_TOLERANCE_MAX_SHARE * peak))
 
 
 class Reading(NamedTuple):
@@ -138,11 +158,16 @@ class MemoryTracker:
         #: Per boundary (the phase that begins there; ``step_begin``, ``step_end``; ``activations``): allocated MB.
         self.stats: dict[str, _Stat] = {}
         self.reserved = _Stat()
-        #: The run's peaks (MB) as last read, and where the allocated peak was last raised.
+        #: The run's peaks (MB): the highest read (a user's reset lowers the counter, never these).
         self.peak_allocated_mb: float | None = None
         self.peak_reserved_mb: float | None = None
+        #: The phase whose rise brought the counter within the tolerance of the run's peak, and at which step.
         self.peak_phase: str | None = None
         self.peak_step: int | None = None
+        self._peak_level = 0  # the counter (bytes) when peak_phase was named
+        self._named = False  # peak_phase is a phase (not BEFORE or BETWEEN_SAMPLES)
+        #: Per phase: the highest counter (bytes) read after it rose in that phase.
+        self.phase_peaks: dict[str, int] = {}
         # The last read: (step begun, the door's step, the phase running after it, the reading).
         self._last: tuple[int, int, str, Reading] | None = None
         self._max_alloc = self._max_reserved = -1  # the highest peaks read (bytes): a user's reset lowers the counter
@@ -190,7 +215,7 @@ class MemoryTracker:
     def mark(self, phase: str, begun: int, step: int) -> None:
         """A read outside a memory step (a pause begins or ends, the run ends), for the peak's phase only:
         a rise since the last read belongs to the phase that read began, when that read was a pause's
-        begin or this same step's; else it is "between samples"."""
+        begin or this same step's; else to no one phase (:meth:`_rise`)."""
         self._attribute(phase, self._read(), begun, step, in_step=False, mark=True)
 
     def relabel(self, phase: str) -> None:
@@ -202,28 +227,50 @@ class MemoryTracker:
             self._last = (*self._last[:2], phase, self._last[3])
 
     def _attribute(self, phase: str, r: Reading, begun: int, step: int, *, in_step: bool, mark: bool = False) -> None:
-        """Did the run's allocated peak rise since the last read?  The phase between the two reads set it.
+        """Did the allocator's peak counter move since the last read?  It rose in the phase between the two reads.
 
-        The reference is the highest peak read, not the last read: a user's ``reset_peak_memory_stats()``
-        lowers the counter (phase-timer never calls it), and a peak below the highest is no new peak.
+        The run's peak is the highest read, not the last read: a user's ``reset_peak_memory_stats()``
+        lowers the counter (phase-timer never calls it).  A counter lower than the last read (a reset
+        between them) says what was reached since the reset: a rise too, which counts for the peak's phase
+        only if it comes within the tolerance of the run's peak.
         """
         last, self._last = self._last, (begun, step, phase, r)
         if self._retries0 is None and (begun >= STEADY_FROM or mark):
             self._retries0 = r.retries  # warm-up's retries (cuDNN's benchmark probing) are not the run's
         self.retries = max(0, r.retries - self._retries0) if self._retries0 is not None else 0
         if last is None:
-            self.peak_phase, self.peak_step = BEFORE, None
-        elif r.peak_allocated > self._max_alloc:
+            self.peak_phase, self.peak_step, self._peak_level, self._named = BEFORE, None, r.peak_allocated, False
+        elif r.peak_allocated != last[3].peak_allocated:
             l_begun, l_step, l_phase, _ = last
             if mark:
                 known = l_phase == PAUSED or l_begun == begun
             else:  # within this memory step, or from the step just before's end to this one's begin
                 known = in_step or (l_begun == begun - 1 and l_phase == BETWEEN)
-            self.peak_phase, self.peak_step = (l_phase, l_step) if known else ("between samples", step)
+            self._rise(l_phase, l_step, r.peak_allocated) if known else self._rise(None, step, r.peak_allocated)
         self._max_alloc = max(self._max_alloc, r.peak_allocated)
         self._max_reserved = max(self._max_reserved, r.peak_reserved)
         self.peak_allocated_mb = self._max_alloc / MB
         self.peak_reserved_mb = self._max_reserved / MB
+
+    def _rise(self, phase: str | None, step: int, level: int) -> None:
+        """The counter reached ``level`` (bytes) in ``phase`` at ``step`` (None: between two reads of no one phase).
+
+        A named phase is kept until a rise beats it by the tolerance; a phase takes over from "between
+        samples" (or from before the first read) as soon as it comes within the tolerance of the run's peak.
+        """
+        if phase is not None:
+            self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), level)
+        peak = max(self._max_alloc, level)
+        tol = peak_tolerance(peak)
+        if level < peak - tol:
+            return  # after a reset, below the run's peak: not where the peak is
+        beats = level > self._peak_level + tol
+        if phase is not None and (beats or not self._named):
+            self.peak_phase, self.peak_step, self._peak_level, self._named = phase, step, level, True
+        elif phase is not None and phase == self.peak_phase:  # the same phase a little higher: the mark moves up
+            self._peak_level = max(self._peak_level, level)
+        elif phase is None and beats:
+            self.peak_phase, self.peak_step, self._peak_level, self._named = BETWEEN_SAMPLES, step, level, False
 
     def drop(self) -> None:
         """The step was dropped (never ended): its reads tell no phase's memory."""
@@ -328,6 +375,7 @@ class MemoryTracker:
             "peak_reserved_mb": self.peak_reserved_mb,
             "peak_phase": self.peak_phase,
             "peak_step": self.peak_step,
+            "phase_peaks_mb": {k: v / MB for k, v in sorted(self.phase_peaks.items(), key=lambda kv: -kv[1])},
             "alloc_retries": self.retries,
             "device_total_mb": self.device_total_mb,
             "device_free_mb": self.device_free_mb,

@@ -299,6 +299,9 @@ def format_memory(mem: dict | None) -> str | None:
         at = f", {BEFORE_NOTE}"
     lines.append(f"  peak allocated {_mb(mem.get('peak_allocated_mb'))}{at}; peak reserved "
                  f"{_mb(mem.get('peak_reserved_mb'))}{share}")
+    reached = _phase_peaks(mem)
+    if reached:
+        lines.append(f"  the highest each phase reached (where the peak counter rose in it): {reached}")
     creep = mem.get("creep")
     if creep and creep["points"] >= 3:
         lines.append(f"  allocated at step begin: {creep['mb_per_step']:+.2f} MB/step over steps "
@@ -311,12 +314,49 @@ def format_memory(mem: dict | None) -> str | None:
     return "\n".join(lines)
 
 
-def format_own_cost(us_per_step: float, share_of_period: float | None, samples: int, host_ahead: bool | None) -> str:
-    """"phase-timer's own host time: X µs/step (Y% of period), sampled on N steps" (+ why it may be hidden)."""
-    pct = f" ({100 * share_of_period:.2f}% of period)" if share_of_period is not None else ""
-    line = f"phase-timer's own host time: {us_per_step:.1f} µs/step{pct}, sampled on {samples} steps"
-    if host_ahead:
+#: Phases named on the memory block's line of each phase's highest (the highest first).
+PHASE_PEAKS_SHOWN = 5
+
+
+def _phase_peaks(mem: dict) -> str:
+    """"backward 2.07 GB (the peak), forward 1.07 GB" from ``phase_peaks_mb`` (empty: none, or an older file)."""
+    peaks = mem.get("phase_peaks_mb") or {}
+    top = sorted(peaks.items(), key=lambda kv: -kv[1])[:PHASE_PEAKS_SHOWN]
+    return ", ".join(f"{phase} {_mb(mb)}" + (" (the peak)" if phase == mem.get("peak_phase") else "")
+                     for phase, mb in top)
+
+
+def format_own_cost(own: dict) -> str:
+    """"phase-timer's own host time: ≈X µs/step (Y% of period): ordinary steps A µs (...); window ends W, the
+    verdict's sampled steps S and memory reads M µs/step amortized over N steps" (+ why it may be hidden), from
+    ``TimingCore.own_cost()`` or a summary file's ``own_cost`` (one from before the ordinary steps were
+    measured says what it held: the sampled steps' mean)."""
+    us, share = own["us_per_step"], own.get("share_of_period")
+    pct = f" ({100 * share:.2f}% of period)" if share is not None else ""
+    if "ordinary_samples" not in own:
+        line = f"phase-timer's own host time: {us:.1f} µs/step{pct}, sampled on {own['samples']} steps"
+    else:
+        line = f"phase-timer's own host time: ≈{us:.1f} µs/step{pct}: {_own_parts(own)}"
+    if own.get("host_ahead"):
         line += ("; the host runs ahead of the device, so this time is hidden behind the device's work (it "
                  "includes waits in the driver's full launch queue, which the next launch would make anyway)")
     return line
 
+
+def _own_parts(own: dict) -> str:
+    ordinary, steps = own.get("ordinary_us"), own["steps"]
+    if ordinary is not None:
+        text = f"ordinary steps {ordinary:.1f} µs (median of {own['ordinary_samples']} timed apart)"
+        amortized = [f"the verdict's sampled steps {own['sampling_us_per_step']:.1f}"]
+    else:  # none timed: the sampled steps stand for one
+        text = (f"{own['sampled_us']:.1f} µs on the verdict's {own['samples']} sampled steps, which do extra work "
+                "(an upper bound: no ordinary step was timed)")
+        amortized = []
+    amortized.insert(0, f"window ends {own.get('windows_us_per_step') or 0.0:.1f}")
+    if own.get("memory_us_per_step") is not None:
+        amortized.append(f"memory reads {own['memory_us_per_step']:.1f}")
+    text += f"; {', '.join(amortized[:-1])} and {amortized[-1]} µs/step amortized over {steps} steps"
+    long_run, us = own.get("long_run_us_per_step"), own["us_per_step"]
+    if long_run is not None and long_run < us - max(1.0, 0.1 * us):
+        text += f" (≈{long_run:.1f} µs/step over a long run: the first steps are sampled densely)"
+    return text

@@ -328,7 +328,7 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
                      f"{flight['samples']} sampled step ends ({ahead})")
     own = data.get("own_cost")
     if own:
-        lines.append(format_own_cost(own["us_per_step"], own.get("share_of_period"), own["samples"], own.get("host_ahead")))
+        lines.append(format_own_cost(own))
     syncs = data.get("syncs")  # version 3
     census = syncs and format_census(syncs["census"], syncs.get("step"), [SyncSite.from_dict(d) for d in syncs["sites"]],
                                      syncs["count"], syncs.get("paused", 0))

@@ -45,12 +45,7 @@ class RunRecord(Protocol):
     untimed_reason: str | None
 
     def memory_summary(self) -> dict[str, Any] | None: ...
-    @property
-    def host_ahead(self) -> bool | None: ...
-    @property
-    def own_us_per_step(self) -> float | None: ...
-    @property
-    def memory_us_per_step(self) -> float | None: ...
+    def own_cost(self) -> dict[str, Any] | None: ...
     @property
     def warmup_steps(self) -> int: ...
     @property
@@ -80,8 +75,6 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         }
     flight = core.signals.flight
     n_flight = sum(flight.values())
-    own = core.own_us_per_step
-    period = totals.phases.get("period")
     ranks = core.ranks
     per_rank = None
     if ranks is not None and ranks.totals is not None:
@@ -113,13 +106,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
             "tail_checked": core.signals.tail_checked,
             "tail_busy": core.signals.tail_busy,
         },
-        "own_cost": None if own is None else {
-            "us_per_step": own,
-            "share_of_period": own / 1e3 / period.mean if period is not None and period.mean > 0 else None,
-            "samples": len(core.signals.own_ns),
-            "memory_us_per_step": core.memory_us_per_step,
-            "host_ahead": core.host_ahead,
-        },
+        "own_cost": core.own_cost(),
         "ranks": per_rank,
         "syncs": {"census": core.signals.census, "step": core.signals.census_step, "count": core.signals.sync_count,
                   "other_threads": core.signals.sync_other_threads, "paused": core.signals.sync_paused,

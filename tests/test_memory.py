@@ -425,8 +425,10 @@ def test_memorys_host_time_is_counted_in_the_own_cost(fake):
     core = timed(fake, 200)
     mem_us = core.memory_us_per_step
     assert mem_us is not None and mem_us > 0  # every tracker call is timed, over the steps begun
-    sampled = sum(core.signals.own_ns) / len(core.signals.own_ns) / 1e3
-    assert core.own_us_per_step == pytest.approx(sampled + mem_us)
+    own = core.own_cost()
+    assert own["memory_us_per_step"] == pytest.approx(mem_us)
+    parts = own["ordinary_us"] + own["windows_us_per_step"] + own["sampling_us_per_step"] + mem_us
+    assert core.own_us_per_step == pytest.approx(parts)
     off = TimingCore(HostClock(), [], window=5, warmup_steps=0, max_pending=2, memory=False)
     assert off.memory_us_per_step is None
 
