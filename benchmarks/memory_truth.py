@@ -7,7 +7,7 @@ reads neither with a sync nor with a reset.  Cases:
 
 * ``activations``: the LM as ``truth.py`` trains it (bf16 autocast, 8 x 1024 tokens): allocated at
   forward's and backward's begin, and their difference, against the truth's.
-* ``forward`` / ``optimizer``: a 512 MB temporary made and freed inside that phase, every step, on
+* ``forward`` / ``backward`` / ``optimizer``: a 512 MB temporary made and freed inside that phase, every step, on
   the LM in fp32 at 1 x 256 tokens (so that the temporary, not the activations, sets the peak; the
   truth says which phase holds the peak): the phase phase-timer names against the truth's.
 * ``leak``: 8 MB kept every step (a tensor appended to a list): MEMORY_CREEP and its rate;
@@ -85,6 +85,12 @@ def _temp(where: str, plant: str | None) -> None:
         del t  # made and freed inside the phase
 
 
+def _in_backward(logits: torch.Tensor, plant: str | None) -> None:
+    """``backward``: the temporary made and freed inside backward (a hook on the logits' gradient: its first act)."""
+    if plant == "backward" and logits.requires_grad:
+        logits.register_hook(lambda grad: _temp("backward", plant))
+
+
 def run_plain(config: str, steps: int, *, timed: bool = True, memory: bool = True, plant: str | None = None,
               leak: bool = False, truth: Truth | None = None, profile: tuple[int, int] | None = None,
               spike_at: int | None = None) -> dict[str, Any]:
@@ -108,6 +114,7 @@ def run_plain(config: str, steps: int, *, timed: bool = True, memory: bool = Tru
         note("forward")
         with torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext():
             logits = model(x)
+        _in_backward(logits, plant)
         loss = model.loss(logits, y)
         note("backward")
         loss.backward()
@@ -152,7 +159,9 @@ def run_lightning(config: str, steps: int, *, timed: bool = True, plant: str | N
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            return self.model.loss(self.model(x), y)
+            logits = self.model(x)
+            _in_backward(logits, plant)
+            return self.model.loss(logits, y)
 
         def on_before_backward(self, loss: torch.Tensor) -> None:
             note("backward")
@@ -268,7 +277,7 @@ def main() -> None:
     res: dict[str, Any] = {}
     for door in ("plain", "lightning"):
         res[f"{door}/activations"] = activations_case(door)
-        for plant in ("forward", "optimizer"):
+        for plant in ("forward", "backward", "optimizer"):
             res[f"{door}/peak_{plant}"] = peak_case(door, plant)
         res[f"{door}/leak"] = creep_case(door, True)
         res[f"{door}/steady"] = creep_case(door, False)

@@ -27,7 +27,7 @@ def test_activations_agree_with_the_allocators_synced_truth_within_1_percent(doo
         assert r[key] == pytest.approx(r[f"truth_{key}"], rel=0.01), key
 
 
-@pytest.mark.parametrize("plant", ["forward", "optimizer"])
+@pytest.mark.parametrize("plant", ["forward", "backward", "optimizer"])
 @pytest.mark.parametrize("door", DOORS)
 def test_a_planted_512_mb_temporary_is_the_peak_of_its_phase(door, plant):
     from benchmarks.memory_truth import peak_case
