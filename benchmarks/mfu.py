@@ -10,7 +10,7 @@ A GPT-2-small from a config (124M, bf16 autocast, SDPA attention, fused AdamW), 
   step, after the census's, and one after the last: the benchmark's, not the timer's).  ``compile``:
   the transformer under ``torch.compile``; the count runs eagerly (``set_stance``) and the compiled code after.
 - ``lightning``: the same model in a LightningModule (``precision="bf16-mixed"``), three runs: PhaseTimer
-  alone, ThroughputMonitor alone (its ``flops_per_batch`` the analytic count, its window 10 batches), both;
+  alone, ThroughputMonitor alone (its ``flops_per_batch`` the analytic count, its window the same steps phase-timer times), both;
   samples/s and TFLOP/s side by side, and how many ``torch.cuda.synchronize()`` calls each run made a step.
 - ``hf``: the 🤗 Trainer with ``PhaseTimerCallback``: tokens/s and MFU beside its own ``train_samples_per_second``.
 """
@@ -150,8 +150,9 @@ def lightning(args: argparse.Namespace) -> None:
             timer = phase_timer.PhaseTimer(log_dir=tempfile.mkdtemp(), summary=False, log_every_n_steps=10)
             cbs.append(timer)
         if name != "phase-timer":
+            # its window: the last steps + 1 batch ends, i.e. the same steps phase-timer times (after its 5 warm-up)
             monitor = ThroughputMonitor(batch_size_fn=lambda b: b.shape[0], length_fn=lambda b: b.numel(),
-                                        window_size=10)
+                                        window_size=args.steps + 1)
             cbs.append(monitor)
         logged: dict[str, float] = {}
 
