@@ -163,9 +163,11 @@ def lightning(args: argparse.Namespace) -> None:
         from lightning.pytorch.loggers import CSVLogger
 
         logger = CSVLogger(tempfile.mkdtemp())
+        # Lightning logs every step (ThroughputMonitor computes its rates at a logging step: its last, step 45,
+        # then covers the same steps as phase-timer's 40), in all three runs alike
         trainer = pl.Trainer(max_steps=args.steps + 5, precision="bf16-mixed", logger=logger, callbacks=cbs,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             log_every_n_steps=10, num_sanity_val_steps=0)
+                             log_every_n_steps=1, num_sanity_val_steps=0)
         loader = torch.utils.data.DataLoader(_data(args.steps + 5, batch, seq), batch_size=None, pin_memory=True)
         with SyncCount() as syncs:
             t0 = time.perf_counter()
