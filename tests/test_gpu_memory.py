@@ -192,3 +192,48 @@ def test_a_real_out_of_memory_in_forward_is_explained_with_a_loadable_snapshot_a
     del keep
     if door == "plain":  # no sync while the door explains it (the run's one wait, its drain, comes after)
         assert syncs and syncs["oom_path"] == syncs["empty"], syncs
+
+
+def test_the_hf_trainer_names_a_backward_temporary_and_explains_a_real_out_of_memory(tmp_path):
+    """The 🤗 door on the device: a 512 MB temporary made and freed inside backward every step is the peak's
+    phase; a real allocation the device cannot hold, in the transformer's forward at step 30, is explained."""
+    import json
+
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import phase_timer
+    from benchmarks.models import Tokens
+
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=128, n_embd=128, n_layer=2, n_head=2))
+    _, total = torch.cuda.mem_get_info()
+    calls: list[int] = []
+
+    def in_forward(module, args):
+        if module.training:
+            calls.append(1)
+            if len(calls) == 31:  # global_step 30 (the first step is 0)
+                torch.empty(total + (1 << 30), dtype=torch.uint8, device="cuda")
+
+    def in_backward(module, grad_in, grad_out):
+        t = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        del t
+
+    model.transformer.register_forward_pre_hook(in_forward)
+    model.lm_head.register_full_backward_hook(in_backward)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=50, logging_steps=10,
+                             disable_tqdm=True, report_to="none", save_strategy="no")
+    cb = phase_timer.PhaseTimerCallback(summary=False)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(400, 128, vocab=1000), callbacks=[cb])
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+    with open(cb.summary_path) as f:
+        data = json.load(f)
+    mem, facts = data["memory"], data["oom"]
+    print("MEMORY hf", {k: mem[k] for k in ("peak_phase", "peak_allocated_mb", "phase_peaks_mb")},
+          {k: facts[k] for k in ("step", "phase", "requested_mb")})
+    assert mem["peak_phase"] == "backward" and max(mem["phase_peaks_mb"], key=mem["phase_peaks_mb"].get) == "backward"
+    assert (facts["step"], facts["phase"]) == (30, "forward") and data["diagnosis"]["kind"] == "OUT_OF_MEMORY"
+    assert facts["requested_mb"] == pytest.approx((total + (1 << 30)) / 2**20, rel=0.01)
