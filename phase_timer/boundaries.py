@@ -41,7 +41,7 @@ from phase_timer.core import TimingCore
 from phase_timer.engine import POLL_EVERY
 from phase_timer.flops import signature
 from phase_timer.metrics import BETWEEN, PAUSED, after_end
-from phase_timer.own_cost import PlainSample
+from phase_timer.own_cost import SAMPLE_KEY, PlainSample
 from phase_timer.syncs import SyncCensus
 
 try:
@@ -373,6 +373,11 @@ class Boundaries:
         sig = signature(batch)
         if counter.wants(sig) and counter.start(sig, self._auto):
             self.core.untime()
+            # An ordinary step's own-cost sample is bound to the plain class's methods (`finish`, `pause`): they
+            # would miss the count's; and a counted step is no ordinary step.
+            sample = self.__dict__.get(SAMPLE_KEY)
+            if sample is not None:
+                sample.remove()
             self.__class__ = _CountedBoundaries
 
     # -- pauses and ends ---------------------------------------------------------------

@@ -32,6 +32,8 @@ TRIES = 4
 HOT = ("on_fetch", "on_batch", "on_forward", "on_copied", "on_backward_start", "on_backward_end",
        "on_optimizer_start", "on_step_end")
 #: ... and the methods some doors call directly (the 🤗 door, Lightning's iteration mode, user phases, a scaler).
+#: Where the sample is found on the instance while its wrappers are on.
+SAMPLE_KEY = "_plain_sample"
 DIRECT = ("fetch", "batch", "micro_batch_end", "copied", "forward", "backward_start", "backward_end",
           "optimizer_start", "step_end", "pause", "resume", "epoch_end", "drop", "enter", "exit")
 
@@ -57,6 +59,8 @@ class PlainSample:
             setattr(bounds, name, self.put[name])
         for name in (*DIRECT, "finish"):  # a wrapper of the user's (a benchmark's) stays in the path
             own[name] = self.put[name]
+        # Found here by a step that swaps the class (a FLOP count): the methods above are the plain class's.
+        own[SAMPLE_KEY] = self
 
     @classmethod
     def start(cls, bounds: Any, pair_ns: int) -> None:
@@ -136,6 +140,8 @@ class PlainSample:
         for name in HOT:
             if getattr(b, name) is self.put[name]:
                 setattr(b, name, self.before[name])
+        if own.get(SAMPLE_KEY) is self:
+            del own[SAMPLE_KEY]
         for name in (*DIRECT, "finish"):
             if own.get(name) is self.put[name]:
                 if self.before[name] is None:
