@@ -137,3 +137,26 @@ def test_the_counted_steps_time_is_in_no_timed_steps_period(tmp_path, host_hours
                 pause(0.001)  # one planted hour
     assert timer.totals.steps == 11
     assert hours_per_step(timer.totals)["period"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="review: not fixed -- split_counts drops a window's FLOPs when any step lacks "
+                   "them, and the engine's columns are sorted (no step alignment to sum the counted steps' period)")
+def test_past_max_shapes_the_counted_shapes_steps_still_give_mfu(tmp_path):
+    """More shapes than MAX_SHAPES (bucketed sequence lengths): the warning says the uncounted shapes' steps are
+    left out of MFU; the counted shapes' steps, most of the run, must still give it."""
+    from phase_timer.flops import MAX_SHAPES
+
+    model, opt = _mlp()
+    sizes = [B + i for i in range(MAX_SHAPES + 1)]  # one shape more than is counted
+    batches = [_batch(sizes[i % len(sizes)]) for i in range(120)]
+    with phase_timer.attach(model, opt, batches, log_dir=tmp_path, warmup_steps=2, window=10, summary=False,
+                            peak_tflops=0.01) as timer:
+        for x, y in timer.loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    import json
+
+    with open(timer.summary_path) as f:
+        flops = json.load(f)["flops"]
+    assert flops["mfu"] is not None, flops["note"]
