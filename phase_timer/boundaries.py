@@ -361,7 +361,7 @@ class Boundaries:
     def _count_step(self, plan: Any, batch: Any) -> None:
         """A shape not yet counted: counted on this step, which goes untimed (``step_flops.py``)."""
         counter = plan.counter
-        if counter.given is not None:
+        if counter.given is not None or plan.may_count is not None and not plan.may_count():
             return
         if type(self) is _SampledBoundaries:  # a sampled step's host time is the verdict's: this one is not sampled
             self._sample_state = "dropped"

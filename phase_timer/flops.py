@@ -226,8 +226,8 @@ class FlopCounter:
             if sig not in self.uncounted:
                 self.uncounted.add(sig)
                 warn_once(log, self._warned, "shapes", f"{self.owner}: the batches have more than {self.max_shapes} "
-                          "shapes; steps of a new shape get no FLOP count (MFU leaves them out): pad to a few fixed "
-                          "shapes, or pass flops_per_step=")
+                          "shapes; steps of a new shape get no FLOP count, and the windows holding them no MFU: pad to "
+                          "a few fixed shapes, or pass flops_per_step=")
             return False
         return True
 

@@ -206,6 +206,9 @@ class LoopTimer:
                 "that steps another is followed through its `base_optimizer`), or use end_step='manual'"
             )
             self._bounds = Boundaries(self.core, no_end_hint=hint)
+            if self.core.flops is not None:  # a FLOP count starts on the loop's thread only, once it is known
+                me = weakref.ref(self)
+                self.core.flops.may_count = lambda: (t := me()) is not None and t._thread == threading.get_ident()
             self._hooks_in_c()
             self._install()
             self._open_key = lifecycle.register(self._close_unclosed, sigterm=self.core.ranks is None)

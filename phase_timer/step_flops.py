@@ -19,7 +19,7 @@ device and the dtype most counted FLOPs ran in, or ``peak_tflops=``; none is eve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +71,9 @@ class FlopPlan:
         self.begun = -1
         #: What a step of each signature adds: ((name, FLOPs), ...), made once per count.
         self.carried: dict[Any, tuple[tuple[str, float], ...]] = {}
+        #: Whether a count may start now (a door that can tell the training loop's thread from another: a count
+        #: begun on a prefetching thread could never leave its dispatch mode from the loop's); None: always.
+        self.may_count: Callable[[], bool] | None = None
         #: What every step adds when ``flops_per_step=`` was given (None: counted per shape).
         self.given_carried = self.carry(given) if given is not None else None
         self._peak: Peak | float | None = None
@@ -133,8 +136,11 @@ class FlopPlan:
         steps = counts.get(FLOP_STEPS, 0.0)
         peak = self.peak(context)
         if not steps or FLOPS not in counts:
-            why = self.counter.failed or ("no timed step had a counted shape" if self.counter.counts or
-                                          self.counter.given else "no step was counted")
+            counter = self.counter
+            why = counter.failed or (
+                f"more than {counter.max_shapes} batch shapes: a window holding a step of an uncounted one has no "
+                "FLOPs; pad to a few fixed shapes" if counter.uncounted else
+                "no timed step had a counted shape" if counter.counts or counter.given else "no step was counted")
             return {"source": None, "per_step": None, "tflops_per_s": None, "peak": _peak_dict(peak),
                     "mfu": None, "note": format_no_flops(why)}
         per_step = {"forward": counts.get(FLOPS_FORWARD, 0.0) / steps if FLOPS_FORWARD in counts else None,

@@ -33,8 +33,6 @@ def _mode():
     return _get_current_dispatch_mode()
 
 
-@pytest.mark.xfail(strict=True, reason="review: not fixed -- the count starts on the prefetching thread, before the "
-                   "loop's thread is known; a dispatch mode cannot leave from another thread")
 def test_a_count_begun_on_a_prefetching_thread_leaves_no_force_eager_nor_global_hooks(tmp_path):
     """timer.loader iterated by a prefetching thread (the loop door warns of it and times steps without a loader):
     the first batch's count starts on that thread before the loop's thread is known.  Dropping it from the loop's
