@@ -360,8 +360,8 @@ class Boundaries:
 
     def _count_step(self, plan: Any, batch: Any) -> None:
         """A shape not yet counted: counted on this step, which goes untimed (``step_flops.py``)."""
-        counter = plan.counter
-        if counter.given is not None or plan.may_count is not None and not plan.may_count():
+        counter = plan.counter  # (given FLOPs never get here: every step carries them)
+        if plan.may_count is not None and not plan.may_count():
             return
         if type(self) is _SampledBoundaries:  # a sampled step's host time is the verdict's: this one is not sampled
             self._sample_state = "dropped"
@@ -624,10 +624,7 @@ class _CountedBoundaries(Boundaries):
         Boundaries._drop(self)
 
     def finish(self, *, interrupted: bool = False) -> None:
-        if self.ended:
-            self._end_count(keep=True)
-        else:
-            self._end_count(keep=False)
+        self._end_count(keep=self.ended)  # a step cut off mid-way: no count
         Boundaries.finish(self, interrupted=interrupted)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from phase_timer._env import warn
 from phase_timer.clock import Clock
-from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
+from phase_timer.diagnosis import Diagnosis, Signals, _share, diagnose, format_verdict
 from phase_timer import memory as _memory
 from phase_timer import oom as _oom
 from phase_timer import throughput
@@ -450,7 +450,7 @@ class TimingCore:
         if self.flops is not None:
             try:
                 self.flops_summary = self.flops.run(self.throughput.counts, self.context)
-                mfu_tips = self.flops.advice(self.flops_summary, optimizer_share=self._share("optimizer"))
+                mfu_tips = self.flops.advice(self.flops_summary, optimizer_share=_share(self.totals, "optimizer", "step"))
             except Exception as err:  # noqa: BLE001 - MFU is an extra: the verdict and the files go on without it
                 warn(log, f"phase-timer: could not compute MFU ({type(err).__name__}: {err})")
         try:
@@ -536,11 +536,6 @@ class TimingCore:
         if self.summary_path is not None:
             parts.append(f"summary {self.summary_path}")
         return "files: " + "; ".join(parts) if parts else None
-
-    def _share(self, phase: str) -> float | None:
-        """``phase``'s part of the step over the run (None: not timed)."""
-        t, step = self.totals.phases.get(phase), self.totals.phases.get("step")
-        return t.total / step.total if t is not None and step is not None and step.total > 0 else None
 
     def job_throughput(self) -> dict[str, float] | None:
         """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""

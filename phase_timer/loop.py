@@ -633,13 +633,8 @@ def attach(
         memory: as for ``PhaseTimer``: memory per phase on CUDA, sampled, never a sync.
         samples_per_batch, tokens_per_batch: as for ``PhaseTimer``: throughput's counts of a batch
             (default: from the shapes of each batch ``timer.loader`` hands over).
-        flops_per_step, peak_tflops, mfu: FLOPs and MFU (``throughput/tflops_per_s``, ``throughput/mfu*``, the
-            table's MFU line).  The FLOPs of a step are counted once per batch shape with ``FlopCounterMode`` on
-            an untimed warm-up step (a new shape later: on its first step, left untimed), or given:
-            ``flops_per_step=`` FLOPs per optimizer step, or ``{"forward": f, "backward": b}``.  The peak is
-            the table's dense tensor-core peak for the device and the precision the matmuls ran in, or
-            ``peak_tflops=`` (TFLOP/s; needed for a device the table lacks, and on the CPU).  ``mfu=False``
-            counts nothing.  What is counted, and MFU's definition: ``docs/flops.md``.
+        flops_per_step, peak_tflops, mfu: as for ``PhaseTimer``: FLOPs and MFU (counted on an untimed step per
+            batch shape that ``timer.loader`` hands over, or without one the first forward's inputs; ``docs/flops.md``).
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
             torch.distributed it must be the same on every rank (rank zero expects every
             rank's reports); only rank zero writes anyway.

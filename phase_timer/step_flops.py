@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from phase_timer.flops import BACKWARD, FORWARD, GIVEN, FlopCounter, StepFlops
-from phase_timer.mfu import format_mfu, format_no_flops, format_no_peak, mfu, mfu_advice
+from phase_timer.flops import BACKWARD, COUNTED, FORWARD, GIVEN, FlopCounter, StepFlops
+from phase_timer.mfu import format_mfu, format_no_flops, format_no_peak, mfu_advice, step_mfu
 from phase_timer.peaks import BF16, FP8, FP16, FP32, TF32, Peak, peak_tflops, precision_key, tf32_allowed
 
 #: The host values a step carries for its FLOPs (reserved names: no phase may take them).
@@ -39,11 +39,11 @@ PREFIX = "throughput"
 
 def dtype_key(dtype: Any, *, tf32: bool) -> str | None:
     """The peak table's key for the dtype a matmul's inputs had (None: one it has no peak for)."""
-    if dtype in (torch.bfloat16,):
+    if dtype == torch.bfloat16:
         return BF16
-    if dtype in (torch.float16,):
+    if dtype == torch.float16:
         return FP16
-    if dtype in (torch.float32,):
+    if dtype == torch.float32:
         return TF32 if tf32 else FP32
     if "float8" in str(dtype):
         return FP8
@@ -122,7 +122,7 @@ class FlopPlan:
         if FLOPS not in counts:
             return {}
         ms = counts[FLOP_PERIOD_MS]
-        out = {f"{PREFIX}/tflops_per_s": _model(counts) / (ms * 1e-3) / 1e12} if ms > 0 else {}
+        out = {f"{PREFIX}/tflops_per_s": _summed(counts).model_total / (ms * 1e-3) / 1e12} if ms > 0 else {}
         peak = self.peak(context)
         if peak is not None:
             head, phases = _mfus(counts, peak)
@@ -145,11 +145,11 @@ class FlopPlan:
                     "mfu": None, "note": format_no_flops(why)}
         per_step = {"forward": counts.get(FLOPS_FORWARD, 0.0) / steps if FLOPS_FORWARD in counts else None,
                     "backward": counts.get(FLOPS_BACKWARD, 0.0) / steps if FLOPS_BACKWARD in counts else None,
-                    "hardware": counts[FLOPS] / steps, "model": _model(counts) / steps}
+                    "hardware": counts[FLOPS] / steps, "model": _summed(counts).model_total / steps}
         ms = counts.get(FLOP_PERIOD_MS, 0.0)
         out: dict[str, Any] = {
-            "source": GIVEN if self.counter.given is not None else "counted", "per_step": per_step,
-            "tflops_per_s": _model(counts) / (ms * 1e-3) / 1e12 if ms > 0 else None, "peak": _peak_dict(peak),
+            "source": GIVEN if self.counter.given is not None else COUNTED, "per_step": per_step,
+            "tflops_per_s": _summed(counts).model_total / (ms * 1e-3) / 1e12 if ms > 0 else None, "peak": _peak_dict(peak),
             "mfu": None, "note": None,
         }
         if peak is None:
@@ -185,22 +185,19 @@ class FlopPlan:
                           optimizer_share=optimizer_share)
 
 
-def _model(counts: Mapping[str, float]) -> float:
-    """The model's FLOPs of summed counts: everything run, less backward's beyond twice forward (recompute)."""
-    total = counts[FLOPS]
-    if FLOPS_FORWARD in counts and FLOPS_BACKWARD in counts:
-        total -= max(0.0, counts[FLOPS_BACKWARD] - 2.0 * counts[FLOPS_FORWARD])
-    return total
+def _summed(counts: Mapping[str, float]) -> StepFlops:
+    """A window's or the run's summed FLOPs as one :class:`StepFlops`: its recompute rule gives the model's FLOPs.
+    What ran outside forward and backward (the optimizer's, ~0) is kept as ``other``, so that the total is all run."""
+    if FLOPS_FORWARD not in counts or FLOPS_BACKWARD not in counts:  # given as one total
+        return StepFlops({}, GIVEN, given_total=counts[FLOPS])
+    fwd, bwd = counts[FLOPS_FORWARD], counts[FLOPS_BACKWARD]
+    return StepFlops({FORWARD: fwd, BACKWARD: bwd, "other": counts[FLOPS] - fwd - bwd}, COUNTED)
 
 
 def _mfus(counts: Mapping[str, float], peak: Peak | float) -> tuple[float | None, dict[str, float]]:
-    head = mfu(_model(counts), counts.get(FLOP_PERIOD_MS), peak)
-    phases = {}
-    for phase, key in ((FORWARD, FLOPS_FORWARD), (BACKWARD, FLOPS_BACKWARD)):
-        r = mfu(counts.get(key), counts.get(PHASE_MS[phase]), peak)
-        if r is not None:
-            phases[phase] = r
-    return head, phases
+    """The step's MFU and forward's and backward's (``mfu.step_mfu``) of summed counts."""
+    phase_ms = {phase: counts.get(key) for phase, key in PHASE_MS.items()}
+    return step_mfu(_summed(counts), counts.get(FLOP_PERIOD_MS), phase_ms, peak)
 
 
 def _peak_dict(peak: Peak | float | None) -> dict[str, Any] | None:
