@@ -503,6 +503,8 @@ typedef struct {
     int32_t between_id, paused_id;  /* what an end() runs into by default; `paused` spans are dropped */
     PyObject *after_end;    /* name -> the name its spans take after the step's end (metrics.after_end), or NULL */
     int32_t *after;         /* per id: the id its spans take after the step's end (itself without after_end) */
+    PyObject *part_of;      /* name -> the phase it is part of, or None (metrics.part_of), or NULL */
+    int32_t *parent;        /* per id: the phase its spans in the step also count to ("of which": -1 none) */
     int32_t pre_end;        /* the label that ran into the last end(): a second end() continues it */
     Rec cur;
     int open;
@@ -595,13 +597,14 @@ static int ensure_ids(Steps *self, Py_ssize_t n) {
     self->field = p;
     GROW(col, double *) GROW(col_n, Py_ssize_t) GROW(col_cap, Py_ssize_t) GROW(col_order, int32_t)
     GROW(in_win, unsigned char) GROW(acc, double) GROW(seen, unsigned char) GROW(touched, int32_t)
-    GROW(after, int32_t)
+    GROW(after, int32_t) GROW(parent, int32_t)
 #undef GROW
     for (Py_ssize_t i = self->ncols; i < c; i++) {
         self->col[i] = NULL;
         self->col_n[i] = self->col_cap[i] = 0;
         self->in_win[i] = self->seen[i] = 0;
         self->after[i] = (int32_t)i;
+        self->parent[i] = -1;
         self->acc[i] = 0.0;
     }
     self->ncols = c;
@@ -667,6 +670,23 @@ static int32_t phase_id(Steps *self, PyObject *name) {
     Py_XDECREF(later);
     if (id < 0 || lid < 0) return -1;
     self->after[id] = lid;
+    if (self->part_of != NULL) {  /* "backward.comm_wait": its spans inside the step are backward's too */
+        PyObject *whole = PyObject_CallOneArg(self->part_of, name);
+        if (whole == NULL) return -1;
+        int32_t pid = -1;
+        if (whole != Py_None) {
+            if (!PyUnicode_Check(whole)) {
+                PyErr_Format(PyExc_TypeError, "part_of(%R) must return a str or None, got %R", name, whole);
+                Py_DECREF(whole);
+                return -1;
+            }
+            pid = phase_id(self, whole);  /* a whole phase, interned with its own rules (no part of a part) */
+            if (pid < 0) pid = -2;
+        }
+        Py_DECREF(whole);
+        if (pid < -1) return -1;
+        self->parent[id] = pid;
+    }
     return id;
 }
 
@@ -878,13 +898,13 @@ static void unlock(Steps *self) { if (self->threaded) pthread_mutex_unlock(&self
 
 static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"clock", "window", "max_pending", "lag", "max_per_poll", "per_step", "between", "paused",
-                             "after_end", "threaded", NULL};
-    PyObject *clock, *between = NULL, *paused = NULL, *after_end = NULL;
+                             "after_end", "threaded", "part_of", NULL};
+    PyObject *clock, *between = NULL, *paused = NULL, *after_end = NULL, *part_of = NULL;
     long long window;
     Py_ssize_t max_pending, lag = 2, max_per_poll = 4;
     int per_step = 0, threaded = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUOp", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
-                                     &per_step, &between, &paused, &after_end, &threaded))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUOpO", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
+                                     &per_step, &between, &paused, &after_end, &threaded, &part_of))
         return -1;
     if (self->ids != NULL) { PyErr_SetString(PyExc_RuntimeError, "Steps.__init__ called twice"); return -1; }
     if (window < 1 || max_pending < 1 || lag < 0 || max_per_poll < 1) {
@@ -919,6 +939,13 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     /* A module-level function (metrics.after_end): Steps is no GC type, so it must not hold what holds it. */
     self->after_end = after_end;
     Py_XINCREF(after_end);
+    if (part_of == Py_None) part_of = NULL;
+    if (part_of != NULL && !PyCallable_Check(part_of)) {
+        PyErr_SetString(PyExc_TypeError, "Steps(part_of): a callable, name -> the phase it is part of, or None");
+        return -1;
+    }
+    self->part_of = part_of;  /* a module-level function too (metrics.part_of) */
+    Py_XINCREF(part_of);
     if (two_ids(self, between != NULL ? (Py_INCREF(between), between) : PyUnicode_InternFromString("between_steps"),
                 paused != NULL ? (Py_INCREF(paused), paused) : PyUnicode_InternFromString("paused"),
                 &self->between_id, &self->paused_id) < 0) return -1;
@@ -957,7 +984,9 @@ static void Steps_dealloc(Steps *self) {
     PyMem_Free(self->col); PyMem_Free(self->col_n); PyMem_Free(self->col_cap); PyMem_Free(self->col_order);
     PyMem_Free(self->in_win); PyMem_Free(self->acc); PyMem_Free(self->seen); PyMem_Free(self->touched);
     PyMem_Free(self->after);
+    PyMem_Free(self->parent);
     Py_XDECREF(self->after_end);
+    Py_XDECREF(self->part_of);
     PyMem_Free(self->spans);
     Py_XDECREF(self->clock);
     Py_XDECREF(self->now);
@@ -1183,8 +1212,12 @@ static int resolve(Steps *self, Rec *r, const double *given) {
     for (Py_ssize_t i = 0; i < nspans; i++) {
         int32_t label = r->labels[i];
         if (label == self->paused_id) continue;
-        if (i < end) total += self->spans[i];
-        else label = self->after[label];
+        if (i < end) {
+            total += self->spans[i];
+            if (self->parent[label] >= 0) TOUCH(self->parent[label], self->spans[i]);
+        } else {
+            label = self->after[label];
+        }
         TOUCH(label, self->spans[i]);
     }
     if (self->seen[self->step_id]) self->acc[self->step_id] = 0.0;  /* "step" is set, not summed */

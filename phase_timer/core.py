@@ -19,6 +19,7 @@ from phase_timer.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, _share, diagnose, format_verdict
 from phase_timer import memory as _memory
 from phase_timer import oom as _oom
+from phase_timer import comm as _comm
 from phase_timer import throughput
 from phase_timer.engine import POLL_EVERY, make_engine
 from phase_timer.memory import MemoryTracker
@@ -87,6 +88,8 @@ class TimingCore:
         self.totals = RunTotals()
         #: Samples, tokens and steps a second (counted from the batches' shapes by the door: ``counter``).
         self.throughput = throughput.RunThroughput()
+        #: The collectives' own time and exposed wait, over the sampled synced backwards (``comm.py``).
+        self.comm = _comm.RunComm()
         self.counter: throughput.BatchCounter | None = None
         #: FLOPs and MFU (``step_flops.py``; None: not counted, no MFU).
         self.flops: FlopPlan | None = None
@@ -348,8 +351,8 @@ class TimingCore:
                 self._emit(*item[1:])
             elif kind == "step":
                 ms = item[2]
-                for name in throughput.CARRIED:
-                    ms.pop(name, None)  # counts, not phases: a step's rates are its window's
+                for name in (*throughput.CARRIED, *_comm.CARRIED):
+                    ms.pop(name, None)  # counts and samples, not phases: a step's rates are its window's
                 self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
                 self.trace.add(item[1])
@@ -358,6 +361,9 @@ class TimingCore:
 
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
         counts = throughput.split_counts(columns, self.throughput)  # counts, not phases: out first
+        comm = _comm.split(columns)  # sampled communication, not a phase either
+        if comm:
+            self.comm.add(comm)
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
         summary = self.totals.add_sorted_window(steps, columns)
         if counts:
@@ -374,6 +380,7 @@ class TimingCore:
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
         scalars.update(throughput.scalars(counts))
+        scalars.update(_comm.scalars(comm))
         if self.flops is not None:
             scalars.update(self.flops.scalars(counts, self.context))
         self._write(last_step, scalars)
@@ -506,6 +513,9 @@ class TimingCore:
         mfu_line = self.flops.line(self.flops_summary) if self.flops is not None else None
         if mfu_line:
             table += "\n" + mfu_line
+        comm_line = _comm.line(self.comm)
+        if comm_line:
+            table += "\n" + comm_line
         mem = format_memory(self.memory_summary())
         if mem:
             table += "\n" + mem

@@ -17,7 +17,7 @@ from typing import Any
 
 from phase_timer.cpu_use import CpuUse
 from phase_timer.input_advice import Run, advise
-from phase_timer.metrics import share_base
+from phase_timer.metrics import COMM_PARTS, comm_label, share_base
 from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.syncs import SyncCensus, SyncSite
 
@@ -83,12 +83,14 @@ OOM_FIRST_STEPS = 2
 #: ... activations are large at OOM_ACTIVATIONS of what the step wanted (allocated at the failure plus the request)
 #: or of the peak allocated; the optimizer's state at OOM_OPTIMIZER of the device (or of what the step wanted);
 #: the cache held in pieces when what was reserved but unallocated could have held the request (and OOM_FRAG_MIN_MB).
+#: COMM_BOUND: the exposed communication's share of the step on the rank that waits least.
+COMM_MATERIAL = 0.10
 OOM_ACTIVATIONS = 0.3
 OOM_OPTIMIZER = 0.25
 OOM_FRAG_MIN_MB = 256.0
 
 KINDS = (
-    "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "HOST_BOUND", "UNSTABLE",
+    "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "COMM_BOUND", "HOST_BOUND", "UNSTABLE",
     "GPU_BOUND", "MEMORY_PRESSURE", "MEMORY_CREEP", "MEMORY_FRAGMENTATION", "MEMORY_RANK_IMBALANCE",
     "MEMORY_HEADROOM", "MFU_IMPOSSIBLE", "OUT_OF_MEMORY", "NO_FINDING",
 )
@@ -192,7 +194,7 @@ class Signals:
         scale = scale_of.median()
         self.rank_period_ms.append(scale)
         for phase, spread in spreads.items():
-            if phase in WAIT_PHASES or spread.n < 2:
+            if phase in WAIT_PHASES or phase in COMM_PARTS or spread.n < 2:  # a rank's wait for the others is no lag
                 continue
             slow = spread.hi_rank
             margin = spread.hi - spread.median()
@@ -253,7 +255,7 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS}, tuple(mem))
     found = [f for f in (
         _input_bound(totals, signals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals),
-        _straggler(signals, rank_totals),
+        _straggler(signals, rank_totals), _comm_bound(totals, rank_totals),
     ) if f is not None]
     found.sort(key=lambda f: -f.evidence["share_of_period"])
     host = _host_bound(totals, signals, clock)
@@ -355,17 +357,61 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
     tips = [f"look at rank {rank}'s {phase}: its data shard, its host (other jobs, CPU affinity), its GPU (clocks, "
             "thermals, PCIe)"]
     if rank_totals is not None:
-        mine = rank_totals.mean(rank, "backward")
-        others = [m for r in rank_totals.sums if r != rank and (m := rank_totals.mean(r, "backward")) is not None]
+        exposed = comm_label("backward")
+        split = any(rank_totals.mean(r, exposed) is not None for r in rank_totals.sums)
+        phase_read = exposed if split else "backward"  # their measured wait, else backward as a whole
+        mine = rank_totals.mean(rank, phase_read)
+        if split and mine is None:  # a rank that never waited
+            mine = 0.0
+        others = [m for r in rank_totals.sums if r != rank and (m := rank_totals.mean(r, phase_read)) is not None]
         if mine is not None and others:
             wait = statistics.median(others) - mine
             ev["others_backward_wait_ms"] = wait
-            if wait > 0:
+            if wait > 0 and split:
+                ev["others_comm_wait_ms"] = statistics.median(others)
+                tips.append(f"the other ranks wait {wait:.2f} ms a step longer than rank {rank} for the gradient "
+                            f"all-reduce (their exposed communication, {exposed}): that is rank {rank}'s lag reaching "
+                            "them, not the network")
+            elif wait > 0:
                 tips.append(f"the other ranks' backward is {wait:.2f} ms longer than rank {rank}'s: their wait for it "
                             "in the gradient all-reduce")
     if phase == "data_wait":
         tips.append("an uneven input pipeline: the same loader settings on every rank, shards of even cost")
     return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
+
+
+def _comm_bound(totals: Any, rank_totals: Any) -> Diagnosis | None:
+    """COMM_BOUND: the exposed communication (``backward.comm_wait``) is COMM_MATERIAL of the step or more on the rank
+    that waits least: even the rank everyone else waits for waits on the network, so no straggler explains it."""
+    exposed = comm_label("backward")
+    mine = totals.phases.get(exposed)
+    step = totals.phases.get("step")
+    if mine is None or step is None or step.total <= 0:
+        return None
+    share, rank, wait_ms = mine.total / step.total, None, mine.mean
+    if rank_totals is not None:
+        by_rank = {r: (w / s, w) for r in rank_totals.sums
+                   if (w := rank_totals.mean(r, exposed)) is not None and (s := rank_totals.mean(r, "step"))}
+        if len(by_rank) >= 2:
+            rank = min(by_rank, key=lambda r: by_rank[r][0])
+            share, wait_ms = by_rank[rank]
+    if share < COMM_MATERIAL:
+        return None
+    period = totals.phases.get("period")
+    ev = {"share_of_step": share, "comm_wait_ms": wait_ms, "least_waiting_rank": rank,
+          "share_of_period": wait_ms / period.mean if period is not None and period.mean > 0 else share}
+    who = f" on rank {rank}, the rank that waits least" if rank is not None else ""
+    why = (f"backward waits {wait_ms:.2f} ms a step for the gradient all-reduce it could not hide{who}: "
+           f"{_pct(share)} of the step (exposed communication, {exposed})")
+    tips = ("a larger batch per rank (or gradient accumulation with no_sync()): the same all-reduce hides behind "
+            "more compute",
+            "DDP(bucket_cap_mb=...): smaller buckets start the all-reduce earlier in backward, so less is left after "
+            "the last gradient; DDP(gradient_as_bucket_view=True) saves a copy; static_graph=True when the graph "
+            "does not change",
+            "compress what goes over the wire: ddp.register_comm_hook(state, bf16_compress_hook) (or fp16, or "
+            "PowerSGD for large models)",
+            "for a model too large for it, FSDP2 (fully_shard) with prefetching overlaps its collectives with compute")
+    return Diagnosis("COMM_BOUND", _severity(share), why, tips, ev)
 
 
 def _flight(signals: Signals) -> tuple[int, float, float] | None:

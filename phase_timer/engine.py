@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from phase_timer.clock import Clock, HostClock, NativeCudaClock, native_wanted
-from phase_timer.metrics import BETWEEN, PAUSED, after_end
+from phase_timer.metrics import BETWEEN, PAUSED, after_end, part_of
 from phase_timer.recorder import NvtxRecorder, Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.stats import Window
@@ -149,12 +149,12 @@ class PyEngine:
 def native_steps(clock: Any, window: int, max_pending: int, lag: int = 2, per_step: bool = False,
                  threaded: bool = False) -> Any:
     """The C engine with the phase names both engines share (what a span is called after a step's end, what is
-    paused).
+    paused, what is part of another phase).
 
     ``threaded`` (a native clock): the records are asked and read on a thread of the engine's own, which never
     takes the GIL; ``poll()`` only takes what it resolved (``_native.c``).
     """
-    return Steps(clock, window, max_pending, lag, MAX_PER_POLL, per_step, BETWEEN, PAUSED, after_end, threaded)
+    return Steps(clock, window, max_pending, lag, MAX_PER_POLL, per_step, BETWEEN, PAUSED, after_end, threaded, part_of)
 
 
 def make_engine(

@@ -33,6 +33,24 @@ TOTALS = ("step", "period")
 BETWEEN_PREFIX = BETWEEN + "."
 #: Names that are no custom phase: they keep their name after the step's end.
 _NOT_CUSTOM = frozenset({BETWEEN, PAUSED, *HOST_PHASES, *TOTALS})
+#: Exposed communication: the part of a phase the compute stream spent waiting for collectives it could not
+#: hide (DDP's all-reduce tail in ``backward``; FSDP2's all-gather waits in ``forward`` and ``backward``, its
+#: reduce-scatter tail).  A span labelled ``<phase>.comm_wait`` is ``<phase>``'s time *and* its own row ("of
+#: which"): the phases still add up to ``step``, and no share sums it twice (:func:`part_of`).
+COMM_WAIT = "comm_wait"
+COMM_PARTS = {f"{p}.{COMM_WAIT}": p for p in ("forward", "backward")}
+
+
+def comm_label(phase: str) -> str:
+    """The label of ``phase``'s wait for collectives (``backward`` -> ``backward.comm_wait``)."""
+    return f"{phase}.{COMM_WAIT}"
+
+
+def part_of(phase: str) -> str | None:
+    """The phase whose time ``phase`` is part of ("of which": ``backward.comm_wait`` -> ``backward``), or None.
+
+    Both engines apply it: a span so labelled inside the step counts to its own row and to the whole's."""
+    return COMM_PARTS.get(phase)
 
 
 def after_end(phase: str) -> str:
@@ -43,7 +61,7 @@ def after_end(phase: str) -> str:
     of its own total); anything else keeps its name.  Both engines apply this one rule: the Python one at
     each span, the C one once per name (``engine.native_steps``).
     """
-    if phase in STEP_PHASES:
+    if phase in STEP_PHASES or phase in COMM_PARTS:
         return BETWEEN
     if phase in _NOT_CUSTOM or phase.startswith(BETWEEN_PREFIX):
         return phase
@@ -58,13 +76,19 @@ def share_base(phase: str) -> str | None:
     """
     if phase in TOTALS:
         return None
-    if phase in STEP_PHASES or _in_step_custom(phase):
+    if phase in STEP_PHASES or phase in COMM_PARTS or _in_step_custom(phase):
         return "step"
     return "period"
 
 
 def _in_step_custom(phase: str) -> bool:
-    return phase not in PHASE_ORDER and phase not in _NOT_CUSTOM and not phase.startswith(BETWEEN_PREFIX)
+    return (phase not in PHASE_ORDER and phase not in _NOT_CUSTOM and not phase.startswith(BETWEEN_PREFIX)
+            and phase not in COMM_PARTS)
+
+
+def whole_phases(phases: Iterable[str]) -> list[str]:
+    """``phases`` without the parts of another ("of which" rows): what adds up, what a share sum or a stack takes."""
+    return [p for p in phases if p not in COMM_PARTS]
 
 
 def share_note(clock: str | None = None, phases: Iterable[str] | None = None) -> str:
@@ -113,8 +137,10 @@ def ordered(phases: set[str] | list[str] | dict[str, Any]) -> list[str]:
     steps (``between_steps``, then custom phases after the step's end), then the totals; ``data_wait`` and
     ``sync_wait`` first."""
     present = set(phases)
-    custom = sorted(present - set(PHASE_ORDER) - set(TOTALS))
-    inside = [p for p in PHASE_ORDER if p in present and p != BETWEEN] + [p for p in custom if share_base(p) == "step"]
+    custom = sorted(present - set(PHASE_ORDER) - set(TOTALS) - set(COMM_PARTS))
+    inside = [q for p in PHASE_ORDER if p in present and p != BETWEEN
+              for q in (p, comm_label(p)) if q in present]  # a phase's "of which" row right under it
+    inside += [p for p in custom if share_base(p) == "step"]
     between = [BETWEEN] if BETWEEN in present else []
     after = [p for p in custom if share_base(p) != "step"]
     return inside + between + after + [p for p in TOTALS if p in present]
@@ -213,7 +239,8 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer",
         if p == "step":
             share = "100.0%"
         row_clock = "host" if p in HOST_PHASES else clock
-        rows.append((p, row_clock, f"{t.mean:.3f}", f"{t.quantile(50):.3f}", f"{t.quantile(90):.3f}", f"{t.max:.3f}", share))
+        name = f"  of which {p.rsplit('.', 1)[1].replace('_', ' ')}" if p in COMM_PARTS else p  # "of which comm wait"
+        rows.append((name, row_clock, f"{t.mean:.3f}", f"{t.quantile(50):.3f}", f"{t.quantile(90):.3f}", f"{t.max:.3f}", share))
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     rule = "-" * len(line(head))

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from phase_timer.clock import Clock
-from phase_timer.metrics import PAUSED, after_end
+from phase_timer.metrics import PAUSED, after_end, part_of
 from phase_timer.recorder import Record
 
 
@@ -50,6 +50,9 @@ def resolve(clock: Clock, record: Record) -> StepTimes:
             continue
         if i < end:
             step += span
+            whole = part_of(label)
+            if whole is not None:  # "of which": the wait for collectives is its phase's time too
+                ms[whole] = get(whole, 0.0) + span
         ms[label] = get(label, 0.0) + span
     ms["step"] = step
     spans = None

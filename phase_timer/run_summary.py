@@ -54,7 +54,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -116,9 +116,20 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "memory_snapshot": _snapshot(core),
         "throughput": _throughput(core),
         "flops": getattr(core, "flops_summary", None),
+        "communication": _communication(core),
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }
+
+
+def _communication(core: RunRecord) -> dict[str, Any] | None:
+    """DDP's sampled collectives and their exposed wait (None: no DDP module split, or nothing sampled)."""
+    run = getattr(core, "comm", None)
+    out = run.as_dict() if run is not None else None
+    if out is None:
+        return None
+    return {"collectives_ms": out["collectives_ms"], "exposed_ms": out["exposed_ms"], "samples": out["samples"],
+            "hidden_share": out.get("hidden_share"), "hook": run.hook}
 
 
 def _snapshot(core: RunRecord) -> dict[str, Any] | None:

@@ -38,7 +38,8 @@ def fake_ns(seed: int):
 def script(seed: int, n_ops: int = 3000) -> list[tuple]:
     """A random but well-formed run: steps with switches, repeats, relabels, host phases, polls."""
     rng = random.Random(seed)
-    phases = ["h2d", "forward", "backward", "optimizer", "idle", "clip", "ema", "paused"]
+    phases = ["h2d", "forward", "backward", "optimizer", "idle", "clip", "ema", "paused", "backward.comm_wait",
+              "forward.comm_wait"]  # the waits for collectives: their phase's time too
     ops: list[tuple] = []
     step = 0
     while len(ops) < n_ops:

@@ -1,0 +1,190 @@
+"""DDP's exposed communication on one GPU, against the profiler's timeline: planted collectives of known length.
+
+    PYTHONPATH=. python benchmarks/comm_truth.py [--steps 30] [--spin-ms 4] [--out FILE]
+
+One process, NCCL, world size 1: DDP runs its real reducer, buckets and end-of-backward.  The "collective"
+is the user's comm hook launching a spin kernel (``torch.cuda._sleep``) of known length on a side stream,
+after the bucket's gradients, and returning a future that completes when the spin ends; DDP's
+end-of-backward makes the compute stream wait for it, as for NCCL's own kernels.
+
+- ``late``: the spin on the last bucket: nothing left to hide it, the wait is exposed.
+- ``early``: the spin on the first bucket, with the rest of backward (long enough) after it: hidden.
+- ``default``: no user hook, phase-timer's own average (NCCL premul-sum): the split on the real path.
+- ``bare``: the same model without DDP (phase-timer attached as ever): the step's scale without a reducer.
+
+The truth, per step, is the profiler's (Kineto) union-of-intervals rule, the one the offline trace
+analyzers use: the communication kernels' time (the spins, NCCL's) not overlapped by any compute kernel.  Both are
+averaged over the same timed steps.  It also counts the host-device syncs (cudaStreamSynchronize,
+cudaDeviceSynchronize, cudaEventSynchronize) in the profiled steps: there must be none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import phase_timer  # noqa: E402
+from benchmarks.provenance import code_line  # noqa: E402
+
+LINES: list[str] = []
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+    LINES.append(msg)
+
+
+def cycles_per_ms() -> float:
+    """The spin kernel's cycles a millisecond, measured (the clock varies by part)."""
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)
+    b.record()
+    b.synchronize()
+    return 10_000_000 / a.elapsed_time(b)
+
+
+def spin_hook(which: str, cycles: int):
+    side = torch.cuda.Stream()
+
+    def hook(state, bucket):  # no annotations: DDP checks them
+        buf = bucket.buffer()
+        fut = torch.futures.Future(devices=[buf.device])
+        planted = bucket.is_last() if which == "last" else bucket.index() == 0
+        if planted:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(cycles)
+                fut.set_result(buf)  # its events on the side stream, after the spin
+        else:
+            fut.set_result(buf)
+        return fut
+
+    return hook
+
+
+def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: int, batch: int) -> dict:
+    torch.manual_seed(0)
+    body = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).cuda()
+    layer_mb = width * width * 4 / 2**20
+    model = nn.parallel.DistributedDataParallel(body, bucket_cap_mb=layer_mb * 1.05) if case != "bare" else body
+    profile = not case.startswith("lb")
+    opt = torch.optim.SGD(body.parameters(), lr=1e-6)
+    x = torch.randn(batch, width, device="cuda")
+    data = [x] * steps
+    warm = 5
+    log_dir = tempfile.mkdtemp()
+    timer = phase_timer.attach(model, opt, data, log_dir=log_dir, window=steps, warmup_steps=warm, mfu=False,
+                               enabled=not case.endswith("off"))
+    if case in ("late", "early"):
+        model.register_comm_hook(None, spin_hook("last" if case == "late" else "first", int(spin_ms * cpm)))
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+    t_wall = []
+    for i, xb in enumerate(timer.loader):
+        if i == warm:
+            torch.cuda.synchronize()  # the benchmark's: the profiled steps begin on an idle device
+            if profile:
+                prof.start()
+            t0 = time.perf_counter()
+        model(xb).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()  # the benchmark's
+    t_wall = (time.perf_counter() - t0) / (steps - warm) * 1e3
+    if profile:
+        prof.stop()
+    run_comm = timer.core.comm if timer.core is not None else None
+    totals = timer.close()
+    events = prof.events() if profile else []
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    is_comm = lambda n: any(k in n.lower() for k in ("spin", "sleep", "nccl"))  # noqa: E731 - the planted and real
+    spins = [(a, b) for a, b, n in kernels if is_comm(n)]
+    compute = sorted((a, b) for a, b, n in kernels if not is_comm(n)
+                     and "memcpy" not in n.lower() and "memset" not in n.lower())
+    # the union of compute intervals, then each spin's part outside it
+    merged: list[list[float]] = []
+    for a, b in compute:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    exposed_us = 0.0
+    for a, b in spins:
+        covered = sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged)
+        exposed_us += (b - a) - covered
+    n = steps - warm
+    syncs = sum(1 for e in events if e.name in SYNCS)
+    wait = totals.phases.get("backward.comm_wait") if totals is not None else None
+    mean = lambda p: totals.phases[p].mean if totals is not None and p in totals.phases else float("nan")  # noqa: E731
+    return dict(
+        case=case, steps=n, backward=mean("backward"), step=mean("step"),
+        wait=wait.mean if wait is not None else None, truth=exposed_us / 1e3 / n if profile else float("nan"),
+        spin=sum(b - a for a, b in spins) / 1e3 / n, comm=run_comm.as_dict() if run_comm is not None else None,
+        syncs=syncs, wall=t_wall,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--spin-ms", type=float, default=4.0)
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--cases", default="late,early,default,ddp_off,bare")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--lb-steps", type=int, default=400)
+    p.add_argument("--out")
+    args = p.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29577")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    torch.cuda.set_device(0)
+    cpm = cycles_per_ms()
+    say(code_line())
+    say(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; DDP world 1 (NCCL); {args.depth} x "
+        f"Linear({args.width}) fp32, batch {args.batch}, one bucket a layer; spin {args.spin_ms} ms; "
+        f"{args.steps} steps, the last {args.steps - 5} timed and profiled")
+    rows = [run(c, args.steps, args.spin_ms, cpm, args.width, args.depth, args.batch) for c in args.cases.split(",")]
+    # Launch-bound (the host's cost shows): 32 small layers, a bucket each; DDP without and with phase-timer,
+    # interleaved, the median of the rounds' wall time a step.
+    lb = {"lb_off": [], "lb_on": []}
+    for _ in range(args.rounds):
+        for c in lb:
+            lb[c].append(run(c, args.lb_steps, 0, cpm, 256, 32, 64)["wall"])
+    say(f"{'case':8} {'comm_wait ms':>12} {'profiler ms':>11} {'diff ms':>8} {'comm kernels ms':>15} {'collectives ms':>14} "
+        f"{'hidden':>7} {'backward ms':>11} {'step ms':>8} {'wall ms':>8} {'syncs':>5}")
+    for r in rows:
+        c = r["comm"] or {}
+        if r["case"].endswith("off"):
+            r["backward"] = r["step"] = float("nan")
+        wait = r["wait"]
+        diff = f"{wait - r['truth']:+8.3f}" if wait is not None else f"{'-':>8}"
+        say(f"{r['case']:8} {wait if wait is not None else float('nan'):12.3f} {r['truth']:11.3f} {diff} "
+            f"{r['spin']:15.3f} {c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
+            f"{r['backward']:11.3f} {r['step']:8.3f} {r['wall']:8.3f} {r['syncs']:5d}")
+    med = {c: sorted(v)[len(v) // 2] for c, v in lb.items()}
+    say(f"launch-bound DDP (32 x Linear(256), batch 64, 32 buckets), {args.lb_steps - 5} steps x {args.rounds} rounds, "
+        f"median wall ms a step: without phase-timer {med['lb_off']:.4f}, with {med['lb_on']:.4f} "
+        f"(+{1e3 * (med['lb_on'] - med['lb_off']):.1f} us a step, everything phase-timer does on a step included; "
+        f"rounds off {' '.join(f'{v:.4f}' for v in lb['lb_off'])}; on {' '.join(f'{v:.4f}' for v in lb['lb_on'])})")
+    dist.destroy_process_group()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Exposed communication (``comm.py``): DDP's all-reduce wait split out of backward, on real gloo processes.
+
+The planted collectives (``tests/dist_scripts/comm_ddp.py``) are a comm hook whose future completes a known
+30 ms late: on the last bucket (nothing left to hide it) or on the first (60 ms of backward compute after it).
+What a sleep guarantees is checked (the wait holds at least most of it; a hidden one holds next to none of
+it), never a load-dependent upper figure beyond "not four of them".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from phase_timer.comm import RunComm, hidden_share, line, split
+from phase_timer.diagnosis import Signals, diagnose
+from phase_timer.metrics import format_summary, ordered, part_of, share_base, whole_phases
+from phase_timer.stats import RunTotals
+from test_distributed import SCRIPTS, _run
+
+PLANT_MS = 30.0
+WAIT = "backward.comm_wait"
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    log_dir = tmp_path_factory.mktemp("comm")
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    _, result = _run([*cmd, os.path.join(SCRIPTS, "comm_ddp.py"), "--log-dir", str(log_dir)])
+    for case, r in result.items():
+        path = os.path.join(log_dir, case, "version_0", "phase_timer_summary.json")
+        with open(path) as f:
+            r["summary"] = json.load(f)
+    return result
+
+
+def test_a_collective_left_after_the_last_gradient_is_backward_s_exposed_wait(cases: dict) -> None:
+    late = cases["late"]
+    phases = late["phases"]
+    assert phases[WAIT] >= 0.8 * PLANT_MS  # the 30 ms the compute waited for
+    assert phases[WAIT] < phases["backward"]  # part of backward, not beside it
+    comm = late["comm"]
+    assert comm["collectives_ms"] >= 0.8 * PLANT_MS and comm["hidden_share"] < 0.3
+
+
+def test_the_same_collective_overlapped_by_backward_s_compute_is_hidden(cases: dict) -> None:
+    early = cases["early"]
+    assert early["phases"][WAIT] < 0.2 * PLANT_MS  # nothing left to wait for at backward's end ...
+    comm = early["comm"]
+    assert comm["collectives_ms"] >= 0.8 * PLANT_MS  # ... while the collective still took its 30 ms
+    assert comm["hidden_share"] > 0.7
+
+
+@pytest.mark.parametrize("case", ["late", "early", "average", "fp16", "no_sync"])
+def test_phases_still_add_up_to_the_step_and_the_wait_is_an_of_which_row(cases: dict, case: str) -> None:
+    phases = cases[case]["phases"]
+    inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
+    assert WAIT in phases and WAIT not in inside
+    assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)
+    summary = cases[case]["summary"]
+    assert summary["schema_version"] == 7
+    row = summary["phases"][WAIT]
+    assert row["share_of"] == "step" and 0 <= row["share"] <= summary["phases"]["backward"]["share"]
+
+
+def test_phase_timer_s_own_average_is_ddp_s_and_a_builtin_hook_composes(cases: dict) -> None:
+    average, fp16 = cases["average"], cases["fp16"]
+    assert average["grads_ok"] and fp16["grads_ok"]  # each rank's gradient is the ranks' mean
+    assert average["hook_calls"] == 0 and average["summary"]["communication"]["hook"] is None
+    assert fp16["summary"]["communication"]["hook"] == "BuiltinCommHookType.FP16_COMPRESS"
+    for r in (average, fp16):
+        assert r["comm"]["samples"] >= 8 and r["comm"]["collectives_ms"] > 0
+
+
+def test_the_user_s_comm_hook_runs_inside_ours(cases: dict) -> None:
+    late = cases["late"]
+    # 14 steps (3 warm-up): the first backward has one bucket (DDP's first-bucket rule), then two a step
+    assert late["hook_calls"] == 27
+    assert late["summary"]["communication"]["hook"].endswith("hook")
+
+
+def test_no_sync_micro_batches_have_no_communication(cases: dict) -> None:
+    wait = cases["no_sync"]["phases"][WAIT]
+    assert 0.8 * PLANT_MS <= wait < 2 * PLANT_MS  # one synced backward a step, not four
+
+
+# -- the rules, the table, the names ------------------------------------------------------
+
+
+def totals_with(wait_ms: float, step_ms: float = 100.0, n: int = 30) -> RunTotals:
+    totals = RunTotals()
+    row = {"forward": step_ms * 0.3, "backward": step_ms * 0.6, WAIT: wait_ms, "optimizer": step_ms * 0.1,
+           "step": step_ms, "period": step_ms * 1.02, "data_wait": 0.5}
+    totals.add_window(n, {p: [v] * n for p, v in row.items()})
+    return totals
+
+
+def test_comm_bound_fires_at_ten_percent_of_the_step_and_names_the_fixes() -> None:
+    loud = diagnose(totals_with(15.0), Signals(), clock="cuda")
+    kinds = [loud.kind, *(f.kind for f in loud.secondary)]
+    assert "COMM_BOUND" in kinds
+    finding = loud if loud.kind == "COMM_BOUND" else next(f for f in loud.secondary if f.kind == "COMM_BOUND")
+    assert finding.evidence["share_of_step"] == pytest.approx(0.15)
+    assert any("bucket_cap_mb" in t for t in finding.next) and any("compress" in t for t in finding.next)
+    quiet = diagnose(totals_with(5.0), Signals(), clock="cuda")
+    assert "COMM_BOUND" not in [quiet.kind, *(f.kind for f in quiet.secondary)]
+
+
+def test_the_table_indents_the_wait_under_backward_and_counts_it_once() -> None:
+    totals = totals_with(12.0)
+    assert ordered(list(totals.phases))[:4] == ["data_wait", "forward", "backward", WAIT]
+    assert part_of(WAIT) == "backward" and part_of("backward") is None
+    table = format_summary(totals, clock="cuda")
+    rows = table.splitlines()
+    i = next(k for k, r in enumerate(rows) if r.startswith("backward"))
+    assert rows[i + 1].startswith("  of which comm wait") and rows[i + 1].rstrip().endswith("12.0%")
+
+
+def test_sampled_communication_sums_per_window_and_says_its_hidden_share() -> None:
+    cols = {"comm_ms": [10.0, 20.0], "comm_wait_ms": [1.0, 2.0], "comm_samples": [1.0, 2.0], "step": [5.0]}
+    got = split(cols)
+    assert got == {"comm_ms": 30.0, "comm_wait_ms": 3.0, "comm_samples": 3.0} and "comm_ms" not in cols
+    assert hidden_share(got) == pytest.approx(0.9)
+    run = RunComm()
+    run.add(got)
+    assert run.as_dict()["collectives_ms"] == pytest.approx(10.0)
+    assert "90% hidden" in line(run)
+    assert split({"step": [1.0]}) == {} and line(RunComm()) is None
