@@ -272,6 +272,34 @@ def _exact_median(n: int) -> float:
     return statistics.median(1.0 + 0.5 * r / n for r in range(n))
 
 
+class ZeroTimes:
+    """Rank zero's cost a window, either design: its thread's read, then its training thread's handling."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self.thread_ms: list[float] = []
+        self.requests: list[int] = []
+        self.bytes: list[int] = []
+
+    def window(self, zero: Any, read: Any, handle: Any) -> None:
+        """Time ``read()`` (rank zero's thread) and ``handle()`` (its training thread) for one window."""
+        req0, bytes0 = zero.store.requests, zero.store.fetched
+        t = time.perf_counter_ns()
+        read()
+        t_thread = time.perf_counter_ns()
+        handle()
+        end = time.perf_counter_ns()
+        self.ms.append((end - t) / 1e6)
+        self.thread_ms.append((t_thread - t) / 1e6)
+        self.requests.append(zero.store.requests - req0)
+        self.bytes.append(zero.store.fetched - bytes0)
+
+    def medians(self, steady: slice) -> dict[str, float]:
+        return {"rank0_ms": statistics.median(self.ms[steady]), "rank0_thread_ms": statistics.median(self.thread_ms[steady]),
+                "rank0_requests": statistics.median(self.requests[steady]),
+                "rank0_kb": statistics.median(self.bytes[steady]) / 1e3}
+
+
 def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
     """The tree: every rank's frame sent as its thread sends it; each leader's reading and sending up, and rank
     zero's, run in turn in this thread (each timed on its own), exchange by exchange."""
@@ -295,8 +323,7 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
             levels[level].append((ex, next(x for x in ex._nodes if x.node.level == level)))
     own = [_OwnTotals() for _ in range(n)]
     leaf = [f"{ns}/{tree.leaf_node(r).name}" for r in range(n)]
-    zero_ms, zero_thread_ms, leader_ms, windows_out, signals = [], [], [], [], Signals()
-    zero_req, zero_bytes = [], []
+    times, leader_ms, windows_out, signals = ZeroTimes(), [], [], Signals()
     for w in range(windows):
         for r in range(n):  # each rank's thread: one append and one count
             report, sums, memory, counts = _report(r, n, w)
@@ -309,20 +336,14 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
                 ex._lead_node(node, w)
                 if level == 1:
                     leader_ms.append((w, (time.perf_counter_ns() - t) / 1e6))
-        req0, bytes0 = zero.store.requests, zero.store.fetched
-        t = time.perf_counter_ns()
-        zero._read_root(w)  # rank zero's thread
-        t_thread = time.perf_counter_ns()
-        for win in zero._arrived():  # rank zero's training thread: what the core does with each window
-            signals.add_rank_window(win.phases)
-            scalars = rank_scalars(win)
-            scalars.update({f"throughput/job_{k}": v for k, v in win.job.items()})
-            windows_out.append(win)
-        end = time.perf_counter_ns()
-        zero_ms.append((end - t) / 1e6)
-        zero_thread_ms.append((t_thread - t) / 1e6)
-        zero_req.append(zero.store.requests - req0)
-        zero_bytes.append(zero.store.fetched - bytes0)
+        def handle() -> None:
+            for win in zero._arrived():  # rank zero's training thread: what the core does with each window
+                signals.add_rank_window(win.phases)
+                scalars = rank_scalars(win)
+                scalars.update({f"throughput/job_{k}": v for k, v in win.job.items()})
+                windows_out.append(win)
+
+        times.window(zero, lambda: zero._read_root(w), handle)  # noqa: B023 - called at once, in this iteration
     for ex in [zero, *leaders.values()]:
         ex._todo.put(("stop",))
     steady = slice(2, None)  # the first windows warm the caches
@@ -332,9 +353,7 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
           and all(x.stats("forward")["slowest_rank"] == n - 1 for x in windows_out)
           and all(abs(x.stats("forward")["median"] / median - 1) <= 0.005 for x in windows_out)
           and all(abs(x.job["samples_per_s"] - n * 800 / 0.8) < 1e-6 * n * 1000 for x in windows_out))
-    return {"n": n, "depth": tree.depth, "rank0_ms": statistics.median(zero_ms[steady]),
-            "rank0_thread_ms": statistics.median(zero_thread_ms[steady]),
-            "rank0_requests": statistics.median(zero_req[steady]), "rank0_kb": statistics.median(zero_bytes[steady]) / 1e3,
+    return {"n": n, "depth": tree.depth, **times.medians(steady),
             "leader_ms": statistics.median(per_leader) if per_leader else None,
             "leader_max_ms": max(per_leader) if per_leader else None, "leaders": len(leaders) + 1, "ok": ok}
 
@@ -365,7 +384,7 @@ def scale_old(n: int, windows: int, kind: str, old: Any) -> dict[str, Any]:
     ranks_store, zero_store = _store(kind)
     zero = old.ranks.RankExchange(CountingStore(zero_store), 0, n, ns)
     signals = old.diagnosis.Signals()
-    zero_ms, zero_thread_ms, zero_req, zero_bytes, written = [], [], [], [], []
+    times, written = ZeroTimes(), []
     for w in range(windows):
         for r in range(1, n):
             report = _report(r, n, w)[0]
@@ -373,26 +392,18 @@ def scale_old(n: int, windows: int, kind: str, old: Any) -> dict[str, Any]:
             ranks_store.add(f"{ns}/{w}/n", 1)
         report, sums, memory, counts = _report(0, n, w)
         zero.add(w, report[1], 50, {p: [s / c] * c for p, (s, c) in sums.items()}, memory=memory, counts=counts)
-        req0, bytes0 = zero.store.requests, zero.store.fetched
-        t = time.perf_counter_ns()
-        zero._read_up_to(w)  # rank zero's thread
-        t_thread = time.perf_counter_ns()
-        for win in zero._arrived(final=False):  # its training thread, as the core did
-            signals.add_rank_window(win.means)
-            scalars = old.metrics.rank_scalars(win)
-            scalars.update({f"throughput/job_{k}": v for k, v in throughput.job_rates(win.counts).items()})
-            written.append(win)
-        end = time.perf_counter_ns()
-        zero_ms.append((end - t) / 1e6)
-        zero_thread_ms.append((t_thread - t) / 1e6)
-        zero_req.append(zero.store.requests - req0)
-        zero_bytes.append(zero.store.fetched - bytes0)
+        def handle() -> None:
+            for win in zero._arrived(final=False):  # its training thread, as the core did
+                signals.add_rank_window(win.means)
+                scalars = old.metrics.rank_scalars(win)
+                scalars.update({f"throughput/job_{k}": v for k, v in throughput.job_rates(win.counts).items()})
+                written.append(win)
+
+        times.window(zero, lambda: zero._read_up_to(w), handle)  # noqa: B023 - called at once, in this iteration
     zero._todo.put(("stop",))
     steady = slice(2, None)
     ok = len(written) == windows and all(x.ranks == n for x in written)
-    return {"n": n, "rank0_ms": statistics.median(zero_ms[steady]), "rank0_thread_ms": statistics.median(zero_thread_ms[steady]),
-            "rank0_requests": statistics.median(zero_req[steady]), "rank0_kb": statistics.median(zero_bytes[steady]) / 1e3,
-            "ok": ok}
+    return {"n": n, **times.medians(steady), "ok": ok}
 
 
 def scale_line(new: dict[str, Any], old: dict[str, Any] | None) -> str:

@@ -56,12 +56,6 @@ def _first(fut: Any) -> Any:
     return fut.value()[0]
 
 
-def _queue_callback(fn: Any) -> None:
-    from torch.autograd import Variable
-
-    Variable._execution_engine.queue_callback(fn)
-
-
 class DdpComm:
     """The exposed-communication split of one DDP module (see the module's text)."""
 
@@ -80,6 +74,11 @@ class DdpComm:
         self._scale = 1.0
         self._complex = False
         self.user_hook: str | None = None  # the name of the user's hook composed, if any
+        import torch
+        from torch.autograd import Variable
+
+        self._event = partial(torch.cuda.Event, enable_timing=True)
+        self._queue_callback = Variable._execution_engine.queue_callback  # once a synced backward: bound here
 
     # -- installation ---------------------------------------------------------------
     @classmethod
@@ -111,38 +110,37 @@ class DdpComm:
 
     def _register_user(self, state: object, hook: Any) -> None:
         """The module's ``register_comm_hook``: the user's hook runs inside ours (DDP's checks and record kept)."""
-        if self.user_hook is not None:  # DDP's own rule, with its words
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._once()
         self.ddp._check_comm_hook(hook)
-        logger = getattr(self.ddp, "logger", None)
-        if logger is not None:
-            logger._set_comm_hook_name(hook.__qualname__)
         self.ddp._comm_hooks.append((hook, state))
-        self._inner, self._state = hook, state
-        self.user_hook = getattr(hook, "__qualname__", repr(hook))
-        if self._core is not None:
-            self._core.comm.hook = self.user_hook
+        self._compose(hook, state, getattr(hook, "__qualname__", repr(hook)))
 
     def _register_builtin(self, comm_hook_type: Any) -> None:
         """The module's ``_register_builtin_comm_hook``: DDP's built-ins, as their Python twins inside ours."""
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        if self.user_hook is not None:  # DDP's own rule, with its words
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._once()
         if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
             hook, state = default_hooks.fp16_compress_hook, self.ddp.process_group
-        elif comm_hook_type != dist.BuiltinCommHookType.ALLREDUCE:
-            raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}")
-        else:
+        elif comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
             hook, state = self._average, None
+        else:
+            raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}")
+        self._compose(hook, state, str(comm_hook_type))
+
+    def _once(self) -> None:
+        if self.user_hook is not None:  # DDP's own rule, with its words
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+
+    def _compose(self, hook: Any, state: object, name: str) -> None:
+        """Run ``hook`` inside ours from now on, under ``name`` (DDP's logging and the run's record say it)."""
         logger = getattr(self.ddp, "logger", None)
         if logger is not None:
-            logger._set_comm_hook_name(str(comm_hook_type))
-        self._inner, self._state = hook, state
-        self.user_hook = str(comm_hook_type)
+            logger._set_comm_hook_name(name)
+        self._inner, self._state, self.user_hook = hook, state, name
         if self._core is not None:
-            self._core.comm.hook = self.user_hook
+            self._core.comm.hook = name
 
     def bind(self, core: Any) -> None:
         """Time into ``core``'s records from now on (None: stop; the hook then only forwards)."""
@@ -202,9 +200,8 @@ class DdpComm:
             fut.add_done_callback(partial(self._ended, span))
         if bucket.is_last():
             self._last = fut
-            self._synced += spans is not False or core._engine.current == BACKWARD
             try:  # runs after all of backward's compute, before DDP's end-of-backward (queued later)
-                _queue_callback(self._wait)
+                self._queue_callback(self._wait)
             except RuntimeError:  # not inside a backward (a delayed all-reduce): unsplit
                 self._last = self._spans = None
         return fut
@@ -216,11 +213,13 @@ class DdpComm:
     def _now(self) -> Any:
         if not self._device:
             return time.perf_counter_ns()
-        import torch
-
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = self._event()
         ev.record()  # the current stream: the compute stream at the hook, a stream synced to the future at its end
         return ev
+
+    def _ms(self, a: Any, b: Any) -> float:
+        """Milliseconds from ``a`` to ``b``, two of :meth:`_now`'s (events: both done)."""
+        return a.elapsed_time(b) if self._device else (b - a) / 1e6
 
     def _ended(self, span: list[Any], _fut: Any) -> None:
         span[1] = self._now()
@@ -236,6 +235,7 @@ class DdpComm:
         engine = core._engine
         split = engine.current == BACKWARD  # a record open, in backward (not paused, no user phase open)
         if split:
+            self._synced += 1  # a timed synced backward: the sampling schedule counts these
             engine.switch(WAIT)
         w0 = self._now() if spans else None
         try:
@@ -256,24 +256,16 @@ class DdpComm:
             spans, w0, w1 = self._pending[0]
             if any(end is None for _, end in spans):
                 return
-            if self._device:
-                if not (w1.query() and all(end.query() for _, end in spans)):
-                    return
-                ref = w0
-                at = [(ref.elapsed_time(a), ref.elapsed_time(b)) for a, b in spans]
-                wait_ms = w0.elapsed_time(w1)
-            else:
-                ref = w0
-                at = [((a - ref) / 1e6, (b - ref) / 1e6) for a, b in spans]
-                wait_ms = (w1 - w0) / 1e6
+            if self._device and not (w1.query() and all(end.query() for _, end in spans)):
+                return
             self._pending.popleft()
-            comm = 0.0
-            prev = -float("inf")
-            for launch, end in at:
-                comm += max(0.0, end - max(launch, prev))
-                prev = max(prev, end)
+            comm, prev = 0.0, -float("inf")  # ms from w0; one process group runs its collectives in order
+            for launch, end in spans:
+                a, b = self._ms(w0, launch), self._ms(w0, end)
+                comm += max(0.0, b - max(a, prev))
+                prev = max(prev, b)
             engine.add_host(COMM_MS, comm)  # a record may carry two samples: they sum, and so does their count
-            engine.add_host(COMM_WAIT_MS, wait_ms)
+            engine.add_host(COMM_WAIT_MS, self._ms(w0, w1))
             engine.add_host(COMM_SAMPLES, 1.0)
 
 

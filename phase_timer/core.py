@@ -48,6 +48,10 @@ from phase_timer.trace import TraceWriter
 log = logging.getLogger(__name__)
 
 
+#: What a step carries that is no phase: throughput's counts and FLOPs, the sampled communication.
+_CARRIED = (*throughput.CARRIED, *_comm.CARRIED)
+
+
 def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
     """Each sink behind a guard: its first failure warns, training and the run's end go on."""
     return [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
@@ -351,7 +355,7 @@ class TimingCore:
                 self._emit(*item[1:])
             elif kind == "step":
                 ms = item[2]
-                for name in (*throughput.CARRIED, *_comm.CARRIED):
+                for name in _CARRIED:
                     ms.pop(name, None)  # counts and samples, not phases: a step's rates are its window's
                 self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
