@@ -9,8 +9,15 @@ end-of-backward makes the compute stream wait for it, as for NCCL's own kernels.
 
 - ``late``: the spin on the last bucket: nothing left to hide it, the wait is exposed.
 - ``early``: the spin on the first bucket, with the rest of backward (long enough) after it: hidden.
-- ``default``: no user hook, phase-timer's own average (NCCL premul-sum): the split on the real path.
+- ``default``: no user hook: DDP's own average (its C++ hook) on NCCL, the split on the real path.
+- ``view``: the same with ``gradient_as_bucket_view=True`` (no copy of the results into ``.grad``); ``late_view``
+  and ``early_view`` likewise.
 - ``bare``: the same model without DDP (phase-timer attached as ever): the step's scale without a reducer.
+
+``backward.comm_wait`` is DDP's end-of-backward: its waits, and (``gradient_as_bucket_view=False``, DDP's
+default) its copy of each bucket's result into ``.grad``.  So beside the trace rule's exposed time, the
+table gives those copies' own device time (the kernels under DDP's ``copy_bucket_to_grad`` ranges): the
+span should read the exposed time plus the copies.
 
 The truth, per step, is the profiler's (Kineto) union-of-intervals rule, the one the offline trace
 analyzers use: the communication kernels' time (the spins, NCCL's) not overlapped by any compute kernel.  Both are
@@ -78,7 +85,10 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     torch.manual_seed(0)
     body = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).cuda()
     layer_mb = width * width * 4 / 2**20
-    model = nn.parallel.DistributedDataParallel(body, bucket_cap_mb=layer_mb * 1.05) if case != "bare" else body
+    name, view = case, case == "view" or case.endswith("_view")
+    case = case.removesuffix("_view")
+    model = (nn.parallel.DistributedDataParallel(body, bucket_cap_mb=layer_mb * 1.05, gradient_as_bucket_view=view)
+             if case != "bare" else body)
     profile = not case.startswith("lb")
     opt = torch.optim.SGD(body.parameters(), lr=1e-6)
     x = torch.randn(batch, width, device="cuda")
@@ -87,6 +97,24 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     log_dir = tempfile.mkdtemp()
     timer = phase_timer.attach(model, opt, data, log_dir=log_dir, window=steps, warmup_steps=warm, mfu=False,
                                enabled=not case.endswith("off"))
+    if case == "lb_core":  # phase-timer on, the split taken off: what the split alone costs a step
+        for probe in timer.__dict__.pop("_comm"):
+            probe.remove()
+    spent: list[list[int]] = [[], []]  # lb_timed: ns a call inside the split's hook and its final callback
+    if case == "lb_timed":
+        probe = timer._comm[0]
+
+        def timed(fn, k):  # noqa: ANN001, ANN202
+            def call(*args):  # noqa: ANN002, ANN202
+                t = time.perf_counter_ns()
+                fn(*args)
+                spent[k].append(time.perf_counter_ns() - t)
+
+            return call
+
+        probe._to_wait = timed(probe._to_wait, 1)
+        probe._handle.remove()
+        probe._handle = next(body.parameters()).register_post_accumulate_grad_hook(timed(probe._began, 0))
     if case in ("late", "early"):
         model.register_comm_hook(None, spin_hook("last" if case == "late" else "first", int(spin_ms * cpm)))
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
@@ -126,13 +154,14 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
         exposed_us += (b - a) - covered
     n = steps - warm
     syncs = sum(1 for e in events if e.name in SYNCS)
+    copies_us = sum(e.device_time_total for e in events if e.name.endswith("copy_bucket_to_grad"))
     wait = totals.phases.get("backward.comm_wait") if totals is not None else None
     mean = lambda p: totals.phases[p].mean if totals is not None and p in totals.phases else float("nan")  # noqa: E731
     return dict(
-        case=case, steps=n, backward=mean("backward"), step=mean("step"),
+        case=name, steps=n, backward=mean("backward"), step=mean("step"),
         wait=wait.mean if wait is not None else None, truth=exposed_us / 1e3 / n if profile else float("nan"),
         spin=sum(b - a for a, b in spins) / 1e3 / n, comm=run_comm.as_dict() if run_comm is not None else None,
-        syncs=syncs, wall=t_wall,
+        syncs=syncs, wall=t_wall, split_us=[(sorted(v)[len(v) // 2] / 1e3, sum(v) / 1e3 / steps) if v else (0.0, 0.0) for v in spent], copies=copies_us / 1e3 / n if profile else float("nan"),
     )
 
 
@@ -143,7 +172,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--batch", type=int, default=8192)
-    p.add_argument("--cases", default="late,early,default,ddp_off,bare")
+    p.add_argument("--cases", default="late,early,late_view,early_view,default,view,ddp_off,bare")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lb-steps", type=int, default=400)
     p.add_argument("--out")
@@ -158,28 +187,38 @@ def main() -> None:
         f"Linear({args.width}) fp32, batch {args.batch}, one bucket a layer; spin {args.spin_ms} ms; "
         f"{args.steps} steps, the last {args.steps - 5} timed and profiled")
     rows = [run(c, args.steps, args.spin_ms, cpm, args.width, args.depth, args.batch) for c in args.cases.split(",")]
-    # Launch-bound (the host's cost shows): 32 small layers, a bucket each; DDP without and with phase-timer,
-    # interleaved, the median of the rounds' wall time a step.
-    lb = {"lb_off": [], "lb_on": []}
+    # Launch-bound (the host's cost shows): 32 small layers, a bucket each; DDP without phase-timer, with it
+    # but the split taken off, and with both; interleaved, the median of the rounds' wall time a step.
+    lb: dict[str, list[float]] = {"lb_off": [], "lb_core": [], "lb_on": []}
     for _ in range(args.rounds):
         for c in lb:
             lb[c].append(run(c, args.lb_steps, 0, cpm, 256, 32, 64)["wall"])
-    say(f"{'case':8} {'comm_wait ms':>12} {'profiler ms':>11} {'diff ms':>8} {'comm kernels ms':>15} {'collectives ms':>14} "
-        f"{'hidden':>7} {'backward ms':>11} {'step ms':>8} {'wall ms':>8} {'syncs':>5}")
+    say(f"{'case':8} {'comm_wait ms':>12} {'profiler ms':>11} {'diff ms':>8} {'DDP copies ms':>13} {'diff-copies':>11} "
+        f"{'comm kernels ms':>15} {'collectives ms':>14} {'hidden':>7} {'backward ms':>11} {'step ms':>8} {'wall ms':>8} "
+        f"{'syncs':>5}")
     for r in rows:
         c = r["comm"] or {}
         if r["case"].endswith("off"):
             r["backward"] = r["step"] = float("nan")
         wait = r["wait"]
         diff = f"{wait - r['truth']:+8.3f}" if wait is not None else f"{'-':>8}"
+        rest = f"{wait - r['truth'] - r['copies']:+11.3f}" if wait is not None else f"{'-':>11}"
         say(f"{r['case']:8} {wait if wait is not None else float('nan'):12.3f} {r['truth']:11.3f} {diff} "
-            f"{r['spin']:15.3f} {c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
+            f"{r['copies']:13.3f} {rest} {r['spin']:15.3f} {c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
             f"{r['backward']:11.3f} {r['step']:8.3f} {r['wall']:8.3f} {r['syncs']:5d}")
     med = {c: sorted(v)[len(v) // 2] for c, v in lb.items()}
     say(f"launch-bound DDP (32 x Linear(256), batch 64, 32 buckets), {args.lb_steps - 5} steps x {args.rounds} rounds, "
-        f"median wall ms a step: without phase-timer {med['lb_off']:.4f}, with {med['lb_on']:.4f} "
-        f"(+{1e3 * (med['lb_on'] - med['lb_off']):.1f} us a step, everything phase-timer does on a step included; "
-        f"rounds off {' '.join(f'{v:.4f}' for v in lb['lb_off'])}; on {' '.join(f'{v:.4f}' for v in lb['lb_on'])})")
+        f"median wall ms a step: without phase-timer {med['lb_off']:.4f}, with it but no split {med['lb_core']:.4f}, "
+        f"with both {med['lb_on']:.4f}: the split +{1e3 * (med['lb_on'] - med['lb_core']):.1f} us a step, "
+        f"everything phase-timer does +{1e3 * (med['lb_on'] - med['lb_off']):.1f} us")
+    for c, v in lb.items():
+        say(f"  {c} rounds: {' '.join(f'{x:.4f}' for x in v)}")
+    parts = [run("lb_timed", args.lb_steps, 0, cpm, 256, 32, 64)["split_us"] for _ in range(args.rounds)]
+    med = sorted(parts, key=lambda t: t[0][0] + t[1][0])[len(parts) // 2]
+    say(f"the split's own host time, each call timed inside (the parameter's hook; the final callback that starts the "
+        f"wait): median {med[0][0]:.1f} + {med[1][0]:.1f} = {med[0][0] + med[1][0]:.1f} us a step, mean "
+        f"{med[0][1]:.1f} + {med[1][1]:.1f} us (the median round of {args.rounds}; medians a round: "
+        f"{' '.join(f'{t[0][0] + t[1][0]:.1f}' for t in parts)})")
     dist.destroy_process_group()
     if args.out:
         with open(args.out, "w") as f:

@@ -1,36 +1,40 @@
 """Exposed communication: how much of ``backward`` waits for DDP's all-reduce, every step, with no sync.
 
-DDP launches each gradient bucket's all-reduce from its *comm hook*, on the autograd thread, as the
-bucket's last gradient is computed; at the end of backward it makes the compute stream wait for every
-bucket's future, then copies the results into ``.grad``.  What the network costs the step is that wait:
-the time the compute stream spends waiting for collectives it could not hide behind backward's compute.
+DDP launches each gradient bucket's all-reduce as the bucket's last gradient is computed, on the autograd
+thread; its *end-of-backward*, an autograd final callback it queues when the last bucket is ready, makes the
+compute stream wait for every bucket's collective (the host, on a CPU) and puts the results into ``.grad``.
+What the network costs the step is that end: the compute stream's wait for the collectives backward's compute
+could not hide.
 
-:class:`DdpComm` puts a comm hook of its own on the DDP module, which *composes* with the user's: it calls
-the user's hook (PowerSGD, fp16 compression, their own; registered before or after phase-timer's, through
-the module's own ``register_comm_hook``) or, without one, the same average DDP computes itself (an
-all-reduce pre-multiplied by ``1/world``: on NCCL in the collective's own kernel, no extra kernel).  At the
-last bucket it queues an autograd callback, which the engine runs after all of backward's compute and
-before DDP's own end-of-backward: there, between two marks on the compute stream (``backward.comm_wait``),
-the compute stream waits for the last bucket's future, the wait DDP's end-of-backward would make at that
-very point.  So the span is exactly the exposed wait (the copy into ``.grad`` after it stays ``backward``'s),
-and it is part of ``backward`` (``metrics.part_of``): the phases still add up to ``step``.  One mark pair,
-one queued callback and one stream wait a synced backward: a ``no_sync()`` micro-batch calls no hook, and
-has none.
+:class:`DdpComm` brackets it on the compute stream (``backward.comm_wait``), with no hook of its own on the
+buckets: a hook on one parameter's gradient accumulation (it runs before DDP can see its last bucket ready)
+queues an autograd final callback, which the engine runs after all of backward's compute and *before* DDP's
+end-of-backward (queued later).  That callback is the engine's own switch to the wait (no Python frame); the
+span ends where ``backward`` does, when the loop's ``backward()`` returns: nothing is enqueued between DDP's
+end-of-backward and that return.  One parameter hook and one mark a synced backward, whatever the number of
+buckets (a Python comm hook costs tens of µs a bucket); no stream wait of its own, so DDP's schedule is
+untouched; a comm hook of the user's (registered before or after, built-in or not) runs inside the span as DDP
+runs it.  The span is part of ``backward`` (``metrics.part_of``): the phases still add up to ``step``.  A
+``no_sync()`` micro-batch has no end-of-backward, and no span.  (With a composed hook, below, the wait's start
+is a Python callback, which queues one more after DDP's end-of-backward to end it there.)
 
-The collectives' own time (for the hidden share, ``1 - exposed / communication``) needs an event per bucket:
-on sampled backwards only (the first 8, then one in 16; every one on the host clock), each bucket's
-collective from its launch (or the previous one's end, whichever is later: one process group runs them in
-order) to its future's completion, read off the training thread.  The samples resolve a few steps later, and
-ride on the record then open as carried values (``comm_ms``, ``comm_wait_ms``: the same sampled steps' wait).
+What the span holds besides the wait: DDP's end-of-backward copies each bucket's result into ``.grad``
+after its wait unless ``gradient_as_bucket_view=True`` (a read and a write of the gradients, interleaved with
+the waits); a static graph's first-iteration all-reduce, launched there.
 
-Where the split cannot be made, it says so once and the run goes on unsplit: a comm hook registered on the
-module before phase-timer saw it (its callable is inside DDP's C++ reducer, where nothing can wrap it: attach
-first, or hand Lightning's DDPStrategy its ``ddp_comm_hook``, which phase-timer wraps); a static graph's
-delayed all-reduce (it runs inside DDP's own end-of-backward, after the marks).
+The collectives' own time (for the hidden share, ``1 - exposed / communication``) needs the buckets' futures,
+which only a comm hook sees: where the user registers one after phase-timer saw the module (through the
+module's own ``register_comm_hook``, or a built-in), it runs inside phase-timer's, which on sampled backwards
+(the first 8, then one in 16; every one on the host clock) times each bucket's collective from its launch (or
+the previous one's end, whichever is later: one process group runs them in order) to its future's completion,
+read off the training thread.  The samples resolve a few steps later, and ride on the record then open as
+carried values (``comm_ms``, ``comm_wait_ms``: the same sampled steps' span).  Without a user hook, none: the
+split costs no Python call a bucket.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -52,59 +56,51 @@ DENSE, EVERY = 8, 16
 PREFIX = "comm"
 
 
-def _first(fut: Any) -> Any:
-    return fut.value()[0]
-
-
 class DdpComm:
     """The exposed-communication split of one DDP module (see the module's text)."""
 
-    def __init__(self, ddp: Any) -> None:
+    def __init__(self, ddp: Any, param: Any) -> None:
         self.ddp = ddp
-        self._inner: Any = self._average
+        self._inner: Any = None  # the user's hook, composed (None: DDP's own, in C++)
         self._state: Any = None
         self._core: Any = None
-        self._last: Any = None  # the last bucket's future, this backward
-        self._spans: list[list[Any]] | bool | None = None  # a sampled backward: [launch, end] per bucket (False: not)
-        self._synced = 0  # synced backwards seen while bound
+        self._engine: Any = None  # the core's engine while bound
+        self._to_wait: Any = None  # its switch to the wait: a final callback with no Python frame
+        self._spans: list[list[Any]] | bool | None = None  # this backward's sample: [launch, end] a bucket (False: not)
+        self._open: tuple[list[list[Any]], Any] | None = None  # a sampled span begun: (spans, its start)
+        self._synced = 0  # synced backwards split while bound
         self._pending: deque[tuple[list[list[Any]], Any, Any]] = deque()  # device samples not resolved yet
         self._device = False
-        self._opts: Any = None  # the default all-reduce's options, made at the first bucket
-        self._group: Any = None
-        self._scale = 1.0
-        self._complex = False
         self.user_hook: str | None = None  # the name of the user's hook composed, if any
         import torch
         from torch.autograd import Variable
 
         self._event = partial(torch.cuda.Event, enable_timing=True)
-        self._queue_callback = Variable._execution_engine.queue_callback  # once a synced backward: bound here
+        self._queue_callback = Variable._execution_engine.queue_callback  # bound once, not looked up a backward
+        self._handle = param.register_post_accumulate_grad_hook(self._began)
 
     # -- installation ---------------------------------------------------------------
     @classmethod
     def install(cls, ddp: Any) -> tuple[DdpComm | None, str | None]:
-        """Put the composing hook on ``ddp`` (once: a module already split returns its own); or None and why not."""
+        """Split ``ddp``'s end-of-backward (once: a module already split returns its own); or None and why not."""
         own = getattr(ddp, "_phase_timer_comm", None)
         if isinstance(own, DdpComm):
             return own, None
-        if getattr(ddp, "_comm_hooks", None):
-            name = getattr(ddp._comm_hooks[0][0], "__qualname__", "a comm hook")
-            return None, (f"its comm hook {name} was registered before phase-timer saw the model, inside DDP where "
-                          "nothing can wrap it; attach phase-timer before register_comm_hook() and it composes")
-        try:
-            builtin = ddp._get_ddp_logging_data().get("comm_hook")
-        except Exception:  # noqa: BLE001 - an older DDP: no name to read
-            builtin = None
-        if builtin:
-            return None, f"a built-in comm hook ({builtin}) was registered before phase-timer saw the model"
-        probe = cls(ddp)
-        try:
-            type(ddp).register_comm_hook(ddp, None, probe._hook)
-        except Exception as err:  # noqa: BLE001 - e.g. a DDP variant without comm hooks: unsplit, the run goes on
-            return None, f"its comm hook could not be set ({type(err).__name__}: {err})"
-        ddp._comm_hooks.clear()  # DDP's record of Python hooks: the user's, composed, goes there (not ours)
-        ddp.register_comm_hook = probe._register_user
-        ddp._register_builtin_comm_hook = probe._register_builtin
+        ignored = getattr(ddp, "parameters_to_ignore", ())
+        param = next((p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored), None)
+        if param is None or getattr(ddp, "reducer", None) is None:
+            return None, "it has no parameter whose gradients it all-reduces"
+        probe = cls(ddp, param)
+        if getattr(ddp, "_comm_hooks", None):  # the user's, registered before: inside the span, not sampled
+            probe.user_hook = getattr(ddp._comm_hooks[0][0], "__qualname__", "a comm hook")
+        else:
+            try:
+                probe.user_hook = ddp._get_ddp_logging_data().get("comm_hook") or None
+            except Exception:  # noqa: BLE001 - an older DDP: no name to read
+                pass
+        if probe.user_hook is None:  # one registered later runs inside ours, which samples the collectives
+            ddp.register_comm_hook = probe._register_user
+            ddp._register_builtin_comm_hook = probe._register_builtin
         ddp._phase_timer_comm = probe
         return probe, None
 
@@ -112,8 +108,8 @@ class DdpComm:
         """The module's ``register_comm_hook``: the user's hook runs inside ours (DDP's checks and record kept)."""
         self._once()
         self.ddp._check_comm_hook(hook)
-        self.ddp._comm_hooks.append((hook, state))
         self._compose(hook, state, getattr(hook, "__qualname__", repr(hook)))
+        self.ddp._comm_hooks.append((hook, state))
 
     def _register_builtin(self, comm_hook_type: Any) -> None:
         """The module's ``_register_builtin_comm_hook``: DDP's built-ins, as their Python twins inside ours."""
@@ -124,7 +120,7 @@ class DdpComm:
         if comm_hook_type == dist.BuiltinCommHookType.FP16_COMPRESS:
             hook, state = default_hooks.fp16_compress_hook, self.ddp.process_group
         elif comm_hook_type == dist.BuiltinCommHookType.ALLREDUCE:
-            hook, state = self._average, None
+            hook, state = default_hooks.allreduce_hook, self.ddp.process_group
         else:
             raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}")
         self._compose(hook, state, str(comm_hook_type))
@@ -134,7 +130,9 @@ class DdpComm:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
 
     def _compose(self, hook: Any, state: object, name: str) -> None:
-        """Run ``hook`` inside ours from now on, under ``name`` (DDP's logging and the run's record say it)."""
+        """Register ours, running ``hook`` inside it, under ``name`` (DDP's logging and the run's record say it)."""
+        type(self.ddp).register_comm_hook(self.ddp, None, self._hook)
+        self.ddp._comm_hooks.clear()  # DDP's record of Python hooks holds the user's (appended next), not ours
         logger = getattr(self.ddp, "logger", None)
         if logger is not None:
             logger._set_comm_hook_name(name)
@@ -143,67 +141,37 @@ class DdpComm:
             self._core.comm.hook = name
 
     def bind(self, core: Any) -> None:
-        """Time into ``core``'s records from now on (None: stop; the hook then only forwards)."""
+        """Time into ``core``'s records from now on (None: stop; a composed hook then only forwards)."""
         self._core = core
+        self._engine = core._engine if core is not None else None
+        self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
         if core is not None:
             core.comm.hook = self.user_hook
-        self._last, self._spans, self._synced = None, None, 0
+        self._spans, self._open, self._synced = None, None, 0
         self._pending.clear()
         self._device = core is not None and core.clock.kind != "host"
 
-    # -- the hook (autograd thread) -----------------------------------------------------
-    def _average(self, _state: object, bucket: Any) -> Any:
-        """What DDP does without a hook: the bucket's all-reduce, averaged over the ranks (the process group's
-        own call, its options made once: ``dist.all_reduce``'s checks cost ~15 µs a bucket)."""
-        buf = bucket.buffer()
-        opts = self._opts
-        if opts is None:
-            opts = self._options(buf)
-        if self._scale != 1.0:
-            buf.mul_(self._scale)
-        if self._complex:  # the collective reduces complex numbers as pairs of reals (as dist.all_reduce does)
-            import torch
+    def remove(self) -> None:
+        """Unbind and take the parameter's hook off (a composed comm hook stays in DDP: it only forwards)."""
+        self.bind(None)
+        self._handle.remove()
+        if getattr(self.ddp, "_phase_timer_comm", None) is self:
+            del self.ddp._phase_timer_comm
 
-            return self._group.allreduce([torch.view_as_real(buf)], opts).get_future().then(lambda _f: buf)
-        return self._group.allreduce([buf], opts).get_future().then(_first)
-
-    def _options(self, buf: Any) -> Any:
-        import torch.distributed as dist
-
-        group = self._group = self.ddp.process_group
-        n = group.size()
-        opts = dist.AllreduceOptions()
-        opts.asyncOp = True
-        self._complex = buf.is_complex()
-        if buf.is_cuda and not self._complex and dist.get_backend(group) == "nccl":
-            # the scale inside NCCL's kernel: no kernel of ours, the same product DDP's copy into the bucket makes
-            opts.reduceOp = dist._make_nccl_premul_sum(1.0 / n)
-            self._scale = 1.0
-        else:  # DDP scales the gradients as it copies them into the bucket; the same product here
-            opts.reduceOp = dist.ReduceOp.SUM
-            self._scale = 1.0 / n
-        self._opts = opts
-        return opts
-
+    # -- the user's comm hook, composed (autograd thread) -------------------------------------
     def _hook(self, _state, bucket):  # noqa: ANN001, ANN202 - no annotations: DDP checks them against its own types
-        core = self._core
-        if core is None or core.closed:
+        engine = self._engine
+        if engine is None:
             return self._inner(self._state, bucket)
+        if bucket.index() == 0:  # this backward's first bucket: a sampled one? (a timed step's only)
+            self._spans = [] if engine.current == BACKWARD and self._sampled() else False
         spans = self._spans
-        if spans is None:  # this backward's first bucket: a sampled one? (a timed step's only)
-            spans = self._spans = [] if core._engine.current == BACKWARD and self._sampled() else False
-        launch = self._now() if spans is not False else None
+        if spans is None or spans is False:
+            return self._inner(self._state, bucket)
+        span = [self._now(), None]
         fut = self._inner(self._state, bucket)
-        if spans is not False:
-            span = [launch, None]
-            spans.append(span)
-            fut.add_done_callback(partial(self._ended, span))
-        if bucket.is_last():
-            self._last = fut
-            try:  # runs after all of backward's compute, before DDP's end-of-backward (queued later)
-                self._queue_callback(self._wait)
-            except RuntimeError:  # not inside a backward (a delayed all-reduce): unsplit
-                self._last = self._spans = None
+        spans.append(span)
+        fut.add_done_callback(partial(self._ended, span))
         return fut
 
     def _sampled(self) -> bool:
@@ -224,30 +192,43 @@ class DdpComm:
     def _ended(self, span: list[Any], _fut: Any) -> None:
         span[1] = self._now()
 
-    # -- the wait (autograd's final callbacks) ----------------------------------------------
-    def _wait(self) -> None:
-        fut, self._last = self._last, None
-        spans, self._spans = self._spans, None
-        core = self._core
-        if fut is None or core is None or core.closed:
+    # -- the span (autograd's final callbacks) ---------------------------------------------
+    def _began(self, _param: Any) -> None:
+        """The parameter's gradient is accumulated: DDP's last bucket is not ready yet (its hook runs after).
+
+        A synced backward (``no_sync()``: DDP has no end-of-backward), timed in ``backward`` (a record open, not
+        paused, no user phase open): the wait's start is queued.  Without a composed hook, that start is the
+        engine's own ``switch`` (no Python frame) and the span ends with ``backward`` itself (nothing is
+        enqueued after DDP's end-of-backward before backward returns); with one, :meth:`_split`.
+        """
+        engine = self._engine
+        if engine is None or engine.current != BACKWARD or not self.ddp.require_backward_grad_sync:
             return
-        spans = spans or None  # False: not sampled
-        engine = core._engine
-        split = engine.current == BACKWARD  # a record open, in backward (not paused, no user phase open)
-        if split:
-            self._synced += 1  # a timed synced backward: the sampling schedule counts these
-            engine.switch(WAIT)
-        w0 = self._now() if spans else None
-        try:
-            fut.wait()  # CUDA: the compute stream waits for the future's events (no host wait); CPU: the host waits
-        except Exception:  # noqa: BLE001 - DDP's own wait, next, raises it with its own message
-            pass
-        w1 = self._now() if spans else None
-        if split:
-            engine.switch(BACKWARD)
+        self._synced += 1  # the sampling schedule counts these
+        self._queue_callback(self._to_wait if self._inner is None else self._split)
+
+    def _split(self) -> None:
+        """After backward's compute, before DDP's end-of-backward (a composed hook's backward): the wait begins."""
+        spans, self._spans = self._spans, None
+        engine = self._engine
+        if engine is None:
+            return
+        engine.switch(WAIT)
         if spans:
-            self._pending.append((spans, w0, w1))
-        if self._pending and engine.is_open:
+            self._open = (spans, self._now())
+        self._queue_callback(self._joined)  # after DDP's end-of-backward, queued before this one ran
+
+    def _joined(self) -> None:
+        """After DDP's end-of-backward: the wait (and DDP's copy into ``.grad``) is over."""
+        engine = self._engine
+        if engine is None or engine.current != WAIT:
+            self._open = None
+            return
+        if self._open is not None:
+            self._pending.append((*self._open, self._now()))
+            self._open = None
+        engine.switch(BACKWARD)
+        if self._pending:
             self._resolve(engine)
 
     def _resolve(self, engine: Any) -> None:
@@ -280,6 +261,151 @@ def attach_ddp(model: Any, core: Any) -> DdpComm | None:
         return None
     probe.bind(core)
     return probe
+
+
+def attach_comm(models: Any, core: Any) -> list[Any]:
+    """The communication splits of ``models`` into ``core``: each DDP module's, and FSDP2's once if any is sharded
+    with ``fully_shard``.  Each has ``remove()``."""
+    probes: list[Any] = [p for p in (attach_ddp(m, core) for m in models) if p is not None]
+    fsdp = FsdpComm.attach(models, core)
+    if fsdp is not None:
+        probes.append(fsdp)
+    return probes
+
+
+# -- FSDP2 ------------------------------------------------------------------------------------------
+def _device_index(fn: Any) -> int | None:
+    """The position of ``fn``'s ``device`` parameter (None: no such function, or no such parameter)."""
+    import inspect
+
+    try:
+        return list(inspect.signature(fn).parameters).index("device")
+    except (TypeError, ValueError):
+        return None
+
+
+def _host_blocking(issue: Any, at: int, engines: list[Any]) -> Any:
+    """``issue`` (FSDP2's all-gather or reduce-scatter), between two marks when its group is on the CPU: there
+    the collective runs on the host, in the call (on a GPU it is only enqueued on FSDP2's own streams)."""
+
+    def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        engine = engines[-1] if engines else None
+        phase = engine.current if engine is not None else None
+        device = args[at] if len(args) > at else kwargs.get("device")
+        if (phase != "forward" and phase != BACKWARD) or getattr(device, "type", None) != "cpu":
+            return issue(*args, **kwargs)
+        engine.switch(comm_label(phase))
+        try:
+            return issue(*args, **kwargs)
+        finally:
+            engine.switch(phase)
+
+    return functools.update_wrapper(timed, issue)
+
+
+class FsdpComm:
+    """FSDP2's (``fully_shard``) exposed waits: each all-gather's in ``forward`` and ``backward``, and the
+    reduce-scatters' tail at backward's end.
+
+    FSDP2 makes the compute stream wait for a group's all-gather (its event; a CPU group's work, the host)
+    just before copying the gathered parameters out (``foreach_all_gather_copy_out``): phase-timer makes that
+    same wait a moment earlier, between two marks (``forward.comm_wait`` or ``backward.comm_wait``), and the
+    copy-out, FSDP2's own compute, follows outside them.  At backward's end FSDP2's root final callback makes
+    the compute stream wait for the reduce-scatters (and for any group's all-reduce): it runs between two marks
+    (``backward.comm_wait``); it enqueues no compute on that stream.  Two marks an all-gather and two a
+    backward: an FSDP2 module of N groups adds ~4N marks a step, beside FSDP2's own Python of each group.
+
+    FSDP2's functions are wrapped once in the process (they are shared by every FSDP2 module), and put back
+    when the last timer lets go; they time into the newest bound timer.
+    """
+
+    _engines: list[Any] = []
+    _originals: dict[str, tuple[Any, str, Any, Any]] = {}  # name -> (owner, attribute, original, ours)
+
+    def __init__(self, core: Any) -> None:
+        self._engine = core._engine
+
+    @classmethod
+    def attach(cls, models: Any, core: Any) -> FsdpComm | None:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            return None
+        if not any(isinstance(m, FSDPModule) for model in models for m in model.modules()):
+            return None
+        if not cls._originals:
+            why = cls._wrap()
+            if why is not None:
+                warn(log, f"phase-timer: FSDP2's waits for its collectives are not split out (comm_wait): {why}.", 3)
+                return None
+        probe = cls(core)
+        cls._engines.append(probe._engine)
+        return probe
+
+    def remove(self) -> None:
+        engines = type(self)._engines
+        if self._engine in engines:
+            engines.remove(self._engine)
+        if not engines:
+            type(self)._unwrap()
+
+    @classmethod
+    def _wrap(cls) -> str | None:
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+            from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+            copy_out = group_mod.foreach_all_gather_copy_out
+            final = FSDPState._root_post_backward_final_callback
+        except (ImportError, AttributeError) as err:  # a torch whose FSDP2 is laid out otherwise
+            return f"this torch's FSDP2 has no {err}"
+        engines = cls._engines
+
+        def timed_copy_out(result, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            engine = engines[-1] if engines else None
+            phase = engine.current if engine is not None else None
+            if phase == "forward" or phase == BACKWARD:
+                event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
+                if event is not None or work is not None:
+                    engine.switch(comm_label(phase))
+                    if event is not None:
+                        event.wait()  # the compute (current) stream waits for the all-gather: FSDP2's wait, made here
+                    if work is not None and hasattr(work, "wait"):
+                        work.wait()  # an async group's (a CPU's: the host waits)
+                    engine.switch(phase)
+            return copy_out(result, *args, **kwargs)
+
+        def timed_final(state):  # noqa: ANN001, ANN202
+            engine = engines[-1] if engines else None
+            if engine is None or engine.current != BACKWARD:
+                return final(state)
+            engine.switch(WAIT)
+            try:
+                return final(state)
+            finally:
+                engine.switch(BACKWARD)
+
+        functools.update_wrapper(timed_copy_out, copy_out)
+        functools.update_wrapper(timed_final, final)
+        cls._originals = {
+            "copy_out": (group_mod, "foreach_all_gather_copy_out", copy_out, timed_copy_out),
+            "final": (FSDPState, "_root_post_backward_final_callback", final, timed_final),
+        }
+        for name in ("foreach_all_gather", "foreach_reduce"):  # a CPU group's collectives block the host there
+            issue = getattr(group_mod, name, None)
+            at = _device_index(issue)
+            if at is not None:
+                cls._originals[name] = (group_mod, name, issue, _host_blocking(issue, at, engines))
+        for owner, name, _, ours in cls._originals.values():
+            setattr(owner, name, ours)
+        return None
+
+    @classmethod
+    def _unwrap(cls) -> None:
+        for owner, name, original, ours in cls._originals.values():
+            if getattr(owner, name, None) is ours:  # unless something wrapped ours since
+                setattr(owner, name, original)
+        cls._originals = {}
 
 
 def line(run: RunComm) -> str | None:

@@ -357,21 +357,22 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
     tips = [f"look at rank {rank}'s {phase}: its data shard, its host (other jobs, CPU affinity), its GPU (clocks, "
             "thermals, PCIe)"]
     if rank_totals is not None:
-        exposed = comm_label("backward")
-        split = any(rank_totals.mean(r, exposed) is not None for r in rank_totals.sums)
-        phase_read = exposed if split else "backward"  # their measured wait, else backward as a whole
-        mine = rank_totals.mean(rank, phase_read)
+        split = any(rank_totals.mean(r, part) is not None for r in rank_totals.sums for part in COMM_PARTS)
+        # their measured wait (every "of which" comm wait), else backward as a whole
+        read = (lambda r: _exposed(lambda part: rank_totals.mean(r, part))) if split else (
+            lambda r: rank_totals.mean(r, "backward"))
+        mine = read(rank)
         if split and mine is None:  # a rank that never waited
             mine = 0.0
-        others = [m for r in rank_totals.sums if r != rank and (m := rank_totals.mean(r, phase_read)) is not None]
+        others = [m for r in rank_totals.sums if r != rank and (m := read(r)) is not None]
         if mine is not None and others:
             wait = statistics.median(others) - mine
             ev["others_backward_wait_ms"] = wait
             if wait > 0 and split:
                 ev["others_comm_wait_ms"] = statistics.median(others)
-                tips.append(f"the other ranks wait {wait:.2f} ms a step longer than rank {rank} for the gradient "
-                            f"all-reduce (their exposed communication, {exposed}): that is rank {rank}'s lag reaching "
-                            "them, not the network")
+                tips.append(f"the other ranks wait {wait:.2f} ms a step longer than rank {rank} for their collectives "
+                            f"(their exposed communication, {' + '.join(_parts(rank_totals))}): that is rank {rank}'s "
+                            "lag reaching them, not the network")
             elif wait > 0:
                 tips.append(f"the other ranks' backward is {wait:.2f} ms longer than rank {rank}'s: their wait for it "
                             "in the gradient all-reduce")
@@ -380,37 +381,61 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
     return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
 
 
+def _exposed(mean: Any) -> float | None:
+    """The exposed communication a step: the sum of every "of which" comm wait ``mean(part)`` has (None: none)."""
+    got = [v for part in COMM_PARTS if (v := mean(part)) is not None]
+    return sum(got) if got else None
+
+
+def _parts(rank_totals: Any) -> list[str]:
+    """The comm waits any rank has, in the table's order."""
+    return [p for p in COMM_PARTS if any(rank_totals.mean(r, p) is not None for r in rank_totals.sums)]
+
+
 def _comm_bound(totals: Any, rank_totals: Any) -> Diagnosis | None:
-    """COMM_BOUND: the exposed communication (``backward.comm_wait``) is COMM_MATERIAL of the step or more on the rank
-    that waits least: even the rank everyone else waits for waits on the network, so no straggler explains it."""
-    exposed = comm_label("backward")
-    mine = totals.phases.get(exposed)
+    """COMM_BOUND: the exposed communication (``forward.comm_wait`` + ``backward.comm_wait``) is COMM_MATERIAL of the
+    step or more on the rank that waits least: even the rank everyone else waits for waits on the network, so no
+    straggler explains it."""
+    parts = [p for p in COMM_PARTS if p in totals.phases]
     step = totals.phases.get("step")
-    if mine is None or step is None or step.total <= 0:
+    if not parts or step is None or step.total <= 0:
         return None
-    share, rank, wait_ms = mine.total / step.total, None, mine.mean
+    share = sum(totals.phases[p].total for p in parts) / step.total
+    rank, wait_ms = None, sum(totals.phases[p].mean for p in parts)
     if rank_totals is not None:
         by_rank = {r: (w / s, w) for r in rank_totals.sums
-                   if (w := rank_totals.mean(r, exposed)) is not None and (s := rank_totals.mean(r, "step"))}
+                   if (w := _exposed(lambda part, r=r: rank_totals.mean(r, part))) is not None
+                   and (s := rank_totals.mean(r, "step"))}
         if len(by_rank) >= 2:
             rank = min(by_rank, key=lambda r: by_rank[r][0])
             share, wait_ms = by_rank[rank]
     if share < COMM_MATERIAL:
         return None
     period = totals.phases.get("period")
-    ev = {"share_of_step": share, "comm_wait_ms": wait_ms, "least_waiting_rank": rank,
+    ev = {"share_of_step": share, "comm_wait_ms": wait_ms, "least_waiting_rank": rank, "parts": parts,
           "share_of_period": wait_ms / period.mean if period is not None and period.mean > 0 else share}
     who = f" on rank {rank}, the rank that waits least" if rank is not None else ""
-    why = (f"backward waits {wait_ms:.2f} ms a step for the gradient all-reduce it could not hide{who}: "
-           f"{_pct(share)} of the step (exposed communication, {exposed})")
-    tips = ("a larger batch per rank (or gradient accumulation with no_sync()): the same all-reduce hides behind "
-            "more compute",
-            "DDP(bucket_cap_mb=...): smaller buckets start the all-reduce earlier in backward, so less is left after "
-            "the last gradient; DDP(gradient_as_bucket_view=True) saves a copy; static_graph=True when the graph "
-            "does not change",
-            "compress what goes over the wire: ddp.register_comm_hook(state, bf16_compress_hook) (or fp16, or "
-            "PowerSGD for large models)",
-            "for a model too large for it, FSDP2 (fully_shard) with prefetching overlaps its collectives with compute")
+    sharded = comm_label("forward") in parts  # FSDP2 waits for all-gathers in forward; DDP never does
+    what = "FSDP2's all-gathers and reduce-scatters" if sharded else "the gradient all-reduce"
+    why = (f"the step waits {wait_ms:.2f} ms for {what} it could not hide{who}: "
+           f"{_pct(share)} of the step (exposed communication, {' + '.join(parts)})")
+    tips: tuple[str, ...] = (
+        "a larger batch per rank (or gradient accumulation with no_sync()): the same collectives hide behind "
+        "more compute",)
+    if sharded:
+        tips += ("FSDP2: prefetch further ahead (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch); "
+                 "reshard_after_forward=False (or an int) on the last blocks saves backward's re-gather",
+                 "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) halves what the "
+                 "all-gathers carry; HSDP (a 2-D mesh) keeps them within a node")
+    else:
+        tips += ("DDP(bucket_cap_mb=...): smaller buckets start the all-reduce earlier in backward, so less is left "
+                 "after the last gradient; DDP(gradient_as_bucket_view=True) saves the copy into .grad that DDP "
+                 "makes after the wait (part of backward.comm_wait without it); static_graph=True when the graph "
+                 "does not change",
+                 "compress what goes over the wire: ddp.register_comm_hook(state, bf16_compress_hook) (or fp16, or "
+                 "PowerSGD for large models)",
+                 "for a model too large for it, FSDP2 (fully_shard) with prefetching overlaps its collectives with "
+                 "compute")
     return Diagnosis("COMM_BOUND", _severity(share), why, tips, ev)
 
 

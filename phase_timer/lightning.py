@@ -39,6 +39,7 @@ from phase_timer import backward_calls, lifecycle, oom
 from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
 from phase_timer.config import TimerConfig, disabled_by_env
+from phase_timer.comm import attach_comm
 from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
@@ -265,6 +266,7 @@ class PhaseTimer:
             raise ValueError(f"PhaseTimer(enabled={enabled!r}): `enabled` must be True or False, got {enabled!r}")
         self.enabled = enabled and not disabled_by_env()
         self.core: TimingCore | None = None
+        self._comm: list[Any] = []
         self.last_summary: str | None = None
         self.log_dir: str | None = None
         self._bounds: Boundaries | None = None
@@ -392,6 +394,9 @@ class PhaseTimer:
             self.core, no_end_hint="no torch optimizer step ended (an optimizer_step that never calls the optimizer?)"
         )
         self._trainer_ref = weakref.ref(trainer)
+        # DDP's and FSDP2's waits for their collectives, split out (comm.py): DDPStrategy's module (its
+        # ddp_comm_hook inside), a module sharded with fully_shard (ModelParallelStrategy's configure_model).
+        self._comm = attach_comm([trainer.strategy.model], self.core)
         self._open_key = lifecycle.register(self._close_unclosed, sigterm=self.core.ranks is None)
         self._iter_mode = type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ == "_DataLoaderIterDataFetcher"
         # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
@@ -517,6 +522,9 @@ class PhaseTimer:
         lifecycle.unregister(self._open_key)
         self._open_key = None
         self._restore()
+        comm, self._comm = self._comm, []
+        for probe in comm:
+            probe.remove()
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
         self._steps_total = self._trainer_ref = None  # the fit's own: nothing of it kept (or pickled) past its end

@@ -51,7 +51,7 @@ from phase_timer.runinfo import loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
 from phase_timer.stats import RunTotals
 from phase_timer.comm import CARRIED as COMM_CARRIED
-from phase_timer.comm import attach_ddp
+from phase_timer.comm import attach_comm
 from phase_timer.throughput import CARRIED
 from phase_timer.syncs import SyncSite
 from phase_timer.user_sinks import check_sinks, with_user_sinks
@@ -213,8 +213,8 @@ class LoopTimer:
                 self.core.flops.may_count = lambda: (t := me()) is not None and t._thread == threading.get_ident()
             self._hooks_in_c()
             self._install()
-            # A DDP module: backward's wait for its all-reduce, split out (comm.py; a hook that composes with the user's).
-            self._comm = [p for p in (attach_ddp(m, self.core) for m in self.models) if p is not None]
+            # DDP's and FSDP2's waits for their collectives, split out of forward and backward (comm.py).
+            self._comm = attach_comm(self.models, self.core)
             self._open_key = lifecycle.register(self._close_unclosed, sigterm=self.core.ranks is None)
         else:
             self.totals = RunTotals()  # a disabled timer's results exist, and are empty
@@ -416,8 +416,8 @@ class LoopTimer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for probe in self.__dict__.pop("_comm", ()):  # DDP keeps the hook (none can be removed): it only forwards now
-            probe.bind(None)
+        for probe in self.__dict__.pop("_comm", ()):
+            probe.remove()
         if self._listening:
             backward_calls.unlisten(self)
             self._listening = False

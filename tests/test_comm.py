@@ -54,7 +54,7 @@ def test_the_same_collective_overlapped_by_backward_s_compute_is_hidden(cases: d
     assert comm["hidden_share"] > 0.7
 
 
-@pytest.mark.parametrize("case", ["late", "early", "average", "fp16", "no_sync"])
+@pytest.mark.parametrize("case", ["late", "early", "before", "average", "fp16", "no_sync"])
 def test_phases_still_add_up_to_the_step_and_the_wait_is_an_of_which_row(cases: dict, case: str) -> None:
     phases = cases[case]["phases"]
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
@@ -66,13 +66,25 @@ def test_phases_still_add_up_to_the_step_and_the_wait_is_an_of_which_row(cases: 
     assert row["share_of"] == "step" and 0 <= row["share"] <= summary["phases"]["backward"]["share"]
 
 
-def test_phase_timer_s_own_average_is_ddp_s_and_a_builtin_hook_composes(cases: dict) -> None:
+def test_ddp_s_own_average_is_split_with_no_hook_and_a_builtin_hook_composes(cases: dict) -> None:
     average, fp16 = cases["average"], cases["fp16"]
     assert average["grads_ok"] and fp16["grads_ok"]  # each rank's gradient is the ranks' mean
-    assert average["hook_calls"] == 0 and average["summary"]["communication"]["hook"] is None
+    # no comm hook of phase-timer's without the user's: DDP's own average, nothing sampled, the wait still split
+    assert average["hook_calls"] == 0 and average["comm"] is None and average["summary"]["communication"] is None
+    assert 0 < average["phases"][WAIT] < average["phases"]["backward"]
     assert fp16["summary"]["communication"]["hook"] == "BuiltinCommHookType.FP16_COMPRESS"
-    for r in (average, fp16):
-        assert r["comm"]["samples"] >= 8 and r["comm"]["collectives_ms"] > 0
+    assert fp16["comm"]["samples"] >= 8 and fp16["comm"]["collectives_ms"] > 0
+
+
+def test_a_hook_registered_before_attach_is_inside_the_split_unsampled(cases: dict) -> None:
+    before = cases["before"]
+    assert before["phases"][WAIT] >= 0.8 * PLANT_MS  # DDP's end-of-backward waited for it: in the span
+    assert before["comm"] is None and before["hook_calls"] == 27  # DDP ran it itself, every bucket
+
+
+@pytest.mark.parametrize("case", ["late", "before", "average"])
+def test_close_takes_the_parameter_s_hook_off(cases: dict, case: str) -> None:
+    assert cases[case]["hooks_left"] == 0
 
 
 def test_the_user_s_comm_hook_runs_inside_ours(cases: dict) -> None:
@@ -87,13 +99,60 @@ def test_no_sync_micro_batches_have_no_communication(cases: dict) -> None:
     assert 0.8 * PLANT_MS <= wait < 2 * PLANT_MS  # one synced backward a step, not four
 
 
+def test_lightning_s_ddp_strategy_is_split_with_a_comm_hook_registered_before_inside(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """Lightning's DDP strategy; a comm hook registered at on_fit_start, before the callback sees the model (where
+    DDPStrategy's ddp_comm_hook goes on a GPU)."""
+    from test_distributed import lightning
+
+    _, result = lightning("--root", str(tmp_path), "--strategy", "ddp", "--plant-late", str(PLANT_MS / 1e3),
+                          "--steps", "12")
+    phases = result["phases"]
+    assert phases[WAIT] >= 0.8 * PLANT_MS and phases[WAIT] < phases["backward"]
+    inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
+    assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)
+    assert "of which comm wait" in result["summary"]
+    with open(result["summary_path"]) as f:
+        summary = json.load(f)
+    assert WAIT in summary["phases"] and summary["communication"] is None  # inside the span, not sampled
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    _, result = _run([*cmd, os.path.join(SCRIPTS, "comm_fsdp.py"), "--log-dir", str(tmp_path_factory.mktemp("fsdp"))])
+    return result["ranks"]
+
+
+def test_fsdp2_all_gather_waiting_for_a_late_rank_is_forward_s_exposed_wait(fsdp: list[dict]) -> None:
+    """Rank 1 sleeps 30 ms before its third layer: rank 0's all-gather of that layer waits for it."""
+    late, on_time = fsdp[0]["phases"], fsdp[1]["phases"]
+    assert late["forward.comm_wait"] >= 0.8 * PLANT_MS and late["forward.comm_wait"] < late["forward"]
+    assert late["forward.comm_wait"] - on_time["forward.comm_wait"] >= 0.5 * PLANT_MS
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp2_phases_add_up_with_both_waits_split(fsdp: list[dict], rank: int) -> None:
+    phases = fsdp[rank]["phases"]
+    assert 0 < phases[WAIT] < phases["backward"]  # the reduce-scatters (and re-gathers) backward waited for
+    inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
+    assert "forward.comm_wait" not in inside and WAIT not in inside
+    assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)
+    assert fsdp[rank]["restored"]  # FSDP2's functions are its own again after close()
+
+
 # -- the rules, the table, the names ------------------------------------------------------
 
 
-def totals_with(wait_ms: float, step_ms: float = 100.0, n: int = 30) -> RunTotals:
+def totals_with(wait_ms: float, step_ms: float = 100.0, n: int = 30, forward_wait_ms: float | None = None) -> RunTotals:
     totals = RunTotals()
     row = {"forward": step_ms * 0.3, "backward": step_ms * 0.6, WAIT: wait_ms, "optimizer": step_ms * 0.1,
            "step": step_ms, "period": step_ms * 1.02, "data_wait": 0.5}
+    if forward_wait_ms is not None:  # FSDP2's all-gathers
+        row["forward.comm_wait"] = forward_wait_ms
     totals.add_window(n, {p: [v] * n for p, v in row.items()})
     return totals
 
@@ -107,6 +166,15 @@ def test_comm_bound_fires_at_ten_percent_of_the_step_and_names_the_fixes() -> No
     assert any("bucket_cap_mb" in t for t in finding.next) and any("compress" in t for t in finding.next)
     quiet = diagnose(totals_with(5.0), Signals(), clock="cuda")
     assert "COMM_BOUND" not in [quiet.kind, *(f.kind for f in quiet.secondary)]
+
+
+def test_comm_bound_sums_fsdp2_s_forward_and_backward_waits_and_names_its_fixes() -> None:
+    both = diagnose(totals_with(5.0, forward_wait_ms=6.0), Signals(), clock="cuda")  # 5% + 6%: 11% together
+    finding = both if both.kind == "COMM_BOUND" else next(f for f in both.secondary if f.kind == "COMM_BOUND")
+    assert finding.evidence["share_of_step"] == pytest.approx(0.11)
+    assert finding.evidence["parts"] == ["forward.comm_wait", WAIT]
+    assert "FSDP2's all-gathers" in finding.why and any("prefetch" in t for t in finding.next)
+    assert not any("bucket_cap_mb" in t for t in finding.next)
 
 
 def test_the_table_indents_the_wait_under_backward_and_counts_it_once() -> None:

@@ -8,8 +8,9 @@ Each case is its own DDP model, timed by its own ``attach()``:
   nothing is left to hide it, so backward's exposed wait holds it.
 * ``early``: the same PLANT_S on the *first* bucket, and HIDE_S more backward compute after it (a
   sleep in an earlier layer's backward): hidden, the wait is ~0 while the collectives still take PLANT_S.
-* ``average``: no user hook: phase-timer's own stands in for DDP's average; the gradients must be the
-  ranks' mean, as without it.
+* ``before``: ``late``'s hook registered before attach(): the wait is split all the same (the collectives
+  are not sampled: only a hook registered after attach() runs inside phase-timer's).
+* ``average``: no user hook: DDP's own average, no Python call a bucket; the gradients the ranks' mean.
 * ``fp16``: DDP's built-in FP16_COMPRESS registered after attach(): composed, the gradients still the mean.
 * ``no_sync``: four micro-batches a step, three under ``no_sync()``, PLANT_S on the last bucket: one wait
   a step, not four.
@@ -87,13 +88,16 @@ def planted(which: str, calls: list[int]):
 def run(case: str, log_dir: str, steps: int) -> dict:
     torch.manual_seed(1)
     net = Net(HIDE_S if case == "early" else 0.0)
-    # one bucket per layer: `last`'s first (its gradients come first), `first`'s last
-    model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=WIDTH * WIDTH * 4 / 2**20 * 1.01)
+    # one bucket per layer: `last`'s first (its gradients come first), `first`'s last (DDP closes a bucket
+    # once it holds the cap: exactly one layer's weight and bias, or `first`'s bias would join `last`'s bucket)
+    model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=(WIDTH * WIDTH + WIDTH) * 4 / 2**20)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same weights
     rank = dist.get_rank()
     data = [torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(rank * 1000 + i)) for i in range(steps)]
-    timer = phase_timer.attach(model, opt, data, log_dir=os.path.join(log_dir, case), window=5, warmup_steps=3)
     calls = [0]
+    if case == "before":
+        model.register_comm_hook(None, planted("last", calls))
+    timer = phase_timer.attach(model, opt, data, log_dir=os.path.join(log_dir, case), window=5, warmup_steps=3)
     if case in ("late", "early", "no_sync"):
         model.register_comm_hook(None, planted("first" if case == "early" else "last", calls))
     elif case == "fp16":
@@ -115,15 +119,16 @@ def run(case: str, log_dir: str, steps: int) -> dict:
     run_comm = timer.core.comm
     totals = timer.close()
     out = {p: t.mean for p, t in totals.phases.items()}
+    hooks_left = len(net.first.weight._post_accumulate_grad_hooks or {})  # the model as found, after close()
     return dict(phases=out, comm=run_comm.as_dict(), hook_calls=calls[0], grads_ok=bool(grads_ok),
-                steps=totals.steps)
+                steps=totals.steps, hooks_left=hooks_left)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--log-dir", required=True)
     p.add_argument("--steps", type=int, default=14)
-    p.add_argument("--cases", default="late,early,average,fp16,no_sync")
+    p.add_argument("--cases", default="late,early,before,average,fp16,no_sync")
     args = p.parse_args()
     dist.init_process_group("gloo")
     results = {case: run(case, args.log_dir, args.steps) for case in args.cases.split(",")}

@@ -4,8 +4,10 @@
     python tests/dist_scripts/lightning_ddp.py --root DIR --strategy fsdp       # 2 GPUs
 
 One rank can be slowed on purpose: a sleep per item in its data loading
-(``--slow-data``) or in its training_step (``--slow-forward``).  Rank zero prints
-a last line ``RESULT {json}``.
+(``--slow-data``) or in its training_step (``--slow-forward``).  ``--plant-late S``: the module registers a comm
+hook at ``on_fit_start`` (after the strategy wrapped it in DDP, before any callback's ``on_train_start``:
+where DDPStrategy's ``ddp_comm_hook`` goes on a GPU; on a CPU Lightning ignores that argument): DDP's
+average, the last bucket's future completed S seconds late (a collective nothing can hide).  Rank zero prints a last line ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ class Data(Dataset):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, width: int, slow_rank: int, forward_sleep_s: float, fail_at: int = 0) -> None:
+    def __init__(self, width: int, slow_rank: int, forward_sleep_s: float, fail_at: int = 0, late_s: float = 0.0) -> None:
         super().__init__()
-        self.fail_at = fail_at
+        self.fail_at, self.late_s = fail_at, late_s
         self.net = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
         self.slow_rank, self.forward_sleep_s = slow_rank, forward_sleep_s
 
@@ -62,8 +64,30 @@ class Model(pl.LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
+    def on_fit_start(self) -> None:
+        if self.late_s:
+            self.trainer.strategy.model.register_comm_hook(None, late_hook(self.late_s))
+
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def late_hook(seconds: float) -> Any:
+    """The user's comm hook: DDP's average, the last bucket's future completed ``seconds`` late."""
+    import threading
+
+    def planted_late_hook(state, bucket):  # no annotations: DDP checks them against its own types
+        buf = bucket.buffer()
+        buf.div_(dist.get_world_size())
+        dist.all_reduce(buf)
+        fut: torch.futures.Future = torch.futures.Future()
+        if bucket.is_last():
+            threading.Timer(seconds, fut.set_result, (buf,)).start()
+        else:
+            fut.set_result(buf)
+        return fut
+
+    return planted_late_hook
 
 
 def main() -> None:
@@ -79,6 +103,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--fail-at", type=int, default=0, help="the slow rank raises at this step")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--plant-late", type=float, default=0.0)
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -99,10 +124,12 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     data = Data(4096, args.slow_rank, args.slow_data)
-    model = Model(args.width, args.slow_rank, args.slow_forward, args.fail_at)
+    model = Model(args.width, args.slow_rank, args.slow_forward, args.fail_at, args.plant_late)
     trainer.fit(model, DataLoader(data, batch_size=args.batch))
     if trainer.is_global_zero and args.strategy != "ddp_spawn":
-        print("RESULT " + json.dumps({"log_dir": timer.log_dir, "summary": timer.last_summary, "steps": trainer.global_step}), flush=True)
+        phases = {p: t.mean for p, t in timer.totals.phases.items()}
+        print("RESULT " + json.dumps({"log_dir": timer.log_dir, "summary": timer.last_summary, "steps": trainer.global_step,
+                                      "phases": phases, "summary_path": timer.summary_path}), flush=True)
     if args.strategy == "ddp_spawn":  # the main process, after the workers: where they wrote
         import os
 

@@ -1,0 +1,90 @@
+"""Exposed communication on one CUDA device (issue 38): DDP (NCCL, world size 1) against the profiler's timeline.
+
+The runs are ``benchmarks/comm_truth.py``'s (its docstring says how the truth is read): the "collective" is a
+comm hook's spin kernel of known length on a side stream; the truth is the profiler's union-of-intervals rule.
+Each test prints its figures (``COMM`` lines); the benchmark's table is ``benchmarks/results/comm_truth_h100.txt``.
+The real NCCL collectives across two GPUs, and FSDP2's all-gathers, are ``test_gpu_distributed.py``'s.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SPIN_MS = 4.0
+
+
+@pytest.fixture(scope="module")
+def case():
+    import torch.distributed as dist
+
+    from benchmarks.comm_truth import cycles_per_ms, run
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29581")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    cpm = cycles_per_ms()
+    done: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            done[name] = run(name, 15, SPIN_MS, cpm, 4096, 8, 8192)
+            print("COMM", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in done[name].items()})
+        return done[name]
+
+    yield get
+    dist.destroy_process_group()
+
+
+def test_a_collective_left_after_backward_is_the_wait_within_0_1_ms_of_the_profiler(case):
+    r = case("late_view")  # no copy into .grad: the span is the wait alone
+    assert r["spin"] > 0.5  # the planted collective ran, and was long
+    assert r["wait"] == pytest.approx(r["truth"], abs=0.1)
+
+
+def test_the_same_collective_hidden_behind_backward_is_no_wait(case):
+    r = case("early_view")
+    assert r["spin"] > 0.5 and r["truth"] < 0.1  # hidden, by the profiler's rule too
+    assert r["wait"] < 0.1
+
+
+def test_with_ddp_s_copy_into_grad_the_span_is_the_wait_plus_the_copy(case):
+    for name in ("late", "default"):
+        r = case(name)
+        assert r["copies"] > 0.05  # gradient_as_bucket_view=False: DDP copies each result into .grad
+        assert r["wait"] >= r["truth"] - 0.1  # never less than the exposed time ...
+        assert r["wait"] <= r["truth"] + r["copies"] + 0.1  # ... and at most that plus the copies
+
+
+def test_the_split_adds_no_sync(case):
+    assert case("default")["syncs"] == case("ddp_off")["syncs"]  # DDP's own, counted by the profiler alike
+
+
+def test_fsdp2_on_one_device_runs_split_and_adds_up(case, tmp_path):
+    """World size 1: FSDP2 skips its all-gathers; its end-of-backward wait is still split, and nothing breaks."""
+    import phase_timer
+    from phase_timer.metrics import share_base, whole_phases
+    from torch.distributed.fsdp import fully_shard
+
+    case("view")  # the process group is up
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    for layer in net:
+        fully_shard(layer)
+    fully_shard(net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    data = [torch.randn(256, 1024, device="cuda") for _ in range(12)]
+    timer = phase_timer.attach(net, opt, data, log_dir=str(tmp_path), window=4, warmup_steps=2, summary=False)
+    for x in timer.loader:
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    phases = {p: t.mean for p, t in timer.close().phases.items()}
+    print("COMM fsdp2", {p: round(v, 3) for p, v in phases.items()})
+    assert "backward.comm_wait" in phases and phases["backward.comm_wait"] < phases["backward"]
+    inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
+    assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)
