@@ -112,9 +112,13 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
 
             return call
 
-        probe._to_wait = timed(probe._to_wait, 1)
+        # the parameter's hook as armed (C: phase_timer._native.Arm), its queued switch wrapped in a timer too
+        from phase_timer._native import Arm
+
         probe._handle.remove()
-        probe._handle = next(body.parameters()).register_post_accumulate_grad_hook(timed(probe._began, 0))
+        armed = Arm(probe._engine, "backward", model, "require_forward_param_sync", probe._queue_callback,
+                    timed(probe._to_wait, 1))
+        probe._handle = probe._param.register_post_accumulate_grad_hook(timed(armed, 0))
     if case in ("late", "early"):
         model.register_comm_hook(None, spin_hook("last" if case == "late" else "first", int(spin_ms * cpm)))
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])

@@ -1487,6 +1487,104 @@ static PyTypeObject StepsType = {
 };
 
 /*
+ * Arm: a hook that queues `callback` when `engine` runs `phase` and `owner.<flag>` is true.  DDP's
+ * exposed-communication split (comm.py): on one parameter's gradient accumulation, a synced backward timed in
+ * `backward` queues the engine's switch to its wait as an autograd final callback.  In C because it runs every
+ * backward on the autograd thread, where a Python frame costs a few µs (cold between kernel launches).
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *engine, *phase, *owner, *flag, *queue, *callback;
+} Arm;
+
+static int Arm_traverse(Arm *self, visitproc visit, void *arg) {
+    Py_VISIT(self->engine);
+    Py_VISIT(self->phase);
+    Py_VISIT(self->owner);
+    Py_VISIT(self->flag);
+    Py_VISIT(self->queue);
+    Py_VISIT(self->callback);
+    return 0;
+}
+
+static int Arm_clear(Arm *self) {
+    Py_CLEAR(self->engine);
+    Py_CLEAR(self->phase);
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->flag);
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->callback);
+    return 0;
+}
+
+static void Arm_dealloc(Arm *self) {
+    PyObject_GC_UnTrack(self);
+    Arm_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Arm_init(Arm *self, PyObject *args, PyObject *kw) {
+    PyObject *engine, *phase, *owner, *flag, *queue, *callback;
+    if (!PyArg_ParseTuple(args, "OUOUOO:Arm", &engine, &phase, &owner, &flag, &queue, &callback)) return -1;
+    Py_XSETREF(self->engine, Py_NewRef(engine));
+    Py_XSETREF(self->phase, Py_NewRef(phase));
+    Py_XSETREF(self->owner, Py_NewRef(owner));
+    Py_XSETREF(self->flag, Py_NewRef(flag));
+    Py_XSETREF(self->queue, Py_NewRef(queue));
+    Py_XSETREF(self->callback, Py_NewRef(callback));
+    return 0;
+}
+
+/* 1: the engine runs `phase`; 0: not (or no record open); -1: an error set. */
+static int arm_in_phase(Arm *self) {
+    PyObject *cur;
+    if (Py_IS_TYPE(self->engine, &StepsType)) {
+        Steps *st = (Steps *)self->engine;
+        if (!st->open) return 0;
+        cur = Py_NewRef(PyList_GET_ITEM(st->names, st->current));
+    } else if ((cur = PyObject_GetAttrString(self->engine, "current")) == NULL) {
+        return -1;
+    }
+    int eq = cur == self->phase || (PyUnicode_Check(cur) && PyUnicode_Compare(cur, self->phase) == 0);
+    Py_DECREF(cur);
+    return eq;
+}
+
+/* Never raises: it runs inside the training's backward, which an error here would fail; an engine or owner
+ * that cannot say (an error) means no split this backward. */
+static PyObject *Arm_call(Arm *self, PyObject *args, PyObject *kw) {
+    if (self->engine == NULL) Py_RETURN_NONE;
+    int on = arm_in_phase(self);
+    if (on > 0) {
+        PyObject *flag = PyObject_GetAttr(self->owner, self->flag);
+        on = flag == NULL ? -1 : PyObject_IsTrue(flag);
+        Py_XDECREF(flag);
+    }
+    if (on > 0) {
+        PyObject *out = PyObject_CallOneArg(self->queue, self->callback);
+        on = out == NULL ? -1 : 0;
+        Py_XDECREF(out);
+    }
+    if (on < 0) PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
+static PyTypeObject ArmType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "phase_timer._native.Arm",
+    .tp_basicsize = sizeof(Arm),
+    .tp_dealloc = (destructor)Arm_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Arm(engine, phase, owner, flag, queue, callback): called (with any arguments), queue(callback) "
+              "when engine.current == phase and owner.<flag> is true.",
+    .tp_traverse = (traverseproc)Arm_traverse,
+    .tp_clear = (inquiry)Arm_clear,
+    .tp_call = (ternaryfunc)Arm_call,
+    .tp_init = (initproc)Arm_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/*
  * Fast: the usual boundaries inside a step in one C call each, on the state of a Python
  * phase_timer.boundaries.Boundaries (its slots, read and written where CPython keeps them), with the
  * engine's switch/end/relabel called directly when it is a Steps.  Boundaries stays the one definition of
@@ -2423,14 +2521,15 @@ PyMODINIT_FUNC PyInit__native(void) {
         atfork_done = 1;
     }
     if (PyType_Ready(&ClockType) < 0 || PyType_Ready(&StepsType) < 0 || PyType_Ready(&FastType) < 0 ||
-        PyType_Ready(&LoopHooksType) < 0)
+        PyType_Ready(&LoopHooksType) < 0 || PyType_Ready(&ArmType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Clock", (PyObject *)&ClockType) < 0 ||
         PyModule_AddObjectRef(m, "Steps", (PyObject *)&StepsType) < 0 ||
         PyModule_AddObjectRef(m, "Fast", (PyObject *)&FastType) < 0 ||
-        PyModule_AddObjectRef(m, "LoopHooks", (PyObject *)&LoopHooksType) < 0) {
+        PyModule_AddObjectRef(m, "LoopHooks", (PyObject *)&LoopHooksType) < 0 ||
+        PyModule_AddObjectRef(m, "Arm", (PyObject *)&ArmType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -20,7 +20,11 @@ is a Python callback, which queues one more after DDP's end-of-backward to end i
 
 What the span holds besides the wait: DDP's end-of-backward copies each bucket's result into ``.grad``
 after its wait unless ``gradient_as_bucket_view=True`` (a read and a write of the gradients, interleaved with
-the waits); a static graph's first-iteration all-reduce, launched there.
+the waits).  (A static graph's first-iteration all-reduce is queued at backward's start, so it runs before
+the span, in ``backward``.)  Where the split is missed, silently: a backward in which the parameter heard
+gets no gradient (unused that step, frozen after attach); that parameter inside a reentrant activation
+checkpoint (``use_reentrant=True``), where its hook runs in a nested backward and the span would start at
+that backward's end (so the parameter heard is the shallowest, see :meth:`DdpComm.install`).
 
 The collectives' own time (for the hidden share, ``1 - exposed / communication``) needs the buckets' futures,
 which only a comm hook sees: where the user registers one after phase-timer saw the module (through the
@@ -37,12 +41,18 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections import deque
 from functools import partial
 from typing import Any
 
 from phase_timer._env import warn
 from phase_timer.metrics import comm_label
+
+try:
+    from phase_timer._native import Arm
+except ImportError:  # not built: the parameter's hook is a Python call
+    Arm = None
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +64,9 @@ CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
 #: Device clock: the collectives' own time on the first DENSE backwards, then one in EVERY.
 DENSE, EVERY = 8, 16
 PREFIX = "comm"
+#: DDP's own record of its last forward's decision: True when it prepared a synced backward (False under
+#: ``no_sync()``, or after a forward with no grad).
+SYNCED = "require_forward_param_sync"
 
 
 class DdpComm:
@@ -77,20 +90,25 @@ class DdpComm:
 
         self._event = partial(torch.cuda.Event, enable_timing=True)
         self._queue_callback = Variable._execution_engine.queue_callback  # bound once, not looked up a backward
-        self._handle = param.register_post_accumulate_grad_hook(self._began)
+        self._param = param  # the one whose gradient accumulation starts the wait (see install)
+        self._handle: Any = None  # its hook while bound
 
     # -- installation ---------------------------------------------------------------
     @classmethod
     def install(cls, ddp: Any) -> tuple[DdpComm | None, str | None]:
-        """Split ``ddp``'s end-of-backward (once: a module already split returns its own); or None and why not."""
-        own = getattr(ddp, "_phase_timer_comm", None)
-        if isinstance(own, DdpComm):
+        """Split ``ddp``'s end-of-backward (once: a module already split returns its own); or None and why not.
+
+        The parameter heard is the shallowest DDP reduces (the first of them): an embedding's or a head's,
+        rather than one inside a block that reentrant activation checkpointing could run in a nested backward.
+        """
+        own = _PROBES.get(ddp)
+        if own is not None:
             return own, None
         ignored = getattr(ddp, "parameters_to_ignore", ())
-        param = next((p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored), None)
-        if param is None or getattr(ddp, "reducer", None) is None:
+        named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+        if not named or getattr(ddp, "reducer", None) is None:
             return None, "it has no parameter whose gradients it all-reduces"
-        probe = cls(ddp, param)
+        probe = cls(ddp, min(named, key=lambda np: np[0].count("."))[1])
         if getattr(ddp, "_comm_hooks", None):  # the user's, registered before: inside the span, not sampled
             probe.user_hook = getattr(ddp._comm_hooks[0][0], "__qualname__", "a comm hook")
         else:
@@ -98,10 +116,9 @@ class DdpComm:
                 probe.user_hook = ddp._get_ddp_logging_data().get("comm_hook") or None
             except Exception:  # noqa: BLE001 - an older DDP: no name to read
                 pass
+        _PROBES[ddp] = probe
         if probe.user_hook is None:  # one registered later runs inside ours, which samples the collectives
-            ddp.register_comm_hook = probe._register_user
-            ddp._register_builtin_comm_hook = probe._register_builtin
-        ddp._phase_timer_comm = probe
+            _wrap_ddp()
         return probe, None
 
     def _register_user(self, state: object, hook: Any) -> None:
@@ -131,7 +148,7 @@ class DdpComm:
 
     def _compose(self, hook: Any, state: object, name: str) -> None:
         """Register ours, running ``hook`` inside it, under ``name`` (DDP's logging and the run's record say it)."""
-        type(self.ddp).register_comm_hook(self.ddp, None, self._hook)
+        _DDP_ORIGINALS["register_comm_hook"](self.ddp, None, self._hook)
         self.ddp._comm_hooks.clear()  # DDP's record of Python hooks holds the user's (appended next), not ours
         logger = getattr(self.ddp, "logger", None)
         if logger is not None:
@@ -139,6 +156,7 @@ class DdpComm:
         self._inner, self._state, self.user_hook = hook, state, name
         if self._core is not None:
             self._core.comm.hook = name
+        self._arm()  # the wait's start is a Python callback now (it ends the sampled span, after DDP's)
 
     def bind(self, core: Any) -> None:
         """Time into ``core``'s records from now on (None: stop; a composed hook then only forwards)."""
@@ -150,13 +168,31 @@ class DdpComm:
         self._spans, self._open, self._synced = None, None, 0
         self._pending.clear()
         self._device = core is not None and core.clock.kind != "host"
+        self._arm()
 
-    def remove(self) -> None:
-        """Unbind and take the parameter's hook off (a composed comm hook stays in DDP: it only forwards)."""
+    def _arm(self) -> None:
+        """The parameter's hook, for the binding and the path now (none unbound)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self._engine is None:
+            return
+        hook: Any = self._began
+        if self._inner is None and Arm is not None:  # the usual path: one C call, no Python frame
+            hook = Arm(self._engine, BACKWARD, self.ddp, SYNCED, self._queue_callback, self._to_wait)
+        self._armed = hook
+        self._handle = self._param.register_post_accumulate_grad_hook(hook)
+
+    def remove(self, core: Any = None) -> None:
+        """Unbind and take the parameter's hook off, unless another timer (not ``core``) bound it since; the
+        module is then as found (a composed comm hook stays in DDP, where nothing can remove it: it forwards)."""
+        if core is not None and self._core is not core:
+            return
         self.bind(None)
-        self._handle.remove()
-        if getattr(self.ddp, "_phase_timer_comm", None) is self:
-            del self.ddp._phase_timer_comm
+        if _PROBES.get(self.ddp) is self:
+            del _PROBES[self.ddp]
+        if not _PROBES:
+            _unwrap_ddp()
 
     # -- the user's comm hook, composed (autograd thread) -------------------------------------
     def _hook(self, _state, bucket):  # noqa: ANN001, ANN202 - no annotations: DDP checks them against its own types
@@ -196,13 +232,14 @@ class DdpComm:
     def _began(self, _param: Any) -> None:
         """The parameter's gradient is accumulated: DDP's last bucket is not ready yet (its hook runs after).
 
-        A synced backward (``no_sync()``: DDP has no end-of-backward), timed in ``backward`` (a record open, not
-        paused, no user phase open): the wait's start is queued.  Without a composed hook, that start is the
+        A synced backward (DDP decided at its forward: ``require_forward_param_sync``; under ``no_sync()`` it has
+        no end-of-backward), timed in ``backward`` (a record open, not paused, no user phase open): the wait's
+        start is queued.  Without a composed hook, that start is the
         engine's own ``switch`` (no Python frame) and the span ends with ``backward`` itself (nothing is
         enqueued after DDP's end-of-backward before backward returns); with one, :meth:`_split`.
         """
         engine = self._engine
-        if engine is None or engine.current != BACKWARD or not self.ddp.require_backward_grad_sync:
+        if engine is None or engine.current != BACKWARD or not getattr(self.ddp, SYNCED, False):
             return
         self._synced += 1  # the sampling schedule counts these
         self._queue_callback(self._to_wait if self._inner is None else self._split)
@@ -248,6 +285,47 @@ class DdpComm:
             engine.add_host(COMM_MS, comm)  # a record may carry two samples: they sum, and so does their count
             engine.add_host(COMM_WAIT_MS, self._ms(w0, w1))
             engine.add_host(COMM_SAMPLES, 1.0)
+
+
+#: Each DDP module's split (weak: a module dropped takes its entry along); none is an attribute of the module,
+#: which stays picklable and deep-copyable (an EMA copy of it).
+_PROBES: weakref.WeakKeyDictionary[Any, DdpComm] = weakref.WeakKeyDictionary()
+_DDP_ORIGINALS: dict[str, Any] = {}
+
+
+def _wrap_ddp() -> None:
+    """DDP's two registrations, wrapped once in the process while a split module lives: on a split module with
+    no hook yet, the user's runs inside phase-timer's; anywhere else, DDP's own."""
+    if _DDP_ORIGINALS:
+        return
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    register, builtin = DDP.register_comm_hook, DDP._register_builtin_comm_hook
+
+    def register_comm_hook(self, state, hook):  # noqa: ANN001, ANN202
+        probe = _PROBES.get(self)
+        if probe is None or probe.user_hook is not None and probe._inner is None:  # not ours to compose
+            return register(self, state, hook)
+        return probe._register_user(state, hook)
+
+    def register_builtin_comm_hook(self, comm_hook_type):  # noqa: ANN001, ANN202
+        probe = _PROBES.get(self)
+        if probe is None or probe.user_hook is not None and probe._inner is None:
+            return builtin(self, comm_hook_type)
+        return probe._register_builtin(comm_hook_type)
+
+    _DDP_ORIGINALS.update(register_comm_hook=register, _register_builtin_comm_hook=builtin)
+    DDP.register_comm_hook = functools.update_wrapper(register_comm_hook, register)
+    DDP._register_builtin_comm_hook = functools.update_wrapper(register_builtin_comm_hook, builtin)
+
+
+def _unwrap_ddp() -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for name, original in _DDP_ORIGINALS.items():
+        if getattr(getattr(DDP, name), "__wrapped__", None) is original:  # unless something wrapped ours since
+            setattr(DDP, name, original)
+    _DDP_ORIGINALS.clear()
 
 
 def attach_ddp(model: Any, core: Any) -> DdpComm | None:
@@ -312,7 +390,8 @@ class FsdpComm:
     same wait a moment earlier, between two marks (``forward.comm_wait`` or ``backward.comm_wait``), and the
     copy-out, FSDP2's own compute, follows outside them.  At backward's end FSDP2's root final callback makes
     the compute stream wait for the reduce-scatters (and for any group's all-reduce): it runs between two marks
-    (``backward.comm_wait``); it enqueues no compute on that stream.  Two marks an all-gather and two a
+    (``backward.comm_wait``).  It also runs the post-backward of a group whose own never fired (the root's,
+    whose inputs need no gradient: its reduce-scatter launch and copy-in), which is then in that span.  Two marks an all-gather and two a
     backward: an FSDP2 module of N groups adds ~4N marks a step, beside FSDP2's own Python of each group.
 
     FSDP2's functions are wrapped once in the process (they are shared by every FSDP2 module), and put back
@@ -340,9 +419,10 @@ class FsdpComm:
                 return None
         probe = cls(core)
         cls._engines.append(probe._engine)
+        core.signals.fsdp2 = True  # COMM_BOUND's advice is FSDP2's
         return probe
 
-    def remove(self) -> None:
+    def remove(self, core: Any = None) -> None:
         engines = type(self)._engines
         if self._engine in engines:
             engines.remove(self._engine)
@@ -368,11 +448,13 @@ class FsdpComm:
                 event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
                 if event is not None or work is not None:
                     engine.switch(comm_label(phase))
-                    if event is not None:
-                        event.wait()  # the compute (current) stream waits for the all-gather: FSDP2's wait, made here
-                    if work is not None and hasattr(work, "wait"):
-                        work.wait()  # an async group's (a CPU's: the host waits)
-                    engine.switch(phase)
+                    try:
+                        if event is not None:
+                            event.wait()  # the compute (current) stream waits for the all-gather: FSDP2's, made here
+                        if work is not None and hasattr(work, "wait"):
+                            work.wait()  # an async group's (a CPU's: the host waits); FSDP2's own wait then returns
+                    finally:
+                        engine.switch(phase)
             return copy_out(result, *args, **kwargs)
 
         def timed_final(state):  # noqa: ANN001, ANN202

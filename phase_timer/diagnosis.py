@@ -154,6 +154,8 @@ class Signals:
         self.census = "not run"
         self.census_step: int | None = None
         self.syncs: list[SyncSite] = []
+        #: The model is sharded with FSDP2 (``fully_shard``): COMM_BOUND gives its advice (set by comm.py).
+        self.fsdp2 = False
         self.sync_count = 0
         #: Syncs on that step that were no step's: other threads outside backward, pauses (evaluation, saves).
         self.sync_other_threads = 0
@@ -255,7 +257,7 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS}, tuple(mem))
     found = [f for f in (
         _input_bound(totals, signals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals),
-        _straggler(signals, rank_totals), _comm_bound(totals, rank_totals),
+        _straggler(signals, rank_totals), _comm_bound(totals, rank_totals, signals.fsdp2),
     ) if f is not None]
     found.sort(key=lambda f: -f.evidence["share_of_period"])
     host = _host_bound(totals, signals, clock)
@@ -367,7 +369,7 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
         others = [m for r in rank_totals.sums if r != rank and (m := read(r)) is not None]
         if mine is not None and others:
             wait = statistics.median(others) - mine
-            ev["others_backward_wait_ms"] = wait
+            ev["others_backward_wait_ms"] = wait  # the name kept where the waits are split too: the extra wait
             if wait > 0 and split:
                 ev["others_comm_wait_ms"] = statistics.median(others)
                 tips.append(f"the other ranks wait {wait:.2f} ms a step longer than rank {rank} for their collectives "
@@ -392,7 +394,7 @@ def _parts(rank_totals: Any) -> list[str]:
     return [p for p in COMM_PARTS if any(rank_totals.mean(r, p) is not None for r in rank_totals.sums)]
 
 
-def _comm_bound(totals: Any, rank_totals: Any) -> Diagnosis | None:
+def _comm_bound(totals: Any, rank_totals: Any, fsdp2: bool = False) -> Diagnosis | None:
     """COMM_BOUND: the exposed communication (``forward.comm_wait`` + ``backward.comm_wait``) is COMM_MATERIAL of the
     step or more on the rank that waits least: even the rank everyone else waits for waits on the network, so no
     straggler explains it."""
@@ -415,7 +417,7 @@ def _comm_bound(totals: Any, rank_totals: Any) -> Diagnosis | None:
     ev = {"share_of_step": share, "comm_wait_ms": wait_ms, "least_waiting_rank": rank, "parts": parts,
           "share_of_period": wait_ms / period.mean if period is not None and period.mean > 0 else share}
     who = f" on rank {rank}, the rank that waits least" if rank is not None else ""
-    sharded = comm_label("forward") in parts  # FSDP2 waits for all-gathers in forward; DDP never does
+    sharded = fsdp2 or comm_label("forward") in parts  # FSDP2 (its all-gathers wait in forward; DDP's never do)
     what = "FSDP2's all-gathers and reduce-scatters" if sharded else "the gradient all-reduce"
     why = (f"the step waits {wait_ms:.2f} ms for {what} it could not hide{who}: "
            f"{_pct(share)} of the step (exposed communication, {' + '.join(parts)})")

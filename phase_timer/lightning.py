@@ -524,7 +524,7 @@ class PhaseTimer:
         self._restore()
         comm, self._comm = self._comm, []
         for probe in comm:
-            probe.remove()
+            probe.remove(self.core)
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
         self._steps_total = self._trainer_ref = None  # the fit's own: nothing of it kept (or pickled) past its end

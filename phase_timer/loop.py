@@ -417,7 +417,7 @@ class LoopTimer:
             handle.remove()
         self._handles = []
         for probe in self.__dict__.pop("_comm", ()):
-            probe.remove()
+            probe.remove(self.__dict__.get("core"))
         if self._listening:
             backward_calls.unlisten(self)
             self._listening = False

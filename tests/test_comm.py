@@ -175,6 +175,11 @@ def test_comm_bound_sums_fsdp2_s_forward_and_backward_waits_and_names_its_fixes(
     assert finding.evidence["parts"] == ["forward.comm_wait", WAIT]
     assert "FSDP2's all-gathers" in finding.why and any("prefetch" in t for t in finding.next)
     assert not any("bucket_cap_mb" in t for t in finding.next)
+    one_device = Signals()  # FSDP2 at world size 1 gathers nothing: only backward's wait, still FSDP2's advice
+    one_device.fsdp2 = True
+    alone = diagnose(totals_with(15.0), one_device, clock="cuda")
+    finding = alone if alone.kind == "COMM_BOUND" else next(f for f in alone.secondary if f.kind == "COMM_BOUND")
+    assert any("prefetch" in t for t in finding.next)
 
 
 def test_the_table_indents_the_wait_under_backward_and_counts_it_once() -> None:
