@@ -206,8 +206,8 @@ def test_the_hf_trainer_names_a_backward_temporary_and_explains_a_real_out_of_me
     from benchmarks.models import Tokens
 
     torch.cuda.empty_cache()
-    # The process's peak is this run's (earlier tests in this process peaked higher: the peak would be theirs,
-    # "before the first sampled step", as phase-timer then says; its advice is this very call).
+    # The process's peak counter starts from this run (earlier tests in this process may have peaked higher:
+    # the peak would then be theirs, "before the first sampled step"; phase-timer's own advice is this call).
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=128, n_embd=128, n_layer=2, n_head=2))
