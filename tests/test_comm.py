@@ -17,7 +17,7 @@ from phase_timer.comm import RunComm, hidden_share, line, split
 from phase_timer.diagnosis import Signals, diagnose
 from phase_timer.metrics import format_summary, ordered, part_of, share_base, whole_phases
 from phase_timer.stats import RunTotals
-from test_distributed import SCRIPTS, _run
+from test_distributed import ROOT, SCRIPTS, _run
 
 PLANT_MS = 30.0
 WAIT = "backward.comm_wait"
@@ -202,3 +202,17 @@ def test_sampled_communication_sums_per_window_and_says_its_hidden_share() -> No
     assert run.as_dict()["collectives_ms"] == pytest.approx(10.0)
     assert "90% hidden" in line(run)
     assert split({"step": [1.0]}) == {} and line(RunComm()) is None
+
+
+def test_the_two_gpu_script_runs_splits_and_adds_up_on_the_cpu() -> None:
+    """benchmarks/comm_nccl.py (issue 40's runs, for two GPUs) in its gloo smoke mode: it stays runnable."""
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "benchmarks", "comm_nccl.py"), "--cpu", "--cases", "ddp_straggler,fsdp2"]
+    _, rows = _run(cmd)
+    by = {(r["case"], r["rank"]): r for r in rows}
+    assert all(r["adds_up"] for r in rows) and len(rows) == 4
+    # rank 1 sleeps 20 ms in forward: rank 0 waits for it in DDP's all-reduce, rank 1 does not
+    assert by["ddp_straggler", 0]["backward_wait"] >= 15.0 > by["ddp_straggler", 1]["backward_wait"]
+    assert all(by["fsdp2", r]["forward_wait"] is not None and by["fsdp2", r]["backward_wait"] for r in (0, 1))
