@@ -165,6 +165,7 @@ class DdpComm:
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
         if core is not None:
             core.comm.hook = self.user_hook
+            core.comm.copy = core.comm.copy or not getattr(self.ddp, "gradient_as_bucket_view", True)
         self._spans, self._open, self._synced = None, None, 0
         self._pending.clear()
         self._device = core is not None and core.clock.kind != "host"
@@ -490,16 +491,23 @@ class FsdpComm:
         cls._originals = {}
 
 
+#: The table's note where DDP copies its results into ``.grad`` inside the span.
+COPY_NOTE = ("backward.comm_wait also holds DDP's copy of the all-reduced gradients into .grad "
+             "(gradient_as_bucket_view=False; True leaves the wait alone, and saves the copy)")
+
+
 def line(run: RunComm) -> str | None:
-    """The table's line: the collectives' own time, their exposed wait, the share hidden (None: none sampled)."""
+    """The table's line: the collectives' own time, their exposed wait, the share hidden, and what the span holds
+    besides the wait (None: nothing sampled and nothing to say)."""
     c = run.as_dict()
     if c is None:
-        return None
+        return f"communication (DDP): {COPY_NOTE}" if run.copy else None
     hidden = c.get("hidden_share")
     return (f"communication (DDP, {c['samples']} sampled backwards): collectives {c['collectives_ms']:.3f} ms a step, "
             f"exposed {c['exposed_ms']:.3f} ms (backward.comm_wait)"
             + (f", {100 * hidden:.0f}% hidden behind backward's compute" if hidden is not None else "")
-            + (f"; your comm hook {run.hook} composed" if run.hook else ""))
+            + (f"; your comm hook {run.hook} composed" if run.hook else "")
+            + (f"; {COPY_NOTE}" if run.copy else ""))
 
 
 def find_ddp(model: Any) -> Any:
@@ -548,8 +556,10 @@ class RunComm:
 
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}
-        #: The user's comm hook composed (its name), or None: phase-timer's own average.
+        #: The user's comm hook (its name), or None: DDP's own average.
         self.hook: str | None = None
+        #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
+        self.copy = False
 
     def add(self, comm: dict[str, float]) -> None:
         for k, v in comm.items():

@@ -38,9 +38,9 @@ class Net(nn.Module):
         return self.head(self.blocks(x))
 
 
-def ddp() -> nn.parallel.DistributedDataParallel:
+def ddp(**kw) -> nn.parallel.DistributedDataParallel:
     torch.manual_seed(0)
-    return nn.parallel.DistributedDataParallel(Net())
+    return nn.parallel.DistributedDataParallel(Net(), **kw)
 
 
 def train(model, timer, opt, steps: int = 8, sync_forward: bool = True, sync_backward: bool = True) -> None:
@@ -97,6 +97,16 @@ def test_the_sync_is_ddp_s_decision_at_forward(tmp_path) -> None:
     # forward outside, backward under no_sync(): DDP does all-reduce, and its wait is split
     assert WAIT in run(tmp_path / "b", sync_backward=False)
     assert WAIT in run(tmp_path / "c")
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_the_table_says_when_the_span_holds_ddp_s_copy_into_grad(tmp_path, view: bool) -> None:
+    model = ddp(gradient_as_bucket_view=view)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = phase_timer.attach(model, opt, log_dir=str(tmp_path), warmup_steps=1, summary=False)
+    train(model, timer, opt, steps=4)
+    timer.close()
+    assert (comm.COPY_NOTE in timer.last_summary) is not view
 
 
 def test_a_second_timer_keeps_the_split_when_the_first_closes(tmp_path) -> None:
