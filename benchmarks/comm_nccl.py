@@ -40,10 +40,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
+from benchmarks.comm_truth import timeline  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.metrics import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 CASES = ("ddp_hide", "ddp_expose", "ddp_default", "ddp_straggler", "fsdp2")
 SLOW_S = 0.02
 
@@ -72,24 +72,6 @@ class LM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-def exposed_ms(events: list, steps: int) -> tuple[float, float, int]:
-    """(NCCL kernels' ms a step outside every compute kernel, DDP's copies' ms a step, syncs) from the profile."""
-    kernels = [(e.time_range.start, e.time_range.end, e.name.lower()) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    comm = [(a, b) for a, b, n in kernels if "nccl" in n]
-    merged: list[list[float]] = []
-    for a, b in sorted((a, b) for a, b, n in kernels if "nccl" not in n and "memcpy" not in n and "memset" not in n):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    out = 0.0
-    for a, b in comm:
-        out += (b - a) - sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged)
-    copies = sum(e.device_time_total for e in events if e.name.endswith("copy_bucket_to_grad"))
-    return out / 1e3 / steps, copies / 1e3 / steps, sum(1 for e in events if e.name in SYNCS)
 
 
 def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -133,7 +115,9 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     phases = {p: t.mean for p, t in totals.phases.items()}
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
     n = args.steps - args.warmup
-    truth, copies, syncs = exposed_ms(prof.events(), n) if prof is not None else (float("nan"),) * 2 + (0,)
+    nan = float("nan")
+    t = timeline(prof.events(), n, ("nccl",)) if prof is not None else dict(exposed=nan, copies=nan, syncs=0)
+    truth, copies, syncs = t["exposed"], t["copies"], t["syncs"]
     d = timer.diagnosis
     kinds = [d.kind, *(f.kind for f in d.secondary)] if d is not None else []
     straggler = next((f for f in [d, *d.secondary] if f.kind == "RANK_STRAGGLER"), None) if d is not None else None

@@ -138,35 +138,37 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
         prof.stop()
     run_comm = timer.core.comm if timer.core is not None else None
     totals = timer.close()
-    events = prof.events() if profile else []
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    is_comm = lambda n: any(k in n.lower() for k in ("spin", "sleep", "nccl"))  # noqa: E731 - the planted and real
-    spins = [(a, b) for a, b, n in kernels if is_comm(n)]
-    compute = sorted((a, b) for a, b, n in kernels if not is_comm(n)
-                     and "memcpy" not in n.lower() and "memset" not in n.lower())
-    # the union of compute intervals, then each spin's part outside it
-    merged: list[list[float]] = []
-    for a, b in compute:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    exposed_us = 0.0
-    for a, b in spins:
-        covered = sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged)
-        exposed_us += (b - a) - covered
     n = steps - warm
-    syncs = sum(1 for e in events if e.name in SYNCS)
-    copies_us = sum(e.device_time_total for e in events if e.name.endswith("copy_bucket_to_grad"))
+    truth = timeline(prof.events() if profile else [], n, ("spin", "sleep", "nccl"))  # the planted and the real
     wait = totals.phases.get("backward.comm_wait") if totals is not None else None
     mean = lambda p: totals.phases[p].mean if totals is not None and p in totals.phases else float("nan")  # noqa: E731
     return dict(
         case=name, steps=n, backward=mean("backward"), step=mean("step"),
-        wait=wait.mean if wait is not None else None, truth=exposed_us / 1e3 / n if profile else float("nan"),
-        spin=sum(b - a for a, b in spins) / 1e3 / n, comm=run_comm.as_dict() if run_comm is not None else None,
-        syncs=syncs, wall=t_wall, split_us=[(sorted(v)[len(v) // 2] / 1e3, sum(v) / 1e3 / steps) if v else (0.0, 0.0) for v in spent], copies=copies_us / 1e3 / n if profile else float("nan"),
+        wait=wait.mean if wait is not None else None, truth=truth["exposed"] if profile else float("nan"),
+        spin=truth["comm"], comm=run_comm.as_dict() if run_comm is not None else None, syncs=truth["syncs"],
+        wall=t_wall, copies=truth["copies"] if profile else float("nan"),
+        split_us=[(sorted(v)[len(v) // 2] / 1e3, sum(v) / 1e3 / steps) if v else (0.0, 0.0) for v in spent],
     )
+
+
+def timeline(events: list, steps: int, comm_names: tuple[str, ...]) -> dict[str, float]:
+    """A profile's truth, per step: ``exposed`` (ms of the communication kernels, those whose name holds one of
+    ``comm_names``, outside the union of every compute kernel: the offline trace analyzers' rule), ``comm`` (their
+    ms), ``copies`` (ms of the kernels under DDP's ``copy_bucket_to_grad``) and ``syncs`` (host-device syncs seen)."""
+    kernels = [(e.time_range.start, e.time_range.end, e.name.lower()) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    comm = [(a, b) for a, b, n in kernels if any(k in n for k in comm_names)]
+    merged: list[list[float]] = []  # the union of compute intervals
+    for a, b in sorted((a, b) for a, b, n in kernels
+                       if not any(k in n for k in comm_names) and "memcpy" not in n and "memset" not in n):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    exposed = sum((b - a) - sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged) for a, b in comm)
+    copies = sum(e.device_time_total for e in events if e.name.endswith("copy_bucket_to_grad"))
+    return dict(exposed=exposed / 1e3 / steps, comm=sum(b - a for a, b in comm) / 1e3 / steps,
+                copies=copies / 1e3 / steps, syncs=sum(1 for e in events if e.name in SYNCS))
 
 
 def main() -> None:
