@@ -10,15 +10,17 @@ Each case is its own model and ``attach()`` (the plain door), on an LM of residu
   backward and hide behind the rest of it.
 - ``ddp_expose``: the same with one bucket (``bucket_cap_mb`` above the gradients' size): its all-reduce starts
   after backward's last gradient, and is exposed.  ``COMM_BOUND`` is expected here, and not in ``ddp_hide``.
-- ``ddp_default``: DDP's defaults (``gradient_as_bucket_view=False``): the span also holds DDP's copy into
-  ``.grad``, listed beside it (the kernels under ``copy_bucket_to_grad``).
+- ``ddp_default``: DDP's defaults (``gradient_as_bucket_view=False``): DDP copies into ``.grad`` inside its
+  end-of-backward; phase-timer times those copies on sampled backwards and takes them off the wait (their
+  kernels under ``copy_bucket_to_grad`` are listed beside it).
 - ``ddp_straggler``: ``ddp_hide`` with rank 1 sleeping 20 ms in every forward: ``RANK_STRAGGLER`` should name
   rank 1 and say rank 0's extra wait is exposed communication waiting for it.
 - ``fsdp2``: ``fully_shard`` on every block and the root: forward's and backward's waits.
 
 The truth, per rank and step, is the profiler's union-of-intervals rule on the same timed steps: the NCCL
-kernels' time not overlapped by any compute kernel, over the whole step, against ``forward.comm_wait`` +
-``backward.comm_wait``.  It also counts the host-device syncs in the profiled steps.  Rank zero prints a table
+kernels' time not overlapped by any other kernel (the compute stream's copies count as its work: see
+``comm_truth.py``), over the whole step, against ``forward.comm_wait`` + ``backward.comm_wait``; the offline
+analyzers' rule (compute kernels only) is listed beside it.  It also counts the host-device syncs in the profiled steps.  Rank zero prints a table
 (one row per case and rank), the verdicts, and writes ``--out``.  ``--cpu``: gloo, a tiny model, no profiler:
 that the script runs, splits and adds up (``tests/test_comm.py`` runs it).
 """
@@ -116,14 +118,15 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
     n = args.steps - args.warmup
     nan = float("nan")
-    t = timeline(prof.events(), n, ("nccl",)) if prof is not None else dict(exposed=nan, copies=nan, syncs=0)
-    truth, copies, syncs = t["exposed"], t["copies"], t["syncs"]
+    t = (timeline(prof.events(), n, ("nccl",)) if prof is not None
+         else dict(exposed=nan, exposed_stream=nan, copies=nan, syncs=0))
+    truth, analyzers, copies, syncs = t["exposed_stream"], t["exposed"], t["copies"], t["syncs"]
     d = timer.diagnosis
     kinds = [d.kind, *(f.kind for f in d.secondary)] if d is not None else []
     straggler = next((f for f in [d, *d.secondary] if f.kind == "RANK_STRAGGLER"), None) if d is not None else None
     return dict(case=case, rank=rank, wait=sum(phases.get(p, 0.0) for p in COMM_PARTS),
                 forward_wait=phases.get("forward.comm_wait"), backward_wait=phases.get("backward.comm_wait"),
-                truth=truth, copies=copies, syncs=syncs, step=phases.get("step"), kinds=kinds,
+                truth=truth, analyzers=analyzers, copies=copies, syncs=syncs, step=phases.get("step"), kinds=kinds,
                 adds_up=abs(sum(phases[p] for p in inside) - phases["step"]) <= 1e-6 * phases["step"],
                 straggler=(straggler.why + " | " + " | ".join(straggler.next)) if straggler is not None else None)
 
@@ -160,12 +163,13 @@ def main() -> None:
                  f"batch {args.batch} x {args.seq} tokens; {args.steps} steps, the last {args.steps - args.warmup} "
                  f"timed and profiled",
                  f"{'case':14} {'rank':>4} {'comm_wait ms':>12} {'fwd ms':>7} {'bwd ms':>7} {'profiler ms':>11} "
-                 f"{'diff ms':>8} {'DDP copies':>10} {'step ms':>8} {'syncs':>5} {'adds up':>7}  verdicts"]
+                 f"{'diff ms':>8} {'analyzers ms':>12} {'DDP copies':>10} {'step ms':>8} {'syncs':>5} {'adds up':>7}  "
+                 "verdicts"]
         for r in rows:
             f = lambda v: float("nan") if v is None else v  # noqa: E731
             lines.append(f"{r['case']:14} {r['rank']:4d} {r['wait']:12.3f} {f(r['forward_wait']):7.3f} "
                          f"{f(r['backward_wait']):7.3f} {r['truth']:11.3f} {r['wait'] - r['truth']:+8.3f} "
-                         f"{r['copies']:10.3f} {f(r['step']):8.3f} {r['syncs']:5d} {str(r['adds_up']):>7}  "
+                         f"{r['analyzers']:12.3f} {r['copies']:10.3f} {f(r['step']):8.3f} {r['syncs']:5d} {str(r['adds_up']):>7}  "
                          f"{','.join(r['kinds'])}")
         lines += [f"straggler ({r['case']}, rank {r['rank']}): {r['straggler']}" for r in rows if r["straggler"]]
         print("\n".join(lines), flush=True)

@@ -14,15 +14,25 @@ end-of-backward makes the compute stream wait for it, as for NCCL's own kernels.
   and ``early_view`` likewise.
 - ``bare``: the same model without DDP (phase-timer attached as ever): the step's scale without a reducer.
 
-``backward.comm_wait`` is DDP's end-of-backward: its waits, and (``gradient_as_bucket_view=False``, DDP's
-default) its copy of each bucket's result into ``.grad``.  So beside the trace rule's exposed time, the
-table gives those copies' own device time (the kernels under DDP's ``copy_bucket_to_grad`` ranges): the
-span should read the exposed time plus the copies.
+``backward.comm_wait`` is DDP's end-of-backward, less DDP's copies of each bucket's result into ``.grad``
+(``gradient_as_bucket_view=False``, DDP's default), which phase-timer times on sampled backwards and leaves in
+``backward``.  The table gives those copies' own device time (the kernels under DDP's ``copy_bucket_to_grad``
+ranges) beside it.
 
-The truth, per step, is the profiler's (Kineto) union-of-intervals rule, the one the offline trace
-analyzers use: the communication kernels' time (the spins, NCCL's) not overlapped by any compute kernel.  Both are
-averaged over the same timed steps.  It also counts the host-device syncs (cudaStreamSynchronize,
-cudaDeviceSynchronize, cudaEventSynchronize) in the profiled steps: there must be none.
+The truth, per step, is the profiler's (Kineto) union-of-intervals rule: the communication kernels' time (the
+spins, NCCL's) not overlapped by the union of the other kernels.  Two unions: the offline trace analyzers'
+(compute kernels only: a memcpy is not compute there), and the compute stream's (its copies too: DDP's copies
+into ``.grad`` are work the compute stream does while a collective runs, not a wait; phase-timer's
+``backward.comm_wait`` is the compute stream's wait, so this is its truth).  With ``gradient_as_bucket_view=True``
+there are no copies and the two agree.  Both are averaged over the same timed steps.  It also counts the
+host-device syncs (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize) in the profiled steps:
+there must be none.
+
+The host cost is measured two ways on a launch-bound DDP (32 small layers, a bucket each): wall time a step
+with and without the split (noisy at the µs scale), and each of the split's calls timed inside two nested
+timers (the inner one times the call, the outer one the call and the inner timer: the call alone is about
+``2 x inner - outer``).  A backward whose copies are timed (one in ``comm.COPY_EVERY``) is measured by making
+every backward one.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
+from phase_timer import comm  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 
 LINES: list[str] = []
@@ -100,7 +111,8 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     if case == "lb_core":  # phase-timer on, the split taken off: what the split alone costs a step
         for probe in timer.__dict__.pop("_comm"):
             probe.remove()
-    spent: list[list[int]] = [[], []]  # lb_timed: ns a call inside the split's hook and its final callback
+    # lb_timed: ns a call of the split's hook (0, inner timer; 2, outer) and of its final callback (1; 3)
+    spent: list[list[int]] = [[], [], [], []]
     if case == "lb_timed":
         probe = timer._comm[0]
 
@@ -112,13 +124,19 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
 
             return call
 
-        # the parameter's hook as armed (C: phase_timer._native.Arm), its queued switch wrapped in a timer too
+        # the parameter's hook as armed (C: phase_timer._native.Arm), its queued switch too, each in two timers
         from phase_timer._native import Arm
 
         probe._handle.remove()
         armed = Arm(probe._engine, "backward", model, "require_forward_param_sync", probe._queue_callback,
-                    timed(probe._to_wait, 1))
-        probe._handle = probe._param.register_post_accumulate_grad_hook(timed(armed, 0))
+                    timed(timed(probe._to_wait, 1), 3))
+        probe._handle = probe._param.register_post_accumulate_grad_hook(timed(timed(armed, 0), 2))
+    sampled = None
+    if case == "lb_sampled":  # every synced backward's copies timed (the run's schedule: one in COPY_EVERY or more)
+        sampled = timer._comm[0]
+        host_ns = sampled.copy_host_ns  # the run's list (closing the timer starts a new one)
+        sampled._armed.due = 1
+        sampled._schedule = lambda due: setattr(sampled._armed, "due", 1)
     if case in ("late", "early"):
         model.register_comm_hook(None, spin_hook("last" if case == "late" else "first", int(spin_ms * cpm)))
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
@@ -140,14 +158,17 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     totals = timer.close()
     n = steps - warm
     truth = timeline(prof.events() if profile else [], n, ("spin", "sleep", "nccl"))  # the planted and the real
+    copy_ms = run_comm.copy_ms if run_comm is not None else None
+    sampled_us = sorted(host_ns)[len(host_ns) // 2] / 1e3 if sampled is not None else None
     wait = totals.phases.get("backward.comm_wait") if totals is not None else None
     mean = lambda p: totals.phases[p].mean if totals is not None and p in totals.phases else float("nan")  # noqa: E731
     return dict(
         case=name, steps=n, backward=mean("backward"), step=mean("step"),
         wait=wait.mean if wait is not None else None, truth=truth["exposed"] if profile else float("nan"),
+        stream=truth["exposed_stream"] if profile else float("nan"), copy_ms=copy_ms, sampled_us=sampled_us,
         spin=truth["comm"], comm=run_comm.as_dict() if run_comm is not None else None, syncs=truth["syncs"],
         wall=t_wall, copies=truth["copies"] if profile else float("nan"),
-        split_us=[(sorted(v)[len(v) // 2] / 1e3, sum(v) / 1e3 / steps) if v else (0.0, 0.0) for v in spent],
+        split_us=[sorted(v)[len(v) // 2] / 1e3 if v else 0.0 for v in spent],
     )
 
 
@@ -158,16 +179,22 @@ def timeline(events: list, steps: int, comm_names: tuple[str, ...]) -> dict[str,
     kernels = [(e.time_range.start, e.time_range.end, e.name.lower()) for e in events
                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     comm = [(a, b) for a, b, n in kernels if any(k in n for k in comm_names)]
-    merged: list[list[float]] = []  # the union of compute intervals
-    for a, b in sorted((a, b) for a, b, n in kernels
-                       if not any(k in n for k in comm_names) and "memcpy" not in n and "memset" not in n):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    exposed = sum((b - a) - sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged) for a, b in comm)
+
+    def exposed(work: list[tuple[float, float]]) -> float:
+        merged: list[list[float]] = []  # the union of the work's intervals
+        for a, b in sorted(work):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return sum((b - a) - sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged) for a, b in comm)
+
+    other = [(a, b, n) for a, b, n in kernels if not any(k in n for k in comm_names)]
+    compute = exposed([(a, b) for a, b, n in other if "memcpy" not in n and "memset" not in n])
+    stream = exposed([(a, b) for a, b, _ in other])
     copies = sum(e.device_time_total for e in events if e.name.endswith("copy_bucket_to_grad"))
-    return dict(exposed=exposed / 1e3 / steps, comm=sum(b - a for a, b in comm) / 1e3 / steps,
+    return dict(exposed=compute / 1e3 / steps, exposed_stream=stream / 1e3 / steps,
+                comm=sum(b - a for a, b in comm) / 1e3 / steps,
                 copies=copies / 1e3 / steps, syncs=sum(1 for e in events if e.name in SYNCS))
 
 
@@ -195,36 +222,49 @@ def main() -> None:
     rows = [run(c, args.steps, args.spin_ms, cpm, args.width, args.depth, args.batch) for c in args.cases.split(",")]
     # Launch-bound (the host's cost shows): 32 small layers, a bucket each; DDP without phase-timer, with it
     # but the split taken off, and with both; interleaved, the median of the rounds' wall time a step.
-    lb: dict[str, list[float]] = {"lb_off": [], "lb_core": [], "lb_on": []}
+    lb: dict[str, list[float]] = {"lb_off": [], "lb_core": [], "lb_on": [], "lb_sampled": []}
+    sampled_us = []
     for _ in range(args.rounds):
         for c in lb:
-            lb[c].append(run(c, args.lb_steps, 0, cpm, 256, 32, 64)["wall"])
-    say(f"{'case':8} {'comm_wait ms':>12} {'profiler ms':>11} {'diff ms':>8} {'DDP copies ms':>13} {'diff-copies':>11} "
-        f"{'comm kernels ms':>15} {'collectives ms':>14} {'hidden':>7} {'backward ms':>11} {'step ms':>8} {'wall ms':>8} "
-        f"{'syncs':>5}")
+            r = run(c, args.lb_steps, 0, cpm, 256, 32, 64)
+            lb[c].append(r["wall"])
+            if r["sampled_us"] is not None:
+                sampled_us.append(r["sampled_us"])
+    say(f"{'case':11} {'comm_wait ms':>12} {'stream ms':>9} {'diff ms':>8} {'analyzers ms':>12} {'DDP copies ms':>13} "
+        f"{'copies taken':>12} {'comm kernels ms':>15} {'collectives ms':>14} {'hidden':>7} {'backward ms':>11} "
+        f"{'step ms':>8} {'wall ms':>8} {'syncs':>5}")
     for r in rows:
         c = r["comm"] or {}
         if r["case"].endswith("off"):
             r["backward"] = r["step"] = float("nan")
         wait = r["wait"]
-        diff = f"{wait - r['truth']:+8.3f}" if wait is not None else f"{'-':>8}"
-        rest = f"{wait - r['truth'] - r['copies']:+11.3f}" if wait is not None else f"{'-':>11}"
-        say(f"{r['case']:8} {wait if wait is not None else float('nan'):12.3f} {r['truth']:11.3f} {diff} "
-            f"{r['copies']:13.3f} {rest} {r['spin']:15.3f} {c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
+        diff = f"{wait - r['stream']:+8.3f}" if wait is not None else f"{'-':>8}"
+        taken = r["copy_ms"] if r["copy_ms"] is not None else float("nan")
+        say(f"{r['case']:11} {wait if wait is not None else float('nan'):12.3f} {r['stream']:9.3f} {diff} "
+            f"{r['truth']:12.3f} {r['copies']:13.3f} {taken:12.3f} {r['spin']:15.3f} "
+            f"{c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
             f"{r['backward']:11.3f} {r['step']:8.3f} {r['wall']:8.3f} {r['syncs']:5d}")
     med = {c: sorted(v)[len(v) // 2] for c, v in lb.items()}
     say(f"launch-bound DDP (32 x Linear(256), batch 64, 32 buckets), {args.lb_steps - 5} steps x {args.rounds} rounds, "
         f"median wall ms a step: without phase-timer {med['lb_off']:.4f}, with it but no split {med['lb_core']:.4f}, "
-        f"with both {med['lb_on']:.4f}: the split +{1e3 * (med['lb_on'] - med['lb_core']):.1f} us a step, "
-        f"everything phase-timer does +{1e3 * (med['lb_on'] - med['lb_off']):.1f} us")
+        f"with both {med['lb_on']:.4f}: the split {1e3 * (med['lb_on'] - med['lb_core']):+.1f} us a step, "
+        f"everything phase-timer does {1e3 * (med['lb_on'] - med['lb_off']):+.1f} us; every backward's copies timed "
+        f"{med['lb_sampled']:.4f}: a sampled backward {1e3 * (med['lb_sampled'] - med['lb_on']):+.1f} us")
+    us = sorted(sampled_us)[len(sampled_us) // 2]
+    say(f"a sampled end-of-backward's host time (its copies timed; DDP's own end-of-backward in), median of the rounds' "
+        f"medians: {us:.0f} us; the next is {max(comm.COPY_EVERY, int(us * 1e3 / comm.COPY_BUDGET_NS))} synced "
+        f"backwards later (at least {comm.COPY_EVERY}, and its host time / {comm.COPY_BUDGET_NS} ns): "
+        f"{us / max(comm.COPY_EVERY, us * 1e3 / comm.COPY_BUDGET_NS):.2f} us a backward spread")
     for c, v in lb.items():
         say(f"  {c} rounds: {' '.join(f'{x:.4f}' for x in v)}")
     parts = [run("lb_timed", args.lb_steps, 0, cpm, 256, 32, 64)["split_us"] for _ in range(args.rounds)]
-    med = sorted(parts, key=lambda t: t[0][0] + t[1][0])[len(parts) // 2]
-    say(f"the split's own host time, each call timed inside (the parameter's hook; the final callback that starts the "
-        f"wait): median {med[0][0]:.1f} + {med[1][0]:.1f} = {med[0][0] + med[1][0]:.1f} us a step, mean "
-        f"{med[0][1]:.1f} + {med[1][1]:.1f} us (the median round of {args.rounds}; medians a round: "
-        f"{' '.join(f'{t[0][0] + t[1][0]:.1f}' for t in parts)})")
+    alone = [2 * p[0] - p[2] + 2 * p[1] - p[3] for p in parts]  # the hook and the callback, each 2 x inner - outer
+    k = sorted(range(len(parts)), key=lambda i: alone[i])[len(parts) // 2]
+    hook, cb = parts[k][0], parts[k][1]
+    say(f"the split's own host time a synced backward, each call inside two nested timers (medians of the calls; "
+        f"the median round of {args.rounds}): the parameter's hook {hook:.1f} us (outer {parts[k][2]:.1f}), the "
+        f"final callback that starts the wait {cb:.1f} us (outer {parts[k][3]:.1f}); inner timers {hook + cb:.1f} "
+        f"us, the calls alone (2 x inner - outer) {alone[k]:.1f} us; rounds, alone: {' '.join(f'{a:.1f}' for a in alone)}")
     dist.destroy_process_group()
     if args.out:
         with open(args.out, "w") as f:

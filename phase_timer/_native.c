@@ -1491,10 +1491,13 @@ static PyTypeObject StepsType = {
  * exposed-communication split (comm.py): on one parameter's gradient accumulation, a synced backward timed in
  * `backward` queues the engine's switch to its wait as an autograd final callback.  In C because it runs every
  * backward on the autograd thread, where a Python frame costs a few µs (cold between kernel launches).
+ * `sample` (optional) is queued instead on the `due`-th such backward from now (counted down here; 0: never),
+ * and sets the next `due` itself: the sampled backwards, in Python.
  */
 typedef struct {
     PyObject_HEAD
-    PyObject *engine, *phase, *owner, *flag, *queue, *callback;
+    PyObject *engine, *phase, *owner, *flag, *queue, *callback, *sample;
+    long long due;
 } Arm;
 
 static int Arm_traverse(Arm *self, visitproc visit, void *arg) {
@@ -1504,6 +1507,7 @@ static int Arm_traverse(Arm *self, visitproc visit, void *arg) {
     Py_VISIT(self->flag);
     Py_VISIT(self->queue);
     Py_VISIT(self->callback);
+    Py_VISIT(self->sample);
     return 0;
 }
 
@@ -1514,6 +1518,7 @@ static int Arm_clear(Arm *self) {
     Py_CLEAR(self->flag);
     Py_CLEAR(self->queue);
     Py_CLEAR(self->callback);
+    Py_CLEAR(self->sample);
     return 0;
 }
 
@@ -1524,14 +1529,17 @@ static void Arm_dealloc(Arm *self) {
 }
 
 static int Arm_init(Arm *self, PyObject *args, PyObject *kw) {
-    PyObject *engine, *phase, *owner, *flag, *queue, *callback;
-    if (!PyArg_ParseTuple(args, "OUOUOO:Arm", &engine, &phase, &owner, &flag, &queue, &callback)) return -1;
+    PyObject *engine, *phase, *owner, *flag, *queue, *callback, *sample = Py_None;
+    if (!PyArg_ParseTuple(args, "OUOUOO|O:Arm", &engine, &phase, &owner, &flag, &queue, &callback, &sample))
+        return -1;
     Py_XSETREF(self->engine, Py_NewRef(engine));
     Py_XSETREF(self->phase, Py_NewRef(phase));
     Py_XSETREF(self->owner, Py_NewRef(owner));
     Py_XSETREF(self->flag, Py_NewRef(flag));
     Py_XSETREF(self->queue, Py_NewRef(queue));
     Py_XSETREF(self->callback, Py_NewRef(callback));
+    Py_XSETREF(self->sample, sample == Py_None ? NULL : Py_NewRef(sample));
+    self->due = 0;
     return 0;
 }
 
@@ -1561,7 +1569,9 @@ static PyObject *Arm_call(Arm *self, PyObject *args, PyObject *kw) {
         Py_XDECREF(flag);
     }
     if (on > 0) {
-        PyObject *out = PyObject_CallOneArg(self->queue, self->callback);
+        PyObject *cb = self->callback;
+        if (self->sample != NULL && self->due > 0 && --self->due == 0) cb = self->sample;
+        PyObject *out = PyObject_CallOneArg(self->queue, cb);
         on = out == NULL ? -1 : 0;
         Py_XDECREF(out);
     }
@@ -1569,15 +1579,22 @@ static PyObject *Arm_call(Arm *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+static PyMemberDef Arm_members[] = {
+    {"due", T_LONGLONG, offsetof(Arm, due), 0, "calls (that queue) until sample is queued instead; 0: never"},
+    {NULL},
+};
+
 static PyTypeObject ArmType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "phase_timer._native.Arm",
     .tp_basicsize = sizeof(Arm),
     .tp_dealloc = (destructor)Arm_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Arm(engine, phase, owner, flag, queue, callback): called (with any arguments), queue(callback) "
-              "when engine.current == phase and owner.<flag> is true.",
+    .tp_doc = "Arm(engine, phase, owner, flag, queue, callback, sample=None): called (with any arguments), "
+              "queue(callback) when engine.current == phase and owner.<flag> is true; queue(sample) instead on "
+              "the due-th such call (due counts down; 0: never).",
     .tp_traverse = (traverseproc)Arm_traverse,
+    .tp_members = Arm_members,
     .tp_clear = (inquiry)Arm_clear,
     .tp_call = (ternaryfunc)Arm_call,
     .tp_init = (initproc)Arm_init,

@@ -20,8 +20,13 @@ is a Python callback, which queues one more after DDP's end-of-backward to end i
 
 What the span holds besides the wait: DDP's end-of-backward copies each bucket's result into ``.grad``
 after its wait unless ``gradient_as_bucket_view=True`` (a read and a write of the gradients, interleaved with
-the waits).  (A static graph's first-iteration all-reduce is queued at backward's start, so it runs before
-the span, in ``backward``.)  Where the split is missed, silently: a backward in which the parameter heard
+the waits; with a comm hook that returns a new tensor, a copy back into the bucket).  Those copies are
+backward's compute, the same bytes every step: on sampled backwards (the 2nd to 4th synced ones, then one in
+COPY_EVERY) a dispatch mode, pushed for DDP's end-of-backward only, brackets each of DDP's ``copy_`` with
+two marks of its own (events on the compute stream; the host clock on a CPU); their sum, the median of the
+last samples, is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
+stays in ``backward``.  (A static graph's first-iteration all-reduce is queued at backward's start, so it
+runs before the span, in ``backward``.)  Where the split is missed, silently: a backward in which the parameter heard
 gets no gradient (unused that step, frozen after attach); that parameter inside a reentrant activation
 checkpoint (``use_reentrant=True``), where its hook runs in a nested backward and the span would start at
 that backward's end (so the parameter heard is the shallowest, see :meth:`DdpComm.install`).
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import time
 import weakref
 from collections import deque
@@ -67,6 +73,10 @@ PREFIX = "comm"
 #: DDP's own record of its last forward's decision: True when it prepared a synced backward (False under
 #: ``no_sync()``, or after a forward with no grad).
 SYNCED = "require_forward_param_sync"
+#: DDP's copies into ``.grad``: timed on the synced backwards COPY_FIRST (counted from 1), then one in COPY_EVERY or
+#: more: as many as keep a sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate
+#: is the median of the last COPY_KEEP samples.
+COPY_FIRST, COPY_EVERY, COPY_BUDGET_NS, COPY_KEEP = (2, 3, 4), 1024, 1000, 3
 
 
 class DdpComm:
@@ -92,6 +102,12 @@ class DdpComm:
         self._queue_callback = Variable._execution_engine.queue_callback  # bound once, not looked up a backward
         self._param = param  # the one whose gradient accumulation starts the wait (see install)
         self._handle: Any = None  # its hook while bound
+        self._armed: Any = None  # that hook: a native Arm (it counts down to a sampled backward) or _began
+        self._due = 0  # _began's countdown to a backward whose copies are timed (0: none)
+        self._copies: Any = None  # the dispatch mode pushed for this backward's end-of-backward, if sampled
+        self._copy_taken = 0  # backwards whose copies were timed while bound
+        self._copy_t0 = 0  # perf_counter_ns where the sampled one began
+        self.copy_host_ns: list[int] = []  # each sampled end-of-backward's host time (DDP's own in), while bound
 
     # -- installation ---------------------------------------------------------------
     @classmethod
@@ -148,7 +164,7 @@ class DdpComm:
 
     def _compose(self, hook: Any, state: object, name: str) -> None:
         """Register ours, running ``hook`` inside it, under ``name`` (DDP's logging and the run's record say it)."""
-        _DDP_ORIGINALS["register_comm_hook"](self.ddp, None, self._hook)
+        _DDP_ORIGINALS["register_comm_hook"][2](self.ddp, None, self._hook)
         self.ddp._comm_hooks.clear()  # DDP's record of Python hooks holds the user's (appended next), not ours
         logger = getattr(self.ddp, "logger", None)
         if logger is not None:
@@ -166,10 +182,12 @@ class DdpComm:
         if core is not None:
             core.comm.hook = self.user_hook
             core.comm.copy = core.comm.copy or not getattr(self.ddp, "gradient_as_bucket_view", True)
-        self._spans, self._open, self._synced = None, None, 0
+        self._spans, self._open, self._synced, self._copies, self._copy_taken = None, None, 0, None, 0
+        self.copy_host_ns = []
         self._pending.clear()
         self._device = core is not None and core.clock.kind != "host"
         self._arm()
+        self._schedule(COPY_FIRST[0])
 
     def _arm(self) -> None:
         """The parameter's hook, for the binding and the path now (none unbound)."""
@@ -178,11 +196,21 @@ class DdpComm:
             self._handle = None
         if self._engine is None:
             return
+        due = self._armed.due if Arm is not None and isinstance(self._armed, Arm) else self._due
         hook: Any = self._began
         if self._inner is None and Arm is not None:  # the usual path: one C call, no Python frame
-            hook = Arm(self._engine, BACKWARD, self.ddp, SYNCED, self._queue_callback, self._to_wait)
+            hook = Arm(self._engine, BACKWARD, self.ddp, SYNCED, self._queue_callback, self._to_wait,
+                       self._sample_copies)
         self._armed = hook
+        self._schedule(due)
         self._handle = self._param.register_post_accumulate_grad_hook(hook)
+
+    def _schedule(self, due: int) -> None:
+        """Time DDP's copies on the ``due``-th synced backward from now (0: none)."""
+        if Arm is not None and isinstance(self._armed, Arm):
+            self._armed.due = due
+        else:
+            self._due = due
 
     def remove(self, core: Any = None) -> None:
         """Unbind and take the parameter's hook off, unless another timer (not ``core``) bound it since; the
@@ -243,10 +271,17 @@ class DdpComm:
         if engine is None or engine.current != BACKWARD or not getattr(self.ddp, SYNCED, False):
             return
         self._synced += 1  # the sampling schedule counts these
-        self._queue_callback(self._to_wait if self._inner is None else self._split)
+        due = self._due
+        if due > 0:
+            self._due = due - 1
+        if due == 1:
+            self._queue_callback(self._sample_copies)
+        else:
+            self._queue_callback(self._to_wait if self._inner is None else self._split)
 
-    def _split(self) -> None:
-        """After backward's compute, before DDP's end-of-backward (a composed hook's backward): the wait begins."""
+    def _split(self, copies: bool = False) -> None:
+        """After backward's compute, before DDP's end-of-backward (a composed hook's backward, or one whose copies
+        are timed): the wait begins."""
         spans, self._spans = self._spans, None
         engine = self._engine
         if engine is None:
@@ -254,10 +289,31 @@ class DdpComm:
         engine.switch(WAIT)
         if spans:
             self._open = (spans, self._now())
+        if copies:
+            self._copy_taken += 1
+            self._schedule(COPY_EVERY)  # the next one, unless _joined (after DDP's end-of-backward) says sooner or later
+            self._copy_t0 = time.perf_counter_ns()
+            self._copies = _copy_timer(self._core.clock.mark)
+            _push_mode(self._copies)  # the C stack only: autograd's own thread-state guard pops it if DDP raises
         self._queue_callback(self._joined)  # after DDP's end-of-backward, queued before this one ran
+
+    def _sample_copies(self) -> None:
+        """The wait begins on a backward whose end-of-backward copies are timed (queued by the hook on schedule)."""
+        self._split(copies=True)
 
     def _joined(self) -> None:
         """After DDP's end-of-backward: the wait (and DDP's copy into ``.grad``) is over."""
+        copies, self._copies = self._copies, None
+        if copies is not None:
+            _pop_mode()
+            k = self._copy_taken
+            spent = time.perf_counter_ns() - self._copy_t0  # the sampled end-of-backward's host time, DDP's own in
+            self.copy_host_ns.append(spent)
+            del self.copy_host_ns[:-16]
+            self._schedule(COPY_FIRST[k] - COPY_FIRST[k - 1] if k < len(COPY_FIRST)
+                           else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
+            if self._core is not None and copies.spans:
+                self._core.comm.add_copies(self, copies.spans, self._core.clock)
         engine = self._engine
         if engine is None or engine.current != WAIT:
             self._open = None
@@ -288,45 +344,107 @@ class DdpComm:
             engine.add_host(COMM_SAMPLES, 1.0)
 
 
+def _push_mode(mode: Any) -> None:
+    import torch
+
+    torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def _pop_mode() -> None:
+    import torch
+
+    torch._C._pop_torch_dispatch_stack(None)
+
+
+_COPY_TIMER: Any = None
+
+
+def _copy_timer(now: Any) -> Any:
+    """A dispatch mode that brackets each ``copy_`` dispatched under it with two of ``now()``'s marks (its
+    ``spans``); every other op passes through."""
+    global _COPY_TIMER
+    if _COPY_TIMER is None:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        copy_ = torch.ops.aten.copy_.default
+
+        class CopyTimer(TorchDispatchMode):
+            def __init__(self, now: Any) -> None:
+                super().__init__()
+                self.now = now
+                self.spans: list[tuple[Any, Any]] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+                if func is not copy_:
+                    return func(*args, **(kwargs or {}))
+                a = self.now()
+                out = func(*args, **(kwargs or {}))
+                self.spans.append((a, self.now()))
+                return out
+
+        _COPY_TIMER = CopyTimer
+    return _COPY_TIMER(now)
+
+
 #: Each DDP module's split (weak: a module dropped takes its entry along); none is an attribute of the module,
 #: which stays picklable and deep-copyable (an EMA copy of it).
 _PROBES: weakref.WeakKeyDictionary[Any, DdpComm] = weakref.WeakKeyDictionary()
-_DDP_ORIGINALS: dict[str, Any] = {}
+#: DDP's registrations while wrapped: name -> (owner, attribute, original, ours).
+_DDP_ORIGINALS: dict[str, tuple[Any, str, Any, Any]] = {}
+
+
+def _put_on(wrapped: dict[str, tuple[Any, str, Any, Any]]) -> None:
+    for owner, name, _, ours in wrapped.values():
+        setattr(owner, name, ours)
+
+
+def _put_back(wrapped: dict[str, tuple[Any, str, Any, Any]]) -> None:
+    """Each wrapped function put back on its owner, unless something wrapped ours since (it then stays)."""
+    for owner, name, original, ours in wrapped.values():
+        if getattr(owner, name, None) is ours:
+            setattr(owner, name, original)
+    wrapped.clear()
+
+
+def _between_marks(engine: Any, phase: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` labelled ``phase``'s wait for collectives (``<phase>.comm_wait``), back to ``phase``
+    after it, whatever it raises."""
+    engine.switch(comm_label(phase))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        engine.switch(phase)
+
+
+def _composing(original: Any, compose: Any) -> Any:
+    """DDP's ``original`` registration: on a split module with no comm hook yet, ``compose(probe, ...)`` runs the
+    user's hook inside phase-timer's; anywhere else, DDP's own."""
+
+    def registration(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        probe = _PROBES.get(self)
+        if probe is None or probe.user_hook is not None and probe._inner is None:  # not ours to compose
+            return original(self, *args, **kwargs)
+        return compose(probe, *args, **kwargs)
+
+    return functools.update_wrapper(registration, original)
 
 
 def _wrap_ddp() -> None:
-    """DDP's two registrations, wrapped once in the process while a split module lives: on a split module with
-    no hook yet, the user's runs inside phase-timer's; anywhere else, DDP's own."""
+    """DDP's two registrations, wrapped once in the process while a split module lives."""
     if _DDP_ORIGINALS:
         return
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    register, builtin = DDP.register_comm_hook, DDP._register_builtin_comm_hook
-
-    def register_comm_hook(self, state, hook):  # noqa: ANN001, ANN202
-        probe = _PROBES.get(self)
-        if probe is None or probe.user_hook is not None and probe._inner is None:  # not ours to compose
-            return register(self, state, hook)
-        return probe._register_user(state, hook)
-
-    def register_builtin_comm_hook(self, comm_hook_type):  # noqa: ANN001, ANN202
-        probe = _PROBES.get(self)
-        if probe is None or probe.user_hook is not None and probe._inner is None:
-            return builtin(self, comm_hook_type)
-        return probe._register_builtin(comm_hook_type)
-
-    _DDP_ORIGINALS.update(register_comm_hook=register, _register_builtin_comm_hook=builtin)
-    DDP.register_comm_hook = functools.update_wrapper(register_comm_hook, register)
-    DDP._register_builtin_comm_hook = functools.update_wrapper(register_builtin_comm_hook, builtin)
+    for name, compose in (("register_comm_hook", DdpComm._register_user),
+                          ("_register_builtin_comm_hook", DdpComm._register_builtin)):
+        original = getattr(DDP, name)
+        _DDP_ORIGINALS[name] = (DDP, name, original, _composing(original, compose))
+    _put_on(_DDP_ORIGINALS)
 
 
 def _unwrap_ddp() -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    for name, original in _DDP_ORIGINALS.items():
-        if getattr(getattr(DDP, name), "__wrapped__", None) is original:  # unless something wrapped ours since
-            setattr(DDP, name, original)
-    _DDP_ORIGINALS.clear()
+    _put_back(_DDP_ORIGINALS)
 
 
 def attach_ddp(model: Any, core: Any) -> DdpComm | None:
@@ -373,13 +491,18 @@ def _host_blocking(issue: Any, at: int, engines: list[Any]) -> Any:
         device = args[at] if len(args) > at else kwargs.get("device")
         if (phase != "forward" and phase != BACKWARD) or getattr(device, "type", None) != "cpu":
             return issue(*args, **kwargs)
-        engine.switch(comm_label(phase))
-        try:
-            return issue(*args, **kwargs)
-        finally:
-            engine.switch(phase)
+        return _between_marks(engine, phase, issue, *args, **kwargs)
 
     return functools.update_wrapper(timed, issue)
+
+
+def _wait_gathered(event: Any, work: Any) -> None:
+    """FSDP2's wait for an all-gather, made early: the compute (current) stream waits for its event; an async
+    group's work (a CPU's: the host waits).  FSDP2's own wait then returns at once."""
+    if event is not None:
+        event.wait()
+    if work is not None and hasattr(work, "wait"):
+        work.wait()
 
 
 class FsdpComm:
@@ -424,6 +547,10 @@ class FsdpComm:
         return probe
 
     def remove(self, core: Any = None) -> None:
+        """Stop timing into this probe's core (``core``: only if it is that one); FSDP2's functions are put back
+        when no timer is left."""
+        if core is not None and core._engine is not self._engine:
+            return
         engines = type(self)._engines
         if self._engine in engines:
             engines.remove(self._engine)
@@ -448,25 +575,14 @@ class FsdpComm:
             if phase == "forward" or phase == BACKWARD:
                 event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
                 if event is not None or work is not None:
-                    engine.switch(comm_label(phase))
-                    try:
-                        if event is not None:
-                            event.wait()  # the compute (current) stream waits for the all-gather: FSDP2's, made here
-                        if work is not None and hasattr(work, "wait"):
-                            work.wait()  # an async group's (a CPU's: the host waits); FSDP2's own wait then returns
-                    finally:
-                        engine.switch(phase)
+                    _between_marks(engine, phase, _wait_gathered, event, work)
             return copy_out(result, *args, **kwargs)
 
         def timed_final(state):  # noqa: ANN001, ANN202
             engine = engines[-1] if engines else None
             if engine is None or engine.current != BACKWARD:
                 return final(state)
-            engine.switch(WAIT)
-            try:
-                return final(state)
-            finally:
-                engine.switch(BACKWARD)
+            return _between_marks(engine, BACKWARD, final, state)
 
         functools.update_wrapper(timed_copy_out, copy_out)
         functools.update_wrapper(timed_final, final)
@@ -479,35 +595,37 @@ class FsdpComm:
             at = _device_index(issue)
             if at is not None:
                 cls._originals[name] = (group_mod, name, issue, _host_blocking(issue, at, engines))
-        for owner, name, _, ours in cls._originals.values():
-            setattr(owner, name, ours)
+        _put_on(cls._originals)
         return None
 
     @classmethod
     def _unwrap(cls) -> None:
-        for owner, name, original, ours in cls._originals.values():
-            if getattr(owner, name, None) is ours:  # unless something wrapped ours since
-                setattr(owner, name, original)
-        cls._originals = {}
+        _put_back(cls._originals)
 
 
-#: The table's note where DDP copies its results into ``.grad`` inside the span.
-COPY_NOTE = ("backward.comm_wait also holds DDP's copy of the all-reduced gradients into .grad "
-             "(gradient_as_bucket_view=False; True leaves the wait alone, and saves the copy)")
+def copy_note(run: RunComm) -> str | None:
+    """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
+    if run.copy_ms is not None:
+        return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed on {run.copy_samples} "
+                "sampled backwards) are backward's and are taken off backward.comm_wait")
+    if run.copy:
+        return "DDP's copies into .grad are inside backward.comm_wait (no backward was sampled to time them)"
+    return None
 
 
 def line(run: RunComm) -> str | None:
     """The table's line: the collectives' own time, their exposed wait, the share hidden, and what the span holds
     besides the wait (None: nothing sampled and nothing to say)."""
     c = run.as_dict()
+    note = copy_note(run)
     if c is None:
-        return f"communication (DDP): {COPY_NOTE}" if run.copy else None
+        return f"communication (DDP): {note}" if note else None
     hidden = c.get("hidden_share")
     return (f"communication (DDP, {c['samples']} sampled backwards): collectives {c['collectives_ms']:.3f} ms a step, "
             f"exposed {c['exposed_ms']:.3f} ms (backward.comm_wait)"
             + (f", {100 * hidden:.0f}% hidden behind backward's compute" if hidden is not None else "")
             + (f"; your comm hook {run.hook} composed" if run.hook else "")
-            + (f"; {COPY_NOTE}" if run.copy else ""))
+            + (f"; {note}" if note else ""))
 
 
 def find_ddp(model: Any) -> Any:
@@ -552,7 +670,7 @@ def scalars(comm: dict[str, float]) -> dict[str, float]:
 
 
 class RunComm:
-    """The run's sampled communication: summed over every window."""
+    """The run's sampled communication: summed over every window; and DDP's copies inside the wait's span."""
 
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}
@@ -560,10 +678,56 @@ class RunComm:
         self.hook: str | None = None
         #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
         self.copy = False
+        self._copy_pending: deque[tuple[Any, list[tuple[Any, Any]], Any]] = deque()
+        self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
+        #: DDP's copies inside ``backward.comm_wait``, ms a synced backward (the modules' medians, summed), or None.
+        self.copy_ms: float | None = None
+        self.copy_samples = 0
 
     def add(self, comm: dict[str, float]) -> None:
         for k, v in comm.items():
             self.counts[k] = self.counts.get(k, 0.0) + v
+
+    def add_copies(self, probe: Any, spans: list[tuple[Any, Any]], clock: Any) -> None:
+        """One sampled end-of-backward's copies, each between two of ``clock``'s marks."""
+        self._copy_pending.append((id(probe), spans, clock))
+
+    def resolve_copies(self) -> None:
+        """The sampled copies whose marks are done (``clock.done``: a query, never a wait), into :attr:`copy_ms`."""
+        pending = self._copy_pending
+        while pending:
+            key, spans, clock = pending[0]
+            if not clock.done(spans[-1][1]):
+                return
+            pending.popleft()
+            kept = self._copy_samples.setdefault(key, [])
+            kept.append(sum(clock.elapsed_ms(a, b) for a, b in spans))
+            clock.release([m for span in spans for m in span])
+            del kept[:-COPY_KEEP]
+            self.copy_samples += 1
+            self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())
+
+    def take_copies(self, columns: dict[str, list[float]], comm: dict[str, float]) -> None:
+        """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero; sorted stays
+        sorted) and off its sampled exposed wait."""
+        self.resolve_copies()
+        copy = self.copy_ms
+        if not copy:
+            return
+        waits = columns.get(WAIT)
+        if waits:
+            columns[WAIT] = [v - copy if v > copy else 0.0 for v in waits]
+        if comm.get(COMM_SAMPLES):
+            comm[COMM_WAIT_MS] = max(0.0, comm[COMM_WAIT_MS] - copy * comm[COMM_SAMPLES])
+
+    def take_copy(self, ms: dict[str, float]) -> None:
+        """The same off one step's phases (its own line in the sinks)."""
+        if self._copy_pending:
+            self.resolve_copies()
+        copy = self.copy_ms
+        wait = ms.get(WAIT) if copy else None
+        if wait is not None:
+            ms[WAIT] = wait - copy if wait > copy else 0.0
 
     def as_dict(self) -> dict[str, float] | None:
         n = self.counts.get(COMM_SAMPLES, 0.0)

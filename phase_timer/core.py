@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from phase_timer._env import warn
 from phase_timer.clock import Clock
-from phase_timer.diagnosis import Diagnosis, Signals, _share, diagnose, format_verdict
+from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict, phase_share
 from phase_timer import memory as _memory
 from phase_timer import oom as _oom
 from phase_timer import comm as _comm
@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 #: What a step carries that is no phase: throughput's counts and FLOPs, the sampled communication.
-_CARRIED = (*throughput.CARRIED, *_comm.CARRIED)
+#: Values a record carries that are not phases (counts, FLOPs, sampled communication).
+CARRIED = (*throughput.CARRIED, *_comm.CARRIED)
 
 
 def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
@@ -355,8 +356,9 @@ class TimingCore:
                 self._emit(*item[1:])
             elif kind == "step":
                 ms = item[2]
-                for name in _CARRIED:
+                for name in CARRIED:
                     ms.pop(name, None)  # counts and samples, not phases: a step's rates are its window's
+                self.comm.take_copy(ms)
                 self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
                 self.trace.add(item[1])
@@ -366,6 +368,7 @@ class TimingCore:
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
         counts = throughput.split_counts(columns, self.throughput)  # counts, not phases: out first
         comm = _comm.split(columns)  # sampled communication, not a phase either
+        self.comm.take_copies(columns, comm)  # DDP's copies into .grad are backward's, not its wait's
         if comm:
             self.comm.add(comm)
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
@@ -461,7 +464,7 @@ class TimingCore:
         if self.flops is not None:
             try:
                 self.flops_summary = self.flops.run(self.throughput.counts, self.context)
-                mfu_tips = self.flops.advice(self.flops_summary, optimizer_share=_share(self.totals, "optimizer", "step"))
+                mfu_tips = self.flops.advice(self.flops_summary, optimizer_share=phase_share(self.totals, "optimizer", "step"))
             except Exception as err:  # noqa: BLE001 - MFU is an extra: the verdict and the files go on without it
                 warn(log, f"phase-timer: could not compute MFU ({type(err).__name__}: {err})")
         try:

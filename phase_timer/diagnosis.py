@@ -205,7 +205,7 @@ class Signals:
                 self.margins[phase, slow] = self.margins.get((phase, slow), 0.0) + margin
 
 
-def _share(totals: Any, phase: str, base: str) -> float | None:
+def phase_share(totals: Any, phase: str, base: str) -> float | None:
     p, b = totals.phases.get(phase), totals.phases.get(base)
     if p is None or b is None or b.total <= 0:
         return None
@@ -287,7 +287,7 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
 
 
 def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any]) -> Diagnosis | None:
-    share = _share(totals, "data_wait", "period")
+    share = phase_share(totals, "data_wait", "period")
     if share is None or share < MATERIAL:
         return None
     wait = totals.phases["data_wait"]
@@ -304,11 +304,11 @@ def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any]) -> Diagnosi
 
 
 def _h2d_bound(totals: Any, ctx: dict[str, Any], clock: str) -> Diagnosis | None:
-    share = _share(totals, "h2d", "step")
+    share = phase_share(totals, "h2d", "step")
     if share is None or share < MATERIAL:
         return None
     h2d = totals.phases["h2d"].mean
-    ev = {"share_of_step": share, "share_of_period": _share(totals, "h2d", "period") or share, "h2d_ms": h2d}
+    ev = {"share_of_step": share, "share_of_period": phase_share(totals, "h2d", "period") or share, "h2d_ms": h2d}
     if clock == "host":
         # No device copy to speed up: on the host clock ``h2d`` is the loop's own work between
         # the batch in hand and the model's call (or the wrapper's copy), so the copy advice is wrong.
@@ -330,7 +330,7 @@ def _h2d_bound(totals: Any, ctx: dict[str, Any], clock: str) -> Diagnosis | None
 
 
 def _sync_wait(totals: Any) -> Diagnosis | None:
-    share = _share(totals, "sync_wait", "period")
+    share = phase_share(totals, "sync_wait", "period")
     if share is None or share < MATERIAL:
         return None
     sw = totals.phases["sync_wait"].mean
@@ -359,14 +359,11 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
     tips = [f"look at rank {rank}'s {phase}: its data shard, its host (other jobs, CPU affinity), its GPU (clocks, "
             "thermals, PCIe)"]
     if rank_totals is not None:
-        split = any(rank_totals.mean(r, part) is not None for r in rank_totals.sums for part in COMM_PARTS)
-        # their measured wait (every "of which" comm wait), else backward as a whole
-        read = (lambda r: _exposed(lambda part: rank_totals.mean(r, part))) if split else (
-            lambda r: rank_totals.mean(r, "backward"))
-        mine = read(rank)
+        split = bool(_parts(rank_totals))
+        mine = _rank_wait(rank_totals, rank, split)
         if split and mine is None:  # a rank that never waited
             mine = 0.0
-        others = [m for r in rank_totals.sums if r != rank and (m := read(r)) is not None]
+        others = [m for r in rank_totals.sums if r != rank and (m := _rank_wait(rank_totals, r, split)) is not None]
         if mine is not None and others:
             wait = statistics.median(others) - mine
             ev["others_backward_wait_ms"] = wait  # the name kept where the waits are split too: the extra wait
@@ -387,6 +384,13 @@ def _exposed(mean: Any) -> float | None:
     """The exposed communication a step: the sum of every "of which" comm wait ``mean(part)`` has (None: none)."""
     got = [v for part in COMM_PARTS if (v := mean(part)) is not None]
     return sum(got) if got else None
+
+
+def _rank_wait(rank_totals: Any, rank: int, split: bool) -> float | None:
+    """Rank ``rank``'s measured wait a step: every "of which" comm wait where the waits are split, else backward."""
+    if split:
+        return _exposed(lambda part: rank_totals.mean(rank, part))
+    return rank_totals.mean(rank, "backward")
 
 
 def _parts(rank_totals: Any) -> list[str]:
@@ -432,7 +436,7 @@ def _comm_bound(totals: Any, rank_totals: Any, fsdp2: bool = False) -> Diagnosis
     else:
         tips += ("DDP(bucket_cap_mb=...): smaller buckets start the all-reduce earlier in backward, so less is left "
                  "after the last gradient; DDP(gradient_as_bucket_view=True) saves the copy into .grad that DDP "
-                 "makes after the wait (part of backward.comm_wait without it); static_graph=True when the graph "
+                 "makes after each wait (backward's time, not the wait's); static_graph=True when the graph "
                  "does not change",
                  "compress what goes over the wire: ddp.register_comm_hook(state, bf16_compress_hook) (or fp16, or "
                  "PowerSGD for large models)",
@@ -535,7 +539,7 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
                 "sampled boundaries): the host issues work faster than the device runs it")
     why = f"the GPU is the bottleneck: {lead}; {largest} is {_pct(share)} of the step"
     tips = [f"make {largest} cheaper on the GPU: it is the largest phase"]
-    opt = _share(totals, "optimizer", "step")
+    opt = phase_share(totals, "optimizer", "step")
     if opt is not None and opt >= OPTIMIZER_SHARE:
         tips.append(f"the optimizer is {_pct(opt)} of the step: a fused optimizer (fused=True) or foreach")
     precision = ctx.get("precision")

@@ -43,16 +43,14 @@ from phase_timer._env import native_wanted, warn, warn_once
 from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
-from phase_timer.core import TimingCore
+from phase_timer.core import CARRIED, TimingCore
 from phase_timer.diagnosis import Diagnosis
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS, custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.runinfo import loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
 from phase_timer.stats import RunTotals
-from phase_timer.comm import CARRIED as COMM_CARRIED
 from phase_timer.comm import attach_comm
-from phase_timer.throughput import CARRIED
 from phase_timer.syncs import SyncSite
 from phase_timer.user_sinks import check_sinks, with_user_sinks
 
@@ -72,7 +70,7 @@ except ImportError:  # not built: the hooks are the methods themselves
 _HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
 _NONE: Callable[[], None] = lambda: None  # noqa: E731 - a dead weak reference's answer
-_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *CARRIED, *COMM_CARRIED}  # a built-in's name would merge into it
+_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *CARRIED}  # a built-in's name would merge into it
 _END_STEP = ("optimizer", "manual")
 
 

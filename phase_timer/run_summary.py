@@ -54,7 +54,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -123,13 +123,18 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
 
 
 def _communication(core: RunRecord) -> dict[str, Any] | None:
-    """DDP's sampled collectives and their exposed wait (None: no DDP module split, or nothing sampled)."""
+    """DDP's sampled collectives and their exposed wait, and DDP's copies taken off that wait (None: no DDP module
+    split, or nothing sampled)."""
     run = getattr(core, "comm", None)
-    out = run.as_dict() if run is not None else None
-    if out is None:
+    if run is None:
         return None
-    return {"collectives_ms": out["collectives_ms"], "exposed_ms": out["exposed_ms"], "samples": out["samples"],
-            "hidden_share": out.get("hidden_share"), "hook": run.hook}
+    out = run.as_dict()
+    if out is None and run.copy_ms is None:
+        return None
+    out = out or {}
+    return {"collectives_ms": out.get("collectives_ms"), "exposed_ms": out.get("exposed_ms"),
+            "samples": out.get("samples", 0), "hidden_share": out.get("hidden_share"), "hook": run.hook,
+            "copies_ms": run.copy_ms, "copy_samples": run.copy_samples}
 
 
 def _snapshot(core: RunRecord) -> dict[str, Any] | None:

@@ -99,14 +99,78 @@ def test_the_sync_is_ddp_s_decision_at_forward(tmp_path) -> None:
     assert WAIT in run(tmp_path / "c")
 
 
-@pytest.mark.parametrize("view", [False, True])
-def test_the_table_says_when_the_span_holds_ddp_s_copy_into_grad(tmp_path, view: bool) -> None:
-    model = ddp(gradient_as_bucket_view=view)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    timer = phase_timer.attach(model, opt, log_dir=str(tmp_path), warmup_steps=1, summary=False)
-    train(model, timer, opt, steps=4)
-    timer.close()
-    assert (comm.COPY_NOTE in timer.last_summary) is not view
+class Wide(nn.Module):
+    """Gradients big enough that DDP's copies into .grad take milliseconds on a CPU (4 x 16 MB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def copies_run(tmp_path, view: bool, steps: int, native: bool = True, monkeypatch=None) -> tuple:
+    if not native:
+        monkeypatch.setattr(comm, "Arm", None)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Wide(), gradient_as_bucket_view=view)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    timer = phase_timer.attach(model, opt, log_dir=str(tmp_path), warmup_steps=1, window=steps, summary=True)
+    probe = timer._comm[0]
+    assert (comm.Arm is not None and isinstance(probe._armed, comm.Arm)) == (native and comm.Arm is not None)
+    for _ in range(steps):
+        model(torch.randn(8, 2048)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # DDP copies into the .grad it finds
+    run = timer.core.comm
+    totals = timer.close()
+    return run, totals, timer
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_ddp_s_copies_into_grad_are_timed_on_sampled_backwards_and_taken_off_the_wait(tmp_path, native,
+                                                                                     monkeypatch) -> None:
+    run, totals, timer = copies_run(tmp_path, view=False, steps=7, native=native, monkeypatch=monkeypatch)
+    # the 2nd, 3rd and 4th synced backwards were sampled (7 steps: no 1024th), each copy of the 8 parameters timed
+    assert run.copy_samples == 3
+    assert run.copy_ms is not None and run.copy_ms > 0
+    assert torch._C._len_torch_dispatch_stack() == 0  # the mode was popped after each sampled end-of-backward
+    # on a CPU the wait for a world of one is nil: what the span held is the copies, now backward's own
+    wait, backward = totals.phases[WAIT].mean, totals.phases["backward"].mean
+    assert wait < 0.5 * run.copy_ms, (wait, run.copy_ms)
+    assert backward > run.copy_ms
+    summary = timer.last_summary
+    assert "are backward's and are taken off backward.comm_wait" in summary
+    import json
+
+    with open(timer.summary_path) as f:
+        block = json.load(f)["communication"]
+    assert block["copies_ms"] == pytest.approx(run.copy_ms) and block["copy_samples"] == 3
+    assert block["collectives_ms"] is None and block["samples"] == 0
+
+
+def test_without_copies_nothing_is_taken_off(tmp_path) -> None:
+    run, totals, timer = copies_run(tmp_path, view=True, steps=6)
+    assert run.copy_ms is None and run.copy_samples == 0  # gradient_as_bucket_view: DDP copies nothing
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert WAIT in totals.phases and "copies into .grad" not in timer.last_summary
+
+
+def test_the_copy_is_taken_off_each_step_and_never_below_zero() -> None:
+    run = comm.RunComm()
+    from phase_timer.clock import HostClock
+
+    run.add_copies(object(), [(0, 2_000_000), (3_000_000, 4_000_000)], HostClock())
+    columns = {WAIT: [1.0, 3.5, 10.0], "backward": [20.0, 21.0, 30.0]}
+    sampled = {comm.COMM_MS: 12.0, comm.COMM_WAIT_MS: 8.0, comm.COMM_SAMPLES: 2.0}
+    run.take_copies(columns, sampled)
+    assert run.copy_ms == 3.0 and run.copy_samples == 1
+    assert columns == {WAIT: [0.0, 0.5, 7.0], "backward": [20.0, 21.0, 30.0]}  # backward keeps them
+    assert sampled[comm.COMM_WAIT_MS] == 2.0  # 8 - 2 samples x 3
+    step = {WAIT: 2.0, "backward": 9.0}
+    run.take_copy(step)
+    assert step == {WAIT: 0.0, "backward": 9.0}
 
 
 def test_a_second_timer_keeps_the_split_when_the_first_closes(tmp_path) -> None:
@@ -135,6 +199,16 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
         queued.clear()
         assert arm(torch.zeros(1)) is None
         assert queued == (["go"] if (current, flag) == ("backward", True) else [])
+    sampled = comm.Arm(engine, "backward", owner, "flag", queued.append, "go", "sample")
+    assert sampled.due == 0
+    engine.current, sampled.due = "backward", 2
+    owner.flag = False  # a backward that does not sync is not counted
+    sampled(1)
+    owner.flag = True
+    queued.clear()
+    for _ in range(4):
+        sampled(1)
+    assert queued == ["go", "sample", "go", "go"] and sampled.due == 0  # the 2nd counted; 0 stays 0
     owner.flag, engine.current, queued = True, "backward", None  # queue raises: no split, and no error in backward
     arm2 = comm.Arm(engine, "backward", owner, "missing", queued, "go")
     assert arm2(torch.zeros(1)) is None and comm.Arm(engine, "backward", owner, "flag", None, "go")(1) is None
