@@ -283,6 +283,7 @@ class DdpComm:
         """After backward's compute, before DDP's end-of-backward (a composed hook's backward, or one whose copies
         are timed): the wait begins."""
         spans, self._spans = self._spans, None
+        self._copies = None  # one a DDP error left (autograd's guard popped its mode): _joined must not pop again
         engine = self._engine
         if engine is None:
             return

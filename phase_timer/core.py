@@ -48,8 +48,7 @@ from phase_timer.trace import TraceWriter
 log = logging.getLogger(__name__)
 
 
-#: What a step carries that is no phase: throughput's counts and FLOPs, the sampled communication.
-#: Values a record carries that are not phases (counts, FLOPs, sampled communication).
+#: Values a record carries that are not phases: throughput's counts and FLOPs, the sampled communication.
 CARRIED = (*throughput.CARRIED, *_comm.CARRIED)
 
 

@@ -83,11 +83,11 @@ OOM_FIRST_STEPS = 2
 #: ... activations are large at OOM_ACTIVATIONS of what the step wanted (allocated at the failure plus the request)
 #: or of the peak allocated; the optimizer's state at OOM_OPTIMIZER of the device (or of what the step wanted);
 #: the cache held in pieces when what was reserved but unallocated could have held the request (and OOM_FRAG_MIN_MB).
-#: COMM_BOUND: the exposed communication's share of the step on the rank that waits least.
-COMM_MATERIAL = 0.10
 OOM_ACTIVATIONS = 0.3
 OOM_OPTIMIZER = 0.25
 OOM_FRAG_MIN_MB = 256.0
+#: COMM_BOUND: the exposed communication's share of the step on the rank that waits least.
+COMM_MATERIAL = 0.10
 
 KINDS = (
     "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "COMM_BOUND", "HOST_BOUND", "UNSTABLE",
@@ -410,7 +410,7 @@ def _comm_bound(totals: Any, rank_totals: Any, fsdp2: bool = False) -> Diagnosis
     rank, wait_ms = None, sum(totals.phases[p].mean for p in parts)
     if rank_totals is not None:
         by_rank = {r: (w / s, w) for r in rank_totals.sums
-                   if (w := _exposed(lambda part, r=r: rank_totals.mean(r, part))) is not None
+                   if (w := _rank_wait(rank_totals, r, True)) is not None
                    and (s := rank_totals.mean(r, "step"))}
         if len(by_rank) >= 2:
             rank = min(by_rank, key=lambda r: by_rank[r][0])
