@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
 from phase_timer import comm  # noqa: E402
+from benchmarks.nccl_truth import QUEUED_GAP_US, device_intervals  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 
 LINES: list[str] = []
@@ -165,9 +166,11 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     return dict(
         case=name, steps=n, backward=mean("backward"), step=mean("step"),
         wait=wait.mean if wait is not None else None, truth=truth["exposed"] if profile else float("nan"),
-        stream=truth["exposed_stream"] if profile else float("nan"), copy_ms=copy_ms, sampled_us=sampled_us,
+        stream=truth["exposed_stream"] if profile else float("nan"), copy_ms=copy_ms,
+        sampled_us=sampled_us,
         spin=truth["comm"], comm=run_comm.as_dict() if run_comm is not None else None, syncs=truth["syncs"],
         wall=t_wall, copies=truth["copies"] if profile else float("nan"),
+        copies_run=truth["copies_run"] if profile else float("nan"),
         split_us=[sorted(v)[len(v) // 2] / 1e3 if v else 0.0 for v in spent],
     )
 
@@ -176,8 +179,8 @@ def timeline(events: list, steps: int, comm_names: tuple[str, ...]) -> dict[str,
     """A profile's truth, per step: ``exposed`` (ms of the communication kernels, those whose name holds one of
     ``comm_names``, outside the union of every compute kernel: the offline trace analyzers' rule), ``comm`` (their
     ms), ``copies`` (ms of the kernels under DDP's ``copy_bucket_to_grad``) and ``syncs`` (host-device syncs seen)."""
-    kernels = [(e.time_range.start, e.time_range.end, e.name.lower()) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    # activities only: the GPU-side annotations (nccl:all_reduce over its kernel) would count a collective twice
+    kernels = [(a, b, n.lower()) for a, b, n, kind in device_intervals(events) if kind != "annotation"]
     comm = [(a, b) for a, b, n in kernels if any(k in n for k in comm_names)]
 
     def exposed(work: list[tuple[float, float]]) -> float:
@@ -193,8 +196,11 @@ def timeline(events: list, steps: int, comm_names: tuple[str, ...]) -> dict[str,
     compute = exposed([(a, b) for a, b, n in other if "memcpy" not in n and "memset" not in n])
     stream = exposed([(a, b) for a, b, _ in other])
     copies = sum(e.device_time_total for e in events if e.name.endswith("copy_bucket_to_grad"))
+    dtod = sorted((a, b) for a, b, n in kernels if "dtod" in n)
+    run = sum(b - a for a, b in dtod) + sum(a2 - b1 for (_, b1), (a2, _) in zip(dtod, dtod[1:])
+                                            if 0 < a2 - b1 <= QUEUED_GAP_US)
     return dict(exposed=compute / 1e3 / steps, exposed_stream=stream / 1e3 / steps,
-                comm=sum(b - a for a, b in comm) / 1e3 / steps,
+                comm=sum(b - a for a, b in comm) / 1e3 / steps, copies_run=run / 1e3 / steps,
                 copies=copies / 1e3 / steps, syncs=sum(1 for e in events if e.name in SYNCS))
 
 

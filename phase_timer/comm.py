@@ -21,15 +21,23 @@ is a Python callback, which queues one more after DDP's end-of-backward to end i
 What the span holds besides the wait: DDP's end-of-backward copies each bucket's result into ``.grad``
 after its wait unless ``gradient_as_bucket_view=True`` (a read and a write of the gradients, interleaved with
 the waits; with a comm hook that returns a new tensor, a copy back into the bucket).  Those copies are
-backward's compute, the same bytes every step: on sampled backwards (the 2nd to 4th synced ones, then one in
-COPY_EVERY) a dispatch mode, pushed for DDP's end-of-backward only, brackets each of DDP's ``copy_`` with
-two marks of its own (events on the compute stream; the host clock on a CPU); their sum, the median of the
-last samples, is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
-stays in ``backward``.  (A static graph's first-iteration all-reduce is queued at backward's start, so it
-runs before the span, in ``backward``.)  Where the split is missed, silently: a backward in which the parameter heard
-gets no gradient (unused that step, frozen after attach); that parameter inside a reentrant activation
-checkpoint (``use_reentrant=True``), where its hook runs in a nested backward and the span would start at
-that backward's end (so the parameter heard is the shallowest, see :meth:`DdpComm.install`).
+backward's compute, the same bytes every step, and where the host launches them slower than the device runs
+them, the device's wait for those launches.  On sampled backwards (the 2nd to 4th synced ones, then one in
+COPY_EVERY or more) a dispatch mode, pushed for DDP's end-of-backward only, *defers* each of DDP's ``copy_``:
+DDP's end-of-backward then holds its waits alone, so that backward's ``comm_wait`` is the wait itself; after
+it (autograd's next final callback, before ``backward()`` returns) the deferred copies run in DDP's order, on
+the compute stream, into the same tensors, behind a short spin kernel that lets the host queue them all
+first, between two marks: they then time the device's own copies back to back, as the device runs DDP's when
+the host is ahead, never the host's pace of launching them (a mark beside a copy launched on an idle device
+holds the launch; and a timed event between every two copies would add microseconds a copy to the stream).
+The spin is no phase's (``paused``); it is sized from the last sample's host time and the spin's own measured
+cycles a millisecond.  The copies' time (the median of the last samples) is taken off each step's ``backward.comm_wait`` (never below zero)
+when its window is made, and stays in ``backward``.  (A static graph's first-iteration all-reduce is queued at
+backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
+backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
+parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
+backward and the span would start at that backward's end (so the parameter heard is the shallowest, see
+:meth:`DdpComm.install`).
 
 The collectives' own time (for the hidden share, ``1 - exposed / communication``) needs the buckets' futures,
 which only a comm hook sees: where the user registers one after phase-timer saw the module (through the
@@ -53,7 +61,7 @@ from functools import partial
 from typing import Any
 
 from phase_timer._env import warn
-from phase_timer.metrics import comm_label
+from phase_timer.metrics import PAUSED, comm_label
 
 try:
     from phase_timer._native import Arm
@@ -77,6 +85,10 @@ SYNCED = "require_forward_param_sync"
 #: more: as many as keep a sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate
 #: is the median of the last COPY_KEEP samples.
 COPY_FIRST, COPY_EVERY, COPY_BUDGET_NS, COPY_KEEP = (2, 3, 4), 1024, 1000, 3
+#: The spin before the deferred copies lasts GATE_MARGIN x the host's time to queue them (the last sample's, or
+#: GATE_FIRST_US a copy before one was timed), plus GATE_BASE_US; at GATE_CYCLES_PER_MS until the spin's own rate
+#: is measured (a clock above it only lengthens the first spins).
+GATE_MARGIN, GATE_FIRST_US, GATE_BASE_US, GATE_CYCLES_PER_MS = 1.5, 12.0, 50.0, 2.0e6
 
 
 class DdpComm:
@@ -108,6 +120,7 @@ class DdpComm:
         self._copy_taken = 0  # backwards whose copies were timed while bound
         self._copy_t0 = 0  # perf_counter_ns where the sampled one began
         self.copy_host_ns: list[int] = []  # each sampled end-of-backward's host time (DDP's own in), while bound
+        self._queue_ns_per_copy: float | None = None  # the host's time to queue one deferred copy, last sample
 
     # -- installation ---------------------------------------------------------------
     @classmethod
@@ -294,7 +307,7 @@ class DdpComm:
             self._copy_taken += 1
             self._schedule(COPY_EVERY)  # the next one, unless _joined (after DDP's end-of-backward) says sooner or later
             self._copy_t0 = time.perf_counter_ns()
-            self._copies = _copy_timer(self._core.clock.mark)
+            self._copies = _copy_deferrer()
             _push_mode(self._copies)  # the C stack only: autograd's own thread-state guard pops it if DDP raises
         self._queue_callback(self._joined)  # after DDP's end-of-backward, queued before this one ran
 
@@ -303,28 +316,57 @@ class DdpComm:
         self._split(copies=True)
 
     def _joined(self) -> None:
-        """After DDP's end-of-backward: the wait (and DDP's copy into ``.grad``) is over."""
+        """After DDP's end-of-backward: the wait is over (and, on a sampled backward, DDP's deferred copies run)."""
         copies, self._copies = self._copies, None
         if copies is not None:
             _pop_mode()
-            k = self._copy_taken
-            spent = time.perf_counter_ns() - self._copy_t0  # the sampled end-of-backward's host time, DDP's own in
-            self.copy_host_ns.append(spent)
-            del self.copy_host_ns[:-16]
-            self._schedule(COPY_FIRST[k] - COPY_FIRST[k - 1] if k < len(COPY_FIRST)
-                           else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
-            if self._core is not None and copies.spans:
-                self._core.comm.add_copies(self, copies.spans, self._core.clock)
         engine = self._engine
         if engine is None or engine.current != WAIT:
             self._open = None
+            if copies is not None:
+                copies.run()  # DDP's results reach .grad whatever happens to the timing
             return
         if self._open is not None:
             self._pending.append((*self._open, self._now()))
             self._open = None
         engine.switch(BACKWARD)
+        if copies is not None:
+            self._time_copies(copies, engine)
         if self._pending:
             self._resolve(engine)
+
+    def _time_copies(self, copies: Any, engine: Any) -> None:
+        """Run a sampled backward's deferred copies between marks, queued behind a spin (device clock)."""
+        core = self._core
+        clock = core.clock if core is not None else None
+        n = len(copies.pairs)
+        if clock is None or not n:
+            copies.run()
+            return
+        gate = None
+        if self._device:
+            import torch
+
+            per_copy = self._queue_ns_per_copy / 1e3 if self._queue_ns_per_copy else GATE_FIRST_US
+            gate_ms = (GATE_MARGIN * n * per_copy + GATE_BASE_US) / 1e3
+            cycles = int(gate_ms * (core.comm.gate_cycles_per_ms or GATE_CYCLES_PER_MS))
+            engine.switch(PAUSED)  # the spin is no phase's
+            g0 = clock.mark()
+            torch.cuda._sleep(cycles)
+            engine.switch(BACKWARD)
+            gate = (g0, cycles)
+        t0 = time.perf_counter_ns()
+        first = clock.mark()
+        copies.run()  # no mark between them: a timed event costs the stream microseconds, a copy as little
+        marks = [first, clock.mark()]
+        self._queue_ns_per_copy = (time.perf_counter_ns() - t0) / n
+        k = self._copy_taken
+        spent = time.perf_counter_ns() - self._copy_t0  # the sampled end-of-backward's host time, DDP's own in
+        self.copy_host_ns.append(spent)
+        del self.copy_host_ns[:-16]
+        self._schedule(COPY_FIRST[k] - COPY_FIRST[k - 1] if k < len(COPY_FIRST)
+                       else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
+        core.comm.add_copies(self, marks, clock, gate)
 
     def _resolve(self, engine: Any) -> None:
         """Sampled backwards whose events are all done (never waits), carried on the open record."""
@@ -357,35 +399,40 @@ def _pop_mode() -> None:
     torch._C._pop_torch_dispatch_stack(None)
 
 
-_COPY_TIMER: Any = None
+_DEFERRER: Any = None
 
 
-def _copy_timer(now: Any) -> Any:
-    """A dispatch mode that brackets each ``copy_`` dispatched under it with two of ``now()``'s marks (its
-    ``spans``); every other op passes through."""
-    global _COPY_TIMER
-    if _COPY_TIMER is None:
+def _copy_deferrer() -> Any:
+    """A dispatch mode that defers each ``copy_`` dispatched under it (``pairs``; the destination is returned as
+    ``copy_`` returns it) until :meth:`run`, which makes them in order; every other op passes through."""
+    global _DEFERRER
+    if _DEFERRER is None:
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         copy_ = torch.ops.aten.copy_.default
 
-        class CopyTimer(TorchDispatchMode):
-            def __init__(self, now: Any) -> None:
+        class CopyDeferrer(TorchDispatchMode):
+            def __init__(self) -> None:
                 super().__init__()
-                self.now = now
-                self.spans: list[tuple[Any, Any]] = []
+                self.pairs: list[tuple[Any, Any, bool]] = []
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+                kwargs = kwargs or {}
                 if func is not copy_:
-                    return func(*args, **(kwargs or {}))
-                a = self.now()
-                out = func(*args, **(kwargs or {}))
-                self.spans.append((a, self.now()))
-                return out
+                    return func(*args, **kwargs)
+                dst, src = args[0], args[1]
+                self.pairs.append((dst, src, bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))))
+                return dst
 
-        _COPY_TIMER = CopyTimer
-    return _COPY_TIMER(now)
+            def run(self) -> None:
+                """Make the deferred copies, in DDP's order."""
+                pairs, self.pairs = self.pairs, []
+                for dst, src, non_blocking in pairs:
+                    dst.copy_(src, non_blocking=non_blocking)
+
+        _DEFERRER = CopyDeferrer
+    return _DEFERRER()
 
 
 #: Each DDP module's split (weak: a module dropped takes its entry along); none is an attribute of the module,
@@ -497,6 +544,30 @@ def _host_blocking(issue: Any, at: int, engines: list[Any]) -> Any:
     return functools.update_wrapper(timed, issue)
 
 
+def _rs_waits(group: Any) -> list[Any]:
+    """The reduce-scatter events FSDP2's ``post_backward`` is about to make the compute stream wait for (before it
+    launches the group's own reduce-scatter: a bound on the buffers in flight), as this torch's FSDP2 decides."""
+    ctx = getattr(group, "comm_ctx", None)
+    if ctx is None:
+        return []
+    states = getattr(ctx, "reduce_scatter_states", None)
+    if states is not None:  # a list: torch >= 2.10
+        if getattr(group, "_param_group_index", 0) != getattr(group, "_num_param_groups", 1) - 1:
+            return []
+        keep = getattr(ctx, "reduce_scatter_max_input_buffers", None)
+        n = len(states) if not keep else len(states) - keep + 1  # FSDP2 pops the oldest until fewer than keep
+        return [s.event for s in states[:max(0, n)] if getattr(s, "event", None) is not None]
+    state = getattr(ctx, "reduce_scatter_state", None)  # one: older torch
+    event = getattr(state, "event", None)
+    return [event] if event is not None else []
+
+
+def _wait_events(events: list[Any]) -> None:
+    """The compute (current) stream waits for each event: FSDP2's own wait for them then returns at once."""
+    for event in events:
+        event.wait()
+
+
 def _wait_gathered(event: Any, work: Any) -> None:
     """FSDP2's wait for an all-gather, made early: the compute (current) stream waits for its event; an async
     group's work (a CPU's: the host waits).  FSDP2's own wait then returns at once."""
@@ -513,7 +584,9 @@ class FsdpComm:
     FSDP2 makes the compute stream wait for a group's all-gather (its event; a CPU group's work, the host)
     just before copying the gathered parameters out (``foreach_all_gather_copy_out``): phase-timer makes that
     same wait a moment earlier, between two marks (``forward.comm_wait`` or ``backward.comm_wait``), and the
-    copy-out, FSDP2's own compute, follows outside them.  At backward's end FSDP2's root final callback makes
+    copy-out, FSDP2's own compute, follows outside them.  Likewise each group's ``post_backward`` first makes the
+    compute stream wait for the earlier reduce-scatters still in flight (FSDP2's bound on their buffers): that
+    wait, made a moment earlier between two marks, is ``backward.comm_wait`` too.  At backward's end FSDP2's root final callback makes
     the compute stream wait for the reduce-scatters (and for any group's all-reduce): it runs between two marks
     (``backward.comm_wait``).  It also runs the post-backward of a group whose own never fired (the root's,
     whose inputs need no gradient: its reduce-scatter launch and copy-in), which is then in that span.  Two marks an all-gather and two a
@@ -591,6 +664,20 @@ class FsdpComm:
             "copy_out": (group_mod, "foreach_all_gather_copy_out", copy_out, timed_copy_out),
             "final": (FSDPState, "_root_post_backward_final_callback", final, timed_final),
         }
+        post_backward = getattr(getattr(group_mod, "FSDPParamGroup", None), "post_backward", None)
+        if post_backward is not None:  # the compute stream's wait for earlier reduce-scatters, in backward
+
+            def timed_post_backward(group, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                engine = engines[-1] if engines else None
+                if engine is not None and engine.current == BACKWARD:
+                    events = _rs_waits(group)
+                    if events:
+                        _between_marks(engine, BACKWARD, _wait_events, events)
+                return post_backward(group, *args, **kwargs)
+
+            functools.update_wrapper(timed_post_backward, post_backward)
+            cls._originals["post_backward"] = (group_mod.FSDPParamGroup, "post_backward", post_backward,
+                                               timed_post_backward)
         for name in ("foreach_all_gather", "foreach_reduce"):  # a CPU group's collectives block the host there
             issue = getattr(group_mod, name, None)
             at = _device_index(issue)
@@ -607,8 +694,8 @@ class FsdpComm:
 def copy_note(run: RunComm) -> str | None:
     """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
     if run.copy_ms is not None:
-        return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed on {run.copy_samples} "
-                "sampled backwards) are backward's and are taken off backward.comm_wait")
+        return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, back to back, timed on "
+                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
     if run.copy:
         return "DDP's copies into .grad are inside backward.comm_wait (no backward was sampled to time them)"
     return None
@@ -679,31 +766,40 @@ class RunComm:
         self.hook: str | None = None
         #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
         self.copy = False
-        self._copy_pending: deque[tuple[Any, list[tuple[Any, Any]], Any]] = deque()
+        self._copy_pending: deque[tuple[Any, list[Any], Any, Any]] = deque()
         self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
-        #: DDP's copies inside ``backward.comm_wait``, ms a synced backward (the modules' medians, summed), or None.
+        #: DDP's copies, back to back as the device runs them queued (the gaps between them in), taken off
+        #: ``backward.comm_wait``: ms a synced backward (the modules' medians, summed), or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
+        #: The spin's cycles a millisecond on this device, measured on the sampled backwards (None: not yet).
+        self.gate_cycles_per_ms: float | None = None
 
     def add(self, comm: dict[str, float]) -> None:
         for k, v in comm.items():
             self.counts[k] = self.counts.get(k, 0.0) + v
 
-    def add_copies(self, probe: Any, spans: list[tuple[Any, Any]], clock: Any) -> None:
-        """One sampled end-of-backward's copies, each between two of ``clock``'s marks."""
-        self._copy_pending.append((id(probe), spans, clock))
+    def add_copies(self, probe: Any, marks: list[Any], clock: Any, gate: Any = None) -> None:
+        """One sampled end-of-backward's copies, back to back between two marks; ``gate``: the spin before them,
+        ``(its first mark, its cycles)`` (the copies' first mark ends it)."""
+        self._copy_pending.append((id(probe), marks, clock, gate))
 
     def resolve_copies(self) -> None:
         """The sampled copies whose marks are done (``clock.done``: a query, never a wait), into :attr:`copy_ms`."""
         pending = self._copy_pending
         while pending:
-            key, spans, clock = pending[0]
-            if not clock.done(spans[-1][1]):
+            key, marks, clock, gate = pending[0]
+            if not clock.done(marks[-1]):
                 return
             pending.popleft()
+            if gate is not None:
+                spun = clock.elapsed_ms(gate[0], marks[0])
+                if spun > 0:
+                    self.gate_cycles_per_ms = gate[1] / spun
+                clock.release([gate[0]])
             kept = self._copy_samples.setdefault(key, [])
-            kept.append(sum(clock.elapsed_ms(a, b) for a, b in spans))
-            clock.release([m for span in spans for m in span])
+            kept.append(clock.elapsed_ms(marks[0], marks[-1]))
+            clock.release(marks)
             del kept[:-COPY_KEEP]
             self.copy_samples += 1
             self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())

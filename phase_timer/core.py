@@ -147,6 +147,10 @@ class TimingCore:
         self._in_step = False
         self._last_end: int | None = None
         self._paused_at: int | None = None
+        #: Host time paused (evaluation, saves, epoch ends: no step's, out of ``period``) and the pauses, since the
+        #: last window: the rank report carries them, so that rank zero sees a rank's pauses the others wait for.
+        self._paused_ms = 0.0
+        self._pauses = 0
         self._poll_in = POLL_EVERY  # closes until the next poll
         # The hot path: the engine's own methods (C functions with the C engine), no extra frame.
         self.phase = self._engine.switch
@@ -341,8 +345,11 @@ class TimingCore:
     def resume(self) -> None:
         if self._paused_at is None:
             return
+        now = time.perf_counter_ns()
         if self._last_end is not None:
-            self._last_end += time.perf_counter_ns() - self._paused_at
+            self._last_end += now - self._paused_at
+            self._paused_ms += (now - self._paused_at) / 1e6  # a pause inside training (not before the first step)
+            self._pauses += 1
         self._paused_at = None
 
     # -- results ----------------------------------------------------------------
@@ -375,7 +382,11 @@ class TimingCore:
         if counts:
             self.throughput.add(counts)
         if self.ranks is not None:
-            self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory(), counts=counts or None)
+            sent = dict(counts)
+            if self._pauses:  # the pauses since the last window (rank zero's RANK_STRAGGLER reads them)
+                sent.update(paused_ms=self._paused_ms, pauses=float(self._pauses))
+                self._paused_ms, self._pauses = 0.0, 0
+            self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory(), counts=sent or None)
         self.signals.add_window(steps, summary)
         self.series.add(last_step, steps, summary, columns)
         scalars = window_scalars(summary)

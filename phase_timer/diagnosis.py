@@ -199,7 +199,7 @@ class Signals:
             if phase in WAIT_PHASES or phase in COMM_PARTS or spread.n < 2:  # a rank's wait for the others is no lag
                 continue
             slow = spread.hi_rank
-            margin = spread.hi - spread.median()
+            margin = spread.hi - spread.median_of_rest()
             if margin >= max(0.05, STRAGGLER_MARGIN * scale):
                 self.slowest[phase, slow] += 1
                 self.margins[phase, slow] = self.margins.get((phase, slow), 0.0) + margin
@@ -343,19 +343,56 @@ def _sync_wait(totals: Any) -> Diagnosis | None:
 
 
 def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
+    """RANK_STRAGGLER: one rank slowest in one phase in most windows, by a material margin over the other ranks'
+    median; or, where the collectives equalise the steps and no phase shows it, the rank the others wait for."""
     n = len(signals.rank_period_ms)  # the windows across ranks
-    if n < 1 or not signals.slowest:
+    if n < 1:
         return None
-    (phase, rank), count = max(signals.slowest.items(), key=lambda kv: (kv[1], signals.margins[kv[0]]))
-    if count < max(MIN_WINDOWS, STRAGGLER_SHARE * n):
-        return None
-    margin = signals.margins[phase, rank] / count
     period = statistics.median(signals.rank_period_ms)
+    found = None
+    if signals.slowest:
+        (phase, rank), count = max(signals.slowest.items(), key=lambda kv: (kv[1], signals.margins[kv[0]]))
+        if count >= max(MIN_WINDOWS, STRAGGLER_SHARE * n):
+            found = (phase, rank, signals.margins[phase, rank] / count, count)
+    waited = _waited_for(rank_totals, period)
+    if found is None and waited is None:
+        return None
+    if found is not None and waited is not None and waited[0] != found[1] and waited[1] > found[2]:
+        found = None  # the others wait longer for another rank than this one's phase is slow: that rank it is
+    if found is None:
+        rank, gap, where = waited
+        share = gap / period if period > 0 else 0.0
+        ev: dict[str, Any] = {"rank": rank, "phase": where[0] if where else None, "margin_ms": gap, "windows": 0,
+                              "of_windows": n, "share_of_period": share, "others_comm_wait_ms": gap, "by": "waits"}
+        why = (f"rank {rank} is the one the others wait for: each other rank waits {gap:.2f} ms a step longer than "
+               f"rank {rank} for its collectives ({_pct(share)} of period; {' + '.join(_parts(rank_totals))}): the "
+               "collectives make every rank's step as long as the slowest's, so only the waits show who it is")
+        tips = []
+        paused = _paused(rank_totals, rank)
+        if paused is not None and paused[0] >= max(0.05, STRAGGLER_MARGIN * period):
+            per_step, pauses, steps = paused
+            ev.update(paused_ms_per_step=per_step, pauses=pauses)
+            every = f", one every ~{steps / pauses:.0f} steps" if pauses else ""
+            tips.append(f"rank {rank} pauses {per_step:.2f} ms a step on average outside its steps ({pauses} pauses "
+                        f"over {steps} steps{every}: evaluation, checkpoints, logging on that rank alone) and the "
+                        "other ranks do not: each pause is their wait in their next collective. Run that work on "
+                        "every rank at the same step (evaluation sharded across the ranks), or outside training")
+        if where:
+            tips.append(f"rank {rank} spends {where[1]:.2f} ms a step more than the other ranks in {where[0]}: look "
+                        f"there (its data shard, its host: other jobs, CPU affinity; its GPU: clocks, thermals, PCIe)")
+        elif not tips:
+            tips.append(f"no timed phase of rank {rank}'s is longer than the others': its lag is host work the device "
+                        "does not see as a phase (Python between launches, logging, checkpoints or evaluation on that "
+                        "rank alone); trace that rank (trace_steps=) to find it")
+        if where and where[0] == "data_wait":
+            tips.append("an uneven input pipeline: the same loader settings on every rank, shards of even cost")
+        return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
+    phase, rank, margin, count = found
     share = margin / period if period > 0 else 0.0
-    ev: dict[str, Any] = {"rank": rank, "phase": phase, "margin_ms": margin, "windows": count, "of_windows": n,
-                          "share_of_period": share}
+    ev = {"rank": rank, "phase": phase, "margin_ms": margin, "windows": count, "of_windows": n,
+          "share_of_period": share, "by": "phase"}
     why = (f"rank {rank} is the slowest in {phase} in {count} of {n} windows, {margin:.2f} ms a step above the "
-           f"median rank ({_pct(share)} of period)")
+           f"other ranks' median ({_pct(share)} of period)")
     tips = [f"look at rank {rank}'s {phase}: its data shard, its host (other jobs, CPU affinity), its GPU (clocks, "
             "thermals, PCIe)"]
     if rank_totals is not None:
@@ -378,6 +415,52 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
     if phase == "data_wait":
         tips.append("an uneven input pipeline: the same loader settings on every rank, shards of even cost")
     return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
+
+
+def _paused(rank_totals: Any, rank: int) -> tuple[float, int, int] | None:
+    """Rank ``rank``'s pauses (evaluation, saves: no step's) beyond the other ranks': (ms a step more than their
+    median, its pauses, its steps); None where the ranks' reports carry none."""
+    counts = getattr(rank_totals, "counts", None) or {}
+    steps = getattr(rank_totals, "steps", None) or {}
+
+    def per_step(r: int) -> float:
+        n = steps.get(r) or 0
+        return (counts.get(r, {}).get("paused_ms", 0.0) / n) if n else 0.0
+
+    if not counts.get(rank, {}).get("pauses") or not steps.get(rank):
+        return None
+    others = [per_step(r) for r in rank_totals.sums if r != rank]
+    more = per_step(rank) - (statistics.median(others) if others else 0.0)
+    return more, int(counts[rank]["pauses"]), int(steps[rank])
+
+
+def _waited_for(rank_totals: Any, period: float) -> tuple[int, float, tuple[str, float] | None] | None:
+    """The rank every other rank waits for, from the split waits over the run: the one that waits least, by a
+    material margin under the median of the rest (each other rank's wait above it is its lag reaching them);
+    with the phase where it spends the most time above the others' median, if one does by that margin.  None:
+    no split waits, fewer than two ranks, or no such rank."""
+    if rank_totals is None or len(rank_totals.sums) < 2 or not _parts(rank_totals):
+        return None
+    waits = {r: _rank_wait(rank_totals, r, True) or 0.0 for r in rank_totals.sums}
+    slow = min(waits, key=lambda r: (waits[r], r))
+    rest = [w for r, w in waits.items() if r != slow]
+    gap = min(rest) - waits[slow] if len(rest) == 1 else statistics.median(rest) - waits[slow]
+    floor = max(0.05, STRAGGLER_MARGIN * period)
+    if gap < floor or not all(w - waits[slow] >= floor for w in rest):
+        return None
+    best: tuple[str, float] | None = None
+    phases = {p for sums in rank_totals.sums.values() for p in sums}
+    for phase in sorted(phases):
+        if phase in WAIT_PHASES or phase in COMM_PARTS or phase == "paused":
+            continue
+        mine = rank_totals.mean(slow, phase)
+        others = [m for r in rank_totals.sums if r != slow and (m := rank_totals.mean(r, phase)) is not None]
+        if mine is None or not others:
+            continue
+        over = mine - statistics.median(others)
+        if over >= floor and (best is None or over > best[1]):
+            best = (phase, over)
+    return slow, gap, best
 
 
 def _exposed(mean: Any) -> float | None:

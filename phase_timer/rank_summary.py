@@ -102,6 +102,17 @@ class Spread:
                 break
         return (found[0] + found[1]) / 2 if len(found) == 2 else self.hi
 
+    def median_of_rest(self) -> float:
+        """The median without the largest rank's value: what a slow rank is measured against (with two ranks, the
+        other one; the median of all would be half-way to the slow one).  Past the exact values (many ranks), the
+        median of all, which one rank barely moves."""
+        if self.n == 2:
+            return self.lo
+        if self.buckets is None and len(self.values) == self.n and self.n > 2:
+            rest = sorted(self.values)[:-1]
+            return statistics.median(rest)
+        return self.median()
+
     def stats(self) -> dict[str, float]:
         return {"min": self.lo, "median": self.median(), "max": self.hi, "slowest_rank": float(self.hi_rank)}
 

@@ -211,10 +211,18 @@ def test_the_two_gpu_script_runs_splits_and_adds_up_on_the_cpu() -> None:
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "benchmarks", "comm_nccl.py"), "--cpu", "--cases", "ddp_straggler,fsdp2"]
+           os.path.join(ROOT, "benchmarks", "comm_nccl.py"), "--cpu", "--cases",
+           "ddp_straggler,fsdp2,data_straggler,eval_rank0"]
     _, rows = _run(cmd)
     by = {(r["case"], r["rank"]): r for r in rows}
-    assert all(r["adds_up"] for r in rows) and len(rows) == 4
+    assert all(r["adds_up"] for r in rows) and len(rows) == 8
     # rank 1 sleeps 20 ms in forward: rank 0 waits for it in DDP's all-reduce, rank 1 does not
     assert by["ddp_straggler", 0]["backward_wait"] >= 15.0 > by["ddp_straggler", 1]["backward_wait"]
     assert all(by["fsdp2", r]["forward_wait"] is not None and by["fsdp2", r]["backward_wait"] for r in (0, 1))
+    # issue 47: RANK_STRAGGLER names the slow rank (rank zero's verdict) and where it loses the time
+    assert (by["ddp_straggler", 0]["straggler_rank"], by["ddp_straggler", 0]["straggler_phase"]) == (1, "forward")
+    assert (by["data_straggler", 0]["straggler_rank"], by["data_straggler", 0]["straggler_phase"]) == (1, "data_wait")
+    # rank 0 alone evaluates after every 6th step (untimed there): rank 1 waits for it in its next all-reduce
+    ev = by["eval_rank0", 0]
+    assert (ev["straggler_rank"], ev["straggler_by"]) == (0, "waits"), ev["findings"]
+    assert ev["straggler_pauses"] >= 3 and "pauses" in ev["straggler"]

@@ -1,0 +1,114 @@
+"""The profiler's truth for exposed communication, per step: the union-of-intervals rule on device activities.
+
+Every benchmark that judges ``forward.comm_wait`` + ``backward.comm_wait`` reads its truth here, from a list of
+device intervals ``(start_us, end_us, name, kind)`` taken off the profiler (:func:`device_intervals`) or made by
+hand (``tests/test_nccl_truth.py``).
+
+- **Activities, not annotations.** With CPU activity on, the profiler also puts GPU-side *annotations* on the
+  CUDA device: ProcessGroupNCCL's ``nccl:all_reduce`` spans the same interval as its kernel
+  (``ncclDevKernel_AllReduce_...``), and FSDP2's ``FSDP::...`` ranges span the kernels launched inside them.
+  Counting both doubles the collectives' time.  Only kernels, memcpy and memset count (an annotation is
+  dropped by the event's own flag, or, where a torch lacks it, by name: ``nccl:``/``FSDP::`` and the like).
+- **Communication** is an activity whose name holds one of ``comm`` (``"nccl"``: NCCL's kernels; the planted
+  spins of the one-GPU benchmark).  **Work** is every other activity.  The *exposed* time is each
+  communication interval less its overlap with the union of the work (``exposed_stream``: every kernel,
+  memcpy and memset: a copy on the compute stream is work it does, not a wait; ``exposed``: compute kernels
+  only, the offline trace analyzers' rule).  Collectives that overlap each other are counted once (their union).
+- **Steps** are cut at marker kernels (``marker``, launched at each iteration's start on the compute stream):
+  step *i* is ``[marker_i, marker_{i+1})``, the last one ends at the last activity; every interval is clipped
+  to the step it falls in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+Interval = tuple[float, float, str, str]  # start µs, end µs, name, kind ("kernel", "memcpy", "memset", "annotation")
+#: Two copies this close follow each other on a queued stream (a launch's gap on the device is ~1.3 µs).
+QUEUED_GAP_US = 3.0
+ANNOTATION_PREFIXES = ("nccl:", "fsdp::", "fsdp:", "record_param_comms", "profilerstep", "ddp::")
+
+
+def device_intervals(events: Iterable[Any]) -> list[Interval]:
+    """The device's activities in ``prof.events()``: kernels, memcpy and memset, never annotations."""
+    import torch
+
+    out: list[Interval] = []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= e.time_range.start:
+            continue
+        name = e.name
+        low = name.lower()
+        activity = getattr(e, "activity_type", None)
+        if getattr(e, "is_user_annotation", False) or (activity is not None and "annotation" in str(activity).lower()) \
+                or low.startswith(ANNOTATION_PREFIXES):
+            kind = "annotation"
+        elif "memcpy" in low:
+            kind = "memcpy"
+        elif "memset" in low:
+            kind = "memset"
+        else:
+            kind = "kernel"
+        out.append((float(e.time_range.start), float(e.time_range.end), name, kind))
+    return out
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[list[float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _overlap(a: float, b: float, merged: list[list[float]]) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged if lo < b and hi > a)
+
+
+def exposed_us(comm: Sequence[tuple[float, float]], work: Sequence[tuple[float, float]]) -> float:
+    """µs of the union of ``comm`` outside the union of ``work``."""
+    busy = _union(work)
+    return sum((b - a) - _overlap(a, b, busy) for a, b in _union(comm))
+
+
+def _clip(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
+
+
+def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), marker: str = "spin_kernel",
+             copy_names: Sequence[str] = ("DtoD",)) -> list[dict[str, float]]:
+    """Per step (cut at the ``marker`` kernels; the time before the first marker is no step): ``exposed_stream``,
+    ``exposed`` (analyzers' rule), ``comm`` (the collectives' union), ``copies`` (the activities whose name holds
+    one of ``copy_names``: device-to-device memcpy, DDP's copies into ``.grad``: their own time) and
+    ``copies_run`` (the same back to back: each copy with the gap before it when it follows another copy within
+    QUEUED_GAP_US, as a queued stream runs them), in ms."""
+    acts = [iv for iv in intervals if iv[3] != "annotation"]
+    is_comm = [any(c in n.lower() for c in comm) for _, _, n, _ in acts]
+    starts = sorted(a for a, _, n, k in acts if k == "kernel" and marker in n)
+    if not starts:
+        return []
+    end = max(b for _, b, _, _ in acts)
+    bounds = list(zip(starts, [*starts[1:], end]))
+    comm_iv = [(a, b) for (a, b, _, _), c in zip(acts, is_comm) if c]
+    work_all = [(a, b) for (a, b, n, _), c in zip(acts, is_comm) if not c and marker not in n]
+    work_compute = [(a, b) for (a, b, n, k), c in zip(acts, is_comm) if not c and k == "kernel" and marker not in n]
+    copies = [(a, b) for (a, b, n, k), c in zip(acts, is_comm) if not c and any(x in n for x in copy_names)]
+    rows = []
+    for lo, hi in bounds:
+        mine = sorted(_clip(copies, lo, hi))
+        run = sum(b - a for a, b in mine) + sum(a2 - b1 for (_, b1), (a2, _) in zip(mine, mine[1:])
+                                               if 0 < a2 - b1 <= QUEUED_GAP_US)
+        cm = _clip(comm_iv, lo, hi)
+        rows.append(dict(
+            exposed_stream=exposed_us(cm, _clip(work_all, lo, hi)) / 1e3,
+            exposed=exposed_us(cm, _clip(work_compute, lo, hi)) / 1e3,
+            comm=sum(b - a for a, b in _union(cm)) / 1e3,
+            copies=sum(b - a for a, b in mine) / 1e3,
+            copies_run=run / 1e3,
+            span=(hi - lo) / 1e3,
+        ))
+    return rows
+
+
