@@ -86,7 +86,7 @@ def lightning_run(args: argparse.Namespace, log_dir: str, prof: Profiled) -> Non
     trainer = pl.Trainer(accelerator="gpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy="ddp",
                          precision="bf16-mixed", max_steps=args.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[PhaseTimer(per_step=True, window=10, log_dir=log_dir), Marker()])
+                         callbacks=[PhaseTimer(per_step=True, log_every_n_steps=10, log_dir=log_dir), Marker()])
     trainer.fit(Module(), data)
 
 
@@ -152,15 +152,18 @@ def main() -> None:
     lines = [code_line(), f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; the {args.door} door under "
              f"its own DDP, world {os.environ.get('WORLD_SIZE', '1')}; GPT width {args.width} x {args.depth}, batch {args.batch} x "
              f"{args.seq} a rank; {args.steps} steps, the last {args.profiled} profiled; rank 0, each row one step",
-             f"{'door':10} {'step':>5} {'comm_wait':>9} {'profiler':>9} {'diff':>8} {'analyzers':>9}"]
-    ok = 0
+             "queued: the union rule with the compute stream's launch gaps (<= 3 us) filled; strict: as is (ms)",
+             f"{'door':10} {'step':>5} {'comm_wait':>9} {'queued':>8} {'diff':>8} {'strict':>8} {'diff':>8} "
+             f"{'analyzers':>9}"]
+    ok = strict_ok = 0
     for s, t in zip(steps, truth):
-        diff = series[s] - t["exposed_stream"]
-        ok += abs(diff) <= max(0.1, 0.02 * t["exposed_stream"])
-        lines.append(f"{args.door:10} {s:5d} {fmt(series[s], 9)} {fmt(t['exposed_stream'], 9)} {fmt(diff)} "
-                     f"{fmt(t['exposed'], 9)}")
-    lines.append(f"{args.door}: {ok}/{len(truth)} steps within 0.1 ms or 2% (per-step values {len(series)}, "
-                 f"profiled steps {len(truth)})")
+        diff, sdiff = series[s] - t["exposed_queued"], series[s] - t["exposed_stream"]
+        ok += abs(diff) <= max(0.1, 0.02 * t["exposed_queued"])
+        strict_ok += abs(sdiff) <= max(0.1, 0.02 * t["exposed_stream"])
+        lines.append(f"{args.door:10} {s:5d} {fmt(series[s], 9)} {fmt(t['exposed_queued'])} {fmt(diff)} "
+                     f"{fmt(t['exposed_stream'])} {fmt(sdiff)} {fmt(t['exposed'], 9)}")
+    lines.append(f"{args.door}: {ok}/{len(truth)} steps within 0.1 ms or 2% of the queued rule ({strict_ok} of the "
+                 f"strict; per-step values {len(series)}, profiled steps {len(truth)})")
     print("\n".join(lines), flush=True)
     if args.out:
         with open(args.out, "w") as fh:

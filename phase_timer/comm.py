@@ -24,9 +24,9 @@ the waits; with a comm hook that returns a new tensor, a copy back into the buck
 backward's compute, the same bytes every step, and where the host launches them slower than the device runs
 them, the device's wait for those launches.  On sampled backwards (the 2nd to 4th synced ones, then one in
 COPY_EVERY or more) a dispatch mode, pushed for DDP's end-of-backward only, *defers* each of DDP's ``copy_``:
-DDP's end-of-backward then holds its waits alone, so that backward's ``comm_wait`` is the wait itself; after
-it (autograd's next final callback, before ``backward()`` returns) the deferred copies run in DDP's order, on
-the compute stream, into the same tensors, behind a short spin kernel that lets the host queue them all
+DDP's end-of-backward then holds its waits alone; after it (autograd's next final callback, before
+``backward()`` returns, still inside the wait's span) the deferred copies run in DDP's order, on the compute
+stream, into the same tensors, behind a short spin kernel that lets the host queue them all
 first, between two marks: they then time the device's own copies back to back, as the device runs DDP's when
 the host is ahead, never the host's pace of launching them (a mark beside a copy launched on an idle device
 holds the launch; and a timed event between every two copies would add microseconds a copy to the stream).
@@ -329,14 +329,15 @@ class DdpComm:
         if self._open is not None:
             self._pending.append((*self._open, self._now()))
             self._open = None
-        engine.switch(BACKWARD)
-        if copies is not None:
+        if copies is not None:  # in the wait's span, as DDP's own copies are on every other backward
             self._time_copies(copies, engine)
+        engine.switch(BACKWARD)
         if self._pending:
             self._resolve(engine)
 
     def _time_copies(self, copies: Any, engine: Any) -> None:
-        """Run a sampled backward's deferred copies between marks, queued behind a spin (device clock)."""
+        """Run a sampled backward's deferred copies between marks, queued behind a spin (device clock), inside the
+        wait's span: that backward's span holds DDP's waits and these copies, as every other's holds DDP's."""
         core = self._core
         clock = core.clock if core is not None else None
         n = len(copies.pairs)
@@ -353,7 +354,7 @@ class DdpComm:
             engine.switch(PAUSED)  # the spin is no phase's
             g0 = clock.mark()
             torch.cuda._sleep(cycles)
-            engine.switch(BACKWARD)
+            engine.switch(WAIT)
             gate = (g0, cycles)
         t0 = time.perf_counter_ns()
         first = clock.mark()

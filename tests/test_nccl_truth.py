@@ -61,3 +61,14 @@ def test_steps_are_cut_at_the_markers_and_overlapping_collectives_count_once():
 def test_exposed_us_is_the_union_of_comm_outside_the_union_of_work():
     assert exposed_us([(0, 10), (5, 20)], [(2, 4), (3, 6), (15, 30)]) == pytest.approx(20 - 4 - 5)
     assert exposed_us([], [(0, 1)]) == 0.0
+
+
+def test_a_collective_beside_the_stream_s_launch_gaps_is_hidden_once_those_gaps_are_filled():
+    """Queued kernels 2 us apart: the strict rule counts the collective in the gaps, the queued rule does not; a
+    real idle gap (20 us: the stream waits) stays exposed in both."""
+    tl = [k(0, 1, "spin_kernel"), k(100, 150, NCCL)]
+    tl += [k(90 + 12 * i, 100 + 12 * i) for i in range(6)]  # 10 us kernels, 2 us apart, 90..160
+    tl += [k(200, 210), k(230, 240), k(205, 225, NCCL), k(1000, 1001, "spin_kernel")]
+    row = per_step(tl)[0]
+    assert row["exposed_stream"] == pytest.approx((5 * 2 + 15) / 1e3)  # 5 launch gaps beside it, and 210..225
+    assert row["exposed_queued"] == pytest.approx(15 / 1e3)  # the idle gap alone
