@@ -237,6 +237,7 @@ def main() -> None:
             if r["sampled_us"] is not None:
                 sampled_us.append(r["sampled_us"])
     say(f"{'case':11} {'comm_wait ms':>12} {'stream ms':>9} {'diff ms':>8} {'analyzers ms':>12} {'DDP copies ms':>13} "
+        f"{'back to back':>12} "
         f"{'copies taken':>12} {'comm kernels ms':>15} {'collectives ms':>14} {'hidden':>7} {'backward ms':>11} "
         f"{'step ms':>8} {'wall ms':>8} {'syncs':>5}")
     for r in rows:
@@ -247,7 +248,7 @@ def main() -> None:
         diff = f"{wait - r['stream']:+8.3f}" if wait is not None else f"{'-':>8}"
         taken = r["copy_ms"] if r["copy_ms"] is not None else float("nan")
         say(f"{r['case']:11} {wait if wait is not None else float('nan'):12.3f} {r['stream']:9.3f} {diff} "
-            f"{r['truth']:12.3f} {r['copies']:13.3f} {taken:12.3f} {r['spin']:15.3f} "
+            f"{r['truth']:12.3f} {r['copies']:13.3f} {r['copies_run']:12.3f} {taken:12.3f} {r['spin']:15.3f} "
             f"{c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
             f"{r['backward']:11.3f} {r['step']:8.3f} {r['wall']:8.3f} {r['syncs']:5d}")
     med = {c: sorted(v)[len(v) // 2] for c, v in lb.items()}

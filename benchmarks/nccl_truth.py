@@ -30,6 +30,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 Interval = tuple[float, float, str, str]  # start µs, end µs, name, kind ("kernel", "memcpy", "memset", "annotation")
+#: A marker kernel lasts at most this long (longer spins are not markers).
+MARKER_MAX_US = 10.0
 #: Two copies this close follow each other on a queued stream (a launch's gap on the device is ~1.3 µs).
 QUEUED_GAP_US = 3.0
 ANNOTATION_PREFIXES = ("nccl:", "fsdp::", "fsdp:", "record_param_comms", "profilerstep", "ddp::")
@@ -93,14 +95,16 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
     QUEUED_GAP_US, as a queued stream runs them), in ms."""
     acts = [iv for iv in intervals if iv[3] != "annotation"]
     is_comm = [any(c in n.lower() for c in comm) for _, _, n, _ in acts]
-    starts = sorted(a for a, _, n, k in acts if k == "kernel" and marker in n)
+    # a marker is short (a spin of 100 cycles); phase-timer's own spin before a sampled backward's copies is not
+    starts = sorted(a for a, b, n, k in acts if k == "kernel" and marker in n and b - a <= MARKER_MAX_US)
     if not starts:
         return []
     end = max(b for _, b, _, _ in acts)
     bounds = list(zip(starts, [*starts[1:], end]))
     comm_iv = [(a, b) for (a, b, _, _), c in zip(acts, is_comm) if c]
-    work_all = [(a, b) for (a, b, n, _), c in zip(acts, is_comm) if not c and marker not in n]
-    work_compute = [(a, b) for (a, b, n, k), c in zip(acts, is_comm) if not c and k == "kernel" and marker not in n]
+    work_all = [(a, b) for (a, b, n, _), c in zip(acts, is_comm) if not c and not (marker in n and b - a <= MARKER_MAX_US)]
+    work_compute = [(a, b) for (a, b, n, k), c in zip(acts, is_comm)
+                    if not c and k == "kernel" and not (marker in n and b - a <= MARKER_MAX_US)]
     copies = [(a, b) for (a, b, n, k), c in zip(acts, is_comm) if not c and any(x in n for x in copy_names)]
     rows = []
     for lo, hi in bounds:

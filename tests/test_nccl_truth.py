@@ -72,3 +72,10 @@ def test_a_collective_beside_the_stream_s_launch_gaps_is_hidden_once_those_gaps_
     row = per_step(tl)[0]
     assert row["exposed_stream"] == pytest.approx((5 * 2 + 15) / 1e3)  # 5 launch gaps beside it, and 210..225
     assert row["exposed_queued"] == pytest.approx(15 / 1e3)  # the idle gap alone
+
+
+def test_a_long_spin_is_work_not_a_marker():
+    """phase-timer's own spin before a sampled backward's copies is a spin kernel too: not a step's start."""
+    tl = [k(0, 1, "spin_kernel"), k(100, 400, "spin_kernel"), k(300, 500, NCCL), k(1000, 1001, "spin_kernel")]
+    rows = per_step(tl)
+    assert len(rows) == 2 and rows[0]["exposed_stream"] == pytest.approx(0.1)  # the spin hides 300..400
