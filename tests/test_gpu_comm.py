@@ -54,32 +54,33 @@ def test_the_same_collective_hidden_behind_backward_is_no_wait(case):
     assert r["wait"] < 0.1
 
 
+@pytest.mark.xfail(strict=True, reason="issue 47, open: on this model (8 x Linear(4096), 16 copies of 64 MB) the "
+                   "deferred copies read 0.30 ms back to back against 0.19 ms of DDP's copies on the profiler (H200); "
+                   "the wait then reads 0.12 ms under the compute stream's truth")
 def test_ddp_s_copies_into_grad_are_timed_and_taken_off_the_wait(case):
     """gradient_as_bucket_view=False: DDP copies each result into .grad inside its end-of-backward.  The copies
-    timed on sampled backwards match the profiler's kernels under copy_bucket_to_grad, and what is left of the span
-    is the compute stream's wait (the union of every other kernel on the timeline, DDP's copies included)."""
+    timed on sampled backwards match the profiler's kernels under copy_bucket_to_grad (their own time, with a
+    queued launch gap of at most 3 us each), and what is left of the span is the compute stream's wait (the union
+    of every other kernel on the timeline, DDP's copies included)."""
     for name in ("late", "early", "default"):
         r = case(name)
         assert r["copies"] > 0.05  # DDP copied, by the profiler
-        # the copies back to back, as a queued stream runs DDP's (their own time and the launch gaps between them);
-        # marks beside each copy timed its launch instead (2.4x on GPT-2-124M)
-        assert r["copy_ms"] == pytest.approx(r["copies_run"], rel=0.25), name
-        assert r["copies"] <= r["copy_ms"]  # never less than their own time
+        assert r["copies"] <= r["copy_ms"] <= r["copies"] + 16 * 0.003, name
         assert r["wait"] == pytest.approx(r["stream"], abs=0.1), name
 
 
 def test_the_copies_estimate_holds_on_a_model_of_200_parameter_tensors(case):
     """Issue 47: with many small parameters DDP launches many small copies; marks beside copies launched on an
-    idle device timed the launches (2.4x the copies on GPT-2-124M).  The deferred copies, queued behind a spin,
-    time the device's own copies, back to back (measured within 2-16% of the profiler's on two H200s)."""
+    idle device timed the launches (2.4x on GPT-2-124M).  The deferred copies, queued behind a spin, read the
+    copies' own time and a queued launch gap (at most 3 us) each (H200: 0.50 ms for 0.18 ms of copies; the host
+    launching DDP's own at its pace can be slower still, which the span then holds: docs/benchmarks.md)."""
     from benchmarks.comm_truth import cycles_per_ms, run
 
     case("view")  # the process group is up
     r = run("default", 15, SPIN_MS, cycles_per_ms(), 256, 100, 4096)  # 100 x Linear(256): 200 tensors, a bucket each
     print("COMM copies200", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
     assert r["copies"] > 0.05
-    assert r["copy_ms"] == pytest.approx(r["copies_run"], rel=0.25)
-    assert r["copies"] <= r["copy_ms"]
+    assert r["copies"] <= r["copy_ms"] <= r["copies"] + 200 * 0.003
 
 
 def test_the_split_adds_no_sync(case):
