@@ -86,9 +86,9 @@ SYNCED = "require_forward_param_sync"
 #: is the median of the last COPY_KEEP samples.
 COPY_FIRST, COPY_EVERY, COPY_BUDGET_NS, COPY_KEEP = (2, 3, 4), 1024, 1000, 3
 #: The spin before the deferred copies lasts GATE_MARGIN x the host's time to queue them (the last sample's, or
-#: GATE_FIRST_US a copy before one was timed), plus GATE_BASE_US; at GATE_CYCLES_PER_MS until the spin's own rate
-#: is measured (a clock above it only lengthens the first spins).
-GATE_MARGIN, GATE_FIRST_US, GATE_BASE_US, GATE_CYCLES_PER_MS = 1.5, 12.0, 50.0, 2.0e6
+#: GATE_FIRST_US a copy before one was timed), plus GATE_BASE_US, at most GATE_MAX_MS; at GATE_CYCLES_PER_MS until
+#: the spin's own rate is measured (the median of its samples; a clock below 2 GHz only lengthens the first spins).
+GATE_MARGIN, GATE_FIRST_US, GATE_BASE_US, GATE_MAX_MS, GATE_CYCLES_PER_MS = 1.5, 12.0, 50.0, 5.0, 2.0e6
 
 
 class DdpComm:
@@ -195,7 +195,8 @@ class DdpComm:
         if core is not None:
             core.comm.hook = self.user_hook
             core.comm.copy = core.comm.copy or not getattr(self.ddp, "gradient_as_bucket_view", True)
-        self._spans, self._open, self._synced, self._copies, self._copy_taken = None, None, 0, None, 0
+        # a deferral still live (bound anew between _split and _joined) is left to _joined, which pops and replays it
+        self._spans, self._open, self._synced, self._copy_taken = None, None, 0, 0
         self.copy_host_ns = []
         self._pending.clear()
         self._device = core is not None and core.clock.kind != "host"
@@ -296,18 +297,22 @@ class DdpComm:
         """After backward's compute, before DDP's end-of-backward (a composed hook's backward, or one whose copies
         are timed): the wait begins."""
         spans, self._spans = self._spans, None
-        self._copies = None  # one a DDP error left (autograd's guard popped its mode): _joined must not pop again
+        left, self._copies = self._copies, None  # one a DDP error left (autograd's guard popped its mode)
+        if left is not None and _ACTIVE[0] is left:
+            _ACTIVE[0] = None  # _joined must not pop it again, and the next sample may begin
         engine = self._engine
         if engine is None:
             return
         engine.switch(WAIT)
         if spans:
             self._open = (spans, self._now())
-        if copies:
+        if copies and _ACTIVE[0] is not None:  # another module's copies are deferred in this backward: next time
+            self._schedule(1)
+        elif copies:
             self._copy_taken += 1
             self._schedule(COPY_EVERY)  # the next one, unless _joined (after DDP's end-of-backward) says sooner or later
             self._copy_t0 = time.perf_counter_ns()
-            self._copies = _copy_deferrer()
+            self._copies = _ACTIVE[0] = _copy_deferrer(self.ddp.module.parameters())
             _push_mode(self._copies)  # the C stack only: autograd's own thread-state guard pops it if DDP raises
         self._queue_callback(self._joined)  # after DDP's end-of-backward, queued before this one ran
 
@@ -319,18 +324,20 @@ class DdpComm:
         """After DDP's end-of-backward: the wait is over (and, on a sampled backward, DDP's deferred copies run)."""
         copies, self._copies = self._copies, None
         if copies is not None:
-            _pop_mode()
+            _pop_mode(copies)
+            if _ACTIVE[0] is copies:
+                _ACTIVE[0] = None
         engine = self._engine
         if engine is None or engine.current != WAIT:
             self._open = None
             if copies is not None:
                 copies.run()  # DDP's results reach .grad whatever happens to the timing
             return
-        if self._open is not None:
-            self._pending.append((*self._open, self._now()))
-            self._open = None
         if copies is not None:  # in the wait's span, as DDP's own copies are on every other backward
             self._time_copies(copies, engine)
+        if self._open is not None:  # a composed hook's sample ends here too: its span holds the copies, as all do
+            self._pending.append((*self._open, self._now()))
+            self._open = None
         engine.switch(BACKWARD)
         if self._pending:
             self._resolve(engine)
@@ -344,23 +351,31 @@ class DdpComm:
         if clock is None or not n:
             copies.run()
             return
-        gate = None
-        if self._device:
-            import torch
+        gate = marks = None
+        try:
+            if self._device:
+                import torch
 
-            per_copy = self._queue_ns_per_copy / 1e3 if self._queue_ns_per_copy else GATE_FIRST_US
-            gate_ms = (GATE_MARGIN * n * per_copy + GATE_BASE_US) / 1e3
-            cycles = int(gate_ms * (core.comm.gate_cycles_per_ms or GATE_CYCLES_PER_MS))
-            engine.switch(PAUSED)  # the spin is no phase's
-            g0 = clock.mark()
-            torch.cuda._sleep(cycles)
+                per_copy = self._queue_ns_per_copy / 1e3 if self._queue_ns_per_copy else GATE_FIRST_US
+                gate_ms = min(GATE_MAX_MS, (GATE_MARGIN * n * per_copy + GATE_BASE_US) / 1e3)
+                cycles = int(gate_ms * (core.comm.gate_cycles_per_ms or GATE_CYCLES_PER_MS))
+                engine.switch(PAUSED)  # the spin is no phase's
+                g0 = clock.mark()
+                torch.cuda._sleep(cycles)
+                engine.switch(WAIT)
+                gate = (g0, cycles)
+            t0 = time.perf_counter_ns()
+            first = clock.mark()
+            copies.run()  # no mark between them: a timed event costs the stream microseconds, a copy as little
+            marks = [first, clock.mark()]
+            self._queue_ns_per_copy = (time.perf_counter_ns() - t0) / n
+        except Exception as err:  # noqa: BLE001 - the timing's, never the training's: the copies are made
+            warn(log, f"phase-timer: timing DDP's copies into .grad failed ({err!r}); they are made untimed.", 3)
             engine.switch(WAIT)
-            gate = (g0, cycles)
-        t0 = time.perf_counter_ns()
-        first = clock.mark()
-        copies.run()  # no mark between them: a timed event costs the stream microseconds, a copy as little
-        marks = [first, clock.mark()]
-        self._queue_ns_per_copy = (time.perf_counter_ns() - t0) / n
+            copies.run()
+            return
+        finally:
+            copies.run()  # a no-op once made: DDP's results reach .grad whatever happened above
         k = self._copy_taken
         spent = time.perf_counter_ns() - self._copy_t0  # the sampled end-of-backward's host time, DDP's own in
         self.copy_host_ns.append(spent)
@@ -394,18 +409,31 @@ def _push_mode(mode: Any) -> None:
     torch._C._push_on_torch_dispatch_stack(mode)
 
 
-def _pop_mode() -> None:
+def _pop_mode(mode: Any) -> None:
+    """Pop ``mode`` if it is on top of the dispatch stack (DDP's end-of-backward pushed nothing of its own above
+    it); else leave the stack alone and let ``mode`` pass everything through from now on."""
     import torch
 
-    torch._C._pop_torch_dispatch_stack(None)
+    n = torch._C._len_torch_dispatch_stack()
+    if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
+        torch._C._pop_torch_dispatch_stack(None)
+    else:
+        mode.passthrough = True
+
+
+#: The deferral live in this process's backward (one at a time: two DDP modules sampled in the same backward
+#: would stack two modes, the second's copies deferred by the first's; the second waits for its next backward).
+_ACTIVE: list[Any] = [None]
 
 
 _DEFERRER: Any = None
 
 
-def _copy_deferrer() -> Any:
-    """A dispatch mode that defers each ``copy_`` dispatched under it (``pairs``; the destination is returned as
-    ``copy_`` returns it) until :meth:`run`, which makes them in order; every other op passes through."""
+def _copy_deferrer(params: Any) -> Any:
+    """A dispatch mode that defers each ``copy_`` into the ``.grad`` of one of ``params`` dispatched under it
+    (``pairs``; the destination is returned as ``copy_`` returns it) until :meth:`run`, which makes them in order.
+    Every other op passes through, other copies too: DDP reads some of its own at once (the used-parameter map
+    it copies to the host and reads with ``.item()`` under ``find_unused_parameters``)."""
     global _DEFERRER
     if _DEFERRER is None:
         import torch
@@ -414,26 +442,33 @@ def _copy_deferrer() -> Any:
         copy_ = torch.ops.aten.copy_.default
 
         class CopyDeferrer(TorchDispatchMode):
-            def __init__(self) -> None:
+            def __init__(self, params: Any) -> None:
                 super().__init__()
                 self.pairs: list[tuple[Any, Any, bool]] = []
+                self.passthrough = False
+                # the gradients' memory (their tensors may reach the mode as other Python objects)
+                self.grads = {(g.data_ptr(), g.numel()) for p in params
+                              if (g := p.grad) is not None and g.layout == torch.strided}
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
                 kwargs = kwargs or {}
-                if func is not copy_:
+                if func is not copy_ or self.passthrough:
                     return func(*args, **kwargs)
                 dst, src = args[0], args[1]
+                if dst.layout != torch.strided or (dst.data_ptr(), dst.numel()) not in self.grads:
+                    return func(*args, **kwargs)
                 self.pairs.append((dst, src, bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))))
                 return dst
 
             def run(self) -> None:
-                """Make the deferred copies, in DDP's order."""
+                """Make the deferred copies, in DDP's order (once: the mode passes every copy through from now on)."""
+                self.passthrough = True
                 pairs, self.pairs = self.pairs, []
                 for dst, src, non_blocking in pairs:
                     dst.copy_(src, non_blocking=non_blocking)
 
         _DEFERRER = CopyDeferrer
-    return _DEFERRER()
+    return _DEFERRER(params)
 
 
 #: Each DDP module's split (weak: a module dropped takes its entry along); none is an attribute of the module,
@@ -549,7 +584,7 @@ def _rs_waits(group: Any) -> list[Any]:
     """The reduce-scatter events FSDP2's ``post_backward`` is about to make the compute stream wait for (before it
     launches the group's own reduce-scatter: a bound on the buffers in flight), as this torch's FSDP2 decides."""
     ctx = getattr(group, "comm_ctx", None)
-    if ctx is None:
+    if ctx is None or not getattr(group, "reduce_grads", True):  # FSDP2 returns before its wait then
         return []
     states = getattr(ctx, "reduce_scatter_states", None)
     if states is not None:  # a list: torch >= 2.10
@@ -558,9 +593,7 @@ def _rs_waits(group: Any) -> list[Any]:
         keep = getattr(ctx, "reduce_scatter_max_input_buffers", None)
         n = len(states) if not keep else len(states) - keep + 1  # FSDP2 pops the oldest until fewer than keep
         return [s.event for s in states[:max(0, n)] if getattr(s, "event", None) is not None]
-    state = getattr(ctx, "reduce_scatter_state", None)  # one: older torch
-    event = getattr(state, "event", None)
-    return [event] if event is not None else []
+    return []  # one state (older torch): FSDP2 waits only for a group with gradients; that wait stays in backward
 
 
 def _wait_events(events: list[Any]) -> None:
@@ -773,8 +806,9 @@ class RunComm:
         #: ``backward.comm_wait``: ms a synced backward (the modules' medians, summed), or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
-        #: The spin's cycles a millisecond on this device, measured on the sampled backwards (None: not yet).
+        #: The spin's cycles a millisecond on this device: the median of the sampled backwards' (None: not yet).
         self.gate_cycles_per_ms: float | None = None
+        self._gate_rates: list[float] = []
 
     def add(self, comm: dict[str, float]) -> None:
         for k, v in comm.items():
@@ -796,7 +830,9 @@ class RunComm:
             if gate is not None:
                 spun = clock.elapsed_ms(gate[0], marks[0])
                 if spun > 0:
-                    self.gate_cycles_per_ms = gate[1] / spun
+                    self._gate_rates.append(gate[1] / spun)
+                    del self._gate_rates[:-COPY_KEEP]
+                    self.gate_cycles_per_ms = statistics.median(self._gate_rates)
                 clock.release([gate[0]])
             kept = self._copy_samples.setdefault(key, [])
             kept.append(clock.elapsed_ms(marks[0], marks[-1]))

@@ -567,9 +567,9 @@ class TimingCore:
     def job_throughput(self) -> dict[str, float] | None:
         """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""
         ranks = self.ranks
-        if ranks is None or ranks.totals is None or not ranks.totals.counts:
-            return None
-        return throughput.job_rates(ranks.totals.counts)
+        counted = {r: c for r, c in ranks.totals.counts.items() if "period_ms" in c} if ranks is not None and \
+            ranks.totals is not None else {}  # a rank's pauses travel there too, with no rate of their own
+        return throughput.job_rates(counted) if counted else None
 
     def memory_summary(self) -> dict | None:
         """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""

@@ -364,19 +364,19 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
         share = gap / period if period > 0 else 0.0
         ev: dict[str, Any] = {"rank": rank, "phase": where[0] if where else None, "margin_ms": gap, "windows": 0,
                               "of_windows": n, "share_of_period": share, "others_comm_wait_ms": gap, "by": "waits"}
-        why = (f"rank {rank} is the one the others wait for: each other rank waits {gap:.2f} ms a step longer than "
+        why = (f"rank {rank} is the one the others wait for: the other ranks wait {gap:.2f} ms a step longer than "
                f"rank {rank} for its collectives ({_pct(share)} of period; {' + '.join(_parts(rank_totals))}): the "
                "collectives make every rank's step as long as the slowest's, so only the waits show who it is")
         tips = []
         paused = _paused(rank_totals, rank)
         if paused is not None and paused[0] >= max(0.05, STRAGGLER_MARGIN * period):
-            per_step, pauses, steps = paused
-            ev.update(paused_ms_per_step=per_step, pauses=pauses)
+            more, own, theirs, pauses, steps = paused
+            ev.update(paused_ms_per_step=own, others_paused_ms_per_step=theirs, pauses=pauses)
             every = f", one every ~{steps / pauses:.0f} steps" if pauses else ""
-            tips.append(f"rank {rank} pauses {per_step:.2f} ms a step on average outside its steps ({pauses} pauses "
-                        f"over {steps} steps{every}: evaluation, checkpoints, logging on that rank alone) and the "
-                        "other ranks do not: each pause is their wait in their next collective. Run that work on "
-                        "every rank at the same step (evaluation sharded across the ranks), or outside training")
+            tips.append(f"rank {rank} pauses {own:.2f} ms a step on average outside its steps ({pauses} pauses over "
+                        f"{steps} steps{every}: evaluation, checkpoints, logging), {more:.2f} ms more than the other "
+                        "ranks' median: each pause is their wait in their next collective. Run that work on every "
+                        "rank at the same step (evaluation sharded across the ranks), or outside training")
         if where:
             tips.append(f"rank {rank} spends {where[1]:.2f} ms a step more than the other ranks in {where[0]}: look "
                         f"there (its data shard, its host: other jobs, CPU affinity; its GPU: clocks, thermals, PCIe)")
@@ -417,9 +417,9 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
     return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
 
 
-def _paused(rank_totals: Any, rank: int) -> tuple[float, int, int] | None:
-    """Rank ``rank``'s pauses (evaluation, saves: no step's) beyond the other ranks': (ms a step more than their
-    median, its pauses, its steps); None where the ranks' reports carry none."""
+def _paused(rank_totals: Any, rank: int) -> tuple[float, float, float, int, int] | None:
+    """Rank ``rank``'s pauses (evaluation, saves: no step's) beside the other ranks': (ms a step more than their
+    median, its own ms a step, their median, its pauses, its steps); None where the ranks' reports carry none."""
     counts = getattr(rank_totals, "counts", None) or {}
     steps = getattr(rank_totals, "steps", None) or {}
 
@@ -430,8 +430,8 @@ def _paused(rank_totals: Any, rank: int) -> tuple[float, int, int] | None:
     if not counts.get(rank, {}).get("pauses") or not steps.get(rank):
         return None
     others = [per_step(r) for r in rank_totals.sums if r != rank]
-    more = per_step(rank) - (statistics.median(others) if others else 0.0)
-    return more, int(counts[rank]["pauses"]), int(steps[rank])
+    theirs = statistics.median(others) if others else 0.0
+    return per_step(rank) - theirs, per_step(rank), theirs, int(counts[rank]["pauses"]), int(steps[rank])
 
 
 def _waited_for(rank_totals: Any, period: float) -> tuple[int, float, tuple[str, float] | None] | None:
@@ -441,7 +441,11 @@ def _waited_for(rank_totals: Any, period: float) -> tuple[int, float, tuple[str,
     no split waits, fewer than two ranks, or no such rank."""
     if rank_totals is None or len(rank_totals.sums) < 2 or not _parts(rank_totals):
         return None
-    waits = {r: _rank_wait(rank_totals, r, True) or 0.0 for r in rank_totals.sums}
+    # a rank with no comm_wait row but a backward never waited; one with neither says nothing
+    waits = {r: w if w is not None else 0.0 for r in rank_totals.sums
+             if (w := _rank_wait(rank_totals, r, True)) is not None or rank_totals.mean(r, "backward") is not None}
+    if len(waits) < 2:
+        return None
     slow = min(waits, key=lambda r: (waits[r], r))
     rest = [w for r, w in waits.items() if r != slow]
     gap = min(rest) - waits[slow] if len(rest) == 1 else statistics.median(rest) - waits[slow]
