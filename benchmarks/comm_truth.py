@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
 from phase_timer import comm  # noqa: E402
-from benchmarks.nccl_truth import QUEUED_GAP_US, device_intervals  # noqa: E402
+from benchmarks.nccl_truth import back_to_back_us, device_intervals, exposed_us  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 
 LINES: list[str] = []
@@ -182,23 +182,11 @@ def timeline(events: list, steps: int, comm_names: tuple[str, ...]) -> dict[str,
     # activities only: the GPU-side annotations (nccl:all_reduce over its kernel) would count a collective twice
     kernels = [(a, b, n.lower()) for a, b, n, kind in device_intervals(events) if kind != "annotation"]
     comm = [(a, b) for a, b, n in kernels if any(k in n for k in comm_names)]
-
-    def exposed(work: list[tuple[float, float]]) -> float:
-        merged: list[list[float]] = []  # the union of the work's intervals
-        for a, b in sorted(work):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        return sum((b - a) - sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in merged) for a, b in comm)
-
     other = [(a, b, n) for a, b, n in kernels if not any(k in n for k in comm_names)]
-    compute = exposed([(a, b) for a, b, n in other if "memcpy" not in n and "memset" not in n])
-    stream = exposed([(a, b) for a, b, _ in other])
+    compute = exposed_us(comm, [(a, b) for a, b, n in other if "memcpy" not in n and "memset" not in n])
+    stream = exposed_us(comm, [(a, b) for a, b, _ in other])
     copies = sum(e.device_time_total for e in events if e.name.endswith("copy_bucket_to_grad"))
-    dtod = sorted((a, b) for a, b, n in kernels if "dtod" in n)
-    run = sum(b - a for a, b in dtod) + sum(a2 - b1 for (_, b1), (a2, _) in zip(dtod, dtod[1:])
-                                            if 0 < a2 - b1 <= QUEUED_GAP_US)
+    run = back_to_back_us([(a, b) for a, b, n in kernels if "dtod" in n])
     return dict(exposed=compute / 1e3 / steps, exposed_stream=stream / 1e3 / steps,
                 comm=sum(b - a for a, b in comm) / 1e3 / steps, copies_run=run / 1e3 / steps,
                 copies=copies / 1e3 / steps, syncs=sum(1 for e in events if e.name in SYNCS))

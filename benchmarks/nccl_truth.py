@@ -82,6 +82,14 @@ def exposed_us(comm: Sequence[tuple[float, float]], work: Sequence[tuple[float, 
     return sum((b - a) - _overlap(a, b, busy) for a, b in _union(comm))
 
 
+def back_to_back_us(spans: Iterable[tuple[float, float]]) -> float:
+    """µs of ``spans`` (copies) as a queued stream runs them: their union, and each gap of at most QUEUED_GAP_US
+    between one and the next (a queued launch's gap, not the host's)."""
+    merged = _union(spans)
+    return sum(b - a for a, b in merged) + sum(a2 - b1 for (_, b1), (a2, _) in zip(merged, merged[1:])
+                                               if a2 - b1 <= QUEUED_GAP_US)
+
+
 def _clip(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     return [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
 
@@ -108,9 +116,7 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
     copies = [(a, b) for (a, b, n, k), c in zip(acts, is_comm) if not c and any(x in n for x in copy_names)]
     rows = []
     for lo, hi in bounds:
-        mine = sorted(_clip(copies, lo, hi))
-        run = sum(b - a for a, b in mine) + sum(a2 - b1 for (_, b1), (a2, _) in zip(mine, mine[1:])
-                                               if 0 < a2 - b1 <= QUEUED_GAP_US)
+        mine = _clip(copies, lo, hi)
         cm = _clip(comm_iv, lo, hi)
         work = _clip(work_all, lo, hi)
         rows.append(dict(
@@ -119,7 +125,7 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
             exposed=exposed_us(cm, _clip(work_compute, lo, hi)) / 1e3,
             comm=sum(b - a for a, b in _union(cm)) / 1e3,
             copies=sum(b - a for a, b in mine) / 1e3,
-            copies_run=run / 1e3,
+            copies_run=back_to_back_us(mine) / 1e3,
             span=(hi - lo) / 1e3,
         ))
     return rows

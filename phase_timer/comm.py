@@ -351,7 +351,7 @@ class DdpComm:
         if clock is None or not n:
             copies.run()
             return
-        gate = marks = None
+        gate = None
         try:
             if self._device:
                 import torch
@@ -369,10 +369,9 @@ class DdpComm:
             copies.run()  # no mark between them: a timed event costs the stream microseconds, a copy as little
             marks = [first, clock.mark()]
             self._queue_ns_per_copy = (time.perf_counter_ns() - t0) / n
-        except Exception as err:  # noqa: BLE001 - the timing's, never the training's: the copies are made
+        except Exception as err:  # noqa: BLE001 - the timing's, never the training's
             warn(log, f"phase-timer: timing DDP's copies into .grad failed ({err!r}); they are made untimed.", 3)
             engine.switch(WAIT)
-            copies.run()
             return
         finally:
             copies.run()  # a no-op once made: DDP's results reach .grad whatever happened above
@@ -596,16 +595,10 @@ def _rs_waits(group: Any) -> list[Any]:
     return []  # one state (older torch): FSDP2 waits only for a group with gradients; that wait stays in backward
 
 
-def _wait_events(events: list[Any]) -> None:
-    """The compute (current) stream waits for each event: FSDP2's own wait for them then returns at once."""
+def _wait_early(events: list[Any], work: Any = None) -> None:
+    """An FSDP2 wait, made early: the compute (current) stream waits for each event; an async group's work (a
+    CPU's: the host waits).  FSDP2's own wait then returns at once."""
     for event in events:
-        event.wait()
-
-
-def _wait_gathered(event: Any, work: Any) -> None:
-    """FSDP2's wait for an all-gather, made early: the compute (current) stream waits for its event; an async
-    group's work (a CPU's: the host waits).  FSDP2's own wait then returns at once."""
-    if event is not None:
         event.wait()
     if work is not None and hasattr(work, "wait"):
         work.wait()
@@ -683,7 +676,7 @@ class FsdpComm:
             if phase == "forward" or phase == BACKWARD:
                 event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
                 if event is not None or work is not None:
-                    _between_marks(engine, phase, _wait_gathered, event, work)
+                    _between_marks(engine, phase, _wait_early, [event] if event is not None else [], work)
             return copy_out(result, *args, **kwargs)
 
         def timed_final(state):  # noqa: ANN001, ANN202
@@ -706,7 +699,7 @@ class FsdpComm:
                 if engine is not None and engine.current == BACKWARD:
                     events = _rs_waits(group)
                     if events:
-                        _between_marks(engine, BACKWARD, _wait_events, events)
+                        _between_marks(engine, BACKWARD, _wait_early, events)
                 return post_backward(group, *args, **kwargs)
 
             functools.update_wrapper(timed_post_backward, post_backward)

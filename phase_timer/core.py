@@ -566,9 +566,9 @@ class TimingCore:
 
     def job_throughput(self) -> dict[str, float] | None:
         """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""
-        ranks = self.ranks
-        counted = {r: c for r, c in ranks.totals.counts.items() if "period_ms" in c} if ranks is not None and \
-            ranks.totals is not None else {}  # a rank's pauses travel there too, with no rate of their own
+        totals = self.ranks.totals if self.ranks is not None else None
+        # a rank's pauses travel with its counts, with no rate of their own
+        counted = {r: c for r, c in totals.counts.items() if "period_ms" in c} if totals is not None else {}
         return throughput.job_rates(counted) if counted else None
 
     def memory_summary(self) -> dict | None:

@@ -344,7 +344,8 @@ def _sync_wait(totals: Any) -> Diagnosis | None:
 
 def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
     """RANK_STRAGGLER: one rank slowest in one phase in most windows, by a material margin over the other ranks'
-    median; or, where the collectives equalise the steps and no phase shows it, the rank the others wait for."""
+    median; or, where the collectives equalise the steps and no phase shows it (or the others wait longer for
+    another rank than that phase is slow), the rank the others wait for."""
     n = len(signals.rank_period_ms)  # the windows across ranks
     if n < 1:
         return None
@@ -355,46 +356,17 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
         if count >= max(MIN_WINDOWS, STRAGGLER_SHARE * n):
             found = (phase, rank, signals.margins[phase, rank] / count, count)
     waited = _waited_for(rank_totals, period)
-    if found is None and waited is None:
-        return None
-    if found is not None and waited is not None and waited[0] != found[1] and waited[1] > found[2]:
-        found = None  # the others wait longer for another rank than this one's phase is slow: that rank it is
+    if waited is not None and (found is None or waited[0] != found[1] and waited[1] > found[2]):
+        return _straggler_by_waits(rank_totals, period, n, *waited)
     if found is None:
-        rank, gap, where = waited
-        share = gap / period if period > 0 else 0.0
-        ev: dict[str, Any] = {"rank": rank, "phase": where[0] if where else None, "margin_ms": gap, "windows": 0,
-                              "of_windows": n, "share_of_period": share, "others_comm_wait_ms": gap, "by": "waits"}
-        why = (f"rank {rank} is the one the others wait for: the other ranks wait {gap:.2f} ms a step longer than "
-               f"rank {rank} for its collectives ({_pct(share)} of period; {' + '.join(_parts(rank_totals))}): the "
-               "collectives make every rank's step as long as the slowest's, so only the waits show who it is")
-        tips = []
-        paused = _paused(rank_totals, rank)
-        if paused is not None and paused[0] >= max(0.05, STRAGGLER_MARGIN * period):
-            more, own, theirs, pauses, steps = paused
-            ev.update(paused_ms_per_step=own, others_paused_ms_per_step=theirs, pauses=pauses)
-            every = f", one every ~{steps / pauses:.0f} steps" if pauses else ""
-            tips.append(f"rank {rank} pauses {own:.2f} ms a step on average outside its steps ({pauses} pauses over "
-                        f"{steps} steps{every}: evaluation, checkpoints, logging), {more:.2f} ms more than the other "
-                        "ranks' median: each pause is their wait in their next collective. Run that work on every "
-                        "rank at the same step (evaluation sharded across the ranks), or outside training")
-        if where:
-            tips.append(f"rank {rank} spends {where[1]:.2f} ms a step more than the other ranks in {where[0]}: look "
-                        f"there (its data shard, its host: other jobs, CPU affinity; its GPU: clocks, thermals, PCIe)")
-        elif not tips:
-            tips.append(f"no timed phase of rank {rank}'s is longer than the others': its lag is host work the device "
-                        "does not see as a phase (Python between launches, logging, checkpoints or evaluation on that "
-                        "rank alone); trace that rank (trace_steps=) to find it")
-        if where and where[0] == "data_wait":
-            tips.append("an uneven input pipeline: the same loader settings on every rank, shards of even cost")
-        return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
+        return None
     phase, rank, margin, count = found
     share = margin / period if period > 0 else 0.0
-    ev = {"rank": rank, "phase": phase, "margin_ms": margin, "windows": count, "of_windows": n,
-          "share_of_period": share, "by": "phase"}
+    ev: dict[str, Any] = {"rank": rank, "phase": phase, "margin_ms": margin, "windows": count, "of_windows": n,
+                          "share_of_period": share, "by": "phase"}
     why = (f"rank {rank} is the slowest in {phase} in {count} of {n} windows, {margin:.2f} ms a step above the "
            f"other ranks' median ({_pct(share)} of period)")
-    tips = [f"look at rank {rank}'s {phase}: its data shard, its host (other jobs, CPU affinity), its GPU (clocks, "
-            "thermals, PCIe)"]
+    tips = [_look_at(rank, phase)]
     if rank_totals is not None:
         split = bool(_parts(rank_totals))
         mine = _rank_wait(rank_totals, rank, split)
@@ -412,9 +384,48 @@ def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
             elif wait > 0:
                 tips.append(f"the other ranks' backward is {wait:.2f} ms longer than rank {rank}'s: their wait for it "
                             "in the gradient all-reduce")
-    if phase == "data_wait":
-        tips.append("an uneven input pipeline: the same loader settings on every rank, shards of even cost")
-    return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips), ev)
+    return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips + _input_tip(phase)), ev)
+
+
+def _straggler_by_waits(rank_totals: Any, period: float, n: int, rank: int, gap: float,
+                        where: tuple[str, float] | None) -> Diagnosis:
+    """RANK_STRAGGLER from the split waits (:func:`_waited_for`): the rank the others wait ``gap`` ms a step for,
+    and where it loses that time: a phase, its pauses, or neither."""
+    share = gap / period if period > 0 else 0.0
+    ev: dict[str, Any] = {"rank": rank, "phase": where[0] if where else None, "margin_ms": gap, "windows": 0,
+                          "of_windows": n, "share_of_period": share, "others_comm_wait_ms": gap, "by": "waits"}
+    why = (f"rank {rank} is the one the others wait for: the other ranks wait {gap:.2f} ms a step longer than "
+           f"rank {rank} for its collectives ({_pct(share)} of period; {' + '.join(_parts(rank_totals))}): the "
+           "collectives make every rank's step as long as the slowest's, so only the waits show who it is")
+    tips = []
+    paused = _paused(rank_totals, rank)
+    if paused is not None and paused[0] >= max(0.05, STRAGGLER_MARGIN * period):
+        more, own, theirs, pauses, steps = paused
+        ev.update(paused_ms_per_step=own, others_paused_ms_per_step=theirs, pauses=pauses)
+        tips.append(f"rank {rank} pauses {own:.2f} ms a step on average outside its steps ({pauses} pauses over "
+                    f"{steps} steps, one every ~{steps / pauses:.0f} steps: evaluation, checkpoints, logging), "
+                    f"{more:.2f} ms more than the other ranks' median: each pause is their wait in their next "
+                    "collective. Run that work on every rank at the same step (evaluation sharded across the ranks), "
+                    "or outside training")
+    if where:
+        tips.append(f"rank {rank} spends {where[1]:.2f} ms a step more than the other ranks in {where[0]}: "
+                    + _look_at(rank, where[0]))
+    elif not tips:
+        tips.append(f"no timed phase of rank {rank}'s is longer than the others': its lag is host work the device "
+                    "does not see as a phase (Python between launches, logging, checkpoints or evaluation on that "
+                    "rank alone); trace that rank (trace_steps=) to find it")
+    return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why,
+                     tuple(tips + _input_tip(where[0] if where else None)), ev)
+
+
+def _look_at(rank: int, phase: str) -> str:
+    return (f"look at rank {rank}'s {phase}: its data shard, its host (other jobs, CPU affinity), its GPU (clocks, "
+            "thermals, PCIe)")
+
+
+def _input_tip(phase: str | None) -> list[str]:
+    return ["an uneven input pipeline: the same loader settings on every rank, shards of even cost"] \
+        if phase == "data_wait" else []
 
 
 def _paused(rank_totals: Any, rank: int) -> tuple[float, float, float, int, int] | None:
@@ -448,7 +459,7 @@ def _waited_for(rank_totals: Any, period: float) -> tuple[int, float, tuple[str,
         return None
     slow = min(waits, key=lambda r: (waits[r], r))
     rest = [w for r, w in waits.items() if r != slow]
-    gap = min(rest) - waits[slow] if len(rest) == 1 else statistics.median(rest) - waits[slow]
+    gap = statistics.median(rest) - waits[slow]
     floor = max(0.05, STRAGGLER_MARGIN * period)
     if gap < floor or not all(w - waits[slow] >= floor for w in rest):
         return None
