@@ -5,7 +5,7 @@ level-1 node's children are ranks, and their frames hold their window reports an
 far; a higher node's children are nodes, and their frames hold :class:`~phase_timer.rank_summary.Summary`
 objects, one per window complete below them, and notices (below).  The node merges what comes per
 window, and a window is complete once every child has reported it or moved past it (a child that
-finished, or is gone, holds nothing back): that is the old rule of rank zero, applied at every node.
+finished, or is gone, holds nothing back): rank zero's own rule, applied at every node.
 
 Notices, in every frame a node sends up (each a small, cumulative state, so that a frame lost with a
 dead leader loses nothing of them): ``h``, the newest window it has moved past; ``next``, its oldest

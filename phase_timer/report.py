@@ -45,7 +45,7 @@ Phases appear in :func:`phase_timer.metrics.ordered` order.  ``--png FILE`` also
 writes a figure: phase shares of the step per run (left) and each phase's window
 mean over the steps (right, one row per run).
 
-Memory (CUDA runs, issue 27).  A run with memory data gets a memory block under its
+Memory (CUDA runs).  A run with memory data gets a memory block under its
 table: from its summary file, the block the run printed
 (:func:`phase_timer.metrics.format_memory`); from TensorBoard alone, a shorter one from
 the ``phase_memory/*`` scalars (the last peaks, the mean allocated at the step's begin
@@ -57,7 +57,7 @@ the host clock, ``memory=False``): absent, not zero.  The figure gets a memory p
 (allocated at the step's begin, activations and the peak over the steps) when a run has
 memory data; without any it is as it was.
 
-Throughput and MFU (issue 37).  A run whose batches were counted gets the line it printed,
+Throughput and MFU.  A run whose batches were counted gets the line it printed,
 ``throughput: 36.9k tokens/s, 288.0 samples/s, 3.0 steps/s`` (and the job's, across ranks),
 and from a version-6 summary file with FLOPs a ``FLOPs:`` line (a step's, forward and backward,
 counted or given; TFLOP/s) and the MFU line with its denominator, ``MFU 41% of 989 TFLOP/s
