@@ -52,13 +52,37 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
-from benchmarks.nccl_truth import device_intervals, per_step  # noqa: E402
+from benchmarks.nccl_truth import device_intervals, exposed_where, per_step  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.metrics import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
 CASES = ("ddp_default", "ddp_view", "ddp_one", "ddp_late", "ddp_straggler", "data_straggler", "eval_rank0",
          "fsdp2", "copies10", "copies200")
 MARKER = "pt_step_marker"
+#: --span-kernels: a tiny kernel before and after each FSDP2 wait phase-timer marks (a diagnosis: which exposed
+#: collectives fall outside phase-timer's spans; the two kernels are work too, ~2 us each)
+SPAN_BEGIN, SPAN_END = "bitwise_not", "logical_not"
+
+
+def span_kernels() -> None:
+    """Wrap phase-timer's FSDP2 spans with the two kernels (each on the stream the marks go to)."""
+    from phase_timer import comm
+
+    between = comm._between_marks
+    tiny = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def marked(engine, phase, fn, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        tiny.bitwise_not_()
+
+        def inner(*a2, **kw2):  # noqa: ANN002, ANN003, ANN202
+            try:
+                return fn(*a2, **kw2)
+            finally:
+                tiny.logical_not_()
+
+        return between(engine, phase, inner, *a, **kw)
+
+    comm._between_marks = marked
 
 
 class Block(nn.Module):
@@ -202,9 +226,13 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     totals = timer.close()
     torch_peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     truth: list[dict] = []
+    where: list[dict] = []
     if prof is not None:
         events = prof.events()
-        truth = per_step(device_intervals(events), ("nccl",), "spin_kernel")
+        intervals = device_intervals(events)
+        truth = per_step(intervals, ("nccl",), "spin_kernel")
+        if args.span_kernels:
+            where = exposed_where(intervals, SPAN_BEGIN, SPAN_END)
         if args.trace_dir and rank in (0, 1) and case in args.trace_cases.split(","):
             prof.export_chrome_trace(os.path.join(args.trace_dir, f"{case}_r{rank}.json"))
     rows = []
@@ -223,7 +251,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
     phases = {p: t.mean for p, t in totals.phases.items()} if totals is not None else {}
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
-    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, kinds=[f.kind for f in findings],
+    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, where=where, kinds=[f.kind for f in findings],
                 mean_step=phases.get("step"), mean_period=phases.get("period"), pt_peak=pt_peak,
                 torch_peak=torch_peak, counted=str(counted), means={k: round(v, 3) for k, v in phases.items()},
                 straggler=(straggler.why + " | " + " | ".join(straggler.next)) if straggler is not None else None,
@@ -257,6 +285,8 @@ def main() -> None:
     p.add_argument("--profile-cpu", action="store_true", help="CPU activity too (slows the host ~3x a launch: the "
                    "steps turn host-bound and the union rule then counts NCCL beside the idle gaps as exposed)")
     p.add_argument("--sample-at", type=int, help="time DDP's copies on this step's backward too (a traced one)")
+    p.add_argument("--span-kernels", action="store_true", help="a diagnosis: exposed NCCL inside and outside "
+                   "phase-timer's FSDP2 spans, per step (a tiny kernel marks each span on the trace)")
     p.add_argument("--trace-dir")
     p.add_argument("--trace-cases", default="")
     p.add_argument("--out")
@@ -269,6 +299,8 @@ def main() -> None:
     device = torch.device("cpu") if args.cpu else torch.device("cuda", local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if args.span_kernels:
+            span_kernels()
     dist.init_process_group("gloo" if args.cpu else "nccl", device_id=device if device.type == "cuda" else None)
     results = []
     for case in args.cases.split(","):
@@ -316,6 +348,12 @@ def main() -> None:
                            f"verdicts {','.join(r['kinds'])}")
         lines += ["", *summary, ""]
         lines += [f"findings ({r['case']}, rank {r['rank']}): " + " || ".join(r["findings"]) for r in results]
+        lines += [f"where ({r['case']}, rank {r['rank']}, step {first}): exposed (queued rule) inside phase-timer's "
+                  f"spans {w['inside']:.3f} ms, outside {w['outside']:.3f} ms in {w['n_outside']} intervals, by "
+                  f"collective {({k: round(v, 3) for k, v in w['kinds'].items()})}, the device idle after "
+                  f"{w['then_idle']:.3f} ms of it; the longest (ms, work before, "
+                  f"after): {w['longest']}"
+                  for r in results for first, w in zip((row['step'] for row in r['rows']), r['where'])]
         lines += [f"memory ({r['case']}, rank {r['rank']}): phase-timer's peak {fmt(r['pt_peak'])} MB, torch's "
                   f"{fmt(r['torch_peak'])} MB; FLOPs counted here: {r['counted']}; means {r['means']}" for r in results]
         print("\n".join(lines), flush=True)

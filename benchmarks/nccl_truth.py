@@ -103,7 +103,7 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
     QUEUED_GAP_US, as a queued stream runs them), in ms."""
     acts = [iv for iv in intervals if iv[3] != "annotation"]
     is_comm = [any(c in n.lower() for c in comm) for _, _, n, _ in acts]
-    # a marker is short (a spin of 100 cycles); phase-timer's own spin before a sampled backward's copies is not
+    # a marker is short (a spin of 100 cycles); a longer spin is work
     starts = sorted(a for a, b, n, k in acts if k == "kernel" and marker in n and b - a <= MARKER_MAX_US)
     if not starts:
         return []
@@ -131,3 +131,81 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
     return rows
 
 
+
+
+#: An exposed interval after which the device idles longer than this had no work queued behind it.
+IDLE_AFTER_US = 10.0
+
+
+def _minus(spans: list[list[float]], busy: list[list[float]]) -> list[tuple[float, float]]:
+    """The parts of ``spans`` (a union) outside ``busy`` (a union)."""
+    out: list[tuple[float, float]] = []
+    for a, b in spans:
+        at = a
+        for lo, hi in busy:
+            if hi <= at or lo >= b:
+                continue
+            if lo > at:
+                out.append((at, lo))
+            at = max(at, hi)
+            if at >= b:
+                break
+        if at < b:
+            out.append((at, b))
+    return out
+
+
+def exposed_where(intervals: Sequence[Interval], begin: str, end: str, comm: Sequence[str] = ("nccl",),
+                  marker: str = "spin_kernel") -> list[dict[str, Any]]:
+    """A diagnosis, per step: the queued rule's exposed communication inside the spans a timer marked with a
+    ``begin`` kernel and an ``end`` kernel (its waits), and outside them, by collective (``AllGather``,
+    ``ReduceScatter``, ``AllReduce``), and how much of it the device then stays idle after (``then_idle``: the
+    next work starts more than IDLE_AFTER_US after the interval ends: no stream was waiting to run at the
+    collective's end, the host had not queued the work yet), with the longest outside interval's neighbours (the
+    work before and after it), in ms."""
+    acts = [iv for iv in intervals if iv[3] != "annotation"]
+    is_marker = [k == "kernel" and marker in n and b - a <= MARKER_MAX_US for a, b, n, k in acts]
+    starts = sorted(a for (a, _, _, _), m in zip(acts, is_marker) if m)
+    if not starts:
+        return []
+    last = max(b for _, b, _, _ in acts)
+    is_comm = [any(c in n.lower() for c in comm) for _, _, n, _ in acts]
+    work = sorted((a, b, n) for (a, b, n, _), c, m in zip(acts, is_comm, is_marker) if not c and not m)
+    opens = sorted(b for a, b, n, k in acts if begin in n)
+    closes = sorted(a for a, b, n, k in acts if end in n)
+    spans, j = [], 0
+    for o in opens:  # each begin's end to the first end kernel's start after it
+        while j < len(closes) and closes[j] < o:
+            j += 1
+        if j < len(closes):
+            spans.append([o, closes[j]])
+    spans = _union(spans)
+    rows = []
+    for lo, hi in zip(starts, [*starts[1:], last]):
+        cm = _clip([(a, b) for (a, b, _, _), c in zip(acts, is_comm) if c], lo, hi)
+        busy = _union(_clip([(a, b) for a, b, _ in work], lo, hi), QUEUED_GAP_US)
+        exposed = _minus(_union(cm), busy)
+        inside = sum(_overlap(a, b, spans) for a, b in exposed)
+        outside = [(a, b) for a, b in _minus([list(e) for e in exposed], spans)]
+        kinds: dict[str, float] = {}
+        idle = 0.0
+        for a, b in outside:
+            nxt = next((w[0] for w in work if w[0] >= b - 0.01), None)
+            if nxt is None or nxt - b > IDLE_AFTER_US:
+                idle += b - a
+            for (ca, cb, cn, _), c in zip(acts, is_comm):
+                if c and ca < b and cb > a:
+                    kind = next((k for k in ("AllGather", "ReduceScatter", "AllReduce") if k in cn), "other")
+                    kinds[kind] = kinds.get(kind, 0.0) + (min(b, cb) - max(a, ca)) / 1e3
+                    break
+        longest = max(outside, key=lambda iv: iv[1] - iv[0], default=None)
+        near = None
+        if longest is not None:
+            before = max((w for w in work if w[1] <= longest[0] + 0.01), key=lambda w: w[1], default=None)
+            after = min((w for w in work if w[0] >= longest[1] - 0.01), key=lambda w: w[0], default=None)
+            near = (round((longest[1] - longest[0]) / 1e3, 3), before[2][:60] if before else None,
+                    after[2][:60] if after else None)
+        rows.append(dict(inside=inside / 1e3, outside=sum(b - a for a, b in outside) / 1e3, kinds=kinds,
+                         then_idle=idle / 1e3,
+                         longest=near, n_outside=len(outside)))
+    return rows

@@ -78,7 +78,8 @@ def _roles(text: str) -> str:
 
 def _signature(name: str, obj: object) -> str:
     sig = inspect.signature(obj)
-    params = [_param(p) for p in sig.parameters.values() if p.name != "self"]
+    # a door's **unknown only turns a wrong keyword into a clear TypeError: no argument of the API
+    params = [_param(p) for p in sig.parameters.values() if p.name != "self" and p.kind is not p.VAR_KEYWORD]
     marker = [i for i, p in enumerate(sig.parameters.values()) if p.kind is p.KEYWORD_ONLY]
     if marker:  # the bare * before the first keyword-only parameter
         first = marker[0] - (1 if "self" in sig.parameters else 0)

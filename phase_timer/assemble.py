@@ -109,6 +109,9 @@ def start_core(
     )
     core.counter = BatchCounter(config.samples_per_batch, config.tokens_per_batch)
     core.flops = _flop_plan(config, clock.kind, _device(device))
+    if core.flops is None and config.mfu:  # the host clock with no peak: said once, with how to get it
+        core.mfu_note = ("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
+                         "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well")
     core.summary_dir = out.summary_dir if rank_zero else None
     core.log_dir = out.log_dir
     core.outputs_missing = out.missing

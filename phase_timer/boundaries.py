@@ -287,6 +287,10 @@ class Boundaries:
         self._after_backward = True
         self._set(OPTIMIZER)
 
+    def before_backward(self) -> bool:
+        """No backward yet in this step: an ``opt.step(closure)`` now runs the step's forward and backward."""
+        return not self._saw_backward
+
     def optimizer_start(self) -> None:
         """An optimizer step begins (its step pre-hook)."""
         if not self.open:
@@ -350,13 +354,6 @@ class Boundaries:
         add = core.add_host
         for name, value in carried:
             add(name, value)
-
-    def step_flops(self, batch: Any) -> None:
-        """Without a loader, at a step's first forward: its inputs say the step's FLOPs (no samples: a step
-        may run several forwards)."""
-        plan = self.core.flops
-        if plan is not None and plan.begun != self.begun:
-            self.count_batch(batch, samples=False)
 
     def _count_step(self, plan: Any, batch: Any) -> None:
         """A shape not yet counted: counted on this step, which goes untimed (``step_flops.py``)."""

@@ -19,20 +19,20 @@ runs it.  The span is part of ``backward`` (``metrics.part_of``): the phases sti
 is a Python callback, which queues one more after DDP's end-of-backward to end it there.)
 
 What the span holds besides the wait: DDP's end-of-backward copies each bucket's result into ``.grad``
-after its wait unless ``gradient_as_bucket_view=True`` (a read and a write of the gradients, interleaved with
-the waits; with a comm hook that returns a new tensor, a copy back into the bucket).  Those copies are
-backward's compute, the same bytes every step, and where the host launches them slower than the device runs
-them, the device's wait for those launches.  On sampled backwards (the 2nd to 4th synced ones, then one in
-COPY_EVERY or more) a dispatch mode, pushed for DDP's end-of-backward only, *defers* each of DDP's ``copy_``:
-DDP's end-of-backward then holds its waits alone; after it (autograd's next final callback, before
-``backward()`` returns, still inside the wait's span) the deferred copies run in DDP's order, on the compute
-stream, into the same tensors, behind a short spin kernel that lets the host queue them all
-first, between two marks: they then time the device's own copies back to back, as the device runs DDP's when
-the host is ahead, never the host's pace of launching them (a mark beside a copy launched on an idle device
-holds the launch; and a timed event between every two copies would add microseconds a copy to the stream).
-The spin is no phase's (``paused``); it is sized from the last sample's host time and the spin's own measured
-cycles a millisecond.  The copies' time (the median of the last samples) is taken off each step's ``backward.comm_wait`` (never below zero)
-when its window is made, and stays in ``backward``.  (A static graph's first-iteration all-reduce is queued at
+after that bucket's wait unless ``gradient_as_bucket_view=True`` (a read and a write of the gradients; with a
+comm hook that returns a new tensor, a copy back into the bucket).  Those copies are backward's compute, the
+same bytes every step.  They run where DDP puts them: a bucket's after its own wait, while the later buckets'
+collectives still run beside them (sharing the device's memory and SMs, so they run slower than alone), at the
+pace the host launches them.  On sampled backwards a dispatch mode, pushed for DDP's end-of-backward only,
+watches DDP's ``copy_`` calls into ``.grad``: on the 2nd synced backward it counts them a bucket (a bucket's
+copies read one storage); from the next, it marks the compute stream before each bucket's first copy and after
+its last (by that count), so the copies are timed where and as they run, with no mark between two copies (a
+timed event there costs the stream microseconds, a copy as little) and none across a wait.  A backward whose
+copies do not fall as counted (find_unused_parameters' unused ones, a rebuild of the buckets) is counted anew and
+timed on the next.  The copies' time (each bucket's, summed; the median of the last samples) is taken off each
+step's ``backward.comm_wait`` (never below zero) when its window is made, and stays in ``backward``.  (On a
+sampled backward the mode's own host time, a few µs a copy, paces the copies where the device has caught up with
+the host; the estimate then holds that pace too.)  (A static graph's first-iteration all-reduce is queued at
 backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
@@ -61,7 +61,7 @@ from functools import partial
 from typing import Any
 
 from phase_timer._env import warn
-from phase_timer.metrics import PAUSED, comm_label
+from phase_timer.metrics import comm_label
 
 try:
     from phase_timer._native import Arm
@@ -81,14 +81,11 @@ PREFIX = "comm"
 #: DDP's own record of its last forward's decision: True when it prepared a synced backward (False under
 #: ``no_sync()``, or after a forward with no grad).
 SYNCED = "require_forward_param_sync"
-#: DDP's copies into ``.grad``: timed on the synced backwards COPY_FIRST (counted from 1), then one in COPY_EVERY or
-#: more: as many as keep a sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate
-#: is the median of the last COPY_KEEP samples.
-COPY_FIRST, COPY_EVERY, COPY_BUDGET_NS, COPY_KEEP = (2, 3, 4), 1024, 1000, 3
-#: The spin before the deferred copies lasts GATE_MARGIN x the host's time to queue them (the last sample's, or
-#: GATE_FIRST_US a copy before one was timed), plus GATE_BASE_US, at most GATE_MAX_MS; at GATE_CYCLES_PER_MS until
-#: the spin's own rate is measured (the median of its samples; a clock below 2 GHz only lengthens the first spins).
-GATE_MARGIN, GATE_FIRST_US, GATE_BASE_US, GATE_MAX_MS, GATE_CYCLES_PER_MS = 1.5, 12.0, 50.0, 5.0, 2.0e6
+#: DDP's copies into ``.grad``: on the synced backward COPY_LEARN (counted from 1) the buckets' copies are counted
+#: (no mark); then timed on the next COPY_DENSE synced backwards, then one in COPY_EVERY or more: as many as keep a
+#: sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate is the median of the last
+#: COPY_KEEP samples.  A backward whose buckets do not copy as counted is counted again (not timed).
+COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS, COPY_KEEP = 2, 3, 1024, 1000, 3
 
 
 class DdpComm:
@@ -120,7 +117,7 @@ class DdpComm:
         self._copy_taken = 0  # backwards whose copies were timed while bound
         self._copy_t0 = 0  # perf_counter_ns where the sampled one began
         self.copy_host_ns: list[int] = []  # each sampled end-of-backward's host time (DDP's own in), while bound
-        self._queue_ns_per_copy: float | None = None  # the host's time to queue one deferred copy, last sample
+        self._counts: list[int] | None = None  # DDP's copies a bucket, in its order (counted on a sampled backward)
 
     # -- installation ---------------------------------------------------------------
     @classmethod
@@ -201,7 +198,7 @@ class DdpComm:
         self._pending.clear()
         self._device = core is not None and core.clock.kind != "host"
         self._arm()
-        self._schedule(COPY_FIRST[0])
+        self._schedule(COPY_LEARN)
 
     def _arm(self) -> None:
         """The parameter's hook, for the binding and the path now (none unbound)."""
@@ -298,21 +295,24 @@ class DdpComm:
         are timed): the wait begins."""
         spans, self._spans = self._spans, None
         left, self._copies = self._copies, None  # one a DDP error left (autograd's guard popped its mode)
-        if left is not None and _ACTIVE[0] is left:
-            _ACTIVE[0] = None  # _joined must not pop it again, and the next sample may begin
+        if left is not None:
+            if _ACTIVE[0] is left:
+                _ACTIVE[0] = None  # _joined must not pop it again, and the next sample may begin
+            if left.marks:
+                left.clock.release(left.marks)
         engine = self._engine
         if engine is None:
             return
         engine.switch(WAIT)
         if spans:
             self._open = (spans, self._now())
-        if copies and _ACTIVE[0] is not None:  # another module's copies are deferred in this backward: next time
+        if copies and _ACTIVE[0] is not None:  # another module's copies are marked in this backward: next time
             self._schedule(1)
         elif copies:
-            self._copy_taken += 1
             self._schedule(COPY_EVERY)  # the next one, unless _joined (after DDP's end-of-backward) says sooner or later
             self._copy_t0 = time.perf_counter_ns()
-            self._copies = _ACTIVE[0] = _copy_deferrer(self.ddp.module.parameters())
+            clock = self._core.clock if self._core is not None and self._counts else None
+            self._copies = _ACTIVE[0] = _copy_marker(self.ddp.module.parameters(), self._counts, clock)
             _push_mode(self._copies)  # the C stack only: autograd's own thread-state guard pops it if DDP raises
         self._queue_callback(self._joined)  # after DDP's end-of-backward, queued before this one ran
 
@@ -321,20 +321,18 @@ class DdpComm:
         self._split(copies=True)
 
     def _joined(self) -> None:
-        """After DDP's end-of-backward: the wait is over (and, on a sampled backward, DDP's deferred copies run)."""
+        """After DDP's end-of-backward: the wait is over (and, on a sampled backward, its copies were counted or
+        timed)."""
         copies, self._copies = self._copies, None
         if copies is not None:
             _pop_mode(copies)
             if _ACTIVE[0] is copies:
                 _ACTIVE[0] = None
+            self._took(copies)
         engine = self._engine
         if engine is None or engine.current != WAIT:
             self._open = None
-            if copies is not None:
-                copies.run()  # DDP's results reach .grad whatever happens to the timing
             return
-        if copies is not None:  # in the wait's span, as DDP's own copies are on every other backward
-            self._time_copies(copies, engine)
         if self._open is not None:  # a composed hook's sample ends here too: its span holds the copies, as all do
             self._pending.append((*self._open, self._now()))
             self._open = None
@@ -342,46 +340,23 @@ class DdpComm:
         if self._pending:
             self._resolve(engine)
 
-    def _time_copies(self, copies: Any, engine: Any) -> None:
-        """Run a sampled backward's deferred copies between marks, queued behind a spin (device clock), inside the
-        wait's span: that backward's span holds DDP's waits and these copies, as every other's holds DDP's."""
+    def _took(self, copies: Any) -> None:
+        """A sampled end-of-backward's copies: timed (their marks to the run's estimate) if they were made as
+        counted, else counted anew and timed on the next synced backward."""
+        pairs = copies.pairs()
         core = self._core
-        clock = core.clock if core is not None else None
-        n = len(copies.pairs)
-        if clock is None or not n:
-            copies.run()
+        if pairs is None or core is None:
+            if copies.marks and copies.clock is not None:
+                copies.clock.release(copies.marks)
+            self._counts = copies.counts or None
+            self._schedule(1 if self._counts else COPY_EVERY)  # nothing copied: DDP copies nothing here
             return
-        gate = None
-        try:
-            if self._device:
-                import torch
-
-                per_copy = self._queue_ns_per_copy / 1e3 if self._queue_ns_per_copy else GATE_FIRST_US
-                gate_ms = min(GATE_MAX_MS, (GATE_MARGIN * n * per_copy + GATE_BASE_US) / 1e3)
-                cycles = int(gate_ms * (core.comm.gate_cycles_per_ms or GATE_CYCLES_PER_MS))
-                engine.switch(PAUSED)  # the spin is no phase's
-                g0 = clock.mark()
-                torch.cuda._sleep(cycles)
-                engine.switch(WAIT)
-                gate = (g0, cycles)
-            t0 = time.perf_counter_ns()
-            first = clock.mark()
-            copies.run()  # no mark between them: a timed event costs the stream microseconds, a copy as little
-            marks = [first, clock.mark()]
-            self._queue_ns_per_copy = (time.perf_counter_ns() - t0) / n
-        except Exception as err:  # noqa: BLE001 - the timing's, never the training's
-            warn(log, f"phase-timer: timing DDP's copies into .grad failed ({err!r}); they are made untimed.", 3)
-            engine.switch(WAIT)
-            return
-        finally:
-            copies.run()  # a no-op once made: DDP's results reach .grad whatever happened above
-        k = self._copy_taken
+        self._copy_taken += 1
         spent = time.perf_counter_ns() - self._copy_t0  # the sampled end-of-backward's host time, DDP's own in
         self.copy_host_ns.append(spent)
         del self.copy_host_ns[:-16]
-        self._schedule(COPY_FIRST[k] - COPY_FIRST[k - 1] if k < len(COPY_FIRST)
-                       else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
-        core.comm.add_copies(self, marks, clock, gate)
+        self._schedule(1 if self._copy_taken < COPY_DENSE else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
+        core.comm.add_copies(self, pairs, copies.clock)
 
     def _resolve(self, engine: Any) -> None:
         """Sampled backwards whose events are all done (never waits), carried on the open record."""
@@ -420,34 +395,42 @@ def _pop_mode(mode: Any) -> None:
         mode.passthrough = True
 
 
-#: The deferral live in this process's backward (one at a time: two DDP modules sampled in the same backward
-#: would stack two modes, the second's copies deferred by the first's; the second waits for its next backward).
+#: The copies marked in this process's backward (one module at a time: two DDP modules sampled in the same
+#: backward would stack two modes; the second waits for its next backward).
 _ACTIVE: list[Any] = [None]
 
 
-_DEFERRER: Any = None
+_MARKER: Any = None
 
 
-def _copy_deferrer(params: Any) -> Any:
-    """A dispatch mode that defers each ``copy_`` into the ``.grad`` of one of ``params`` dispatched under it
-    (``pairs``; the destination is returned as ``copy_`` returns it) until :meth:`run`, which makes them in order.
-    Every other op passes through, other copies too: DDP reads some of its own at once (the used-parameter map
-    it copies to the host and reads with ``.item()`` under ``find_unused_parameters``)."""
-    global _DEFERRER
-    if _DEFERRER is None:
+def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
+    """A dispatch mode that watches each ``copy_`` into the ``.grad`` of one of ``params`` (DDP's copies out of its
+    buckets) and makes it where DDP does.  A bucket's copies read one storage (the bucket's, or its comm hook's
+    result); the mode counts them a bucket (``counts``, in DDP's order).  Given the ``counts`` an earlier backward
+    made and a ``clock``, it also marks the stream before each bucket's first copy and after its last (counted), so
+    the copies' time is read where they run: after their bucket's wait, beside the collectives still running, at
+    the pace they are launched, with no mark between two copies.  Every other op passes through, other copies
+    too: DDP reads some of its own at once (the used-parameter map it copies to the host and reads with
+    ``.item()`` under ``find_unused_parameters``)."""
+    global _MARKER
+    if _MARKER is None:
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         copy_ = torch.ops.aten.copy_.default
 
-        class CopyDeferrer(TorchDispatchMode):
-            def __init__(self, params: Any) -> None:
+        class CopyMarker(TorchDispatchMode):
+            def __init__(self, params: Any, counts: list[int] | None, clock: Any) -> None:
                 super().__init__()
-                self.pairs: list[tuple[Any, Any, bool]] = []
                 self.passthrough = False
                 # the gradients' memory (their tensors may reach the mode as other Python objects)
                 self.grads = {(g.data_ptr(), g.numel()) for p in params
                               if (g := p.grad) is not None and g.layout == torch.strided}
+                self.expect = counts if clock is not None else None
+                self.clock = clock
+                self.counts: list[int] = []
+                self.marks: list[Any] = []  # before a bucket's first copy, after its last: two a bucket
+                self._source: Any = None
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
                 kwargs = kwargs or {}
@@ -456,18 +439,31 @@ def _copy_deferrer(params: Any) -> Any:
                 dst, src = args[0], args[1]
                 if dst.layout != torch.strided or (dst.data_ptr(), dst.numel()) not in self.grads:
                     return func(*args, **kwargs)
-                self.pairs.append((dst, src, bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))))
-                return dst
+                counts, expect = self.counts, self.expect
+                source = src.untyped_storage().data_ptr() if src.layout == torch.strided else id(src)
+                if source != self._source or not counts:  # a bucket's first copy: its wait is enqueued before it
+                    self._source = source
+                    counts.append(0)
+                    if expect is not None and len(self.marks) % 2 == 0 and len(counts) <= len(expect):
+                        self.marks.append(self.clock.mark())
+                out = func(*args, **kwargs)
+                counts[-1] += 1
+                k = len(counts) - 1
+                if expect is not None and k < len(expect) and counts[k] == expect[k] and len(self.marks) == 2 * k + 1:
+                    self.marks.append(self.clock.mark())  # the bucket's last copy, as counted before
+                return out
 
-            def run(self) -> None:
-                """Make the deferred copies, in DDP's order (once: the mode passes every copy through from now on)."""
+            def pairs(self) -> list[tuple[Any, Any]] | None:
+                """Each bucket's (first mark, last mark), or None where the copies were counted only, or not as
+                expected (a bucket's copies split, or a bucket more or less)."""
                 self.passthrough = True
-                pairs, self.pairs = self.pairs, []
-                for dst, src, non_blocking in pairs:
-                    dst.copy_(src, non_blocking=non_blocking)
+                marks = self.marks
+                if self.expect is None or self.counts != self.expect or len(marks) != 2 * len(self.counts):
+                    return None
+                return list(zip(marks[::2], marks[1::2]))
 
-        _DEFERRER = CopyDeferrer
-    return _DEFERRER(params)
+        _MARKER = CopyMarker
+    return _MARKER(params, counts, clock)
 
 
 #: Each DDP module's split (weak: a module dropped takes its entry along); none is an attribute of the module,
@@ -793,43 +789,33 @@ class RunComm:
         self.hook: str | None = None
         #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
         self.copy = False
-        self._copy_pending: deque[tuple[Any, list[Any], Any, Any]] = deque()
+        self._copy_pending: deque[tuple[int, list[tuple[Any, Any]], Any]] = deque()
         self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
-        #: DDP's copies, back to back as the device runs them queued (the gaps between them in), taken off
-        #: ``backward.comm_wait``: ms a synced backward (the modules' medians, summed), or None.
+        #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
+        #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (the modules' medians, summed),
+        #: or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
-        #: The spin's cycles a millisecond on this device: the median of the sampled backwards' (None: not yet).
-        self.gate_cycles_per_ms: float | None = None
-        self._gate_rates: list[float] = []
 
     def add(self, comm: dict[str, float]) -> None:
         for k, v in comm.items():
             self.counts[k] = self.counts.get(k, 0.0) + v
 
-    def add_copies(self, probe: Any, marks: list[Any], clock: Any, gate: Any = None) -> None:
-        """One sampled end-of-backward's copies, back to back between two marks; ``gate``: the spin before them,
-        ``(its first mark, its cycles)`` (the copies' first mark ends it)."""
-        self._copy_pending.append((id(probe), marks, clock, gate))
+    def add_copies(self, probe: Any, pairs: list[tuple[Any, Any]], clock: Any) -> None:
+        """One sampled end-of-backward's copies: each bucket's two marks."""
+        self._copy_pending.append((id(probe), pairs, clock))
 
     def resolve_copies(self) -> None:
         """The sampled copies whose marks are done (``clock.done``: a query, never a wait), into :attr:`copy_ms`."""
         pending = self._copy_pending
         while pending:
-            key, marks, clock, gate = pending[0]
-            if not clock.done(marks[-1]):
+            key, pairs, clock = pending[0]
+            if not clock.done(pairs[-1][1]):
                 return
             pending.popleft()
-            if gate is not None:
-                spun = clock.elapsed_ms(gate[0], marks[0])
-                if spun > 0:
-                    self._gate_rates.append(gate[1] / spun)
-                    del self._gate_rates[:-COPY_KEEP]
-                    self.gate_cycles_per_ms = statistics.median(self._gate_rates)
-                clock.release([gate[0]])
             kept = self._copy_samples.setdefault(key, [])
-            kept.append(clock.elapsed_ms(marks[0], marks[-1]))
-            clock.release(marks)
+            kept.append(sum(clock.elapsed_ms(a, b) for a, b in pairs))
+            clock.release([m for pair in pairs for m in pair])
             del kept[:-COPY_KEEP]
             self.copy_samples += 1
             self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())

@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.metrics import TOTALS, ordered, share_base
+from phase_timer.rank_view import RankRow, compare_ranks, format_rank_comparison, rank_verdicts
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.runs import (
     ReportError,
@@ -125,6 +126,10 @@ class Side:
     rate_batches: dict[str, list[CountBatch]] = field(default_factory=dict)
     #: The summary file's ``flops`` object (version 6), or what TensorBoard has of it; None: none.
     flops: dict[str, Any] | None = None
+    #: What the run's own diagnosis says changed partway through it (RUN_CHANGED's ``why``): its means mix levels.
+    changed: list[str] = field(default_factory=list)
+    #: The summary file's ``ranks`` block (each rank's means; None: one process, or TensorBoard's).
+    ranks: dict[str, Any] | None = None
 
 
 # -- reading a side ---------------------------------------------------------------------
@@ -160,7 +165,8 @@ def _from_summary(path: str, data: dict[str, Any]) -> Side:
     env = data.get("environment") or {}
     side = Side(path=path, source="summary", steps=steps, clock=env.get("clock"), values=values,
                 environment=env, door=data.get("door"), interrupted=bool(data.get("interrupted")),
-                memory=data.get("memory"), throughput=data.get("throughput"), flops=data.get("flops"))
+                memory=data.get("memory"), throughput=data.get("throughput"), flops=data.get("flops"),
+                changed=_changes(data.get("diagnosis")), ranks=data.get("ranks"))
     windows = data.get("windows")
     if windows:
         side.batches = _summary_batches(windows)
@@ -175,6 +181,14 @@ def _from_summary(path: str, data: dict[str, Any]) -> Side:
     except ReportError:
         pass
     return side
+
+
+def _changes(diagnosis: dict[str, Any] | None) -> list[str]:
+    """RUN_CHANGED's words in a summary's diagnosis (the verdict or one of the findings beside it)."""
+    if not diagnosis:
+        return []
+    found = [diagnosis, *(diagnosis.get("secondary") or ())]
+    return [f["why"] for f in found if f.get("kind") == "RUN_CHANGED" and f.get("why")]
 
 
 def _rate_batches_beside(side: Side) -> None:
@@ -462,6 +476,8 @@ class Comparison:
     throughput_gated: str | None = None
     fail_below_throughput: float | None = None
     throughput_failed: bool = False
+    #: Each phase's slowest rank on both sides (``rank_view``); None: a side ran in one process.
+    ranks: list[RankRow] | None = None
 
 
 def parts_of(phase: str, rows: dict[str, Row]) -> list[str]:
@@ -593,9 +609,11 @@ def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str
         verdicts.append(rate_verdict(rate_row))
     rate_failed = (fail_below_throughput is not None and rate_row is not None and rate_row.delta_pct is not None
                    and rate_row.delta_pct < -fail_below_throughput and rate_row.beyond_noise is not False)
+    ranks = compare_ranks(base.ranks, cand.ranks)
+    verdicts += rank_verdicts(ranks)
     return Comparison(base, cand, metric, rows, list(gated), fail_above, comparability(base, cand, pb, pc), failed,
                       verdicts, memory, fail_above_memory, memory_failed, rates, rate_name, fail_below_throughput,
-                      rate_failed)
+                      rate_failed, ranks)
 
 
 # -- output ------------------------------------------------------------------------------
@@ -611,7 +629,8 @@ def format_comparison(c: Comparison) -> str:
         mark = "" if r.beyond_noise is None else ("slower" if r.delta_ms > 0 else "faster") if r.beyond_noise else "~"
         rows.append((r.phase, _num(r.baseline_ms, ".3f"), _num(r.candidate_ms, ".3f"), _num(r.delta_ms, "+.3f"),
                      _num(r.delta_pct, "+.1f"), "" if r.noise_pct is None else f"±{r.noise_pct:.1f}", mark))
-    heads = ("phase", f"baseline {c.metric} ms", f"candidate {c.metric} ms", "delta ms", "delta %", "noise %", "")
+    heads = ("phase", f"baseline {c.metric} ms", f"candidate {c.metric} ms", "delta ms", "delta %", "noise %",
+             "verdict")
     table = tabulate(rows, headers=heads, disable_numparse=True, colalign=("left",) + ("right",) * 5 + ("left",))
     lines = [f"baseline:  {_describe(c.base)}", f"candidate: {_describe(c.cand)}", table,
              "noise: the band of the difference, 3 standard errors from each run's window-to-window spread "
@@ -620,7 +639,11 @@ def format_comparison(c: Comparison) -> str:
         lines.append(format_memory_table(c.memory))
     if c.throughput is not None:
         lines.append(format_throughput_table(c.throughput))
+    if c.ranks:
+        lines.append(format_rank_comparison(c.ranks))
     lines += c.verdicts
+    for name, side in (("baseline", c.base), ("candidate", c.cand)):
+        lines += [f"the {name} changed partway through its run: {why} (its figures mix both levels)" for why in side.changed]
     if c.fail_above is not None:
         lines.append(_gate_line(c))
     if c.fail_above_memory is not None:
@@ -663,15 +686,15 @@ def format_memory_table(rows: dict[str, MemoryRow]) -> str:
 
     body = [(MEMORY_ROWS[r.what], _num(r.baseline_mb, ".1f"), _num(r.candidate_mb, ".1f"), _num(r.delta_mb, "+.1f"),
              _num(r.delta_pct, "+.1f")) for r in rows.values()]
-    heads = ("memory", "baseline MB", "candidate MB", "delta MB", "delta %")
+    heads = ("memory", "baseline MiB", "candidate MiB", "delta MiB", "delta %")
     return tabulate(body, headers=heads, disable_numparse=True, colalign=("left",) + ("right",) * 4)
 
 
 def _memory_gate_line(c: Comparison) -> str:
     assert c.memory is not None  # the gate needs both sides' memory: compare() raised otherwise
     row = c.memory["peak_allocated"]
-    change = f"{row.delta_pct:+.1f}%" if row.delta_pct is not None else f"{row.delta_mb:+.1f} MB"
-    what = f"peak allocated {change} ({row.baseline_mb:.1f} -> {row.candidate_mb:.1f} MB)"
+    change = f"{row.delta_pct:+.1f}%" if row.delta_pct is not None else f"{row.delta_mb:+.1f} MiB"
+    what = f"peak allocated {change} ({row.baseline_mb:.1f} -> {row.candidate_mb:.1f} MiB)"
     if c.memory_failed:
         return f"FAIL: {what}, more than {c.fail_above_memory:g}% ({_NO_BAND})"
     return f"pass: {what}, not more than {c.fail_above_memory:g}% ({_NO_BAND})"
@@ -714,6 +737,11 @@ def to_json(c: Comparison) -> dict[str, Any]:
             label: {"baseline": r.baseline, "candidate": r.candidate, "delta_pct": r.delta_pct,
                     "noise_pct": r.noise_pct, "beyond_noise": r.beyond_noise} for label, r in c.throughput.items()},
         "verdicts": c.verdicts,
+        "changed": {"baseline": c.base.changed, "candidate": c.cand.changed},
+        "ranks": None if c.ranks is None else {
+            r.phase: {"baseline_ms": r.base_ms, "baseline_rank": r.base_rank, "candidate_ms": r.cand_ms,
+                      "candidate_rank": r.cand_rank, "delta_pct": r.delta_pct, "rank0_delta_pct": r.zero_pct}
+            for r in c.ranks},
         "warnings": c.warnings,
     }
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+from phase_timer import files
 from phase_timer._env import env_flag
 from phase_timer.trace import TraceWriter
 
@@ -23,14 +24,38 @@ def disabled_by_env() -> bool:
 
 def _fail(owner: str, name: str, value: Any, expected: str, why: str = "") -> NoReturn:
     shown = _shown(value)
-    got = f"got {shown} ({type(value).__name__}){why}"
+    got = f"got {shown}{'' if shown == f'<{type(value).__name__}>' else f' ({type(value).__name__})'}{why}"
     raise ValueError(f"{owner}({name}={shown}): `{name}` must be {expected}, {got}")
 
 
 def _shown(value: Any, limit: int = 80) -> str:
-    """The value as given, cut short: an error names what the user passed, not a transformation of it."""
+    """The value as given, cut short: an error names what the user passed, not a transformation of it (an object
+    whose repr spans lines, an optimizer's or a module's, by its type: the message says it once, on one line)."""
     text = repr(value)
+    if "\n" in text:
+        return f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: A door's argument under another door's name: the name to use instead.
+_OTHER_DOORS = {"window": "log_every_n_steps", "log_every_n_steps": "window"}
+
+
+def reject_unknown(owner: str, fn: Any, unknown: Mapping[str, Any]) -> None:
+    """A keyword ``fn`` (a door's constructor) does not take fails as Python would (TypeError), naming the one it
+    does: another door's name for the same argument (``window=`` / ``log_every_n_steps=``), or the closest."""
+    if not unknown:
+        return
+    import difflib
+    import inspect
+
+    known = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is not p.VAR_KEYWORD and n != "self"]
+    name = next(iter(unknown))
+    hint = _OTHER_DOORS.get(name) if _OTHER_DOORS.get(name) in known else None
+    close = hint or next(iter(difflib.get_close_matches(name, known, n=1)), None)
+    tip = (f": {owner}'s is `{hint}=` (another door calls it `{name}=`)" if hint else
+           f": did you mean `{close}=`?" if close else f"; it takes {', '.join(known)}")
+    raise TypeError(f"{owner}() got an unexpected keyword argument '{name}'{tip}")
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int, *, optional: bool = False) -> None:
@@ -64,6 +89,8 @@ def check_path(owner: str, name: str, value: Any, *, kind: str = "file") -> None
         return
     if not isinstance(value, (str, os.PathLike)):
         _fail(owner, name, value, "a path (str or os.PathLike) or None")
+    if not os.fspath(value).strip():  # "" would mean the working directory, or a default, silently
+        _fail(owner, name, value, "a path (str or os.PathLike) or None", ", which is empty (None for the default)")
     if kind == "directory" and os.path.exists(value) and not os.path.isdir(value):
         _fail(owner, name, value, "a directory (or a path to make one)", ", which is an existing file")
     if kind == "file" and os.path.isdir(value):
@@ -178,5 +205,5 @@ class TimerConfig:
         """The trace writer for ``trace_steps`` (default file: ``<log_dir>/phase_trace.json``)."""
         if self.trace_steps is None:
             return None
-        path = self.trace_path or os.path.join(log_dir or ".", "phase_trace.json")
+        path = self.trace_path or files.join(log_dir or ".", "phase_trace.json")
         return TraceWriter(path, *self.trace_steps, clock=clock)

@@ -21,6 +21,7 @@ from phase_timer import memory as _memory
 from phase_timer import oom as _oom
 from phase_timer import comm as _comm
 from phase_timer import throughput
+from phase_timer.rank_view import format_rank_table
 from phase_timer.engine import POLL_EVERY, make_engine
 from phase_timer.memory import MemoryTracker
 from phase_timer.metrics import (
@@ -29,7 +30,6 @@ from phase_timer.metrics import (
     SKIPPED_TAG,
     WINDOW_STEPS_TAG,
     format_own_cost,
-    format_rank_table,
     format_memory,
     format_summary,
     memory_scalars,
@@ -95,6 +95,8 @@ class TimingCore:
         #: The collectives' own time and exposed wait, over the sampled synced backwards (``comm.py``).
         self.comm = _comm.RunComm()
         self.counter: throughput.BatchCounter | None = None
+        #: The table's MFU line where MFU is not measured, saying how to get it (None: measured, or turned off).
+        self.mfu_note: str | None = None
         #: FLOPs and MFU (``step_flops.py``; None: not counted, no MFU).
         self.flops: FlopPlan | None = None
         #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
@@ -108,6 +110,7 @@ class TimingCore:
         self.untimed_reason: str | None = None
         #: What the diagnosis reads: sampled steps, windows' spread, the ranks' windows.
         self.signals = Signals()
+        self.signals.series = self.series  # RUN_CHANGED reads the windows in order
         #: Host time spent at window ends during the run (statistics, CPU readings, writes queued, the ranks'
         #: exchange): spread over the steps by the own-cost line, taken out of the samples it falls in.
         self.window_ns = 0
@@ -412,7 +415,7 @@ class TimingCore:
 
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
-            self.signals.add_rank_window(w.phases)
+            self.signals.add_rank_window(w.phases, w.step)
             scalars = rank_scalars(w)
             scalars.update({f"{throughput.PREFIX}/job_{k}": v for k, v in w.job.items()})
             self._write(w.step, scalars)
@@ -527,7 +530,9 @@ class TimingCore:
         rates = throughput.format_line(self.throughput.rates(), self.job_throughput())
         if rates:
             table += "\n" + rates
-        mfu_line = self.flops.line(self.flops_summary) if self.flops is not None else None
+        elif self.totals.steps and self.counter is not None:
+            table += "\n" + throughput.NOT_COUNTED
+        mfu_line = self.flops.line(self.flops_summary) if self.flops is not None else self.mfu_note
         if mfu_line:
             table += "\n" + mfu_line
         comm_line = _comm.line(self.comm)

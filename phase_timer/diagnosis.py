@@ -15,10 +15,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from phase_timer import run_change
 from phase_timer.cpu_use import CpuUse
 from phase_timer.input_advice import Run, advise
 from phase_timer.metrics import COMM_PARTS, comm_label, share_base
 from phase_timer.memory import BEFORE, BEFORE_NOTE
+from phase_timer.run_change import RankShifts
 from phase_timer.syncs import SyncCensus, SyncSite
 
 #: Fewer timed steps than this, and no other rule speaks.
@@ -91,7 +93,7 @@ COMM_MATERIAL = 0.10
 
 KINDS = (
     "TOO_FEW_STEPS", "INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "RANK_STRAGGLER", "COMM_BOUND", "HOST_BOUND", "UNSTABLE",
-    "GPU_BOUND", "MEMORY_PRESSURE", "MEMORY_CREEP", "MEMORY_FRAGMENTATION", "MEMORY_RANK_IMBALANCE",
+    "RUN_CHANGED", "GPU_BOUND", "MEMORY_PRESSURE", "MEMORY_CREEP", "MEMORY_FRAGMENTATION", "MEMORY_RANK_IMBALANCE",
     "MEMORY_HEADROOM", "MFU_IMPOSSIBLE", "OUT_OF_MEMORY", "NO_FINDING",
 )
 
@@ -163,6 +165,10 @@ class Signals:
         #: The CPU time of the training process, its training thread and the loader's workers, read at a few
         #: window ends (``phase_timer.cpu_use``): what the INPUT_BOUND advice is made of.
         self.cpu = CpuUse()
+        #: Each window's per-phase medians in step order (the core's ``stats.WindowSeries``) and, on rank zero
+        #: of a distributed run, each window's slowest rank a phase: what RUN_CHANGED reads.
+        self.series: Any = None
+        self.rank_shifts = RankShifts()
 
     def add_census(self, census: SyncCensus, step: int) -> None:
         """What the census heard on warm-up step ``step``."""
@@ -188,8 +194,11 @@ class Signals:
                 self.spiky_windows += 1
                 return
 
-    def add_rank_window(self, spreads: dict[str, Any]) -> None:
-        """One window across ranks (each phase's ``ranks.Spread``): which rank was slowest in each phase, by how much."""
+    def add_rank_window(self, spreads: dict[str, Any], step: int | None = None) -> None:
+        """One window across ranks (each phase's ``ranks.Spread``), ending at ``step``: which rank was slowest in
+        each phase, by how much."""
+        if step is not None:
+            self.rank_shifts.add(step, spreads)
         scale_of = spreads.get("period") or spreads.get("step")
         if scale_of is None or scale_of.n < 2:
             return
@@ -266,6 +275,9 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
     unstable = _unstable(signals)
     if unstable is not None:
         found.append(unstable)
+    changed = _run_changed(totals, signals)
+    if changed is not None:
+        found.append(changed)
     if impossible is not None:
         found.append(impossible)
     if not any(f.kind in ("INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "HOST_BOUND") for f in found):
@@ -614,6 +626,16 @@ def _unstable(signals: Signals) -> Diagnosis | None:
     return Diagnosis("UNSTABLE", "medium", why, tips, {"spiky_windows": signals.spiky_windows, "windows": n})
 
 
+def _run_changed(totals: Any, signals: Signals) -> Diagnosis | None:
+    """RUN_CHANGED (``phase_timer.run_change``): a phase's level moved partway through the run and stayed."""
+    if signals.series is None:
+        return None
+    scale = totals.phases.get("period") or totals.phases.get("step")
+    found = run_change.finding(signals.series, scale.quantile(50) if scale is not None else None,
+                               signals.rank_shifts if signals.rank_shifts.points else None)
+    return Diagnosis("RUN_CHANGED", *found) if found is not None else None
+
+
 def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -> Diagnosis | None:
     flight = _flight(signals) if clock != "host" else None
     ratio = _paced_ratio(totals, signals)
@@ -703,7 +725,7 @@ def _fullest_rank(mem: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gb(mb: float) -> str:
-    return f"{mb / 1024:.2f} GB" if abs(mb) >= 1024 else f"{mb:.0f} MB"
+    return f"{mb / 1024:.2f} GiB" if abs(mb) >= 1024 else f"{mb:.0f} MiB"  # binary, as the allocator says them
 
 
 def _peak_where(mem: dict[str, Any]) -> str:
@@ -751,7 +773,7 @@ def _creep(mem: dict[str, Any]) -> Diagnosis | None:
     rate = c["mb_per_step"]
     total, peak = mem.get("device_total_mb"), mem.get("peak_allocated_mb")
     left = (total - peak) / rate if total and peak is not None else None
-    why = (f"allocated memory at the step's begin rises {rate:.2f} MB a step ({_gb(c['rise_mb'])} from step "
+    why = (f"allocated memory at the step's begin rises {rate:.2f} MiB a step ({_gb(c['rise_mb'])} from step "
            f"{c['from_step']} to {c['to_step']}, {c['points']} samples)")
     if left is not None:
         why += f": at that rate the device is full in about {left:,.0f} more steps"
@@ -918,7 +940,7 @@ def _oom_when(oom: dict[str, Any], mem: dict[str, Any] | None) -> tuple[str, str
     creep = _creep(mem) if mem else None
     if creep is not None:
         c = creep.evidence
-        return "creep", (f"{after}, allocated at the step's begin rising {c['mb_per_step']:.2f} MB a step (steps "
+        return "creep", (f"{after}, allocated at the step's begin rising {c['mb_per_step']:.2f} MiB a step (steps "
                          f"{c['from_step']} to {c['to_step']}): what was kept across steps ran the device out"), creep
     if mem and mem.get("steady_samples"):
         at = (mem.get("allocated_mb") or {}).get("step_begin")

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
 from phase_timer.boundaries import FORWARD
-from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disabled_by_env
+from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disabled_by_env, reject_unknown
 from phase_timer.loop import LoopTimer
 from phase_timer.runinfo import loader_info
 from phase_timer.stats import RunTotals
@@ -116,7 +116,9 @@ class PhaseTimerCallback(TrainerCallback):
         mfu: bool = True,
         enabled: bool = True,
         memory_snapshot: bool | str | os.PathLike[str] | None = None,
+        **unknown: Any,
     ) -> None:
+        reject_unknown("PhaseTimerCallback", PhaseTimerCallback.__init__, unknown)
         self.config = TimerConfig(
             window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
             summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,

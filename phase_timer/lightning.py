@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from phase_timer import backward_calls, lifecycle, oom
 from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
-from phase_timer.config import TimerConfig, disabled_by_env
+from phase_timer.config import TimerConfig, disabled_by_env, reject_unknown
 from phase_timer.comm import attach_comm
 from phase_timer.core import TimingCore
 from phase_timer.metrics import custom_scalars_layout
@@ -239,7 +239,9 @@ class PhaseTimer:
         mfu: bool = True,
         enabled: bool = True,
         memory_snapshot: bool | str | os.PathLike[str] | None = None,
+        **unknown: Any,
     ) -> None:
+        reject_unknown("PhaseTimer", PhaseTimer.__init__, unknown)
         super().__init__()
         self.config = TimerConfig(
             window=log_every_n_steps,
@@ -408,7 +410,8 @@ class PhaseTimer:
             self._raw_backward = _RawBackward(self, threading.get_ident())
             backward_calls.listen(self._raw_backward)
         self._hooks.append(
-            StepHooks(trainer.optimizers, bounds.on_optimizer_start if manual else None, lambda opt: bounds.on_step_end())
+            StepHooks(trainer.optimizers, bounds.on_optimizer_start if manual else None, lambda opt: bounds.on_step_end(),
+                      bounds.before_backward)
         )
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and callable(getattr(scaler, "update", None)):

@@ -42,7 +42,7 @@ from phase_timer import backward_calls, lifecycle, oom
 from phase_timer._env import native_wanted, warn, warn_once
 from phase_timer.assemble import Outputs, own_event_file, start_core
 from phase_timer.boundaries import Boundaries
-from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env
+from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env, reject_unknown
 from phase_timer.core import CARRIED, TimingCore
 from phase_timer.diagnosis import Diagnosis
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS, custom_scalars_layout
@@ -97,6 +97,9 @@ class _TimedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         timer = self._timer
+        if timer.__dict__.get("_closed"):
+            warn(log, "phase-timer: timer.loader is iterated after the timer was closed: these batches are not timed "
+                      "(attach a new timer for a new run)", 2)
         it = iter(self._loader)
         fetch, on_batch = timer._fetch, timer._on_batch
         core, bounds = timer.core, timer._bounds
@@ -160,6 +163,9 @@ class LoopTimer:
         enabled: bool,
         sinks: Sequence[Any] = (),
     ) -> None:
+        if isinstance(models, torch.optim.Optimizer) and isinstance(optimizers, nn.Module):
+            _fail("attach", "model", models, "an nn.Module or a list of them",
+                  ": the model and the optimizer are swapped, attach(model, optimizer)")
         self.models = _checked_list(models, nn.Module, "model", "an nn.Module or a list of them")
         optimizers = () if optimizers is None else optimizers  # no optimizer: end_step="manual"
         self.optimizers = _checked_list(optimizers, torch.optim.Optimizer, "optimizer",
@@ -238,10 +244,13 @@ class LoopTimer:
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
         for model in self.models:
-            self._handles.append(model.register_forward_pre_hook(self._on_forward))
+            # first of the model's pre-hooks (a user's registered before attach is forward's work, not h2d's); with
+            # its keywords: a loop without a loader counts a forward's inputs, ``model(input_ids=...)`` too
+            self._handles.append(model.register_forward_pre_hook(self._on_forward, prepend=True, with_kwargs=True))
         bounds = self._bounds
         assert bounds is not None
-        self._handles.append(StepHooks(self.optimizers, bounds.on_optimizer_start, self._on_optimizer_end))
+        self._handles.append(StepHooks(self.optimizers, bounds.on_optimizer_start, self._on_optimizer_end,
+                                       bounds.before_backward))
         backward_calls.listen(self)
         self._listening = True
         if self._scaler is not None:
@@ -323,7 +332,7 @@ class LoopTimer:
             self._cut = oom.cut(self._bounds, sys._getframe(2))
             self._bounds.epoch_end()
 
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
+    def _on_forward(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         bounds = self._bounds
         if bounds is None or bounds.in_backward:
             return
@@ -334,9 +343,9 @@ class LoopTimer:
             return
         if self._loader_active:
             bounds.on_forward()
-        else:  # no loader: the forward begins the step (its inputs say the step's FLOPs; no samples: a step
-            bounds.forward(begins=True)  # may run several forwards)
-            bounds.step_flops(args)
+        else:  # no loader: the forward begins the step; its inputs are a micro-batch (throughput's counts, summed
+            bounds.forward(begins=True)  # over the step's training forwards) and, at the step's first, its FLOPs
+            bounds.count_batch((*args, kwargs) if kwargs else args)
 
     def _on_loop_thread(self) -> bool:
         """True on the training loop's thread: the first forward or backward() call binds it."""
@@ -449,6 +458,7 @@ class LoopTimer:
         bounds, self._bounds = self._bounds, None
         if core is None or bounds is None:
             return self.totals
+        self._closed = True  # timer.loader iterated from now on says so
         bounds.finish(interrupted=interrupted)
         if not interrupted and bounds.begun == 0 and self._thread is not None and self._loader_active:
             core.untimed_reason = "the model trained, but no batch came through timer.loader"
@@ -615,6 +625,7 @@ def attach(
     enabled: bool = True,
     sinks: Sequence[Any] = (),
     memory_snapshot: bool | str | os.PathLike[str] | None = None,
+    **unknown: Any,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.
 
@@ -636,7 +647,8 @@ def attach(
             ranks' last reports (not at all when the ``with`` block raised).
         memory: as for ``PhaseTimer``: memory per phase on CUDA, sampled, never a sync.
         samples_per_batch, tokens_per_batch: as for ``PhaseTimer``: throughput's counts of a batch
-            (default: from the shapes of each batch ``timer.loader`` hands over).
+            (default: from the shapes of each batch ``timer.loader`` hands over; where the loop makes its own
+            batches, of each training forward's inputs, the step's micro-batches summed).
         flops_per_step, peak_tflops, mfu: as for ``PhaseTimer``: FLOPs and MFU (counted on an untimed step per
             batch shape that ``timer.loader`` hands over, or without one the first forward's inputs; ``docs/flops.md``).
         enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) attaches nothing.  Under
@@ -650,6 +662,7 @@ def attach(
         memory_snapshot: as for ``PhaseTimer``: record the CUDA allocator's history and dump a snapshot
             on an out-of-memory error (``True``: in the log directory; ``"end"``: also at the end; a path).
     """
+    reject_unknown("attach", attach, unknown)
     config = TimerConfig(
         window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
         summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,

@@ -10,7 +10,7 @@ from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.stats import WINDOW_STATS, RunTotals
 
 if TYPE_CHECKING:
-    from phase_timer.ranks import RankTotals, RankWindow
+    from phase_timer.ranks import RankWindow
 
 #: The device time from a step's end (its last optimizer step) to the next batch's fetch.
 BETWEEN = "between_steps"
@@ -261,41 +261,10 @@ def _between_note(totals: RunTotals) -> str:
     )
 
 
-def format_rank_table(totals: RankTotals, title: str = "phase-timer") -> str:
-    """Per rank, each phase's mean ms over the run, and the rank with the largest mean."""
-    ranks = sorted(totals.steps)
-    phases = ordered({p for r in ranks for p in totals.sums.get(r, {})})
-    if not ranks or not phases:
-        return f"{title}: no window was reported by the ranks"
-    head = ["rank", *phases, "steps"]
-    rows = []
-    for r in ranks:
-        means = [totals.mean(r, p) for p in phases]
-        rows.append([str(r), *("" if m is None else f"{m:.3f}" for m in means), str(totals.steps[r])])
-    slowest = ["slowest"]
-    for p in phases:
-        by_rank = {r: m for r in ranks if (m := totals.mean(r, p)) is not None}
-        slowest.append(str(max(by_rank, key=lambda r: (by_rank[r], -r))) if by_rank else "")
-    rows.append([*slowest, ""])
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    line = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-    rule = "-" * len(line(head))
-    missing = sorted(set(range(totals.world_size)) - set(ranks))
-    note = (
-        "mean ms per step.  A slow rank is slowest in the phase where it loses time; the ranks\n"
-        "that wait for it show the wait in backward (the gradient all-reduce) and, under\n"
-        "Lightning, in sync_wait (its per-batch broadcast)."
-    )
-    if missing:
-        note += f"\nno report from rank(s) {missing}"
-    body = "\n".join(line(r) for r in rows[:-1])
-    return f"{title}: per rank ({len(ranks)} of {totals.world_size})\n{rule}\n{line(head)}\n{rule}\n{body}\n{rule}\n{line(rows[-1])}\n{rule}\n{note}"
-
-
 def _mb(v: float | None) -> str:
     if v is None:
         return "-"
-    return f"{v / 1024:.2f} GB" if abs(v) >= 1024 else f"{v:.0f} MB"
+    return f"{v / 1024:.2f} GiB" if abs(v) >= 1024 else f"{v:.0f} MiB"
 
 
 def format_memory(mem: dict | None) -> str | None:
@@ -346,7 +315,7 @@ PHASE_PEAKS_SHOWN = 5
 
 
 def _phase_peaks(mem: dict) -> str:
-    """"backward 2.07 GB (the peak), forward 1.07 GB" from ``phase_peaks_mb`` (empty: none, or an older file)."""
+    """"backward 2.07 GiB (the peak), forward 1.07 GiB" from ``phase_peaks_mb`` (empty: none, or an older file)."""
     peaks = mem.get("phase_peaks_mb") or {}
     top = sorted(peaks.items(), key=lambda kv: -kv[1])[:PHASE_PEAKS_SHOWN]
     return ", ".join(f"{phase} {_mb(mb)}" + (" (the peak)" if phase == mem.get("peak_phase") else "")

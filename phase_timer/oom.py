@@ -32,13 +32,13 @@ import logging
 import os
 import pickle
 import re
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from phase_timer import files
 from phase_timer import memory as _memory
 from phase_timer._env import warn
 
@@ -349,11 +349,7 @@ class Snapshot:
             import torch
 
             data = torch.cuda.memory._snapshot()  # the allocator's state and history: host data, no sync
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump(data, f)
-            os.replace(tmp, path)
+            files.write(path, pickle.dumps(data))  # atomic where local; the logger's fsspec URL too
         except Exception as err:  # noqa: BLE001 - a full disk: the finding still says what it knows
             self.error = f"the snapshot could not be written ({type(err).__name__}: {err})"
             warn(log, f"phase-timer: {self.error}", 3)
@@ -379,7 +375,7 @@ class Snapshot:
         if self.target is not None:
             return _ranked(self.target, rank)
         directory = self.directory if rank == 0 else (_published(core) or {}).get("directory")
-        return _ranked(os.path.join(directory, SNAPSHOT_FILE), rank) if directory else None
+        return _ranked(files.join(directory, SNAPSHOT_FILE), rank) if directory else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "dumped": self.dumped, "at_end": self.at_end, "max_entries": SNAPSHOT_ENTRIES,

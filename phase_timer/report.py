@@ -190,7 +190,10 @@ def load_runs(logdirs: Sequence[str], source: str = "auto") -> list[RunReport]:
             elif source == "summary":
                 raise ReportError(f"{run_dir}: no {FILE_NAME} (a run from before phase-timer wrote one: use --source auto)")
             else:
-                reports.append(build_report(run_dir, scalars, source))
+                report = build_report(run_dir, scalars, source)
+                if summary_path is not None and report.throughput:  # there, but not read (--source window/step)
+                    report.throughput["summary_skipped"] = True
+                reports.append(report)
         if not found:
             raise ReportError(f"{logdir}: event files hold no phase-timer scalars ({WINDOW_PREFIX}/...)")
     return reports
@@ -316,6 +319,7 @@ def _rate_timeline(scalars: PhaseScalars, data: dict[str, Any] | None) -> dict[s
 def summary_lines(data: dict[str, Any]) -> list[str]:
     """What a summary file adds below the table: steps in flight, phase-timer's own cost, the syncs, the verdict."""
     from phase_timer.diagnosis import Diagnosis, format_verdict
+    from phase_timer.rank_view import summary_table
     from phase_timer.syncs import SyncSite, format_census
 
     lines = []
@@ -334,6 +338,9 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
                                      syncs["count"], syncs.get("paused", 0))
     if census:
         lines.append(census)
+    ranks = summary_table(data.get("ranks"))  # every rank's means (distributed runs)
+    if ranks:
+        lines.append(ranks)
     if data.get("diagnosis"):
         lines.append(format_verdict(Diagnosis.from_dict(data["diagnosis"])))
     return lines
@@ -655,7 +662,7 @@ _RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
 def _draw_memory(ax: Any, reports: Sequence[RunReport], labels: list[str]) -> None:
     """Allocated at the step's begin, activations and the peak allocated over the steps, every run on one scale."""
     top = max(v for r in reports for pts in r.memory_timeline.values() for _, v in pts)
-    scale, unit = (1024.0, "GB") if top >= 1024 else (1.0, "MB")  # GB once a value reaches one
+    scale, unit = (1024.0, "GiB") if top >= 1024 else (1.0, "MiB")  # GiB once a value reaches one
     for j, (r, label) in enumerate(zip(reports, labels)):
         for what, pts in r.memory_timeline.items():
             name, style = _MEMORY_STYLES[what]

@@ -12,11 +12,11 @@ import json
 import os
 import platform
 import re
-import secrets
 import statistics
 import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
+from phase_timer import files
 from phase_timer.metrics import HOST_PHASES, ordered, share_base
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -178,40 +178,11 @@ def _environment(core: RunRecord, ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_summary(core: RunRecord, directory: str | os.PathLike[str], *, name: str | None = None) -> str:
-    """Write the file atomically in ``directory`` (as ``name``, default :data:`FILE_NAME`); returns its path."""
+    """Write the file atomically in ``directory`` (as ``name``, default :data:`FILE_NAME`; a local folder or an
+    fsspec URL, ``phase_timer.files``); returns its path."""
     data = _finite(build_summary(core))
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(os.fspath(directory), name or FILE_NAME)
-    fd, tmp = _new_temp(os.fspath(directory))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(_one_line_lists(json.dumps(data, indent=1, allow_nan=False, default=str)))
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
-
-
-def _new_temp(directory: str) -> tuple[int, str]:
-    """A new, uniquely named file in ``directory`` for the atomic write, open for writing.
-
-    Made as ``open()`` makes a file, mode 0666 less the umask, like the event files beside it: ``mkstemp``'s
-    0600 would leave the summary unreadable to another user or a CI step that can read the rest of the run.
-    ``O_EXCL``: never an existing file (nor a link planted there).
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        tmp = os.path.join(directory, f".phase_timer_summary.{secrets.token_hex(8)}.tmp")
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free temporary name for {FILE_NAME} in {directory}")
+    text = _one_line_lists(json.dumps(data, indent=1, allow_nan=False, default=str)) + "\n"
+    return files.write(files.join(directory, name or FILE_NAME), text.encode())
 
 
 _SCALAR = r"(?:-?[0-9][0-9.eE+-]*|null|true|false)"

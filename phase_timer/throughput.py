@@ -32,6 +32,10 @@ COUNTS = (SAMPLES, TOKENS)
 #: Every host value a step carries that is a count, not a phase: the samples and tokens, and its FLOPs.
 CARRIED = (*COUNTS, *FLOP_VALUES)
 PREFIX = "throughput"
+#: The table's line where no step's batch could be counted (said once, at the end).
+NOT_COUNTED = ("throughput: not counted: no batch's size could be read (the batches, or the model's inputs without "
+               "a loader, hold no tensor phase-timer can read a batch size from); pass samples_per_batch= and "
+               "tokens_per_batch= (a number, or a function of the batch)")
 log = logging.getLogger(__name__)
 #: Keys that name a mapping batch's token ids (🤗 models, most LM data pipelines).
 _TOKEN_KEYS = ("input_ids", "tokens", "token_ids")

@@ -38,7 +38,8 @@ def throughput_line(throughput: dict[str, Any] | None) -> str | None:
     rates = {k: throughput[k] for k in RATES if throughput.get(k) is not None}
     line = format_line(rates, throughput.get("job") or None)
     if line and throughput.get("source") == "tensorboard":
-        line += f" (from TensorBoard's throughput/* scalars, {throughput.get('windows')} windows; no {FILE_NAME})"
+        why = "" if throughput.get("summary_skipped") else f"; no {FILE_NAME}"
+        line += f" (from TensorBoard's throughput/* scalars, {throughput.get('windows')} windows{why})"
     return line
 
 

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from phase_timer import files
 from phase_timer.metrics import PAUSED
 from phase_timer.resolver import StepTimes
 
@@ -58,7 +59,5 @@ class TraceWriter:
             {"name": "process_sort_index", "ph": "M", "pid": _DEVICE_PID, "args": {"sort_index": 0}},
             {"name": "process_sort_index", "ph": "M", "pid": _HOST_PID, "args": {"sort_index": 1}},
         ]
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        with open(self.path, "w") as f:
-            json.dump({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, f)
-        return self.path
+        data = json.dumps({"traceEvents": meta + self._events, "displayTimeUnit": "ms"})
+        return files.write(self.path, data.encode())  # a local file, or the logger's fsspec URL

@@ -41,8 +41,9 @@ EXPECTED = ("a list of SummaryWriters, W&B runs, MLflow runs (or the `mlflow` mo
             "callables of (step, values) or sinks (write/flush/close)")
 #: The W&B x value of phase-timer's rows in a user's run: their own steps stay theirs.
 WANDB_STEP = "phase_timer/step"
-#: Every tag phase-timer writes starts with one of these (phase_time*, phase_timer/*, phase_memory*).
+#: Most tags phase-timer writes start with one of these; the others are bound by name (``WandbSink._bind``).
 _WANDB_GLOBS = ("phase_time*", "phase_memory*")
+_WANDB_PREFIXES = tuple(g.rstrip("*") for g in _WANDB_GLOBS)
 #: The 🤗 Trainer's W&B x value (its WandbCallback defines it and logs every row with it).
 TRAINER_WANDB_STEP = "train/global_step"
 #: MLflow takes at most this many metrics a ``log_batch`` call.
@@ -171,6 +172,8 @@ class WandbSink:
         self._x = x_axis
         self._own_rows = own_rows
         self._filled: int | None = None  # the run's step whose open row holds our last values
+        self._bound: set[str] = set()  # tags given our x-axis one by one (the globs' aside)
+        self._ended = False  # the user finished the run: nothing more goes to it
         if not own_rows:
             self._define_x_axis()
 
@@ -184,11 +187,37 @@ class WandbSink:
             warn(log, f"phase-timer: could not define {self._x} as the x-axis of its values in the W&B run "
                       f"({type(err).__name__}: {err}); they are written, against W&B's own step", 4)
 
+    def _finished(self) -> bool:
+        """The user finished the run (``run.finish()`` before phase-timer's close): W&B's own flag, read without a
+        call (on a finished run ``run.step`` blocks, 30 s in wandb 0.31, and ``run.log`` raises).  Said once."""
+        if not self._ended and getattr(self._run, "_is_finished", False):
+            self._ended = True
+            warn(log, "phase-timer: the W&B run was finished before phase-timer closed (run.finish() inside the "
+                      "timer's block or before the Trainer's end): the values from here on (the last windows, the "
+                      "verdict) are in the event file and the summary file, not in W&B", 4)
+        return self._ended
+
+    def _bind(self, scalars: dict[str, float]) -> None:
+        """Every tag of ours against our x-axis, before its first row: the globs cover ``phase_time*`` and
+        ``phase_memory*``; any other (``throughput/*``, ``comm/*``, ``phase_timer/*``) is bound by its own name,
+        never by a glob that could take a user's tag of the same prefix."""
+        new = [t for t in scalars if t not in self._bound and not t.startswith(_WANDB_PREFIXES)]
+        for tag in new:
+            try:
+                self._run.define_metric(tag, step_metric=self._x)
+            except Exception as err:  # noqa: BLE001 - the timer must never break training
+                warn(log, f"phase-timer: could not define {self._x} as the x-axis of {tag} in the W&B run "
+                          f"({type(err).__name__}: {err}); it is written against W&B's own step", 4)
+            self._bound.add(tag)
+
     def write(self, step: int, scalars: dict[str, float]) -> None:
+        if self._finished():
+            return
         row = {**scalars, self._x: step}
         if self._own_rows:
             self._run.log(row)
             return
+        self._bind(scalars)
         now = self._run.step  # the step of the run's open row
         if now == self._filled:  # nobody has logged since our last values: they keep that row
             self._run.log(row, step=now + 1, commit=False)
@@ -199,7 +228,8 @@ class WandbSink:
 
     def write_text(self, tag: str, text: str, step: int) -> None:
         """The verdict, in the run's summary (its overview page), not in its history."""
-        self._run.summary[tag] = text
+        if not self._finished():
+            self._run.summary[tag] = text
 
     def flush(self) -> None:
         """Nothing: the run's open row is written by the user's next log or ``run.finish()``."""

@@ -61,7 +61,7 @@ def test_phases_still_add_up_to_the_step_and_the_wait_is_an_of_which_row(cases: 
     assert WAIT in phases and WAIT not in inside
     assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)
     summary = cases[case]["summary"]
-    assert summary["schema_version"] == 8
+    assert summary["schema_version"] == 9
     row = summary["phases"][WAIT]
     assert row["share_of"] == "step" and 0 <= row["share"] <= summary["phases"]["backward"]["share"]
 
@@ -229,10 +229,10 @@ def test_the_two_gpu_script_runs_splits_and_adds_up_on_the_cpu() -> None:
 
 
 def test_sampling_ddp_s_copies_changes_no_gradient() -> None:
-    """Issue 47's review: the copies deferred on a sampled backward are DDP's copies into .grad only; DDP's own
-    copy of its used-parameter map, read at once under find_unused_parameters, runs as DDP ran it (deferred, DDP
-    raised "gradient which is undefined, but still allreduced"); two DDP modules in one backward, a static graph,
-    gradient_as_bucket_view: every backward sampled, every gradient equal to DDP's without phase-timer."""
+    """Issue 47: the copies a sampled backward watches are DDP's copies into .grad only, made where DDP makes them;
+    DDP's own copy of its used-parameter map, read at once under find_unused_parameters, runs as DDP runs it; two
+    DDP modules in one backward, a static graph, gradient_as_bucket_view: every backward sampled, every gradient
+    equal to DDP's without phase-timer."""
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -241,4 +241,9 @@ def test_sampling_ddp_s_copies_changes_no_gradient() -> None:
     assert {r["case"] for r in rows} == {"unused", "static", "two", "view", "default"} and len(rows) == 10
     for r in rows:
         assert r["same"] == r["steps"], r
-        assert r["sampled"] >= r["steps"] - 2, r  # the copies really were deferred and timed (warm-up aside)
+        if r["case"] == "view":  # gradient_as_bucket_view: DDP copies nothing into .grad, nothing is timed
+            assert r["sampled"] == 0, r
+            continue
+        # the copies really were timed: all but the warm-up, the backward that counts them a bucket, and (a static
+        # graph) the count again after DDP rebuilds its buckets
+        assert r["sampled"] >= r["steps"] - 3, r

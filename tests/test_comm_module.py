@@ -161,13 +161,12 @@ def test_the_copy_is_taken_off_each_step_and_never_below_zero() -> None:
     run = comm.RunComm()
     from phase_timer.clock import HostClock
 
-    # the copies back to back between two marks, 4 ms; the spin before them: 1e6 cycles in 0.5 ms
-    run.add_copies(object(), [0, 4_000_000], HostClock(), (-500_000, 1_000_000))
+    # two buckets' copies, each between its two marks: 1.5 + 2.5 ms (the wait between them is not theirs)
+    run.add_copies(object(), [(0, 1_500_000), (3_000_000, 5_500_000)], HostClock())
     columns = {WAIT: [1.0, 3.5, 10.0], "backward": [20.0, 21.0, 30.0]}
     sampled = {comm.COMM_MS: 12.0, comm.COMM_WAIT_MS: 8.0, comm.COMM_SAMPLES: 2.0}
     run.take_copies(columns, sampled)
     assert run.copy_ms == 4.0 and run.copy_samples == 1
-    assert run.gate_cycles_per_ms == pytest.approx(2e6)
     assert columns == {WAIT: [0.0, 0.0, 6.0], "backward": [20.0, 21.0, 30.0]}  # backward keeps them
     assert sampled[comm.COMM_WAIT_MS] == 0.0  # 8 - 2 samples x 4
     step = {WAIT: 5.0, "backward": 9.0}

@@ -306,11 +306,11 @@ def test_the_memory_gate_fails_above_its_threshold_and_passes_below(runs, capsys
     cand = _with_memory(runs["same"], tmp_path / "cand", 1100.0)
     code, out, err = compare(capsys, base, cand, "--fail-above-memory", "5")
     assert code == 1, out + err
-    assert f"FAIL: peak allocated +10.0% (1000.0 -> 1100.0 MB), more than 5% ({NO_BAND})" in out
+    assert f"FAIL: peak allocated +10.0% (1000.0 -> 1100.0 MiB), more than 5% ({NO_BAND})" in out
     row = next(line for line in out.splitlines() if line.startswith("peak allocated "))
     assert row.split()[2:] == ["1000.0", "1100.0", "+100.0", "+10.0"]
     code, out, _ = compare(capsys, base, cand, "--fail-above-memory", "15")
-    assert code == 0 and "pass: peak allocated +10.0% (1000.0 -> 1100.0 MB), not more than 15%" in out
+    assert code == 0 and "pass: peak allocated +10.0% (1000.0 -> 1100.0 MiB), not more than 15%" in out
     code, out, _ = compare(capsys, cand, base, "--fail-above-memory", "0")  # less memory: never a failure
     assert code == 0 and "pass: peak allocated -9.1%" in out
     code, doc, _ = compare_json(capsys, base, cand, "--fail-above-memory", "5")

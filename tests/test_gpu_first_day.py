@@ -101,3 +101,58 @@ def test_a_hf_callback_that_raises_on_cuda_is_written_and_backward_put_back(tmp_
     data = summary(cb.log_dir)
     assert data["interrupted"] is True and data["environment"]["clock"] == "cuda"
     assert data["steps"]["timed"] == 20  # steps 5..24 (warm-up 0..4); the 25th ended before the callback raised
+
+
+def test_a_loop_that_makes_its_own_batches_reports_tokens_per_s_within_1_pct_of_the_wall_clock(tmp_path):
+    """Issue 48: nanoGPT's loop (``get_batch()`` on the device, ``model(X, Y)``, 4 micro-batches a step, no loader):
+    the run's tokens/s against its tokens over the wall time of the timed steps (the test's own clock, the device
+    synced at both ends, outside the run)."""
+    import time
+
+    import phase_timer
+    from torch import nn
+
+    torch.manual_seed(0)
+    vocab, seq, batch, micro, steps, warm = 8192, 256, 8, 4, 60, 5
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, 512)
+            self.body = nn.TransformerEncoder(nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True), 4)
+            self.head = nn.Linear(512, vocab)
+
+        def forward(self, idx, targets):  # noqa: ANN001, ANN201
+            logits = self.head(self.body(self.emb(idx)))
+            return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    model = LM().cuda()
+    opt = torch.optim.AdamW(model.parameters(), 1e-4, fused=True)
+    data = torch.randint(0, vocab, (64, seq + 1), device="cuda")
+
+    def get_batch():  # noqa: ANN202
+        ix = torch.randint(0, data.shape[0], (batch,), device="cuda")
+        rows = data[ix]
+        return rows[:, :-1], rows[:, 1:]
+
+    with phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=warm, window=10, summary=False) as timer:
+        for step in range(steps):
+            if step == warm:
+                torch.cuda.synchronize()  # the test's clock: the timed steps begin on an idle device
+                t0 = time.perf_counter()
+            for _ in range(micro):
+                x, y = get_batch()
+                with torch.autocast("cuda", torch.bfloat16):
+                    _, loss = model(x, y)
+                (loss / micro).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    with open(timer.summary_path) as f:
+        thr = json.load(f)["throughput"]
+    timed = steps - warm
+    assert thr["steps"] == timed and thr["tokens"] == timed * micro * batch * seq
+    truth = thr["tokens"] / wall
+    print(f"TOKENS/S phase-timer {thr['tokens_per_s']:.1f} wall {truth:.1f} ({100 * (thr['tokens_per_s'] / truth - 1):+.2f}%)")
+    assert thr["tokens_per_s"] == pytest.approx(truth, rel=0.01)

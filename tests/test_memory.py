@@ -172,7 +172,7 @@ def test_a_leak_of_8_mb_a_step_is_memory_creep_within_100_steps_at_its_rate(fake
     d = core.diagnosis
     creep = next(f for f in (d, *d.secondary) if f.kind == "MEMORY_CREEP")
     assert creep.evidence["mb_per_step"] == pytest.approx(8.0, rel=0.1)
-    assert "8.00 MB a step" in creep.why and "full in about" in creep.why
+    assert "8.00 MiB a step" in creep.why and "full in about" in creep.why
     assert "MEMORY_CREEP" in core.summary_table()
 
 
@@ -207,7 +207,7 @@ def test_pressure_near_the_devices_total_and_on_any_retry():
     assert kinds(_mem()) == []
     high = memory_findings(_mem(peak_reserved_mb=77_000.0, peak_allocated_mb=70_000.0))
     assert [f.kind for f in high] == ["MEMORY_PRESSURE"] and high[0].severity == "high"
-    assert "activations are 14.65 GB" in high[0].next[0]
+    assert "activations are 14.65 GiB" in high[0].next[0]
     medium = memory_findings(_mem(peak_reserved_mb=73_000.0, peak_allocated_mb=70_000.0))[0]
     assert medium.kind == "MEMORY_PRESSURE" and medium.severity == "medium"
     retried = memory_findings(_mem(alloc_retries=3))[0]
@@ -367,7 +367,7 @@ def test_plain_door_memory_in_the_summary_tensorboard_and_table(fake, tmp_path):
     scalars = read_scalars(timer.log_dir)
     assert [v for _, v in scalars["phase_memory/activations_mb"]] == pytest.approx([ACT] * len(scalars["phase_memory/activations_mb"]))
     assert scalars["phase_memory/peak_allocated_mb"][-1][1] == pytest.approx(1000 + ACT + TEMP)
-    assert "activations (backward's begin - forward's): 100 MB" in timer.last_summary
+    assert "activations (backward's begin - forward's): 100 MiB" in timer.last_summary
 
 
 def test_lightning_door_attributes_a_planted_temporary_to_the_optimizer(fake, tmp_path):

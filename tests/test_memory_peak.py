@@ -147,9 +147,9 @@ def test_the_table_says_each_phases_highest_and_which_is_the_peak():
     for k in range(300):
         run.step(k, jitter=4 * KB * (k % 5))
     text = format_memory(run.end(299))
-    assert "the highest each phase reached (where the peak counter rose in it): backward 2.31 GB (the peak), " \
-           "forward 1.07 GB, h2d 910 MB" in text
-    assert "peak allocated 2.31 GB in backward (step 1)" in text
+    assert "the highest each phase reached (where the peak counter rose in it): backward 2.31 GiB (the peak), " \
+           "forward 1.07 GiB, h2d 910 MiB" in text
+    assert "peak allocated 2.31 GiB in backward (step 1)" in text
 
 
 # -- through a door, the fake allocator planted where phase-timer reads the real one ------------------
@@ -198,7 +198,7 @@ def test_plain_door_names_backward_for_a_steady_backward_temporary(fake, tmp_pat
     assert mem["peak_phase"] == "backward" and mem["peak_step"] == 0
     assert mem["peak_allocated_mb"] > WEIGHTS + ACT + TEMP  # the jitter of a step not read is in the counter
     assert mem["phase_peaks_mb"]["backward"] == pytest.approx(WEIGHTS + ACT + TEMP)
-    assert "backward 2.06 GB (the peak)" in timer.last_summary
+    assert "backward 2.06 GiB (the peak)" in timer.last_summary
 
 
 def test_lightning_door_names_backward_for_a_steady_backward_temporary(fake, tmp_path):

@@ -204,7 +204,8 @@ def test_without_a_loader_the_first_forwards_inputs_say_the_steps_flops(tmp_path
             opt.step()
             opt.zero_grad()
     data = _summary(timer)
-    assert data["flops"]["per_step"]["hardware"] == FWD + BWD and data["throughput"] is None  # no samples counted
+    assert data["flops"]["per_step"]["hardware"] == FWD + BWD
+    assert data["throughput"]["per_step"]["samples"] == 6  # the forward's inputs are the step's batch
 
 
 class _OddShape:

@@ -79,3 +79,21 @@ def test_a_long_spin_is_work_not_a_marker():
     tl = [k(0, 1, "spin_kernel"), k(100, 400, "spin_kernel"), k(300, 500, NCCL), k(1000, 1001, "spin_kernel")]
     rows = per_step(tl)
     assert len(rows) == 2 and rows[0]["exposed_stream"] == pytest.approx(0.1)  # the spin hides 300..400
+
+
+def test_exposed_where_splits_the_exposed_time_by_the_timer_s_spans() -> None:
+    from benchmarks.nccl_truth import exposed_where
+
+    iv = [(0, 1, "spin_kernel", "kernel"), (10, 20, "gemm", "kernel"),
+          (20, 21, "bitwise_not", "kernel"), (21, 30, "ncclDevKernel_AllGather", "kernel"),  # a wait, marked
+          (30, 31, "logical_not", "kernel"), (31, 40, "gemm", "kernel"),
+          (40, 50, "ncclDevKernel_ReduceScatter", "kernel"), (50, 60, "gemm", "kernel"),  # exposed, unmarked
+          (60, 61, "spin_kernel", "kernel"), (61, 70, "gemm", "kernel"),
+          (70, 80, "ncclDevKernel_AllGather", "kernel"), (100, 110, "gemm", "kernel")]  # then idle 20 us
+    first, second = exposed_where(iv, "bitwise_not", "logical_not")
+    assert first["inside"] == pytest.approx(0.009) and first["outside"] == pytest.approx(0.010)
+    assert first["kinds"] == {"ReduceScatter": pytest.approx(0.010)}
+    assert first["longest"] == (0.01, "gemm", "gemm")
+    assert first["then_idle"] == 0  # the work after each interval starts at its end: the stream was waiting
+    assert second["inside"] == 0 and second["outside"] == pytest.approx(0.010)
+    assert second["then_idle"] == pytest.approx(0.010)  # nothing ran for 20 us after it: the host's gap

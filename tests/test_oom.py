@@ -125,7 +125,7 @@ def test_a_plain_loop_that_runs_out_in_forward_is_explained_and_the_error_goes_o
     assert facts["allocator"] is None and facts["held"] is None  # a CPU: no allocator to read
     assert facts["state_mb"]["weights_mb"] > 0 and facts["state_mb"]["optimizer_state_mb"] > 0  # momentum buffers
     d = finding(data)
-    assert "at step 30, in forward" in d["why"] and "an allocation of 2.00 GB failed" in d["why"]
+    assert "at step 30, in forward" in d["why"] and "an allocation of 2.00 GiB failed" in d["why"]
     assert d["evidence"]["when"] == "unknown"  # memory not read: creep and a one-off cannot be told apart
     assert "verdict: OUT_OF_MEMORY (high)" in timer.last_summary and "(interrupted)" in timer.last_summary
 
@@ -362,10 +362,10 @@ def test_what_each_phase_held_and_a_creep_are_told_apart_from_a_steady_run(tmp_p
     assert held["last_mb"]["step_begin"] == pytest.approx(1000.0 + leak_mb * held["last_step"])
     assert facts["allocator"]["allocated_mb"] == pytest.approx(1000.0 + leak_mb * AT)  # read at the door
     assert facts["allocator"]["device_total_mb"] == 16 * 1024
-    assert "the last memory step (step" in d["why"] and "activations 2.93 GB" in d["why"]
-    assert any(t.startswith("activations (2.93 GB") and "activation checkpointing" in t for t in d["next"])
+    assert "the last memory step (step" in d["why"] and "activations 2.93 GiB" in d["why"]
+    assert any(t.startswith("activations (2.93 GiB") and "activation checkpointing" in t for t in d["next"])
     if leak_mb:
-        assert d["evidence"]["when"] == "creep" and "rising 8.00 MB a step" in d["why"]
+        assert d["evidence"]["when"] == "creep" and "rising 8.00 MiB a step" in d["why"]
         assert "a tensor kept across steps" in d["next"][0]
     else:
         assert d["evidence"]["when"] == "steady" and "with memory steady" in d["why"]
@@ -403,20 +403,20 @@ def test_the_advice_follows_what_was_measured(monkeypatch):
     assert "memory_snapshot=True" in quiet.next[-1]
     # the cache held more than the request, in pieces: expandable segments (unless already on)
     frag = _facts(allocator={**_facts()["allocator"], "reserved_mb": 31000.0})
-    assert any(t.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: 1000 MB was reserved but unallocated")
+    assert any(t.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: 1000 MiB was reserved but unallocated")
                for t in out_of_memory(frag, None).next)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert not any("expandable" in t for t in out_of_memory(frag, None).next)
     # Adam's state at a quarter of the device
     adam = _facts(state_mb={"weights_mb": 4000.0, "gradients_mb": 4000.0, "optimizer_state_mb": 8200.0})
-    assert any("the optimizer's state is 8.01 GB, 2.0x the weights: a leaner optimizer" in t
+    assert any("the optimizer's state is 8.01 GiB, 2.0x the weights: a leaner optimizer" in t
                for t in out_of_memory(adam, None).next)
     # activations measured large: checkpointing, with their share
     acts = _facts(held={"last_step": 38, "last_mb": {"step_begin": 10000.0, "activations": 15000.0},
                         "phase_peaks_mb": {"backward": 30400.0}, "this_step": None})
     d = out_of_memory(acts, None)
-    assert "activations 14.65 GB, backward reached 29.69 GB" in d.why
-    assert any(t.startswith("activations (14.65 GB, 49% of what the step wanted)") for t in d.next)
+    assert "activations 14.65 GiB, backward reached 29.69 GiB" in d.why
+    assert any(t.startswith("activations (14.65 GiB, 49% of what the step wanted)") for t in d.next)
     # a snapshot: opening it is the first thing to do
     snap = out_of_memory(_facts(snapshot="/runs/x/memory_snapshot.pickle"), None)
     assert snap.next[0].startswith("open /runs/x/memory_snapshot.pickle at https://pytorch.org/memory_viz")

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from phase_timer import rank_summary, throughput
-from phase_timer.metrics import format_rank_table
+from phase_timer.rank_view import format_rank_table
 from phase_timer.rank_reader import STALE_EXCHANGES
 from phase_timer.rank_summary import EXACT, Spread, Summary
 from phase_timer.rank_tree import Tree

@@ -295,8 +295,8 @@ def test_memory_from_tensorboard_is_reported_and_said_to_be(tmp_path, capsys):
     block = next(line for line in out.splitlines() if line.startswith("memory"))
     assert "from TensorBoard's phase_memory/*" in block
     # the mean leaves out the first two points (before the optimizer's state); the peaks are the last points
-    assert "at the step's begin 1.22 GB" in block and "activations 100 MB" in block
-    assert "peak allocated 1.38 GB, peak reserved 2.00 GB" in block
+    assert "at the step's begin 1.22 GiB" in block and "activations 100 MiB" in block
+    assert "peak allocated 1.38 GiB, peak reserved 2.00 GiB" in block
     mem = report_json(capsys, run)["runs"][0]["memory"]
     assert mem["source"] == "tensorboard" and mem["samples"] == len(MEM_STEPS)
     assert mem["allocated_mb"]["step_begin"] == {"mean": BEGIN_MB, "max": BEGIN_MB}
@@ -311,7 +311,7 @@ def test_memory_from_the_summary_file_is_the_runs_own_block(summary_run, tmp_pat
     code, out, err = report(capsys, run)
     assert code == 0, err
     assert format_memory(planted) in out  # the block the run printed
-    assert "peak allocated 1.38 GB in backward (step 1)" in out
+    assert "peak allocated 1.38 GiB in backward (step 1)" in out
     assert report_json(capsys, run)["runs"][0]["memory"] == planted
 
 
@@ -321,7 +321,7 @@ def test_a_run_without_memory_says_nothing_about_memory(runs, summary_run, capsy
         code, out, err = report(capsys, run)
         assert code == 0, err
         assert not any(line.startswith("memory") for line in out.splitlines())
-        assert "peak allocated" not in out and " 0 MB" not in out
+        assert "peak allocated" not in out and " 0 MiB" not in out
         assert report_json(capsys, run)["runs"][0]["memory"] is None
 
 
@@ -330,7 +330,7 @@ def test_side_by_side_shows_the_peak_where_a_run_has_memory(runs, tmp_path, caps
     code, out, err = report(capsys, run, runs["window"])
     assert code == 0, err
     row = next(line for line in out[out.index("side by side"):].splitlines() if line.startswith("peak allocated"))
-    assert row.split()[2:] == ["1.38", "GB"]  # the run without memory: blank, not zero
+    assert row.split()[2:] == ["1.38", "GiB"]  # the run without memory: blank, not zero
 
 
 def test_png_gets_a_memory_panel_only_with_memory_data(runs, summary_run, tmp_path, capsys):

@@ -112,6 +112,91 @@ def test_a_users_count_replaces_the_shapes(tmp_path):
     assert thr["samples"] == 2 * 38 and thr["tokens"] == 50 * 38
 
 
+class _NanoLM(torch.nn.Module):
+    """nanoGPT's calling convention: ``model(idx, targets)`` returns (logits, loss); or ``model(input_ids=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, idx=None, targets=None, input_ids=None):  # noqa: ANN001, ANN201
+        idx = idx if idx is not None else input_ids
+        logits = self.head(self.emb(idx))
+        target = targets if targets is not None else idx
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _own_batches_loop(tmp_path, *, micro: int, keywords: bool = False, steps: int = 30, **kw):
+    """A loop that makes its own batches (nanoGPT's ``get_batch()``), no ``timer.loader``: ``micro`` micro-batches
+    of 4 x 12 tokens a step."""
+    import phase_timer
+
+    torch.manual_seed(0)
+    model = _NanoLM()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+
+    def get_batch():  # noqa: ANN202
+        x = torch.randint(0, 64, (4, 12))
+        return x, torch.roll(x, -1, 1)
+
+    with phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=2, window=7, summary=False, **kw) as timer:
+        for _ in range(steps):
+            for _ in range(micro):
+                x, y = get_batch()
+                _, loss = model(input_ids=x) if keywords else model(x, y)
+                (loss / micro).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():  # an evaluation in eval mode between steps: no batch of the step's
+                model.eval()
+                model(x, y)
+                model.train()
+    return timer
+
+
+@pytest.mark.parametrize("micro, keywords", [(1, False), (3, False), (2, True)])
+def test_a_loop_that_makes_its_own_batches_counts_what_it_hands_the_model(tmp_path, micro, keywords):
+    """Issue 48: no ``timer.loader`` (nanoGPT's loop): the training forwards' inputs are the step's batches, its
+    micro-batches summed; an evaluation's forward is not counted."""
+    timer = _own_batches_loop(tmp_path, micro=micro, keywords=keywords)
+    thr = _summary(timer)["throughput"]
+    period_s = _summary(timer)["phases"]["period"]["mean_ms"] / 1e3
+    steps = thr["steps"]
+    assert steps == 28
+    assert thr["samples"] == 4 * micro * steps and thr["tokens"] == 4 * 12 * micro * steps
+    assert thr["tokens_per_s"] == pytest.approx(4 * 12 * micro / period_s, rel=1e-9)
+    assert "tokens/s" in timer.last_summary and "not counted" not in timer.last_summary
+
+
+def test_a_loop_that_makes_its_own_batches_takes_the_users_counts(tmp_path):
+    timer = _own_batches_loop(tmp_path, micro=2, tokens_per_batch=512, samples_per_batch=8)
+    thr = _summary(timer)["throughput"]
+    assert thr["tokens"] == 512 * 2 * thr["steps"] and thr["samples"] == 8 * 2 * thr["steps"]
+
+
+def test_a_model_whose_inputs_hold_no_batch_says_how_to_count_it(tmp_path):
+    import phase_timer
+
+    class Scalar(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, scale: float) -> torch.Tensor:
+            return (self.w * scale).sum()
+
+    model = Scalar()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=1, window=4, summary=False) as timer:
+        for _ in range(10):
+            model(0.5).backward()
+            opt.step()
+            opt.zero_grad()
+    assert _summary(timer)["throughput"] is None
+    assert timer.last_summary.count("throughput: not counted") == 1
+    assert "samples_per_batch=" in timer.last_summary
+
+
 def test_a_phase_may_not_take_a_counts_name(tmp_path):
     import phase_timer
     from torch import nn

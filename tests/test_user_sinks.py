@@ -197,6 +197,58 @@ def test_the_wandb_module_means_its_run_and_without_one_fails_naming_sinks(wandb
     assert [step for step, _ in column(wandb_rows(run), FORWARD, "phase_timer/step")] == window_ends(8, 4)
 
 
+def wandb_axes(run: Any) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The run's ``define_metric`` records: {name: its step metric}, and [(glob, its step metric)]."""
+    names, globs = {}, []
+    for r in wandb_records(run):
+        if r.WhichOneof("record_type") == "metric":
+            m = r.metric
+            if m.glob_name:
+                globs.append((m.glob_name, m.step_metric))
+            elif m.name:
+                names[m.name] = m.step_metric
+    return names, globs
+
+
+def test_every_tag_phase_timer_writes_to_wandb_is_on_its_x_axis(wandb_env, tmp_path):
+    """Issue 48: throughput/* (and any tag not under the phase_time*/phase_memory* globs) took W&B's own _step."""
+    import fnmatch
+
+    run = wandb_env.init()
+    model, opt, data = loop(24)
+    with phase_timer.attach(model, opt, data, window=4, warmup_steps=2, summary=False, log_dir=tmp_path,
+                            sinks=[run]) as timer:
+        train(timer, model, opt, log=lambda i: run.log({"throughput/mine": float(i)}))  # a user's tag, same prefix
+    run.finish()
+    names, globs = wandb_axes(run)
+    ours = {k for row in wandb_rows(run) if "phase_timer/step" in row for k in row
+            if not k.startswith("_") and k not in ("phase_timer/step", "throughput/mine")}
+    assert any(k.startswith("throughput/") for k in ours)
+    for tag in ours:
+        axis = names.get(tag) or next((ax for g, ax in globs if fnmatch.fnmatchcase(tag, g)), None)
+        assert axis == "phase_timer/step", tag
+    assert "throughput/mine" not in names and not any(fnmatch.fnmatchcase("throughput/mine", g) for g, _ in globs)
+
+
+def test_a_wandb_run_finished_inside_the_block_never_hangs_and_loses_nothing(wandb_env, tmp_path, recwarn):
+    """Issue 48: run.finish() before the timer closes: leaving the block took 30 s (run.step blocks on a finished
+    run) and the last window and the verdict reached no file of W&B's.  Now: no call to the finished run, a
+    warning once, the last window in the event file and the verdict in the summary file."""
+    run = wandb_env.init()
+    model, opt, data = loop(24)
+    timer = phase_timer.attach(model, opt, data, window=4, warmup_steps=2, log_dir=tmp_path, sinks=[run])
+    with timer:
+        train(timer, model, opt)
+        run.finish()
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5.0
+    said = [w for w in recwarn if "W&B run was finished" in str(w.message)]
+    assert len(said) == 1
+    assert read_scalars(timer.log_dir)[FORWARD][-1][0] == 23  # the last window, in the event file
+    with open(timer.summary_path) as f:
+        assert json.load(f)["diagnosis"]["kind"]
+
+
 # -- MLflow, a local file store ---------------------------------------------------------------------
 @pytest.fixture
 def mlflow_store(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:

@@ -1,12 +1,12 @@
 """DDP's gradients with phase-timer's copy sampling on every synced backward, against DDP without phase-timer
-(gloo, 2 ranks): the deferral of DDP's copies into ``.grad`` must change no gradient.
+(gloo, 2 ranks): watching and marking DDP's copies into ``.grad`` must change no gradient.
 
     torchrun --standalone --nproc_per_node 2 tests/dist_scripts/ddp_grads.py
 
 Cases, each a pair of identical models (one timed, one not) fed the same batches:
 
 * ``unused``: ``find_unused_parameters=True``, a layer rank 0 skips and rank 1 uses: DDP copies its used map to
-  the host and reads it at once in its end-of-backward (a deferred copy there would mark the layer unused).
+  the host and reads it at once in its end-of-backward (a copy held back there would mark the layer unused).
 * ``static``: ``static_graph=True``.
 * ``two``: two DDP modules in one backward, both sampled on the same backwards.
 * ``view``: ``gradient_as_bucket_view=True``; ``default``: DDP's defaults.

@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-forward", type=float, default=0.0, help="seconds of sleep in the slow rank's forward")
+    p.add_argument("--slow-from", type=int, default=0, help="the slow rank's forward sleeps from this step on only")
     p.add_argument("--slow-data", type=float, default=0.0, help="seconds of sleep per item in the slow rank's loader")
     p.add_argument("--planted-hours", action="store_true",
                    help="CPU: the slow forward's sleep also moves the host clock an hour per ms (tests/helpers.py)")
@@ -89,7 +90,7 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     slow = rank == args.slow_rank
     torch.manual_seed(0)
-    model = Net(args.width, args.slow_forward if slow else 0.0, args.depth).to(device)
+    model = Net(args.width, args.slow_forward if slow and not args.slow_from else 0.0, args.depth).to(device)
     if args.no_ddp:
         ddp = model
     elif args.fsdp:
@@ -134,6 +135,8 @@ def main() -> None:
                     profiling = True
                     prof.start()
                 micro += 1
+                if slow and args.slow_from and done == args.slow_from:
+                    model.forward_sleep_s = args.slow_forward  # the rank turns slow here, for good
                 last = micro % args.accumulate == 0
                 # no_sync: the micro-batches before the last keep their gradients local
                 ctx = ddp.no_sync() if (not last and not args.no_ddp) else contextlib.nullcontext()
@@ -162,7 +165,8 @@ def main() -> None:
     t_end = time.perf_counter()
     wall = t_end - t_start
     if rank == 0:
-        result = {"log_dir": timer.log_dir, "summary": timer.last_summary, "wall_s": wall, "steps": done}
+        result = {"log_dir": timer.log_dir, "summary": timer.last_summary, "wall_s": wall, "steps": done,
+                  "diagnosis": timer.diagnosis.as_dict() if timer.diagnosis is not None else None}
         if args.bench_from:
             result["step_ms"] = (t_last - t_bench) * 1e3 / (done - args.bench_from)
             result["close_ms"] = (t_end - t_last) * 1e3  # the end: drain, the ranks' last reports, the files
