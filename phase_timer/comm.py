@@ -28,8 +28,9 @@ watches DDP's ``copy_`` calls into ``.grad``: on the 2nd synced backward it coun
 copies read one storage); from the next, it marks the compute stream before each bucket's first copy and after
 its last (by that count), so the copies are timed where and as they run, with no mark between two copies (a
 timed event there costs the stream microseconds, a copy as little) and none across a wait.  A backward whose
-copies do not fall as counted (find_unused_parameters' unused ones, a rebuild of the buckets) is counted anew and
-timed on the next.  The copies' time (each bucket's, summed; the median of the last samples) is taken off each
+copies do not fall as counted (a rebuild of the buckets) is counted anew and timed on the next.  Under
+``find_unused_parameters=True`` the copies are not timed: DDP waits for its used-parameter map's all-reduce among
+a bucket's copies, and which parameters copy changes from step to step.  The copies' time (each bucket's, summed; the median of the last samples) is taken off each
 step's ``backward.comm_wait`` (never below zero) when its window is made, and stays in ``backward``.  (On a
 sampled backward the mode's own host time, a few µs a copy, paces the copies where the device has caught up with
 the host; the estimate then holds that pace too.)  (A static graph's first-iteration all-reduce is queued at
@@ -192,13 +193,20 @@ class DdpComm:
         if core is not None:
             core.comm.hook = self.user_hook
             core.comm.copy = core.comm.copy or not getattr(self.ddp, "gradient_as_bucket_view", True)
+            core.comm.untimed_copies = core.comm.untimed_copies or self._untimeable()
         # a deferral still live (bound anew between _split and _joined) is left to _joined, which pops and replays it
         self._spans, self._open, self._synced, self._copy_taken = None, None, 0, 0
         self.copy_host_ns = []
         self._pending.clear()
         self._device = core is not None and core.clock.kind != "host"
         self._arm()
-        self._schedule(COPY_LEARN)
+        self._schedule(0 if self._untimeable() else COPY_LEARN)
+
+    def _untimeable(self) -> bool:
+        """``find_unused_parameters=True``: DDP's end-of-backward waits for its used-parameter map's all-reduce (and
+        reads it on the host) in the middle of a bucket's copies, and the set of copies changes with the parameters
+        used; the copies are not timed (they stay in ``backward.comm_wait``, and the table says so)."""
+        return bool(getattr(self.ddp, "find_unused_parameters", False))
 
     def _arm(self) -> None:
         """The parameter's hook, for the binding and the path now (none unbound)."""
@@ -308,6 +316,8 @@ class DdpComm:
             self._open = (spans, self._now())
         if copies and _ACTIVE[0] is not None:  # another module's copies are marked in this backward: next time
             self._schedule(1)
+        elif copies and getattr(self.ddp, "find_unused_parameters", False):
+            self._schedule(0)  # never: see _untimeable
         elif copies:
             self._schedule(COPY_EVERY)  # the next one, unless _joined (after DDP's end-of-backward) says sooner or later
             self._copy_t0 = time.perf_counter_ns()
@@ -439,18 +449,27 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
                 dst, src = args[0], args[1]
                 if dst.layout != torch.strided or (dst.data_ptr(), dst.numel()) not in self.grads:
                     return func(*args, **kwargs)
-                counts, expect = self.counts, self.expect
-                source = src.untyped_storage().data_ptr() if src.layout == torch.strided else id(src)
-                if source != self._source or not counts:  # a bucket's first copy: its wait is enqueued before it
-                    self._source = source
-                    counts.append(0)
-                    if expect is not None and len(self.marks) % 2 == 0 and len(counts) <= len(expect):
-                        self.marks.append(self.clock.mark())
+                try:
+                    counts, expect = self.counts, self.expect
+                    source = src.untyped_storage().data_ptr() if src.layout == torch.strided else id(src)
+                    if source != self._source or not counts:  # a bucket's first copy: its wait is enqueued before it
+                        self._source = source
+                        counts.append(0)
+                        if expect is not None and len(self.marks) % 2 == 0 and len(counts) <= len(expect):
+                            self.marks.append(self.clock.mark())
+                except Exception:  # noqa: BLE001 - the timing's, never DDP's: this backward reads nothing
+                    self.expect, self.counts = None, []
                 out = func(*args, **kwargs)
+                if not self.counts:
+                    return out
+                counts, expect = self.counts, self.expect
                 counts[-1] += 1
                 k = len(counts) - 1
                 if expect is not None and k < len(expect) and counts[k] == expect[k] and len(self.marks) == 2 * k + 1:
-                    self.marks.append(self.clock.mark())  # the bucket's last copy, as counted before
+                    try:
+                        self.marks.append(self.clock.mark())  # the bucket's last copy, as counted before
+                    except Exception:  # noqa: BLE001 - as above
+                        self.expect = None
                 return out
 
             def pairs(self) -> list[tuple[Any, Any]] | None:
@@ -717,8 +736,11 @@ class FsdpComm:
 def copy_note(run: RunComm) -> str | None:
     """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
     if run.copy_ms is not None:
-        return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, back to back, timed on "
+        return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
                 f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
+    if run.copy and run.untimed_copies:
+        return ("DDP's copies into .grad are inside backward.comm_wait (find_unused_parameters=True: its wait for the "
+                "used-parameter map falls among them, so they are not timed)")
     if run.copy:
         return "DDP's copies into .grad are inside backward.comm_wait (no backward was sampled to time them)"
     return None
@@ -796,6 +818,8 @@ class RunComm:
         #: or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
+        #: A module whose copies are never timed (``find_unused_parameters=True``): they stay in the wait.
+        self.untimed_copies = False
 
     def add(self, comm: dict[str, float]) -> None:
         for k, v in comm.items():

@@ -276,7 +276,7 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
     if unstable is not None:
         found.append(unstable)
     changed = _run_changed(totals, signals)
-    if changed is not None:
+    if changed is not None and changed.severity != "info":  # a change of a tenth of the period or more leads
         found.append(changed)
     if impossible is not None:
         found.append(impossible)
@@ -284,6 +284,8 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
         gpu = _gpu_bound(totals, signals, clock, ctx)
         if gpu is not None:
             found.append(gpu)
+    if changed is not None and changed.severity == "info":  # a smaller one: said, after what holds the run back
+        found.append(changed)
     found = [f for f in mem if f.severity == "high"] + found + [f for f in mem if f.severity != "high"]
     if all(f.kind.startswith("MEMORY_") and f.severity == "info" for f in found):  # memory's notes are no verdict
         mem_notes, found = tuple(found), []

@@ -46,6 +46,7 @@ from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, 
 from phase_timer.core import CARRIED, TimingCore
 from phase_timer.diagnosis import Diagnosis
 from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS, custom_scalars_layout
+from phase_timer.throughput import first_tensor
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.runinfo import loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
@@ -345,7 +346,17 @@ class LoopTimer:
             bounds.on_forward()
         else:  # no loader: the forward begins the step; its inputs are a micro-batch (throughput's counts, summed
             bounds.forward(begins=True)  # over the step's training forwards) and, at the step's first, its FLOPs
-            bounds.count_batch((*args, kwargs) if kwargs else args)
+            batch = (*args, kwargs) if kwargs else args
+            bounds.count_batch(batch, samples=self._new_inputs(batch, bounds.begun))
+
+    def _new_inputs(self, batch: Any, step: int) -> bool:
+        """A training forward's inputs are a new micro-batch unless they are the tensor this step's last forward
+        took (SAM's second pass, LBFGS's re-evaluations, a closure called again: the same batch, counted once)."""
+        first = first_tensor(batch)
+        seen = self.__dict__.get("_last_inputs")
+        again = first is not None and seen is not None and seen[0] == step and seen[1]() is first
+        self._last_inputs = (step, weakref.ref(first)) if first is not None else None
+        return not again
 
     def _on_loop_thread(self) -> bool:
         """True on the training loop's thread: the first forward or backward() call binds it."""

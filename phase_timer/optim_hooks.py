@@ -50,7 +50,8 @@ def _start(args: tuple, kwargs: dict, on_start: Callable[[], None], defer: Calla
     its forward and backward are the step's own, as in a loop that calls them before ``step()``.  (After the
     step's backward, SAM's, a closure is the optimizer's re-evaluation: the phase begins now.)  Returns the
     step's arguments with the closure wrapped (the pre-hook's way of changing them), or None."""
-    closure = kwargs.get("closure") if "closure" in kwargs else args[0] if args else None
+    # the hook's args are step()'s own, the optimizer first: a closure given by position is the second
+    closure = kwargs.get("closure") if "closure" in kwargs else args[1] if len(args) > 1 else None
     if not callable(closure) or defer is None or not defer():
         on_start()
         return None
@@ -67,7 +68,7 @@ def _start(args: tuple, kwargs: dict, on_start: Callable[[], None], defer: Calla
 
     if "closure" in kwargs:
         return args, {**kwargs, "closure": timed_closure}
-    return (timed_closure, *args[1:]), kwargs
+    return (args[0], timed_closure, *args[2:]), kwargs
 
 
 class StepHooks:

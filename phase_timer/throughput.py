@@ -47,7 +47,7 @@ Count = int | Callable[[Any], int] | None
 _ID_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
-def _first_tensor(batch: Any) -> torch.Tensor | None:
+def first_tensor(batch: Any) -> torch.Tensor | None:
     """The batch's leading tensor: itself, a mapping's token ids or first value, a sequence's first item."""
     for _ in range(4):  # nested at most a few levels: ((x, y), meta), {"inputs": {...}}
         kind = type(batch)  # the usual kinds first, by identity: a door calls this every batch
@@ -70,7 +70,7 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 def shape_counts(batch: Any) -> tuple[int | None, int | None]:
     """(samples, tokens) of one batch from its shapes: the leading tensor's first dimension; its ``numel``
     when it holds token ids (an integer tensor of two or more dimensions), else no tokens."""
-    t = _first_tensor(batch)
+    t = first_tensor(batch)
     if t is None:
         return None, None
     shape = t.shape

@@ -241,8 +241,8 @@ def test_sampling_ddp_s_copies_changes_no_gradient() -> None:
     assert {r["case"] for r in rows} == {"unused", "static", "two", "view", "default"} and len(rows) == 10
     for r in rows:
         assert r["same"] == r["steps"], r
-        if r["case"] == "view":  # gradient_as_bucket_view: DDP copies nothing into .grad, nothing is timed
-            assert r["sampled"] == 0, r
+        if r["case"] in ("view", "unused"):  # bucket views: DDP copies nothing into .grad; find_unused_parameters:
+            assert r["sampled"] == 0, r  # its used-map wait falls among the copies, which are not timed
             continue
         # the copies really were timed: all but the warm-up, the backward that counts them a bucket, and (a static
         # graph) the count again after DDP rebuilds its buckets

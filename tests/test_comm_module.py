@@ -110,11 +110,11 @@ class Wide(nn.Module):
         return self.blocks(x)
 
 
-def copies_run(tmp_path, view: bool, steps: int, native: bool = True, monkeypatch=None) -> tuple:
+def copies_run(tmp_path, view: bool, steps: int, native: bool = True, monkeypatch=None, **ddp_kw) -> tuple:
     if not native:
         monkeypatch.setattr(comm, "Arm", None)
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(Wide(), gradient_as_bucket_view=view)
+    model = nn.parallel.DistributedDataParallel(Wide(), gradient_as_bucket_view=view, **ddp_kw)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     timer = phase_timer.attach(model, opt, log_dir=str(tmp_path), warmup_steps=1, window=steps, summary=True)
     probe = timer._comm[0]
@@ -148,6 +148,16 @@ def test_ddp_s_copies_into_grad_are_timed_on_sampled_backwards_and_taken_off_the
         block = json.load(f)["communication"]
     assert block["copies_ms"] == pytest.approx(run.copy_ms) and block["copy_samples"] == 3
     assert block["collectives_ms"] is None and block["samples"] == 0
+
+
+def test_under_find_unused_parameters_the_copies_stay_in_the_wait_and_the_table_says_why(tmp_path) -> None:
+    """DDP waits for its used-parameter map's all-reduce among a bucket's copies (and reads it on the host): timed
+    in place, that wait would be taken off as copies (a late peer's 80 ms read as 4 ms).  No copy is timed; the
+    dispatch mode is never pushed."""
+    run, totals, timer = copies_run(tmp_path, view=False, steps=7, find_unused_parameters=True)
+    assert run.copy_ms is None and run.copy_samples == 0 and run.untimed_copies
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert "find_unused_parameters=True: its wait for the used-parameter map falls among them" in timer.last_summary
 
 
 def test_without_copies_nothing_is_taken_off(tmp_path) -> None:

@@ -25,6 +25,7 @@ def case():
 
     from benchmarks.comm_truth import cycles_per_ms, run
 
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}  # put back: later tests launch jobs
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29581")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
@@ -39,6 +40,11 @@ def case():
 
     yield get
     dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def test_a_collective_left_after_backward_is_the_wait_within_0_1_ms_of_the_profiler(case):

@@ -168,6 +168,24 @@ def test_a_loop_that_makes_its_own_batches_counts_what_it_hands_the_model(tmp_pa
     assert "tokens/s" in timer.last_summary and "not counted" not in timer.last_summary
 
 
+def test_a_batch_evaluated_twice_in_a_step_is_counted_once(tmp_path):
+    """SAM's second pass and LBFGS's re-evaluations hand the model the same batch again: one batch, not two."""
+    import phase_timer
+
+    torch.manual_seed(0)
+    model = _NanoLM()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=2, window=7, summary=False) as timer:
+        for _ in range(30):
+            x = torch.randint(0, 64, (4, 12))
+            model(x, x)[1].backward()  # SAM: the first pass, then the same batch again at the perturbed weights
+            model(x, x)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    thr = _summary(timer)["throughput"]
+    assert thr["samples"] == 4 * thr["steps"] and thr["tokens"] == 4 * 12 * thr["steps"]
+
+
 def test_a_loop_that_makes_its_own_batches_takes_the_users_counts(tmp_path):
     timer = _own_batches_loop(tmp_path, micro=2, tokens_per_batch=512, samples_per_batch=8)
     thr = _summary(timer)["throughput"]

@@ -54,7 +54,7 @@ def wrap(case: str) -> list[nn.Module]:
 
 def every_backward_sampled(timer: object) -> None:
     for probe in getattr(timer, "_comm", ()):
-        if isinstance(probe, comm.DdpComm):
+        if isinstance(probe, comm.DdpComm) and not probe._untimeable():
             probe._schedule(1)
             probe._schedule = lambda due, p=probe: comm.DdpComm._schedule(p, 1)  # type: ignore[method-assign]
 
