@@ -44,7 +44,8 @@ def run_script(body: str, tmp_path: Any, *, block_tensorboard: bool = False, env
                timeout: int = 240) -> subprocess.CompletedProcess:
     """Run ``body`` as a script of its own (``LOG`` = ``tmp_path/logs``); without tensorboard if asked:
     ``import tensorboard`` then fails as it does where the package is not installed."""
-    head = "import sys\n"
+    # a script that hangs prints every thread's stack and ends before the test's timeout: its output says where
+    head = f"import sys, faulthandler\nfaulthandler.dump_traceback_later({max(timeout - 30, 10)}, exit=True)\n"
     if block_tensorboard:
         head += "sys.modules['tensorboard'] = None  # as if not installed: `import tensorboard` raises ImportError\n"
     head += f"LOG = {str(tmp_path / 'logs')!r}\n"
@@ -54,7 +55,17 @@ def run_script(body: str, tmp_path: Any, *, block_tensorboard: bool = False, env
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("PHASE_TIMER_DISABLE", None)
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=str(tmp_path))
+                          env=full_env, cwd=str(tmp_path), preexec_fn=_as_from_a_terminal)
+
+
+def _as_from_a_terminal() -> None:
+    """The child's signals as a shell starts a program: none blocked, SIGINT's default (Python then installs its
+    KeyboardInterrupt).  A library in this long pytest process can leave SIGINT blocked or ignored, and a child
+    inherits both across exec: the full suite's Ctrl+C test then trained on, its presses never delivered."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def summary_in(path: Any) -> dict:
