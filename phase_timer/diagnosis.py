@@ -18,7 +18,7 @@ from typing import Any
 from phase_timer import run_change
 from phase_timer.cpu_use import CpuUse
 from phase_timer.input_advice import Run, advise
-from phase_timer.metrics import COMM_PARTS, comm_label, share_base
+from phase_timer.metrics import COMM_PARTS, RANK_WAITS, TOTALS, comm_label, share_base
 from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.run_change import RankShifts
 from phase_timer.syncs import SyncCensus, SyncSite
@@ -55,7 +55,7 @@ STRAGGLER_MARGIN = 0.05
 #: The optimizer's share of ``step`` above which a fused optimizer is suggested.
 OPTIMIZER_SHARE = 0.2
 #: Phases in which the other ranks' wait for a slow one shows; they are never the straggler's.
-WAIT_PHASES = frozenset({"backward", "sync_wait", "step", "period"})
+WAIT_PHASES = RANK_WAITS | set(TOTALS)
 
 #: Memory (CUDA; ``docs/diagnosis.md``).  MEMORY_PRESSURE: the peak reserved at or above this share of the
 #: device's memory (high at PRESSURE_HIGH), or any allocation the allocator had to retry after freeing its cache.
@@ -205,7 +205,7 @@ class Signals:
         scale = scale_of.median()
         self.rank_period_ms.append(scale)
         for phase, spread in spreads.items():
-            if phase in WAIT_PHASES or phase in COMM_PARTS or spread.n < 2:  # a rank's wait for the others is no lag
+            if phase in WAIT_PHASES or spread.n < 2:  # a rank's wait for the others is no lag
                 continue
             slow = spread.hi_rank
             margin = spread.hi - spread.median_of_rest()
@@ -480,7 +480,7 @@ def _waited_for(rank_totals: Any, period: float) -> tuple[int, float, tuple[str,
     best: tuple[str, float] | None = None
     phases = {p for sums in rank_totals.sums.values() for p in sums}
     for phase in sorted(phases):
-        if phase in WAIT_PHASES or phase in COMM_PARTS or phase == "paused":
+        if phase in WAIT_PHASES or phase == "paused":
             continue
         mine = rank_totals.mean(slow, phase)
         others = [m for r in rank_totals.sums if r != slow and (m := rank_totals.mean(r, phase)) is not None]

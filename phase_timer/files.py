@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -66,25 +65,3 @@ def _new_temp(directory: str, name: str) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary name for {name} in {directory}")
-
-
-def exists(path: str | os.PathLike[str]) -> bool:
-    path = os.fspath(path)
-    if is_url(path):
-        import fsspec
-
-        fs, inner = fsspec.core.url_to_fs(path)
-        return bool(fs.exists(inner))
-    return os.path.exists(path)
-
-
-def read(path: str | os.PathLike[str]) -> Any:
-    """The bytes of ``path`` (local or a URL)."""
-    path = os.fspath(path)
-    if is_url(path):
-        import fsspec
-
-        with fsspec.open(path, "rb") as f:
-            return f.read()
-    with open(path, "rb") as f:
-        return f.read()

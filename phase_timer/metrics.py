@@ -39,6 +39,9 @@ _NOT_CUSTOM = frozenset({BETWEEN, PAUSED, *HOST_PHASES, *TOTALS})
 #: which"): the phases still add up to ``step``, and no share sums it twice (:func:`part_of`).
 COMM_WAIT = "comm_wait"
 COMM_PARTS = {f"{p}.{COMM_WAIT}": p for p in ("forward", "backward")}
+#: Phases in which a rank waits for the others (a slow rank shows there on every other rank): never a rank's
+#: own lag.
+RANK_WAITS = frozenset({"backward", "sync_wait", *COMM_PARTS})
 
 
 def comm_label(phase: str) -> str:

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from phase_timer.metrics import ordered
+from phase_timer.metrics import RANK_WAITS, TOTALS, ordered
 
 #: A slowest rank's change that rank zero's view does not show: at least this many percentage points and ms more.
 RANK_MATERIAL_PCT = 10.0
 RANK_MATERIAL_MS = 0.1
 #: Phases the ranks that wait for a slow one show it in: they move with any straggler, no verdict of their own.
-_WAITS = ("step", "period", "sync_wait", "backward", "backward.comm_wait", "forward.comm_wait")
+_WAITS = RANK_WAITS | set(TOTALS)
 
 NOTE = ("mean ms per step.  A slow rank is slowest in the phase where it loses time; the ranks\n"
         "that wait for it show the wait in backward (the gradient all-reduce) and, under\n"

@@ -27,6 +27,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from phase_timer.metrics import RANK_WAITS, TOTALS
+
 #: At least this many points (windows, or merged batches of them) on each side of a change.
 MIN_SIDE = 2
 #: The shift is at least this share of the smaller side's level, ...
@@ -41,14 +43,7 @@ SPREAD_TIMES = 4.0
 SEPARATED = 0.9
 #: A change of at least this share of ``period`` is a medium finding; a smaller one is info.
 MATERIAL = 0.10
-#: The totals: they move with the phase that moved.
-_TOTALS = frozenset({"step", "period"})
-#: Phases in which a rank waits for the others (a slow rank shows there on every other rank).
-_WAITS = frozenset({"backward", "sync_wait"})
 
-
-def _waits_in(phase: str) -> bool:
-    return phase in _WAITS or phase.endswith(".comm_wait")
 
 
 @dataclass(frozen=True)
@@ -161,8 +156,8 @@ def finding(series: Any, scale_ms: float | None, ranks: RankShifts | None = None
         return None
     # the phase that moved most, one a rank spends its own time in before one the others wait in (a straggler's
     # forward before the others' backward, which holds their wait for it), before the totals
-    own = [s for s in shifts if s.phase not in _TOTALS and not _waits_in(s.phase)]
-    waits = [s for s in shifts if s.phase not in _TOTALS and _waits_in(s.phase)]
+    own = [s for s in shifts if s.phase not in TOTALS and s.phase not in RANK_WAITS]
+    waits = [s for s in shifts if s.phase not in TOTALS and s.phase in RANK_WAITS]
     lead = (own or waits or shifts)[0]
     # the same phase from the ranks' series (its slowest rank) and this rank's: the rank's when only one moved
     lead = next((s for s in shifts if s.phase == lead.phase and s.rank is not None), lead)

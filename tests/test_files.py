@@ -24,7 +24,6 @@ def test_a_url_is_written_through_fsspec(monkeypatch, tmp_path) -> None:
     path = files.write(files.join("memory://phase-timer-test/run/", "x.json"), b"[1]")
     assert path == "memory://phase-timer-test/run/x.json"
     assert fsspec.filesystem("memory").cat("/phase-timer-test/run/x.json") == b"[1]"
-    assert files.read(path) == b"[1]" and files.exists(path)
     assert os.listdir(tmp_path) == []  # no local folder named "memory:"
 
 
