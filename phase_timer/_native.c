@@ -489,6 +489,9 @@ typedef struct {
     Py_ssize_t epoch;       /* the clock's stream epoch at the open: equal in two single records, one stream */
     CUevent *ev;            /* threaded: the marks' events, copied at the close (the pool's array may move) */
     double *span;           /* threaded: the n - 1 spans, as the resolver thread read them */
+    int64_t seq;            /* its number, in the order records close (from 1) */
+    int64_t prev;           /* the seq of the record closed just before it opened, nothing untimed between (-1: none) */
+    double gap;             /* threaded: ms from that record's last mark to its first, as the thread read it (-1: none) */
 } Rec;
 
 #define ID_CACHE 8
@@ -501,11 +504,16 @@ typedef struct {
     PyObject *names;        /* id -> phase name */
     int32_t step_id, period_id;
     int32_t between_id, paused_id;  /* what an end() runs into by default; `paused` spans are dropped */
+    int32_t fetch_id;       /* a micro-batch's fetch: no phase's, not the step's, the period's (-1: none) */
     PyObject *after_end;    /* name -> the name its spans take after the step's end (metrics.after_end), or NULL */
     int32_t *after;         /* per id: the id its spans take after the step's end (itself without after_end) */
     PyObject *part_of;      /* name -> the phase it is part of, or None (metrics.part_of), or NULL */
     int32_t *parent;        /* per id: the phase its spans in the step also count to ("of which": -1 none) */
     int32_t pre_end;        /* the label that ran into the last end(): a second end() continues it */
+    int64_t seq, last;      /* records closed; the seq of the last one while nothing untimed came after it (-1) */
+    int has_held;           /* the last resolved record's last mark is kept: the next one's period starts there */
+    int64_t held, held_seq; /* that mark, and its record's seq */
+    Py_ssize_t held_epoch;  /* and its stream epoch (-1: the record was not on one stream) */
     Rec cur;
     int open;
     int32_t current;
@@ -722,6 +730,12 @@ static void give_back(Steps *self, Rec *r) {
     r->n = 0;
 }
 
+/* The mark kept for the next record's period back to the pool (none follows, or the next one has its own). */
+static void drop_held(Steps *self) {
+    if (self->has_held && self->clock != NULL) release_slots(self->clock, &self->held, 1);
+    self->has_held = 0;
+}
+
 static Py_ssize_t clock_epoch(Steps *self) { return self->clock != NULL ? self->clock->stream_epoch : 0; }
 
 /* -- the resolver thread (threaded engines) ------------------------------------------------------------
@@ -796,6 +810,9 @@ static Rec *one_stream(Steps *self, Py_ssize_t from, Py_ssize_t n) {
 static void *resolver_main(void *arg) {
     Steps *self = arg;
     long waited = 0;
+    CUevent prev_ev = NULL;  /* the last record it read: its last event, seq and epoch (the next one's gap) */
+    int64_t prev_seq = -1;
+    Py_ssize_t prev_epoch = -1;
     CUresult err = cu.CtxSetCurrent(self->clock->ctx);
     const char *what = "cuCtxSetCurrent";
     while (err == CUDA_SUCCESS) {
@@ -834,7 +851,19 @@ static void *resolver_main(void *arg) {
                 err = cu.EventElapsedTime(&ms, r->ev[i - 1], r->ev[i]);
                 r->span[i - 1] = ms;
             }
+            /* The gap from the record it follows (its last event stays out of the pool until this record is
+             * resolved: resolve() keeps it), when both are on one stream. */
+            r->gap = -1.0;
+            if (err == CUDA_SUCCESS && prev_ev != NULL && r->prev >= 0 && r->prev == prev_seq && r->single &&
+                prev_epoch == r->epoch) {
+                float ms;
+                err = cu.EventElapsedTime(&ms, prev_ev, r->ev[0]);
+                r->gap = ms;
+            }
             if (err != CUDA_SUCCESS) { what = "cuEventElapsedTime"; break; }
+            prev_ev = r->ev[r->n - 1];
+            prev_seq = r->seq;
+            prev_epoch = r->single ? r->epoch : -1;
             done++;
         }
 #undef AT
@@ -898,13 +927,13 @@ static void unlock(Steps *self) { if (self->threaded) pthread_mutex_unlock(&self
 
 static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"clock", "window", "max_pending", "lag", "max_per_poll", "per_step", "between", "paused",
-                             "after_end", "threaded", "part_of", NULL};
-    PyObject *clock, *between = NULL, *paused = NULL, *after_end = NULL, *part_of = NULL;
+                             "after_end", "threaded", "part_of", "fetch", NULL};
+    PyObject *clock, *between = NULL, *paused = NULL, *after_end = NULL, *part_of = NULL, *fetch = NULL;
     long long window;
     Py_ssize_t max_pending, lag = 2, max_per_poll = 4;
     int per_step = 0, threaded = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUOpO", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
-                                     &per_step, &between, &paused, &after_end, &threaded, &part_of))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLn|nnpUUOpOU", kwlist, &clock, &window, &max_pending, &lag, &max_per_poll,
+                                     &per_step, &between, &paused, &after_end, &threaded, &part_of, &fetch))
         return -1;
     if (self->ids != NULL) { PyErr_SetString(PyExc_RuntimeError, "Steps.__init__ called twice"); return -1; }
     if (window < 1 || max_pending < 1 || lag < 0 || max_per_poll < 1) {
@@ -950,7 +979,10 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
                 paused != NULL ? (Py_INCREF(paused), paused) : PyUnicode_InternFromString("paused"),
                 &self->between_id, &self->paused_id) < 0) return -1;
     self->pre_end = self->between_id;
+    self->fetch_id = -1;
+    if (fetch != NULL && (self->fetch_id = phase_id(self, fetch)) < 0) return -1;
     self->cur.end = -1;
+    self->last = -1;
     self->ring_cap = max_pending;
     self->ring = PyMem_Calloc(max_pending, sizeof(Rec));
     if (self->ring == NULL) { PyErr_NoMemory(); return -1; }
@@ -979,6 +1011,7 @@ static void Steps_dealloc(Steps *self) {
         PyMem_Free(self->ring);
     }
     if (self->open) give_back(self, &self->cur);
+    if (self->clock != NULL) drop_held(self);
     rec_free(&self->cur);
     for (Py_ssize_t i = 0; i < self->ncols; i++) PyMem_Free(self->col[i]);
     PyMem_Free(self->col); PyMem_Free(self->col_n); PyMem_Free(self->col_cap); PyMem_Free(self->col_order);
@@ -1003,9 +1036,13 @@ static PyObject *Steps_open(Steps *self, PyObject *const *args, Py_ssize_t nargs
     if (step == -1 && PyErr_Occurred()) return NULL;
     int32_t id = phase_id(self, args[1]);
     if (id < 0 || rec_reserve(&self->cur, 8) < 0) return NULL;
-    if (self->open) give_back(self, &self->cur);
+    if (self->open) {  /* dropped */
+        give_back(self, &self->cur);
+        self->last = -1;
+    }
     self->open = 0;
     if (take_mark(self, &self->cur.marks[0]) < 0) return NULL;
+    self->cur.prev = self->last;
     self->cur.n = 1;
     self->cur.nh = 0;
     self->cur.end = -1;
@@ -1087,7 +1124,10 @@ static PyObject *Steps_add_host(Steps *self, PyObject *const *args, Py_ssize_t n
 /* close(period_ms) -> bool: take the last mark and queue the record (period_ms < 0: none).
  * False when no record was open.  The caller checks `full` before opening. */
 static PyObject *Steps_close(Steps *self, PyObject *arg) {
-    if (!self->open) Py_RETURN_FALSE;
+    if (!self->open) {  /* a step went untimed: the next record does not follow the last one */
+        self->last = -1;
+        Py_RETURN_FALSE;
+    }
     double period = PyFloat_AsDouble(arg);
     if (period == -1.0 && PyErr_Occurred()) return NULL;
     if (self->count >= self->ring_cap) {
@@ -1101,6 +1141,8 @@ static PyObject *Steps_close(Steps *self, PyObject *arg) {
     if (period >= 0 && add_host_id(r, self->period_id, period) < 0) { r->n--; return NULL; }
     r->single = clock_epoch(self) == self->epoch;
     r->epoch = self->epoch;
+    r->seq = self->seq + 1;
+    r->gap = -1.0;
     if (self->threaded) {  /* the events themselves, for the thread: the pool's array may move as it grows */
         for (Py_ssize_t i = 0; i < r->n; i++) r->ev[i] = self->clock->events[r->marks[i]];
         if (thread_start(self) < 0) { r->n--; return NULL; }
@@ -1113,6 +1155,7 @@ static PyObject *Steps_close(Steps *self, PyObject *arg) {
     *r = tmp;
     r->n = r->nh = 0;
     r->end = -1;
+    self->last = ++self->seq;
     lock(self);
     self->count++;
     if (self->threaded && self->count - self->lag - self->resolved >= self->wake_at) pthread_cond_signal(&self->wake);
@@ -1125,6 +1168,13 @@ static PyObject *Steps_close(Steps *self, PyObject *arg) {
 static PyObject *Steps_discard(Steps *self, PyObject *Py_UNUSED(ignored)) {
     if (self->open) give_back(self, &self->cur);
     self->open = 0;
+    self->last = -1;
+    Py_RETURN_NONE;
+}
+
+/* cut(): time no record holds comes next (a pause outside a record): the next record's period is the host's. */
+static PyObject *Steps_cut(Steps *self, PyObject *Py_UNUSED(ignored)) {
+    self->last = -1;
     Py_RETURN_NONE;
 }
 
@@ -1193,6 +1243,19 @@ static int resolve(Steps *self, Rec *r, const double *given) {
     } else {
         for (Py_ssize_t i = 0; i < nspans; i++) self->spans[i] = (double)(r->marks[i + 1] - r->marks[i]) / 1e6;
     }
+    /* `period` on the marks' clock when the record follows the one resolved before it (on one stream): from that
+     * one's last mark, kept for this, to this one's last, less the paused spans.  No step is then longer than its
+     * period.  Else the host's, as the core gave it, or the record's own time where that is longer. */
+    double gap = -1.0;
+    int follows = self->has_held && r->prev >= 0 && r->prev == self->held_seq && r->single && self->held_epoch == r->epoch;
+    if (given != NULL) {
+        gap = follows ? r->gap : -1.0;
+    } else if (follows && self->clock != NULL) {
+        int64_t two[2] = {self->held, r->marks[0]};
+        if (spans_slots(self->clock, two, 2, &gap) < 0) return -1;
+    } else if (follows) {
+        gap = (double)(r->marks[0] - self->held) / 1e6;
+    }
     /* ms per phase, summed as the Python engine does: host phases, then device spans, then the step.
      * Spans before the end are the step's; later ones are between steps, named by `after` (built-in
      * phases fold into `between`, a custom one is `between_steps.<name>`); paused spans are nobody's. */
@@ -1208,10 +1271,14 @@ static int resolve(Steps *self, Rec *r, const double *given) {
         }                                                     \
         self->acc[id_] += (v);                                \
     } while (0)
-    for (Py_ssize_t i = 0; i < r->nh; i++) TOUCH(r->hid[i], r->hms[i]);
+    for (Py_ssize_t i = 0; i < r->nh; i++)  /* (a host period in its place, as the Python engine's dict has it) */
+        TOUCH(r->hid[i], gap >= 0 && r->hid[i] == self->period_id ? 0.0 : r->hms[i]);
+    double held = 0.0;  /* every span but the paused ones */
     for (Py_ssize_t i = 0; i < nspans; i++) {
         int32_t label = r->labels[i];
         if (label == self->paused_id) continue;
+        held += self->spans[i];
+        if (label == self->fetch_id) continue;
         if (i < end) {
             total += self->spans[i];
             if (self->parent[label] >= 0) TOUCH(self->parent[label], self->spans[i]);
@@ -1222,8 +1289,24 @@ static int resolve(Steps *self, Rec *r, const double *given) {
     }
     if (self->seen[self->step_id]) self->acc[self->step_id] = 0.0;  /* "step" is set, not summed */
     TOUCH(self->step_id, total);
+    if (gap >= 0) {
+        if (self->seen[self->period_id]) self->acc[self->period_id] = 0.0;  /* a span named "period" cannot be */
+        TOUCH(self->period_id, gap + held);
+    } else if (self->seen[self->period_id] && self->acc[self->period_id] < held) {
+        self->acc[self->period_id] = held;  /* the host's is short of the record's own time: at least that */
+    }
 #undef TOUCH
-    give_back(self, r);
+    /* Its marks back to the pool but the last, kept for the next record's period (and the one kept before,
+     * which this record's gap has read, back now). */
+    drop_held(self);
+    if (r->n > 0) {
+        if (self->clock != NULL) release_slots(self->clock, r->marks, r->n - 1);
+        self->held = r->marks[r->n - 1];
+        self->held_seq = r->seq;
+        self->held_epoch = r->single ? r->epoch : -1;
+        self->has_held = 1;
+    }
+    r->n = 0;
     int rc = 0;
     if (self->per_step) {
         PyObject *ms = PyDict_New();
@@ -1424,6 +1507,7 @@ static PyObject *Steps_drain(Steps *self, PyObject *Py_UNUSED(ignored)) {
         self->count--;
         if (bad) return NULL;
     }
+    drop_held(self);  /* the end of training: nothing follows */
     return take_out(self);
 }
 
@@ -1453,6 +1537,7 @@ static PyMethodDef Steps_methods[] = {
     {"add_host", (PyCFunction)(void (*)(void))Steps_add_host, METH_FASTCALL, "add_host(phase, ms): a host-clock phase."},
     {"close", (PyCFunction)Steps_close, METH_O, "close(period_ms) -> bool: queue the record (period_ms < 0: none)."},
     {"discard", (PyCFunction)Steps_discard, METH_NOARGS, "Drop the open record."},
+    {"cut", (PyCFunction)Steps_cut, METH_NOARGS, "The next record does not follow the last one (its period is the host's)."},
     {"poll", (PyCFunction)Steps_poll, METH_NOARGS, "Resolve finished records without waiting: results or None."},
     {"newest_done", (PyCFunction)Steps_newest_done, METH_NOARGS, "The device finished the newest record's step (one query, never waits)."},
     {"behind", (PyCFunction)Steps_behind, METH_NOARGS, "The device has not begun the open record's last span but one (one query, never waits)."},

@@ -40,7 +40,7 @@ from phase_timer._env import native_wanted, warn_once
 from phase_timer.core import TimingCore
 from phase_timer.engine import POLL_EVERY
 from phase_timer.flops import signature
-from phase_timer.metrics import BETWEEN, PAUSED, after_end
+from phase_timer.metrics import BETWEEN, FETCH, PAUSED, after_end
 from phase_timer.own_cost import SAMPLE_KEY, PlainSample
 from phase_timer.syncs import SyncCensus
 
@@ -187,10 +187,10 @@ class Boundaries:
             self._close()
         elif self.open and self._failed:
             self._drop()
-        elif self.open:  # accumulating: the fetch is data_wait's, not the step's (as between steps)
+        elif self.open:  # accumulating: the fetch is data_wait's, not the step's (as between steps), and the period's
             self.micro_batch_end()
             if not self._explicit:
-                self.core.phase(PAUSED)
+                self.core.phase(FETCH)
 
     def batch(self, step: int | None = None, data_wait_ms: float | None = None, sync_wait_ms: float = 0.0,
               *, first: str = H2D) -> None:

@@ -211,6 +211,8 @@ class TimingCore:
         last, self._last_end = self._last_end, now
         engine = self._engine
         engine.close((now - last) / 1e6 if last is not None else -1.0)
+        if self._paused_at is not None:  # the rest of the pause is no record's: the next period is the host's
+            engine.cut()
         # Every POLL_EVERY closes (and at a close that counts the steps in flight, which reads the poll's answer).
         self._poll_in -= 1
         if self._poll_in > 0 and not count_in_flight:
@@ -344,6 +346,8 @@ class TimingCore:
         """Stop the host clock of ``period`` (validation inside training, epoch ends)."""
         if self._paused_at is None:
             self._paused_at = time.perf_counter_ns()
+            if not self._in_step:  # a pause no record holds: the next record's period is the host's
+                self._engine.cut()
 
     def resume(self) -> None:
         if self._paused_at is None:

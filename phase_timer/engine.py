@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from phase_timer.clock import Clock, HostClock, NativeCudaClock, native_wanted
-from phase_timer.metrics import BETWEEN, PAUSED, after_end, part_of
+from phase_timer.metrics import BETWEEN, FETCH, PAUSED, after_end, part_of
 from phase_timer.recorder import NvtxRecorder, Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.stats import Window
@@ -69,6 +69,7 @@ class PyEngine:
         self.relabel = self._recorder.relabel
         self.add_host = self._recorder.add_host
         self.discard = self._recorder.discard
+        self.cut = self._recorder.cut
         self.behind = self._recorder.behind
 
     @property
@@ -149,12 +150,13 @@ class PyEngine:
 def native_steps(clock: Any, window: int, max_pending: int, lag: int = 2, per_step: bool = False,
                  threaded: bool = False) -> Any:
     """The C engine with the phase names both engines share (what a span is called after a step's end, what is
-    paused, what is part of another phase).
+    paused, what is part of another phase, what is a micro-batch's fetch).
 
     ``threaded`` (a native clock): the records are asked and read on a thread of the engine's own, which never
     takes the GIL; ``poll()`` only takes what it resolved (``_native.c``).
     """
-    return Steps(clock, window, max_pending, lag, MAX_PER_POLL, per_step, BETWEEN, PAUSED, after_end, threaded, part_of)
+    return Steps(clock, window, max_pending, lag, MAX_PER_POLL, per_step, BETWEEN, PAUSED, after_end, threaded, part_of,
+                 FETCH)
 
 
 def make_engine(

@@ -14,15 +14,19 @@ if TYPE_CHECKING:
 
 #: The device time from a step's end (its last optimizer step) to the next batch's fetch.
 BETWEEN = "between_steps"
-#: The label of spans that are nobody's time, never reported: evaluation and validation inside a
-#: record, and the fetch of an accumulated step's next micro-batch (data_wait's, on the host).
+#: The label of spans that are nobody's time, never reported, and out of ``period``: evaluation and validation
+#: inside a record.
 PAUSED = "paused"
+#: The label of the span of an accumulated step's fetch of its next micro-batch: no device phase's and not the
+#: step's (the host's ``data_wait`` has it), but the period's.
+FETCH = "data_wait"
 #: Built-in phases inside a step.  After the step's end they fold into ``between_steps``.
 STEP_PHASES = ("h2d", "forward", "backward", "optimizer", "idle")
 #: Built-in phases in display order.  Custom phases (plain-PyTorch door) go after them.
 PHASE_ORDER = ("data_wait", "sync_wait", *STEP_PHASES, BETWEEN)
-#: Phases read on the host clock whatever the device.
-HOST_PHASES = frozenset({"data_wait", "sync_wait", "period"})
+#: Phases read on the host clock whatever the device.  (``period`` is on the marks' clock where a record follows
+#: the one before it: ``resolver.resolve``.)
+HOST_PHASES = frozenset({"data_wait", "sync_wait"})
 #: Totals, shown last.
 TOTALS = ("step", "period")
 #: A custom phase's time after the step's end is named apart: ``between_steps.<name>``.  So a name says
@@ -32,7 +36,7 @@ TOTALS = ("step", "period")
 #: identifier, so it never holds the dot, and no user phase can take a name made here.
 BETWEEN_PREFIX = BETWEEN + "."
 #: Names that are no custom phase: they keep their name after the step's end.
-_NOT_CUSTOM = frozenset({BETWEEN, PAUSED, *HOST_PHASES, *TOTALS})
+_NOT_CUSTOM = frozenset({BETWEEN, PAUSED, FETCH, *HOST_PHASES, *TOTALS})
 #: Exposed communication: the part of a phase the compute stream spent waiting for collectives it could not
 #: hide (DDP's all-reduce tail in ``backward``; FSDP2's all-gather waits in ``forward`` and ``backward``, its
 #: reduce-scatter tail).  A span labelled ``<phase>.comm_wait`` is ``<phase>``'s time *and* its own row ("of

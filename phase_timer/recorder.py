@@ -6,6 +6,12 @@ at its first mark, so a phase that happens several times in a step (forward and
 backward under gradient accumulation, ``optimizer`` with several optimizers) is
 summed.  A record goes on past the step's end (:meth:`Recorder.end`) until the
 next batch is fetched: those spans are the time between steps.
+
+Records are numbered as they close (``seq``), and each knows the one that closed
+just before it opened (``prev``), unless something came between that no record
+holds (a step left untimed or dropped, a pause outside a record: :meth:`Recorder.cut`).
+Then the step's ``period`` is measured on the same clock as its phases, from the
+previous record's last mark to its own last mark (``resolver.resolve``).
 """
 
 from __future__ import annotations
@@ -35,13 +41,18 @@ class Record:
     #: Traced steps only: the host time of each mark (ns), and the trace's reference mark.
     host_ns: list[int] | None = None
     ref: Any = None
+    #: Its number, in the order records close (from 1).
+    seq: int = 0
+    #: The ``seq`` of the record that closed just before this one opened, with nothing between them that no
+    #: record holds; -1 when there is none (the first record, or after :meth:`Recorder.cut`).
+    prev: int = -1
 
 
 class Recorder:
     """Turns ``open / switch / close`` calls into marks on one clock."""
 
     __slots__ = ("_clock", "_mark", "_marks", "_labels", "_current", "_step", "_epoch", "_host", "_host_ns", "_ref",
-                 "_end", "_pre_end")
+                 "_end", "_pre_end", "_seq", "_last", "_prev")
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
@@ -56,6 +67,9 @@ class Recorder:
         self._ref: Any = None
         self._end = -1
         self._pre_end = BETWEEN
+        self._seq = 0  # records closed
+        self._last = -1  # the seq of the record closed last, while nothing untimed has come after it
+        self._prev = -1  # the open record's prev
 
     @property
     def is_open(self) -> bool:
@@ -72,6 +86,9 @@ class Recorder:
         With ``trace_ref`` (a mark), the host time of every mark is kept too, and the
         record is resolved against that reference for the timeline trace.
         """
+        if self._marks is not None:  # an open record is dropped
+            self.discard()
+        self._prev = self._last
         self._ref = trace_ref
         self._host_ns = [] if trace_ref is not None else None
         if self._host_ns is not None:
@@ -136,13 +153,16 @@ class Recorder:
     def close(self) -> Record | None:
         """Take the last mark and hand the record over; ``None`` if none was open."""
         marks = self._marks
-        if marks is None:
+        if marks is None:  # a step went untimed: the next record does not follow the last one
+            self._last = -1
             return None
         if self._host_ns is not None:
             self._host_ns.append(time.perf_counter_ns())
         marks.append(self._mark())
         self._labels.append(self._current)
         self._marks = None
+        self._seq += 1
+        self._last = self._seq
         return Record(
             step=self._step,
             marks=marks,
@@ -153,6 +173,8 @@ class Recorder:
             host_ns=self._host_ns,
             ref=self._ref,
             end=self._end,
+            seq=self._seq,
+            prev=self._prev,
         )
 
     def discard(self) -> None:
@@ -160,6 +182,12 @@ class Recorder:
         if self._marks is not None:
             self._clock.release(self._marks)
             self._marks = None
+        self._last = -1
+
+    def cut(self) -> None:
+        """Time that no record holds comes next (a pause outside a record): the next record does not follow the
+        last one, and its ``period`` is the host's."""
+        self._last = -1
 
 
 class NvtxRecorder(Recorder):

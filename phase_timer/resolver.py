@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from phase_timer.clock import Clock
-from phase_timer.metrics import PAUSED, after_end, part_of
+from phase_timer.metrics import FETCH, PAUSED, after_end, part_of
 from phase_timer.recorder import Record
 
 
@@ -31,12 +32,18 @@ class StepTimes:
     host_ns: list[int] | None = None
 
 
-def resolve(clock: Clock, record: Record) -> StepTimes:
-    """Milliseconds per phase of a record whose marks are all done; its marks go back to the pool.
+def resolve(clock: Clock, record: Record, prev: Any = None) -> StepTimes:
+    """Milliseconds per phase of a record whose marks are all done; its marks but the last go back to the pool.
 
     Spans before the record's end are the step's (they add up to ``step``); later ones
     are between steps (built-in phases fold into ``between_steps``, a custom one becomes
-    ``between_steps.<name>``: :func:`~phase_timer.metrics.after_end`); paused spans are nobody's.
+    ``between_steps.<name>``: :func:`~phase_timer.metrics.after_end`); paused spans are nobody's; a micro-batch's
+    fetch (``FETCH``) is no phase's and not the step's (the host's ``data_wait`` holds it), but the period's.
+    With ``prev``, the last mark of the record it follows (``Record.prev``; done, on the same stream),
+    ``period`` is on the marks' clock: from ``prev`` to the record's last mark, less its paused spans.
+    So no step is longer than its period, on any rank; else ``period`` is the host's, as the core gave it, or the
+    record's own time where that is longer (a lower bound of the period on the marks' clock).
+    The caller gives the last mark back (:class:`Resolver` keeps it for the record that follows).
     """
     marks = record.marks
     ms = record.host_ms  # host phases are in already; device phases join them
@@ -45,8 +52,12 @@ def resolve(clock: Clock, record: Record) -> StepTimes:
     labels = [after_end(label) if i >= end else label for i, label in enumerate(record.labels)]
     get = ms.get
     step = 0.0
+    held = 0.0  # every span but the paused ones
     for i, (label, span) in enumerate(zip(labels, durations)):
         if label == PAUSED:
+            continue
+        held += span
+        if label == FETCH:
             continue
         if i < end:
             step += span
@@ -55,12 +66,16 @@ def resolve(clock: Clock, record: Record) -> StepTimes:
                 ms[whole] = get(whole, 0.0) + span
         ms[label] = get(label, 0.0) + span
     ms["step"] = step
+    if prev is not None:
+        ms["period"] = clock.elapsed_ms(prev, marks[0]) + held
+    elif ms.get("period", held) < held:  # the host's is short of the record's own time: at least that
+        ms["period"] = held
     spans = None
     if record.ref is not None:  # traced: every mark against the one reference, on the device clock
         elapsed = clock.elapsed_ms
         offsets = [elapsed(record.ref, m) for m in marks]
         spans = [(label, offsets[i], offsets[i + 1]) for i, label in enumerate(labels)]
-    clock.release(marks)
+    clock.release(marks[:-1])
     return StepTimes(record.step, ms, spans, record.host_ns)
 
 
@@ -77,6 +92,9 @@ class Resolver:
         # batched launches (~40 us a step on a launch-bound loop, measured).
         self._lag = min(lag, max_pending - 1)
         self._blocked = False  # the last poll stopped at a record the device had not finished
+        # The last resolved record's last mark, its seq and its stream epoch (-1: not on one stream): the start
+        # of the next record's period when that one follows it (``Record.prev``).
+        self._held: tuple[Any, int, int] | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -100,14 +118,29 @@ class Resolver:
         if len(pending) <= lag:
             return []
         out: list[StepTimes] = []
-        clock = self._clock
         known = self._batch_done(len(pending) - lag)
         while len(pending) > lag and len(out) < self._max_per_poll:
             if len(out) >= known and not self._done(pending[0]):
                 self._blocked = True
                 break
-            out.append(resolve(clock, pending.popleft()))
+            out.append(self._resolve(pending.popleft()))
         return out
+
+    def _resolve(self, record: Record) -> StepTimes:
+        held = self._held
+        follows = (held is not None and record.prev >= 0 and record.prev == held[1] and record.single_stream
+                   and held[2] == record.epoch)
+        times = resolve(self._clock, record, held[0] if follows else None)
+        if held is not None:
+            self._clock.release([held[0]])
+        self._held = (record.marks[-1], record.seq, record.epoch if record.single_stream else -1)
+        return times
+
+    def release(self) -> None:
+        """Give back the mark kept for the next record's period (the end of training: nothing follows)."""
+        if self._held is not None:
+            self._clock.release([self._held[0]])
+            self._held = None
 
     def _batch_done(self, eligible: int) -> int:
         """``eligible`` if the oldest ``eligible`` records are on one stream and the newest of them is done, else 0."""
@@ -162,5 +195,6 @@ class Resolver:
             # HOST-DEVICE SYNC (end of training only): wait for every mark's stream.
             for mark in record.marks if not record.single_stream else record.marks[-1:]:
                 self._clock.wait(mark)
-            out.append(resolve(self._clock, record))
+            out.append(self._resolve(record))
+        self.release()
         return out

@@ -61,6 +61,8 @@ def script(seed: int, n_ops: int = 3000) -> list[tuple]:
             ops.append(("discard",))
         else:
             ops.append(("close", rng.choice([-1.0, rng.random() * 20])))
+        if rng.random() < 0.05:
+            ops.append(("cut",))  # a pause outside a record: the next record's period is the host's
         for _ in range(rng.choice([0, 1, 1, 2])):
             ops.append(("poll",))
     ops.append(("drain",))
@@ -134,7 +136,9 @@ def test_c_engine_results_only_when_python_has_work():
     assert polls[:3] == [None, None, None]  # window 0 (steps 0-3) is complete only when step 4 resolves
     kind, key, last, steps, cols = polls[4][0]
     assert (kind, key, last, steps) == ("window", 0, 3, 4)
-    assert cols == {"data_wait": [0.75] * 4, "period": [2.0] * 4, "h2d": [1.0] * 4, "forward": [1.0] * 4,
+    # period: on the first record the host's (2 ms given), raised to the record's own 3 ms of spans; on the marks'
+    # clock from the second, which follows the first: its last mark -> the next one's last (1 ms across + 3 ms)
+    assert cols == {"data_wait": [0.75] * 4, "period": [3.0, 4.0, 4.0, 4.0], "h2d": [1.0] * 4, "forward": [1.0] * 4,
                     "backward": [1.0] * 4, "step": [3.0] * 4}
     assert eng.drain() is None
     assert eng.flush()[0][1:4] == (1, 7, 4)
@@ -183,7 +187,8 @@ def test_c_engine_names_spans_after_the_end_once_per_name_by_the_rule_it_is_give
         eng.switch("optimizer")
         eng.close(-1.0)
     got = [r[2] for r in eng.drain() if r[0] == "step"]
-    assert got == [{"forward": 1.0, "clip": 1.0, "between_steps.clip": 1.0, "between_steps": 1.0, "step": 2.0}] * 2
+    one = {"forward": 1.0, "clip": 1.0, "between_steps.clip": 1.0, "between_steps": 1.0, "step": 2.0}
+    assert got == [one, {**one, "period": 5.0}]  # the second follows the first: 1 ms across + 4 ms of spans
     assert sorted(asked) == ["between_steps", "clip", "forward", "optimizer", "paused"]
 
 
@@ -211,3 +216,61 @@ def test_python_engine_when_the_extension_is_missing(monkeypatch):
         core.close()
     totals = core.finish()
     assert totals.steps == 5 and set(totals.phases) == {"forward", "backward", "step", "period"}
+
+
+def _hand_made(engine, host_ms: float) -> list[dict]:
+    """Records on a clock of 1 ms a mark (the fake device's), the host's period given as ``host_ms`` each time."""
+    def step(n: int, paused: bool = False) -> None:
+        engine.open(n, "h2d")
+        engine.switch("forward")
+        if paused:
+            engine.switch("paused")
+            engine.switch("forward")
+        engine.end()
+        engine.close(host_ms)
+
+    step(0)              # the first: no record before it, the host's period
+    step(1)              # follows 0: 1 ms across the fetch + 3 ms of spans
+    step(2, paused=True)  # follows 1: 1 + 5 ms of spans, less the paused one (its step: 3 ms)
+    engine.cut()         # a pause outside a record
+    step(3)              # the host's
+    engine.close(host_ms)  # a step left untimed: no record open
+    step(5)              # the host's
+    step(6)              # follows 5
+    engine.open(7, "h2d")
+    engine.discard()     # a step dropped
+    step(8)              # the host's
+    return [r[2] for r in engine.drain() if r[0] == "step"]
+
+
+def _engine(kind: str):
+    if kind == "c" and Steps is None:
+        pytest.skip("the C extension is not built")
+    ticks = iter(range(0, 10**12, 1_000_000))  # 1 ms a mark
+    now = lambda: next(ticks)  # noqa: E731
+    return (Steps(now, 100, 16, 0, 4, True) if kind == "c"
+            else PyEngine(CountingHostClock(now), window=100, max_pending=16, lag=0, per_step=True))
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+def test_period_is_on_the_marks_clock_when_a_record_follows_the_last(kind):
+    got = _hand_made(_engine(kind), 3.5)
+    assert [(r["step"], r["period"]) for r in got] == [
+        (2.0, 3.5), (2.0, 4.0), (3.0, 5.0), (2.0, 3.5), (2.0, 3.5), (2.0, 4.0), (2.0, 3.5)]
+    # a host's period short of the record's own time (3 ms of spans) is raised to it
+    got = _hand_made(_engine(kind), 0.5)
+    assert [r["period"] for r in got] == [3.0, 4.0, 5.0, 3.0, 3.0, 4.0, 3.0]
+
+
+@needs_steps
+@pytest.mark.parametrize("seed", range(4))
+def test_no_step_is_longer_than_its_period_when_the_device_runs_behind_the_host(seed):
+    # The host's period is tiny (it queues steps far ahead); the marks' clock is the device's, whose steps are
+    # long.  No step's period is below its step, on either engine.
+    ops = [op if op[0] != "close" else ("close", 0.001) for op in script(seed, 2000)]
+    for engine in (native_steps(fake_ns(seed), 5, 64, 2, True),
+                   PyEngine(CountingHostClock(fake_ns(seed)), window=5, max_pending=64, lag=2, per_step=True)):
+        steps = [r[2] for e in run(engine, ops) if e[0] in ("poll", "drain") and e[1] for r in e[1] if r[0] == "step"]
+        timed = [r for r in steps if "period" in r]
+        assert len(timed) > 50
+        assert all(r["period"] >= r["step"] for r in timed)

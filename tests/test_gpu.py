@@ -317,8 +317,12 @@ def test_c_engine_on_the_native_clock_agrees_with_the_python_engine_on_torch_eve
     steps_c = [r for r in got["c"] if r[0] == "step"]
     steps_py = [r for r in got["py"] if r[0] == "step"]
     assert [r[1] for r in steps_c] == list(range(12)) == [r[1] for r in steps_py]
-    for (_, _, ms_c), (_, _, ms_py) in zip(steps_c, steps_py):
-        assert set(ms_c) == {"h2d", "forward", "backward", "optimizer", "step"} == set(ms_py)
+    for k, ((_, _, ms_c), (_, _, ms_py)) in enumerate(zip(steps_c, steps_py)):
+        # period on the device's clock from the second record on (it follows the first); none given by the host
+        extra = {"period"} if k else set()
+        assert set(ms_c) == {"h2d", "forward", "backward", "optimizer", "step"} | extra == set(ms_py)
+        if k:
+            assert ms_c["period"] >= ms_c["step"]
         for phase in ms_c:
             assert ms_c[phase] == pytest.approx(ms_py[phase], abs=0.01), phase
         assert ms_c["backward"] > 1.5 * ms_c["forward"]  # two products against one: the spans are the work's
@@ -527,6 +531,45 @@ def test_plain_loop_fp16_grad_scaler_on_cuda(tmp_path, no_sync_in_timer):
 def test_plain_loop_on_cuda_1(tmp_path, no_sync_in_timer):
     timer = _plain(device="cuda:1", tmp=tmp_path)
     _assert_sane(timer, 13)
+
+
+def test_no_step_is_longer_than_its_period_when_the_device_runs_behind(tmp_path):
+    """A planted device-only wait (a 30 ms sleep kernel every 4th step, the host never waits): the host queues the
+    steps far ahead, so its own clock says such a step took longer than the time between its starts.  Every
+    step's period is on the device's clock: never below its step, and the periods add up to the device's time."""
+    import phase_timer
+    from benchmarks.comm_truth import cycles_per_ms
+
+    width, steps = 1024, 24
+    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x, y = torch.randn(512, width, device="cuda"), torch.randn(512, 1, device="cuda")
+    timer = phase_timer.attach(model, opt, log_dir=tmp_path, warmup_steps=2, per_step=True, summary=False)
+    got: dict[int, dict] = {}
+    timer.core._sinks.append(type("S", (), {"write": lambda s, st, sc: got.setdefault(st, {}).update(sc),
+                                            "flush": lambda s: None, "close": lambda s: None})())
+    cycles = cycles_per_ms()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        out = model(x)
+        if i % 4 == 1:
+            torch.cuda._sleep(int(30 * cycles))  # inside forward, on the device only
+        nn.functional.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    host_s = time.perf_counter() - t0
+    timer.close()
+    step, period = "phase_time_step/step_ms", "phase_time_step/period_ms"
+    rows = {s: v for s, v in got.items() if step in v}
+    assert len(rows) >= steps - 4  # (a step whose FLOPs are counted goes untimed)
+    with_period = {s: v for s, v in rows.items() if period in v}
+    assert len(with_period) == len(rows) - 1  # the first timed step follows no record
+    slept = [v for s, v in rows.items() if s % 4 == 1]
+    assert slept and min(v["phase_time_step/forward_ms"] for v in slept) >= 29.0  # the plant ran where it says
+    assert host_s * 1e3 < 0.5 * sum(v[step] for v in rows.values())  # the host did run far ahead
+    for s, v in with_period.items():
+        assert v[period] >= v[step], (s, v)
 
 
 def test_backward_phase_covers_the_backward_kernels(tmp_path):
