@@ -531,6 +531,11 @@ class PhaseTimer:
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
         self._steps_total = self._trainer_ref = None  # the fit's own: nothing of it kept (or pickled) past its end
+        # Lightning binds every callback's `log` and `log_dict` to the module's at each fit; kept past it, they would
+        # keep the model, its gradients and its optimizer's state alive as long as the timer (a sweep keeps one a run).
+        for name in ("log", "log_dict"):
+            if getattr(self.__dict__.get(name), "__self__", self) is not self:
+                del self.__dict__[name]
         if core is None or bounds is None:
             return
         bounds.finish(interrupted=interrupted)

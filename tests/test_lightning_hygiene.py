@@ -141,3 +141,21 @@ print(phase_timer.__file__)
     out = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout.strip()
+
+
+def test_a_timer_kept_after_the_fit_keeps_no_model_alive(tmp_path):
+    """Lightning binds each callback's ``log``/``log_dict`` to the module's; a timer kept to read its results
+    (a sweep keeps one per run) must not keep the model, its gradients and its optimizer's state alive with them."""
+    out = run("""
+        import gc, weakref
+        from phase_timer import PhaseTimer
+        timer, net = PhaseTimer(summary=False), Net()
+        trainer = pl.Trainer(max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[timer])
+        trainer.fit(net, data())
+        alive = weakref.ref(net)
+        del trainer, net
+        gc.collect()
+        print("steps", timer.totals.steps, "model alive:", alive() is not None)
+    """, tmp_path, head="import lightning.pytorch as pl")
+    assert "steps 7 model alive: False" in out
