@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.comm_nccl import GPT, fmt  # noqa: E402
 from benchmarks.nccl_truth import device_intervals, per_step  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
-from phase_timer.metrics import COMM_PARTS, step_tag  # noqa: E402
+from phase_timer.phases import COMM_PARTS
+from phase_timer.tags import step_tag  # noqa: E402
 
 
 class Profiled:

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import phase_timer  # noqa: E402
 from benchmarks.nccl_truth import device_intervals, exposed_where, per_step  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
-from phase_timer.metrics import COMM_PARTS, share_base, whole_phases  # noqa: E402
+from phase_timer.phases import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
 CASES = ("ddp_default", "ddp_view", "ddp_one", "ddp_late", "ddp_straggler", "data_straggler", "eval_rank0",
          "fsdp2", "copies10", "copies200")

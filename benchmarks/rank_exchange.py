@@ -304,7 +304,7 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
     """The tree: every rank's frame sent as its thread sends it; each leader's reading and sending up, and rank
     zero's, run in turn in this thread (each timed on its own), exchange by exchange."""
     from phase_timer.diagnosis import Signals
-    from phase_timer.metrics import rank_scalars
+    from phase_timer.tags import rank_scalars
     from phase_timer.rank_node import leaf_body
     from phase_timer.rank_tree import Tree
     from phase_timer.ranks import RankExchange, _json, _OwnTotals, encode
@@ -360,12 +360,13 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
 
 def _old_modules(rev: str) -> Any:
     """``phase_timer/ranks.py``, ``metrics.py`` and ``diagnosis.py`` as they were at ``rev`` (git), loaded
-    beside today's (their imports of the rest of the package resolve to today's, unchanged there)."""
+    beside today's (their imports of the rest of the package resolve to today's, unchanged there; ``metrics``,
+    split since into ``phases``, ``tags`` and ``table``, resolves to the old one)."""
     import subprocess
     import types
 
     mods = {}
-    for name in ("ranks", "metrics", "diagnosis"):
+    for name in ("metrics", "ranks", "diagnosis"):
         src = subprocess.run(["git", "show", f"{rev}:phase_timer/{name}.py"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
         mod = types.ModuleType(f"old_{name}")
@@ -373,6 +374,8 @@ def _old_modules(rev: str) -> Any:
         sys.modules[mod.__name__] = mod  # its dataclasses look their module up
         exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - our own file, from git
         mods[name] = mod
+        if name == "metrics":
+            sys.modules.setdefault("phase_timer.metrics", mod)
     return types.SimpleNamespace(**mods)
 
 

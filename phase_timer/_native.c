@@ -505,9 +505,9 @@ typedef struct {
     int32_t step_id, period_id;
     int32_t between_id, paused_id;  /* what an end() runs into by default; `paused` spans are dropped */
     int32_t fetch_id;       /* a micro-batch's fetch: no phase's, not the step's, the period's (-1: none) */
-    PyObject *after_end;    /* name -> the name its spans take after the step's end (metrics.after_end), or NULL */
+    PyObject *after_end;    /* name -> the name its spans take after the step's end (phases.after_end), or NULL */
     int32_t *after;         /* per id: the id its spans take after the step's end (itself without after_end) */
-    PyObject *part_of;      /* name -> the phase it is part of, or None (metrics.part_of), or NULL */
+    PyObject *part_of;      /* name -> the phase it is part of, or None (phases.part_of), or NULL */
     int32_t *parent;        /* per id: the phase its spans in the step also count to ("of which": -1 none) */
     int32_t pre_end;        /* the label that ran into the last end(): a second end() continues it */
     int64_t seq, last;      /* records closed; the seq of the last one while nothing untimed came after it (-1) */
@@ -965,7 +965,7 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Steps(after_end): a callable, name -> the name of its spans after the step's end");
         return -1;
     }
-    /* A module-level function (metrics.after_end): Steps is no GC type, so it must not hold what holds it. */
+    /* A module-level function (phases.after_end): Steps is no GC type, so it must not hold what holds it. */
     self->after_end = after_end;
     Py_XINCREF(after_end);
     if (part_of == Py_None) part_of = NULL;
@@ -973,7 +973,7 @@ static int Steps_init(Steps *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Steps(part_of): a callable, name -> the phase it is part of, or None");
         return -1;
     }
-    self->part_of = part_of;  /* a module-level function too (metrics.part_of) */
+    self->part_of = part_of;  /* a module-level function too (phases.part_of) */
     Py_XINCREF(part_of);
     if (two_ids(self, between != NULL ? (Py_INCREF(between), between) : PyUnicode_InternFromString("between_steps"),
                 paused != NULL ? (Py_INCREF(paused), paused) : PyUnicode_InternFromString("paused"),

@@ -40,7 +40,7 @@ from phase_timer._env import native_wanted, warn_once
 from phase_timer.core import TimingCore
 from phase_timer.engine import POLL_EVERY
 from phase_timer.flops import signature
-from phase_timer.metrics import BETWEEN, FETCH, PAUSED, after_end
+from phase_timer.phases import BACKWARD, BETWEEN, FETCH, FORWARD, H2D, IDLE, OPTIMIZER, PAUSED, after_end
 from phase_timer.own_cost import SAMPLE_KEY, PlainSample
 from phase_timer.syncs import SyncCensus
 
@@ -51,7 +51,6 @@ except ImportError:  # not built: the doors call the methods themselves
 
 log = logging.getLogger(__name__)
 
-H2D, FORWARD, BACKWARD, OPTIMIZER, IDLE = "h2d", "forward", "backward", "optimizer", "idle"
 
 #: The verdict's samples come densely at first, so that a profile of 20-100 steps gets a verdict,
 #: then sparsely, so that a long run pays next to nothing for them (``docs/diagnosis.md``).

@@ -14,7 +14,7 @@ span ends where ``backward`` does, when the loop's ``backward()`` returns: nothi
 end-of-backward and that return.  One parameter hook and one mark a synced backward, whatever the number of
 buckets (a Python comm hook costs tens of µs a bucket); no stream wait of its own, so DDP's schedule is
 untouched; a comm hook of the user's (registered before or after, built-in or not) runs inside the span as DDP
-runs it.  The span is part of ``backward`` (``metrics.part_of``): the phases still add up to ``step``.  A
+runs it.  The span is part of ``backward`` (``phases.part_of``): the phases still add up to ``step``.  A
 ``no_sync()`` micro-batch has no end-of-backward, and no span.  (With a composed hook, below, the wait's start
 is a Python callback, which queues one more after DDP's end-of-backward to end it there.)
 
@@ -62,7 +62,7 @@ from functools import partial
 from typing import Any
 
 from phase_timer._env import warn
-from phase_timer.metrics import comm_label
+from phase_timer.phases import BACKWARD, comm_label
 
 try:
     from phase_timer._native import Arm
@@ -71,7 +71,6 @@ except ImportError:  # not built: the parameter's hook is a Python call
 
 log = logging.getLogger(__name__)
 
-BACKWARD = "backward"
 WAIT = comm_label(BACKWARD)
 #: Carried on a record (sampled): the collectives' own time of a sampled synced backward, and its exposed wait.
 COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"

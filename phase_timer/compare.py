@@ -70,7 +70,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from phase_timer.metrics import TOTALS, ordered, share_base
+from phase_timer.phases import TOTALS, ordered, share_base
 from phase_timer.rank_view import RankRow, compare_ranks, format_rank_comparison, rank_verdicts
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.runs import (

@@ -24,14 +24,12 @@ from phase_timer import throughput
 from phase_timer.rank_view import format_rank_table
 from phase_timer.engine import POLL_EVERY, make_engine
 from phase_timer.memory import MemoryTracker
-from phase_timer.metrics import (
+from phase_timer.table import format_memory, format_own_cost, format_summary
+from phase_timer.tags import (
     DIAGNOSIS_TAG,
     IN_FLIGHT_TAG,
     SKIPPED_TAG,
     WINDOW_STEPS_TAG,
-    format_own_cost,
-    format_memory,
-    format_summary,
     memory_scalars,
     rank_scalars,
     step_scalars,

@@ -18,7 +18,7 @@ from typing import Any
 from phase_timer import run_change
 from phase_timer.cpu_use import CpuUse
 from phase_timer.input_advice import Run, advise
-from phase_timer.metrics import COMM_PARTS, RANK_WAITS, TOTALS, comm_label, share_base
+from phase_timer.phases import COMM_PARTS, RANK_WAITS, TOTALS, comm_label, share_base
 from phase_timer.memory import BEFORE, BEFORE_NOTE
 from phase_timer.run_change import RankShifts
 from phase_timer.syncs import SyncCensus, SyncSite

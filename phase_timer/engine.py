@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from phase_timer.clock import Clock, HostClock, NativeCudaClock, native_wanted
-from phase_timer.metrics import BETWEEN, FETCH, PAUSED, after_end, part_of
+from phase_timer.phases import BETWEEN, FETCH, PAUSED, after_end, part_of
 from phase_timer.recorder import NvtxRecorder, Recorder
 from phase_timer.resolver import Resolver, StepTimes
 from phase_timer.stats import Window

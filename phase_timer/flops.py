@@ -38,10 +38,10 @@ import torch
 
 from phase_timer._env import warn_once
 from phase_timer.config import check_flops, check_peak
+from phase_timer.phases import BACKWARD, FORWARD
 
 log = logging.getLogger(__name__)
 
-FORWARD, BACKWARD = "forward", "backward"
 COUNTED, GIVEN = "counted", "given"
 #: Distinct batch shapes counted at most; after that a new shape is not counted (each count costs an
 #: untimed step, so a loader whose every batch has its own length must not count every step).

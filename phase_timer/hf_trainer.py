@@ -44,9 +44,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
-from phase_timer.boundaries import FORWARD
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disabled_by_env, reject_unknown
 from phase_timer.loop import LoopTimer
+from phase_timer.phases import FORWARD
 from phase_timer.runinfo import loader_info
 from phase_timer.stats import RunTotals
 from phase_timer.user_sinks import trainer_reporters

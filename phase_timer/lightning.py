@@ -41,7 +41,7 @@ from phase_timer.boundaries import Boundaries
 from phase_timer.config import TimerConfig, disabled_by_env, reject_unknown
 from phase_timer.comm import attach_comm
 from phase_timer.core import TimingCore
-from phase_timer.metrics import custom_scalars_layout
+from phase_timer.tags import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.runinfo import loader_info, optimizer_info
 from phase_timer.sinks import BackgroundSink, GuardedSink, SummaryWriterSink

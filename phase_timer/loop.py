@@ -45,7 +45,8 @@ from phase_timer.boundaries import Boundaries
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env, reject_unknown
 from phase_timer.core import CARRIED, TimingCore
 from phase_timer.diagnosis import Diagnosis
-from phase_timer.metrics import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS, custom_scalars_layout
+from phase_timer.phases import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS
+from phase_timer.tags import custom_scalars_layout
 from phase_timer.throughput import first_tensor
 from phase_timer.optim_hooks import StepHooks
 from phase_timer.runinfo import loader_info, optimizer_info, precision_name

@@ -35,6 +35,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from phase_timer.phases import BETWEEN, H2D, PAUSED
+
 #: The first steps begun that are all sampled (warm-up steps included) ...
 DENSE = 8
 #: ... then one in MEDIUM_GAP until MEDIUM samples (the creep rule gets its points within ~100 steps) ...
@@ -52,7 +54,6 @@ MAX_READS = 64
 #: Steady samples of the step's begin kept for the creep rule and the summary file (thinned by half when full).
 MAX_POINTS = 256
 MB = float(1 << 20)
-H2D, BETWEEN, PAUSED = "h2d", "between_steps", "paused"
 #: The peak's phase when the allocator's peak at phase-timer's first read was never passed afterwards.
 BEFORE = "before the first sampled step"
 BEFORE_NOTE = ("set before phase-timer's first read: earlier work in this process; torch.cuda.reset_peak_memory_stats() "

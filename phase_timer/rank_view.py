@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from phase_timer.metrics import RANK_WAITS, TOTALS, ordered
+from phase_timer.phases import RANK_WAITS, TOTALS, ordered
 
 #: A slowest rank's change that rank zero's view does not show: at least this many percentage points and ms more.
 RANK_MATERIAL_PCT = 10.0

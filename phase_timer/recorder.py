@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.clock import Clock
-from phase_timer.metrics import BETWEEN
+from phase_timer.phases import BETWEEN
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ custom (``timer.phase("clip")`` inside the step), of ``step`` (total phase time 
 total step time for ``step``; mean of window means over the same for ``window``), so
 that they sum to 1; ``data_wait``, ``sync_wait``, ``between_steps`` and custom phases
 after the step's end (``between_steps.<name>``) of ``period``
-(:func:`phase_timer.metrics.share_base`); ``step`` 1.0 and ``period`` ``null``.
+(:func:`phase_timer.phases.share_base`); ``step`` 1.0 and ``period`` ``null``.
 
 ``--json`` prints, instead of the tables::
 
@@ -41,13 +41,13 @@ after the step's end (``between_steps.<name>``) of ``period``
                "throughput": {...} | null,
                "flops": {...} | null}]}
 
-Phases appear in :func:`phase_timer.metrics.ordered` order.  ``--png FILE`` also
+Phases appear in :func:`phase_timer.phases.ordered` order.  ``--png FILE`` also
 writes a figure: phase shares of the step per run (left) and each phase's window
 mean over the steps (right, one row per run).
 
 Memory (CUDA runs).  A run with memory data gets a memory block under its
 table: from its summary file, the block the run printed
-(:func:`phase_timer.metrics.format_memory`); from TensorBoard alone, a shorter one from
+(:func:`phase_timer.table.format_memory`); from TensorBoard alone, a shorter one from
 the ``phase_memory/*`` scalars (the last peaks, the mean allocated at the step's begin
 and activations).  ``memory`` in ``--json`` is the summary file's ``memory`` object as
 it is there, or for a TensorBoard-only run the same names that TensorBoard has
@@ -91,19 +91,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer import throughput_report as rates
-from phase_timer.metrics import (
-    MEMORY_PREFIX,
-    STEP_PHASES,
-    STEP_PREFIX,
-    TOTALS,
-    WINDOW_PREFIX,
-    _mb,  # sizes written as the run's own memory block writes them
-    format_memory,
-    format_own_cost,
-    ordered,
-    share_base,
-    share_note,
-)
+from phase_timer.phases import STEP_PHASES, TOTALS, ordered, share_base
+from phase_timer.table import _mb, format_memory, format_own_cost, share_note
+from phase_timer.tags import MEMORY_PREFIX, STEP_PREFIX, WINDOW_PREFIX
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.runs import (
     PROG,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phase_timer.clock import Clock
-from phase_timer.metrics import FETCH, PAUSED, after_end, part_of
+from phase_timer.phases import FETCH, PAUSED, after_end, part_of
 from phase_timer.recorder import Record
 
 
@@ -37,7 +37,7 @@ def resolve(clock: Clock, record: Record, prev: Any = None) -> StepTimes:
 
     Spans before the record's end are the step's (they add up to ``step``); later ones
     are between steps (built-in phases fold into ``between_steps``, a custom one becomes
-    ``between_steps.<name>``: :func:`~phase_timer.metrics.after_end`); paused spans are nobody's; a micro-batch's
+    ``between_steps.<name>``: :func:`~phase_timer.phases.after_end`); paused spans are nobody's; a micro-batch's
     fetch (``FETCH``) is no phase's and not the step's (the host's ``data_wait`` holds it), but the period's.
     With ``prev``, the last mark of the record it follows (``Record.prev``; done, on the same stream),
     ``period`` is on the marks' clock: from ``prev`` to the record's last mark, less its paused spans.

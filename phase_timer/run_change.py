@@ -27,7 +27,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from phase_timer.metrics import RANK_WAITS, TOTALS
+from phase_timer.phases import RANK_WAITS, TOTALS
 
 #: At least this many points (windows, or merged batches of them) on each side of a change.
 MIN_SIDE = 2

@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phase_timer import files
-from phase_timer.metrics import HOST_PHASES, ordered, share_base
+from phase_timer.phases import HOST_PHASES, ordered, share_base
 
 if TYPE_CHECKING:
     from phase_timer.clock import Clock

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.memory import STEADY_FROM
-from phase_timer.metrics import (
+from phase_timer.tags import (
     MEMORY_PREFIX,
     MEMORY_RANKS_PREFIX,
     SKIPPED_TAG,

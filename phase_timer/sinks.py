@@ -308,6 +308,6 @@ def open_event_file(log_dir: str, *, per_step: bool, ranks: bool = False) -> Sin
     Written on a thread of its own, so that a slow file system (a network mount)
     never holds a training step: the training thread only puts on a queue.
     """
-    from phase_timer.metrics import custom_scalars_layout
+    from phase_timer.tags import custom_scalars_layout
 
     return BackgroundSink(EventFileSink(log_dir, layout=custom_scalars_layout(per_step, ranks)), "tensorboard")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phase_timer.metrics import PAUSED
+from phase_timer.phases import PAUSED
 
 #: The warning torch raises for each synchronizing operation while the check is on.
 MESSAGE = "called a synchronizing CUDA operation"

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from phase_timer import files
-from phase_timer.metrics import PAUSED
+from phase_timer.phases import PAUSED
 from phase_timer.resolver import StepTimes
 
 _DEVICE_PID, _HOST_PID = 1, 2

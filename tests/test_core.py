@@ -10,7 +10,8 @@ import pytest
 
 from phase_timer.core import TimingCore
 from phase_timer.engine import POLL_EVERY
-from phase_timer.metrics import SKIPPED_TAG, WINDOW_STEPS_TAG, format_summary, window_tag
+from phase_timer.table import format_summary
+from phase_timer.tags import SKIPPED_TAG, WINDOW_STEPS_TAG, window_tag
 from phase_timer.recorder import Recorder
 from phase_timer.resolver import Resolver
 from phase_timer import stats

@@ -486,7 +486,7 @@ def test_a_rule_that_fails_warns_and_the_run_keeps_its_numbers(tmp_path, monkeyp
 def test_steps_in_flight_is_logged_per_window_from_the_counted_closes():
     from phase_timer.boundaries import FLIGHT_DENSE_STEPS, FLIGHT_EVERY, Boundaries
     from phase_timer.core import TimingCore
-    from phase_timer.metrics import IN_FLIGHT_TAG
+    from phase_timer.tags import IN_FLIGHT_TAG
 
     class Sink:
         def __init__(self):

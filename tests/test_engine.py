@@ -173,9 +173,9 @@ def test_c_engine_checks_its_arguments():
 
 @needs_steps
 def test_c_engine_names_spans_after_the_end_once_per_name_by_the_rule_it_is_given():
-    """The rule is Python's (``metrics.after_end``), asked once per new name: a custom phase after the step's end
+    """The rule is Python's (``phases.after_end``), asked once per new name: a custom phase after the step's end
     is ``between_steps.<name>``, a built-in one folds into ``between_steps``, before the end both keep theirs."""
-    from phase_timer.metrics import after_end
+    from phase_timer.phases import after_end
 
     asked: list[str] = []
     ticks = iter(range(0, 10**12, 1_000_000))  # 1 ms per mark

@@ -98,7 +98,7 @@ def test_the_split_adds_no_sync(case):
 def test_fsdp2_on_one_device_runs_split_and_adds_up(case, tmp_path):
     """World size 1: FSDP2 skips its all-gathers; its end-of-backward wait is still split, and nothing breaks."""
     import phase_timer
-    from phase_timer.metrics import share_base, whole_phases
+    from phase_timer.phases import share_base, whole_phases
     from torch.distributed.fsdp import fully_shard
 
     case("view")  # the process group is up

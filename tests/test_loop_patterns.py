@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import phase_timer
-from phase_timer.metrics import BETWEEN, HOST_PHASES
+from phase_timer.phases import BETWEEN, HOST_PHASES
 from tests.helpers import HostHours, hours
 
 pytestmark = pytest.mark.timeout(300)

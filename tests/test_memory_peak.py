@@ -19,7 +19,7 @@ from torch import nn
 import phase_timer
 from phase_timer import memory as memory_mod
 from phase_timer.memory import BETWEEN_SAMPLES, MemoryTracker, peak_tolerance
-from phase_timer.metrics import format_memory
+from phase_timer.table import format_memory
 from tests.fakes import FakeAllocator
 
 WEIGHTS, BATCH, ACT, GRADS, STATE = 900.0, 10.0, 184.0, 50.0, 200.0  # MB

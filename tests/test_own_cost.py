@@ -19,7 +19,7 @@ from phase_timer import memory as memory_mod
 from phase_timer.boundaries import Boundaries
 from phase_timer.clock import HostClock
 from phase_timer.core import TimingCore
-from phase_timer.metrics import format_own_cost
+from phase_timer.table import format_own_cost
 from tests.fakes import FakeAllocator
 from tests.helpers import HOUR_MS, HostHours
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phase_timer.metrics import RANKS_TAG, rank_scalars
+from phase_timer.tags import RANKS_TAG, rank_scalars
 from phase_timer.rank_view import format_rank_table
 from phase_timer.rank_node import leaf_body
 from phase_timer.ranks import STALE_EXCHANGES, RankExchange, RankTotals, RankWindow, _json, decode, encode

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from phase_timer.metrics import ordered
+from phase_timer.phases import ordered
 from phase_timer.cli import main
 from phase_timer.stats import summarize
 from tests.helpers import event_files, loader, module_class, read_scalars, trainer
@@ -304,7 +304,7 @@ def test_memory_from_tensorboard_is_reported_and_said_to_be(tmp_path, capsys):
 
 
 def test_memory_from_the_summary_file_is_the_runs_own_block(summary_run, tmp_path, capsys):
-    from phase_timer.metrics import format_memory
+    from phase_timer.table import format_memory
 
     planted = planted_memory()
     run = with_memory(summary_run, tmp_path / "cuda_run", planted)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import phase_timer
 from phase_timer.cli import main
 from phase_timer.engine import Steps
-from phase_timer.metrics import share_base
+from phase_timer.phases import share_base
 from phase_timer.report import load_runs, share_bars
 
 STEPS = 24
