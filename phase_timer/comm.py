@@ -62,6 +62,7 @@ from functools import partial
 from typing import Any
 
 from phase_timer._env import warn
+from phase_timer.patches import Patches
 from phase_timer.phases import BACKWARD, comm_label
 
 try:
@@ -174,7 +175,7 @@ class DdpComm:
 
     def _compose(self, hook: Any, state: object, name: str) -> None:
         """Register ours, running ``hook`` inside it, under ``name`` (DDP's logging and the run's record say it)."""
-        _DDP_ORIGINALS["register_comm_hook"][2](self.ddp, None, self._hook)
+        _DDP_OWN["register_comm_hook"](self.ddp, None, self._hook)
         self.ddp._comm_hooks.clear()  # DDP's record of Python hooks holds the user's (appended next), not ours
         logger = getattr(self.ddp, "logger", None)
         if logger is not None:
@@ -487,21 +488,9 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
 #: Each DDP module's split (weak: a module dropped takes its entry along); none is an attribute of the module,
 #: which stays picklable and deep-copyable (an EMA copy of it).
 _PROBES: weakref.WeakKeyDictionary[Any, DdpComm] = weakref.WeakKeyDictionary()
-#: DDP's registrations while wrapped: name -> (owner, attribute, original, ours).
-_DDP_ORIGINALS: dict[str, tuple[Any, str, Any, Any]] = {}
-
-
-def _put_on(wrapped: dict[str, tuple[Any, str, Any, Any]]) -> None:
-    for owner, name, _, ours in wrapped.values():
-        setattr(owner, name, ours)
-
-
-def _put_back(wrapped: dict[str, tuple[Any, str, Any, Any]]) -> None:
-    """Each wrapped function put back on its owner, unless something wrapped ours since (it then stays)."""
-    for owner, name, original, ours in wrapped.values():
-        if getattr(owner, name, None) is ours:
-            setattr(owner, name, original)
-    wrapped.clear()
+#: DDP's two registrations, wrapped while a split module lives; DDP's own, which ``_compose`` calls past ours.
+_DDP_PATCHES = Patches()
+_DDP_OWN: dict[str, Any] = {}
 
 
 def _between_marks(engine: Any, phase: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -529,19 +518,18 @@ def _composing(original: Any, compose: Any) -> Any:
 
 def _wrap_ddp() -> None:
     """DDP's two registrations, wrapped once in the process while a split module lives."""
-    if _DDP_ORIGINALS:
+    if _DDP_PATCHES:
         return
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     for name, compose in (("register_comm_hook", DdpComm._register_user),
                           ("_register_builtin_comm_hook", DdpComm._register_builtin)):
-        original = getattr(DDP, name)
-        _DDP_ORIGINALS[name] = (DDP, name, original, _composing(original, compose))
-    _put_on(_DDP_ORIGINALS)
+        original = _DDP_OWN[name] = getattr(DDP, name)
+        _DDP_PATCHES.replace(DDP, name, _composing(original, compose))
 
 
 def _unwrap_ddp() -> None:
-    _put_back(_DDP_ORIGINALS)
+    _DDP_PATCHES.put_back()
 
 
 def attach_ddp(model: Any, core: Any) -> DdpComm | None:
@@ -638,7 +626,7 @@ class FsdpComm:
     """
 
     _engines: list[Any] = []
-    _originals: dict[str, tuple[Any, str, Any, Any]] = {}  # name -> (owner, attribute, original, ours)
+    _patches = Patches()
 
     def __init__(self, core: Any) -> None:
         self._engine = core._engine
@@ -651,7 +639,7 @@ class FsdpComm:
             return None
         if not any(isinstance(m, FSDPModule) for model in models for m in model.modules()):
             return None
-        if not cls._originals:
+        if not cls._patches:
             why = cls._wrap()
             if why is not None:
                 warn(log, f"phase-timer: FSDP2's waits for its collectives are not split out (comm_wait): {why}.", 3)
@@ -701,10 +689,8 @@ class FsdpComm:
 
         functools.update_wrapper(timed_copy_out, copy_out)
         functools.update_wrapper(timed_final, final)
-        cls._originals = {
-            "copy_out": (group_mod, "foreach_all_gather_copy_out", copy_out, timed_copy_out),
-            "final": (FSDPState, "_root_post_backward_final_callback", final, timed_final),
-        }
+        cls._patches.replace(group_mod, "foreach_all_gather_copy_out", timed_copy_out)
+        cls._patches.replace(FSDPState, "_root_post_backward_final_callback", timed_final)
         post_backward = getattr(getattr(group_mod, "FSDPParamGroup", None), "post_backward", None)
         if post_backward is not None:  # the compute stream's wait for earlier reduce-scatters, in backward
 
@@ -717,19 +703,17 @@ class FsdpComm:
                 return post_backward(group, *args, **kwargs)
 
             functools.update_wrapper(timed_post_backward, post_backward)
-            cls._originals["post_backward"] = (group_mod.FSDPParamGroup, "post_backward", post_backward,
-                                               timed_post_backward)
+            cls._patches.replace(group_mod.FSDPParamGroup, "post_backward", timed_post_backward)
         for name in ("foreach_all_gather", "foreach_reduce"):  # a CPU group's collectives block the host there
             issue = getattr(group_mod, name, None)
             at = _device_index(issue)
             if at is not None:
-                cls._originals[name] = (group_mod, name, issue, _host_blocking(issue, at, engines))
-        _put_on(cls._originals)
+                cls._patches.replace(group_mod, name, _host_blocking(issue, at, engines))
         return None
 
     @classmethod
     def _unwrap(cls) -> None:
-        _put_back(cls._originals)
+        cls._patches.put_back()
 
 
 def copy_note(run: RunComm) -> str | None:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from phase_timer._env import warn
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disabled_by_env, reject_unknown
 from phase_timer.loop import LoopTimer
+from phase_timer.patches import Patches
 from phase_timer.phases import FORWARD
 from phase_timer.runinfo import loader_info
 from phase_timer.stats import RunTotals
@@ -132,7 +133,7 @@ class PhaseTimerCallback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._first_micro = False
         self._state: TrainerState | None = None
-        self._saved: dict[str, Any] = {}
+        self._patches = Patches()
 
     # -- the results, as every door has them ----------------------------------------------
     @property
@@ -200,10 +201,10 @@ class PhaseTimerCallback(TrainerCallback):
             # Steps are numbered by global_step before they run (windows of logging_steps line up with
             # the Trainer's); each is logged where the Trainer logs it, at global_step after it.
             timer.core.log_step_offset = 1
-        # Instance attributes of the user's own with these names (a patched training_step) are kept, and put back.
-        self._saved = {name: trainer.__dict__[name] for name in _WRAPPED if name in trainer.__dict__}
+        # An instance attribute of the user's own with one of these names (a patched training_step) is wrapped, and
+        # put back.
         for name in _WRAPPED:
-            setattr(trainer, name, getattr(self, f"_{name.lstrip('_')}")(getattr(trainer, name)))
+            self._patches.replace(trainer, name, getattr(self, f"_{name.lstrip('_')}")(getattr(trainer, name)))
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         bounds = self._bounds
@@ -311,10 +312,7 @@ class PhaseTimerCallback(TrainerCallback):
         trainer, self._trainer = self._trainer, None
         if trainer is None:
             return
-        for name in _WRAPPED:
-            trainer.__dict__.pop(name, None)  # the class's own method again ...
-        trainer.__dict__.update(self._saved)  # ... or what the user had put on the instance
-        self._saved = {}
+        self._patches.put_back()  # the class's own methods again, or what the user had put on the instance
 
 
 def _of_timer(callback: PhaseTimerCallback, name: str, default: Any) -> Any:

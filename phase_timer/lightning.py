@@ -43,6 +43,7 @@ from phase_timer.comm import attach_comm
 from phase_timer.core import TimingCore
 from phase_timer.tags import custom_scalars_layout
 from phase_timer.optim_hooks import StepHooks
+from phase_timer.patches import Patches
 from phase_timer.runinfo import loader_info, optimizer_info
 from phase_timer.sinks import BackgroundSink, GuardedSink, SummaryWriterSink
 from phase_timer.stats import RunTotals
@@ -272,7 +273,7 @@ class PhaseTimer:
         self.last_summary: str | None = None
         self.log_dir: str | None = None
         self._bounds: Boundaries | None = None
-        self._originals: list[tuple[Any, str, Any, bool, Any]] = []
+        self._patches = Patches()
         self._hooks: list[Any] = []
         self._sync_wait_ns = 0
         self._fetch_ns = 0  # host time inside Lightning's fetch since the last batch
@@ -359,18 +360,10 @@ class PhaseTimer:
 
     def _patch(self, obj: Any, name: str, replacement: Any) -> None:
         """Replace ``obj.name`` on the instance; :meth:`_restore` puts back what was there."""
-        self._originals.append((obj, name, obj.__dict__.get(name), name in obj.__dict__, replacement))
-        setattr(obj, name, replacement)
+        self._patches.replace(obj, name, replacement)
 
     def _restore(self) -> None:
-        for obj, name, previous, had_attr, replacement in reversed(self._originals):
-            if obj.__dict__.get(name) is not replacement:
-                continue  # wrapped again since (another timer): ours stays under it, passing through
-            if had_attr:
-                setattr(obj, name, previous)
-            else:
-                obj.__dict__.pop(name, None)
-        self._originals = []
+        self._patches.put_back()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -379,7 +372,7 @@ class PhaseTimer:
             self._raw_backward = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.enabled or not self._originals:
+        if not self.enabled or not self._patches:
             return
         cfg = self.config
         # Files only where the user asked for them: the Trainer's loggers, or log_dir (a debug run

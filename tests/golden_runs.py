@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 import types
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from tests.helpers import CallInBackward, read_scalars
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
@@ -61,20 +62,6 @@ def virtual_time() -> Iterator[VirtualClock]:
         time.perf_counter_ns, boundaries.random = saved_clock, saved_random
 
 
-class _Backward(torch.autograd.Function):
-    """Identity whose backward plants time."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, clock: VirtualClock, ms: float) -> torch.Tensor:
-        ctx.clock, ctx.ms = clock, ms
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        ctx.clock.plant(ctx.ms)
-        return grad, None, None
-
-
 class Net(nn.Module):
     """A small MLP whose forward plants ``forward_ms`` and whose backward plants ``backward_ms``."""
 
@@ -86,7 +73,7 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.clock.plant(self.forward_ms)
-        return _Backward.apply(self.net(x), self.clock, self.backward_ms)
+        return CallInBackward.apply(self.net(x), lambda: self.clock.plant(self.backward_ms))
 
 
 class Data(Dataset):
@@ -201,8 +188,6 @@ def _scrub(value: Any) -> Any:
 
 def record(name: str) -> dict:
     """One run's outputs, as :func:`_scrub` keeps them."""
-    from helpers import read_scalars
-
     with tempfile.TemporaryDirectory() as tmp, virtual_time() as clock:
         timer = RUNS[name](tmp, clock)
         summary_path = timer.summary_path
@@ -221,7 +206,6 @@ def main() -> None:
     p.add_argument("--update", action="store_true")
     p.add_argument("--diff")
     args = p.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.update:
         os.makedirs(GOLDEN, exist_ok=True)
         for name in RUNS:

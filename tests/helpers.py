@@ -44,6 +44,20 @@ class HostHours:
         self.offset_ns += round(hours * HOUR_NS)
 
 
+class CallInBackward(torch.autograd.Function):
+    """Identity whose backward calls ``fn()`` first: a known amount of backward time, where a test plants it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: Any) -> torch.Tensor:
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.fn()
+        return grad, None
+
+
 def hours(ms: float) -> int:
     """The whole planted hours in a value in ms read back from a run on :class:`HostHours`."""
     return round(ms / HOUR_MS)

@@ -84,7 +84,7 @@ def test_the_module_copies_and_pickles_while_timed_and_after(tmp_path) -> None:
     assert "register_comm_hook" not in vars(model)  # nothing of ours on the instance
     timer.close()
     assert comm._PROBES.get(model) is None
-    assert nn.parallel.DistributedDataParallel.register_comm_hook is comm._DDP_ORIGINALS.get(
+    assert nn.parallel.DistributedDataParallel.register_comm_hook is comm._DDP_OWN.get(
         "register_comm_hook", nn.parallel.DistributedDataParallel.register_comm_hook)
     assert not hasattr(nn.parallel.DistributedDataParallel.register_comm_hook, "__wrapped__")  # DDP's own again
     pickle.dumps(model.module)

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import phase_timer
 from phase_timer.phases import BETWEEN, HOST_PHASES
-from tests.helpers import HostHours, hours
+from tests.helpers import CallInBackward, HostHours, hours
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,20 +65,6 @@ class Plant:
             self.clock.jump()
 
 
-class _Planted(torch.autograd.Function):
-    """Identity whose backward calls ``plant(where)``: a known amount of backward time."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, plant: Plant, where: str) -> torch.Tensor:
-        ctx.plant, ctx.where = plant, where
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.plant(ctx.where)
-        return grad, None, None
-
-
 class Net(nn.Module):
     """Forward sleeps at ``forward``, its backward at ``backward``; ``outputs="dict"`` returns two heads."""
 
@@ -92,7 +78,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> Any:
         self.plant("eval" if self.evaluating else "forward")
         h = self.body(x)
-        out = _Planted.apply(self.head(h), self.plant, "backward")
+        out = CallInBackward.apply(self.head(h), lambda: self.plant("backward"))
         return {"proj": self.proj(h), "logits": out} if self.outputs == "dict" else out
 
 
@@ -106,13 +92,13 @@ class PlantedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.plant("forward")
-        return _Planted.apply(self.lin(x), self.plant, "backward")
+        return CallInBackward.apply(self.lin(x), lambda: self.plant("backward"))
 
 
 def loss_of(out: torch.Tensor, y: torch.Tensor, plant: Plant) -> torch.Tensor:
     """The loss: its math sleeps at ``loss``, its own backward at ``loss_backward``."""
     plant("loss")
-    return _Planted.apply(nn.functional.mse_loss(out, y), plant, "loss_backward")
+    return CallInBackward.apply(nn.functional.mse_loss(out, y), lambda: plant("loss_backward"))
 
 
 class PlantedSGD(torch.optim.SGD):
