@@ -79,6 +79,20 @@ def sample_gap(rng: random.Random, samples: int) -> int:
     return rng.randint(*(DENSE_GAP if samples < DENSE_SAMPLES else SAMPLE_GAP))
 
 
+def ending_at(update: Any, bounds_now: Any) -> Any:
+    """A GradScaler's ``update`` that ends the step after it (``bounds_now()``'s, unless None): the only end of a
+    step the scaler skipped for inf/nan, where no optimizer step ran.  Both doors put it on their scaler."""
+
+    def scaler_update(*args: Any, **kwargs: Any) -> Any:
+        out = update(*args, **kwargs)
+        bounds = bounds_now()
+        if bounds is not None:
+            bounds.step_end()
+        return out
+
+    return scaler_update
+
+
 class Boundaries:
     """One run's step state: the boundaries the doors report, turned into the core's marks."""
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from phase_timer import backward_calls, lifecycle, oom
 from phase_timer.assemble import Outputs, own_event_file, start_core
-from phase_timer.boundaries import Boundaries
+from phase_timer.boundaries import Boundaries, ending_at
 from phase_timer.config import TimerConfig, disabled_by_env, reject_unknown
 from phase_timer.comm import attach_comm
 from phase_timer.core import TimingCore
@@ -408,15 +408,7 @@ class PhaseTimer:
         )
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and callable(getattr(scaler, "update", None)):
-            update = scaler.update
-
-            def scaler_update(*args: Any, **kwargs: Any) -> Any:
-                out = update(*args, **kwargs)
-                if self._bounds is not None:
-                    self._bounds.step_end()  # after the step; the only end of a step skipped for inf/nan
-                return out
-
-            self._patch(scaler, "update", scaler_update)
+            self._patch(scaler, "update", ending_at(scaler.update, lambda: self._bounds))
 
     def _outputs(self, trainer: pl.Trainer) -> Any:
         """Every logger of the trainer (a TensorBoardLogger's writer straight, on a thread of its own), or

@@ -41,7 +41,7 @@ from torch import nn
 from phase_timer import backward_calls, lifecycle, oom
 from phase_timer._env import native_wanted, warn, warn_once
 from phase_timer.assemble import Outputs, own_event_file, start_core
-from phase_timer.boundaries import Boundaries
+from phase_timer.boundaries import Boundaries, ending_at
 from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, _fail, check_bool, disabled_by_env, reject_unknown
 from phase_timer.core import CARRIED, TimingCore
 from phase_timer.diagnosis import Diagnosis
@@ -49,6 +49,7 @@ from phase_timer.phases import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS
 from phase_timer.tags import custom_scalars_layout
 from phase_timer.throughput import first_tensor
 from phase_timer.optim_hooks import StepHooks
+from phase_timer.patches import Patches
 from phase_timer.runinfo import loader_info, optimizer_info, precision_name
 from phase_timer.sinks import BackgroundSink, SummaryWriterSink, next_version_dir
 from phase_timer.stats import RunTotals
@@ -182,7 +183,7 @@ class LoopTimer:
         self._copy = copy_to_device
         self._end_on_optimizer = end_step == "optimizer"
         self._handles: list[Any] = []
-        self._scaler, self._scaler_update, self._scaler_wrapper = scaler, None, None
+        self._scaler, self._patches = scaler, Patches()
         self._listening = False
         #: The training loop's thread, bound at the model's first forward or the first backward()
         #: call: hooks, backward calls and phases from other threads are not its steps.
@@ -256,16 +257,8 @@ class LoopTimer:
         backward_calls.listen(self)
         self._listening = True
         if self._scaler is not None:
-            self._scaler_update = self._scaler.__dict__.get("update")
-            original = self._scaler.update
-
-            def update(*args: Any, **kwargs: Any) -> Any:
-                out = original(*args, **kwargs)
-                if self._end_on_optimizer and self._bounds is not None:
-                    self._bounds.step_end()  # after the step; the only end of a step skipped for inf/nan
-                return out
-
-            self._scaler.update = self._scaler_wrapper = update
+            self._patches.replace(self._scaler, "update", ending_at(
+                self._scaler.update, lambda: self._bounds if self._end_on_optimizer else None))
 
     def _hooks_in_c(self) -> None:
         """Each hook body's usual case in one C call (``_native.LoopHooks``), where it is built: the methods below
@@ -443,11 +436,7 @@ class LoopTimer:
         if self._scaler is not None:
             # Put back what was there, unless something wrapped ours since: then ours stays,
             # passing straight through (no timer is left behind it).
-            if self._scaler.__dict__.get("update") is self._scaler_wrapper:
-                if self._scaler_update is None:
-                    self._scaler.__dict__.pop("update", None)
-                else:
-                    self._scaler.update = self._scaler_update
+            self._patches.put_back()
             self._scaler = None
 
     def close(self, *, interrupted: bool = False) -> RunTotals | None:

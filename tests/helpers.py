@@ -122,18 +122,9 @@ class SleepyData(Dataset):
         return self.x[i], self.y[i]
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes ``sleep_s``: a known amount of backward time."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, sleep_s: float) -> torch.Tensor:
-        ctx.sleep_s = sleep_s
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        pause(ctx.sleep_s)
-        return grad, None
+def slow_backward(x: torch.Tensor, sleep_s: float) -> torch.Tensor:
+    """``x``, whose backward takes ``sleep_s`` (:func:`pause`): a known amount of backward time."""
+    return CallInBackward.apply(x, lambda: pause(sleep_s))
 
 
 class SlowSGD(torch.optim.SGD):
@@ -186,7 +177,7 @@ def module_class(ns: str) -> type:
         def _loss(self, batch: Any) -> torch.Tensor:
             x, y = batch
             pause(self.sleeps["forward"])
-            out = _SlowBackward.apply(self.net(x), self.sleeps["backward"])
+            out = slow_backward(self.net(x), self.sleeps["backward"])
             return nn.functional.mse_loss(out, y)
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:

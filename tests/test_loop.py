@@ -12,7 +12,7 @@ from torch import nn
 import phase_timer
 from phase_timer.tags import step_tag, window_tag
 from tests import helpers
-from tests.helpers import SlowSGD, _SlowBackward, hours, hours_per_step, loader, open_files_under, read_scalars
+from tests.helpers import SlowSGD, hours, hours_per_step, loader, open_files_under, read_scalars, slow_backward
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,7 +25,7 @@ class SleepyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         helpers.pause(self.forward_s)
-        return _SlowBackward.apply(self.net(x), self.backward_s)
+        return slow_backward(self.net(x), self.backward_s)
 
 
 def hook_state(model: nn.Module, opts, scaler=None):

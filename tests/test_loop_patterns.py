@@ -266,17 +266,14 @@ def plain_two_losses(plant: Plant, tmp: Any) -> Any:
     return timer
 
 
-class _Flaky(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:
-        ctx.fail = fail
-        return x.view_as(x)
+def _flaky(loss: torch.Tensor, fail: bool) -> torch.Tensor:
+    """``loss``, whose backward raises when ``fail``."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.fail:
+    def planted() -> None:
+        if fail:
             raise RuntimeError("planted failure inside backward")
-        return grad, None
+
+    return CallInBackward.apply(loss, planted)
 
 
 def plain_skip_failed_batch(plant: Plant, tmp: Any) -> Any:
@@ -285,7 +282,7 @@ def plain_skip_failed_batch(plant: Plant, tmp: Any) -> Any:
     with attach(model, opt, Loader(plant), tmp) as timer:
         done = 0
         for i, (x, y) in enumerate(timer.loader):
-            loss = _Flaky.apply(loss_of(model(x), y, plant), i in (3, 6))
+            loss = _flaky(loss_of(model(x), y, plant), i in (3, 6))
             try:
                 loss.backward()
             except RuntimeError:  # skip the batch (the OOM-retry pattern)
@@ -526,7 +523,7 @@ def plain_no_loader_skip_failed(plant: Plant, tmp: Any) -> Any:
     with attach(model, opt, None, tmp) as timer:
         done = 0
         for i, (x, y) in enumerate(Loader(plant)):
-            loss = _Flaky.apply(loss_of(model(x), y, plant), i in (3, 6))
+            loss = _flaky(loss_of(model(x), y, plant), i in (3, 6))
             try:
                 loss.backward()
             except RuntimeError:
