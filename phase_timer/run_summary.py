@@ -64,14 +64,12 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     for p in ordered(list(totals.phases)):
         t = totals.phases[p]
-        base_name = share_base(p)
-        base = totals.phases.get(base_name) if base_name else None
-        share = t.total / base.total if base is not None and base.total > 0 else None
+        share = totals.share(p)
         phases[p] = {
             "clock": "host" if p in HOST_PHASES else core.clock.kind,
             "count": t.count, "total_ms": t.total, "mean_ms": t.mean, "p50_ms": t.quantile(50),
             "p90_ms": t.quantile(90), "p99_ms": t.quantile(99), "max_ms": t.max,
-            "share": share, "share_of": base_name if share is not None else None,
+            "share": share, "share_of": share_base(p) if share is not None else None,
         }
     flight = core.signals.flight
     n_flight = sum(flight.values())

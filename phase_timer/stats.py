@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from operator import itemgetter
 
 from phase_timer._env import native_wanted
+from phase_timer.phases import share_base
 
 #: Statistics written per phase for each window, in this order.
 WINDOW_STATS = ("mean", "p50", "p90", "max")
@@ -237,6 +238,15 @@ class RunTotals:
                 totals = phases[phase] = PhaseTotals()
             summary[phase] = totals.add_sorted(values)
         return summary
+
+    def share(self, phase: str, base: str | None = None) -> float | None:
+        """``phase``'s time over ``base``'s (default: what its share is of, ``phases.share_base``), total over total:
+        time-weighted, so a phase absent from some steps (``idle``, a custom phase) is not overstated.  None where
+        either is absent or the base holds no time."""
+        p, b = self.phases.get(phase), self.phases.get(base or share_base(phase) or "")
+        if p is None or b is None or b.total <= 0:
+            return None
+        return p.total / b.total
 
 
 #: Statistics a :class:`WindowSeries` keeps per phase and batch.

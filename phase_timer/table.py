@@ -42,10 +42,8 @@ def format_summary(totals: RunTotals, *, clock: str, title: str = "phase-timer",
     rows = []
     for p in phases:
         t = totals.phases[p]
-        base_name = share_base(p)
-        base = totals.phases.get(base_name) if base_name is not None else None
-        # time-weighted: a phase absent from some steps (idle, a custom phase) is not overstated
-        share = "" if base is None or base.total <= 0 else f"{100 * t.total / base.total:5.1f}%"
+        of = totals.share(p)
+        share = "" if of is None else f"{100 * of:5.1f}%"
         if p == "step":
             share = "100.0%"
         row_clock = "host" if p in HOST_PHASES else clock
