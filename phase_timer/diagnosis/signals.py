@@ -1,0 +1,101 @@
+"""The signals the rules read that the run totals do not hold: the sampled steps in flight and host step times,
+each window's spread, the ranks' windows, the CPU's use."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from phase_timer.cpu_use import CpuUse
+from phase_timer.diagnosis.finding import SPIKE_MAX, SPIKE_P90, STRAGGLER_MARGIN, WAIT_PHASES
+from phase_timer.run_change import RankShifts
+from phase_timer.syncs import SyncCensus, SyncSite
+
+
+class Signals:
+    """What the rules read, gathered during the run (per window or on sampled steps, never per step)."""
+
+    def __init__(self) -> None:
+        #: Steps in flight at each sampled close (CUDA clock only): earlier steps the device had not finished.
+        self.flight: Counter[int] = Counter()
+        #: Of the sampled closes with none in flight, those at which the step just ended was still running too
+        #: (evidence only: a host-bound loop with a heavy optimizer tail reads busy here too).
+        self.tail_checked = 0
+        self.tail_busy = 0
+        #: At sampled steps' boundaries: how often the device had not yet begun the span the host had just
+        #: issued (more than a phase behind the host inside the step), of the boundaries checked.
+        self.behind_checked = 0
+        self.behind = 0
+        #: Sampled steps' host time from the step's begin to its end (ms), and phase-timer's own host time (ns,
+        #: window ends out); and the own host time of the ordinary steps timed apart (``phase_timer.own_cost``).
+        self.host_step_ms: list[float] = []
+        self.own_ns: list[int] = []
+        self.plain_ns: list[int] = []
+        #: The sampled steps' mean gap once sparse (set by the boundaries): the own-cost line's long-run rate.
+        self.sample_gap: float | None = None
+        self.windows = 0
+        self.spiky_windows = 0
+        #: Per (phase, rank): windows in which the rank was slowest by a material margin, and the margins (ms).
+        self.slowest: Counter[tuple[str, int]] = Counter()
+        self.margins: dict[tuple[str, int], float] = {}
+        self.rank_period_ms: list[float] = []
+        #: The sync census of one warm-up step: its status ("done" or why not), the step, the syncs heard.
+        self.census = "not run"
+        self.census_step: int | None = None
+        self.syncs: list[SyncSite] = []
+        #: The model is sharded with FSDP2 (``fully_shard``): COMM_BOUND gives its advice (set by comm.py).
+        self.fsdp2 = False
+        self.sync_count = 0
+        #: Syncs on that step that were no step's: other threads outside backward, pauses (evaluation, saves).
+        self.sync_other_threads = 0
+        self.sync_paused = 0
+        #: The CPU time of the training process, its training thread and the loader's workers, read at a few
+        #: window ends (``phase_timer.cpu_use``): what the INPUT_BOUND advice is made of.
+        self.cpu = CpuUse()
+        #: Each window's per-phase medians in step order (the core's ``stats.WindowSeries``) and, on rank zero
+        #: of a distributed run, each window's slowest rank a phase: what RUN_CHANGED reads.
+        self.series: Any = None
+        self.rank_shifts = RankShifts()
+
+    def add_census(self, census: SyncCensus, step: int) -> None:
+        """What the census heard on warm-up step ``step``."""
+        if census.status == "not run":
+            self.census = "not run: the run ended before its last warm-up step"
+            return
+        self.census = census.status
+        if census.status == "done":
+            self.census_step, self.syncs, self.sync_count = step, list(census.sites), census.count
+            self.sync_other_threads, self.sync_paused = census.other_threads, census.paused
+
+    def add_window(self, steps: int, summary: dict[str, dict[str, float]]) -> None:
+        """One window's statistics: is it spiky?"""
+        if steps < 10:
+            return
+        self.windows += 1
+        mean = (summary.get("period") or {}).get("mean")
+        if mean is not None:
+            self.cpu.add_window(steps, steps * mean)
+        for total in ("step", "period"):
+            s = summary.get(total)
+            if s and s["p50"] > 0 and (s["p90"] / s["p50"] >= SPIKE_P90 or s["max"] / s["p50"] >= SPIKE_MAX):
+                self.spiky_windows += 1
+                return
+
+    def add_rank_window(self, spreads: dict[str, Any], step: int | None = None) -> None:
+        """One window across ranks (each phase's ``ranks.Spread``), ending at ``step``: which rank was slowest in
+        each phase, by how much."""
+        if step is not None:
+            self.rank_shifts.add(step, spreads)
+        scale_of = spreads.get("period") or spreads.get("step")
+        if scale_of is None or scale_of.n < 2:
+            return
+        scale = scale_of.median()
+        self.rank_period_ms.append(scale)
+        for phase, spread in spreads.items():
+            if phase in WAIT_PHASES or spread.n < 2:  # a rank's wait for the others is no lag
+                continue
+            slow = spread.hi_rank
+            margin = spread.hi - spread.median_of_rest()
+            if margin >= max(0.05, STRAGGLER_MARGIN * scale):
+                self.slowest[phase, slow] += 1
+                self.margins[phase, slow] = self.margins.get((phase, slow), 0.0) + margin
