@@ -169,8 +169,38 @@ def lightning(tmp: str, clock: VirtualClock) -> Any:
     return timer
 
 
+def transformers(tmp: str, clock: VirtualClock) -> Any:
+    """The 🤗 door: a Trainer over a module of its own (forward, backward and the optimizer planted), 30 steps,
+    2 micro-batches a step, windows of 10."""
+    from transformers import Trainer, TrainingArguments
+
+    from phase_timer import PhaseTimerCallback
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net(clock, forward_ms=1.0, backward_ms=1.5)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+    class Items(Data):
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+            x, y = super().__getitem__(i)
+            return {"x": x, "labels": y}
+
+    model = Model()
+    callback = PhaseTimerCallback(warmup_steps=2)
+    args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             max_steps=30, logging_steps=10, use_cpu=True, disable_tqdm=True, report_to="none",
+                             save_strategy="no", dataloader_num_workers=0)
+    Trainer(model=model, args=args, train_dataset=Items(clock, item_ms=0.03125), callbacks=[callback],
+            optimizers=(_sgd(model.parameters(), clock, ms=0.5), None)).train()
+    return callback.timer
+
+
 RUNS: dict[str, Callable[[str, VirtualClock], Any]] = {
-    "plain": plain, "plain_accumulated": plain_accumulated, "lightning": lightning}
+    "plain": plain, "plain_accumulated": plain_accumulated, "lightning": lightning, "transformers": transformers}
 
 #: Summary-file fields that describe the machine or the moment, not phase-timer's measure of the run.
 _MACHINE = {"written_at", "log_dir", "python", "torch", "cuda", "device", "lightning", "transformers", "accelerate"}
