@@ -39,11 +39,14 @@ def script(seed: int, n_ops: int = 3000) -> list[tuple]:
     """A random but well-formed run: steps with switches, repeats, relabels, host phases, polls."""
     rng = random.Random(seed)
     phases = ["h2d", "forward", "backward", "optimizer", "idle", "clip", "ema", "paused", "backward.comm_wait",
-              "forward.comm_wait"]  # the waits for collectives: their phase's time too
+              "forward.comm_wait",  # the waits for collectives: their phase's time too
+              "data_wait"]  # a micro-batch's fetch: the period's, not the step's
     ops: list[tuple] = []
     step = 0
     while len(ops) < n_ops:
         step += rng.choice([1, 1, 1, 2, 7])  # gaps: skipped and warm-up steps
+        if rng.random() < 0.03:
+            ops.append(("open", step, rng.choice(phases)))  # an open record dropped by the next open
         ops.append(("open", step, rng.choice(phases)))
         for _ in range(rng.randrange(0, 9)):
             r = rng.random()
@@ -62,7 +65,11 @@ def script(seed: int, n_ops: int = 3000) -> list[tuple]:
         else:
             ops.append(("close", rng.choice([-1.0, rng.random() * 20])))
         if rng.random() < 0.05:
+            ops.append(("close", 1.0))  # a step left untimed: no record open
+        if rng.random() < 0.05:
             ops.append(("cut",))  # a pause outside a record: the next record's period is the host's
+        if rng.random() < 0.02:
+            ops.append(("drain",))  # resolved mid-run: what follows follows nothing
         for _ in range(rng.choice([0, 1, 1, 2])):
             ops.append(("poll",))
     ops.append(("drain",))
