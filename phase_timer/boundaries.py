@@ -405,8 +405,6 @@ class Boundaries:
         """The pause is over: the record goes on with the phase that ran before it."""
         if self.paused:
             self._wake()
-            if self.open and not self._explicit:
-                self.core.phase(self._auto)
 
     def epoch_end(self) -> None:
         """The loader ran out (or the loop left it): an ended step closes, a cut-off one is dropped."""
@@ -499,8 +497,8 @@ class Boundaries:
         self.paused = False
         self._mem_mark(self.now())
         self.core.resume()
-        if self.open and self._explicit:
-            self.core.phase(self._explicit[-1])
+        if self.open:  # the paused span ends here, whichever boundary wakes the record
+            self.core.phase(self._explicit[-1] if self._explicit else self._auto)
 
     def _begin(self, step: int, phase: str) -> None:
         self.begun += 1

@@ -243,8 +243,6 @@ def test_the_usual_boundaries_in_c_do_what_the_python_ones_do(seed):
     assert c_out == py_out
 
 
-@pytest.mark.xfail(strict=True, reason="known fault (docs/loop_patterns.md): at the next fetch the pause's span "
-                   "is relabelled idle, not ended; to be mended in boundaries._wake")
 def test_an_evaluation_between_two_micro_batches_is_in_no_phase_nor_period():
     def drive(b: Boundaries) -> None:
         for _ in range(3):
