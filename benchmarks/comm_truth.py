@@ -31,7 +31,7 @@ there must be none.
 The host cost is measured two ways on a launch-bound DDP (32 small layers, a bucket each): wall time a step
 with and without the split (noisy at the µs scale), and each of the split's calls timed inside two nested
 timers (the inner one times the call, the outer one the call and the inner timer: the call alone is about
-``2 x inner - outer``).  A backward whose copies are timed (one in ``comm.COPY_EVERY``) is measured by making
+``2 x inner - outer``).  A backward whose copies are timed (one in ``comm.ddp.COPY_EVERY``) is measured by making
 every backward one.
 """
 
@@ -51,6 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
 from phase_timer import comm  # noqa: E402
+import phase_timer.comm.ddp  # noqa: E402,F401 - comm.ddp, comm.run below
+import phase_timer.comm.run  # noqa: E402,F401
 from benchmarks.nccl_truth import back_to_back_us, device_intervals, exposed_us  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 
@@ -155,7 +157,7 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     t_wall = (time.perf_counter() - t0) / (steps - warm) * 1e3
     if profile:
         prof.stop()
-    run_comm = timer.core.comm if timer.core is not None else None
+    run_comm = comm.run.find(timer.core) if timer.core is not None else None
     totals = timer.close()
     n = steps - warm
     truth = timeline(prof.events() if profile else [], n, ("spin", "sleep", "nccl"))  # the planted and the real
@@ -247,9 +249,9 @@ def main() -> None:
         f"{med['lb_sampled']:.4f}: a sampled backward {1e3 * (med['lb_sampled'] - med['lb_on']):+.1f} us")
     us = sorted(sampled_us)[len(sampled_us) // 2]
     say(f"a sampled end-of-backward's host time (its copies timed; DDP's own end-of-backward in), median of the rounds' "
-        f"medians: {us:.0f} us; the next is {max(comm.COPY_EVERY, int(us * 1e3 / comm.COPY_BUDGET_NS))} synced "
-        f"backwards later (at least {comm.COPY_EVERY}, and its host time / {comm.COPY_BUDGET_NS} ns): "
-        f"{us / max(comm.COPY_EVERY, us * 1e3 / comm.COPY_BUDGET_NS):.2f} us a backward spread")
+        f"medians: {us:.0f} us; the next is {max(comm.ddp.COPY_EVERY, int(us * 1e3 / comm.ddp.COPY_BUDGET_NS))} synced "
+        f"backwards later (at least {comm.ddp.COPY_EVERY}, and its host time / {comm.ddp.COPY_BUDGET_NS} ns): "
+        f"{us / max(comm.ddp.COPY_EVERY, us * 1e3 / comm.ddp.COPY_BUDGET_NS):.2f} us a backward spread")
     for c, v in lb.items():
         say(f"  {c} rounds: {' '.join(f'{x:.4f}' for x in v)}")
     parts = [run("lb_timed", args.lb_steps, 0, cpm, 256, 32, 64)["split_us"] for _ in range(args.rounds)]

@@ -1573,7 +1573,7 @@ static PyTypeObject StepsType = {
 
 /*
  * Arm: a hook that queues `callback` when `engine` runs `phase` and `owner.<flag>` is true.  DDP's
- * exposed-communication split (comm.py): on one parameter's gradient accumulation, a synced backward timed in
+ * exposed-communication split (comm/ddp.py): on one parameter's gradient accumulation, a synced backward timed in
  * `backward` queues the engine's switch to its wait as an autograd final callback.  In C because it runs every
  * backward on the autograd thread, where a Python frame costs a few µs (cold between kernel launches).
  * `sample` (optional) is queued instead on the `due`-th such backward from now (counted down here; 0: never),

@@ -19,10 +19,10 @@ from phase_timer.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict, phase_share
 from phase_timer import memory as _memory
 from phase_timer import oom as _oom
-from phase_timer import comm as _comm
 from phase_timer import throughput
 from phase_timer.rank_view import format_rank_table
 from phase_timer.engine import POLL_EVERY, make_engine
+from phase_timer.measure import Measure
 from phase_timer.memory import MemoryTracker
 from phase_timer.table import format_memory, format_own_cost, format_summary
 from phase_timer.tags import (
@@ -46,8 +46,8 @@ from phase_timer.trace import TraceWriter
 log = logging.getLogger(__name__)
 
 
-#: Values a record carries that are not phases: throughput's counts and FLOPs, the sampled communication.
-CARRIED = (*throughput.CARRIED, *_comm.CARRIED)
+#: Values a record carries that are not phases: throughput's counts and FLOPs (each measure takes its own).
+CARRIED = throughput.CARRIED
 
 
 def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
@@ -77,6 +77,7 @@ class TimingCore:
         trace: TraceWriter | None = None,
         ranks: RankExchange | None = None,
         memory: bool = True,
+        measures: Sequence[Measure] = (),
     ) -> None:
         self.clock = clock
         self.trace = trace
@@ -90,8 +91,8 @@ class TimingCore:
         self.totals = RunTotals()
         #: Samples, tokens and steps a second (counted from the batches' shapes by the door: ``counter``).
         self.throughput = throughput.RunThroughput()
-        #: The collectives' own time and exposed wait, over the sampled synced backwards (``comm.py``).
-        self.comm = _comm.RunComm()
+        #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called.
+        self.measures: list[Measure] = list(measures)
         self.counter: throughput.BatchCounter | None = None
         #: The table's MFU line where MFU is not measured, saying how to get it (None: measured, or turned off).
         self.mfu_note: str | None = None
@@ -368,8 +369,9 @@ class TimingCore:
             elif kind == "step":
                 ms = item[2]
                 for name in CARRIED:
-                    ms.pop(name, None)  # counts and samples, not phases: a step's rates are its window's
-                self.comm.take_copy(ms)
+                    ms.pop(name, None)  # counts, not phases: a step's rates are its window's
+                for measure in self.measures:
+                    measure.step(ms)
                 self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
                 self.trace.add(item[1])
@@ -378,10 +380,9 @@ class TimingCore:
 
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
         counts = throughput.split_counts(columns, self.throughput)  # counts, not phases: out first
-        comm = _comm.split(columns)  # sampled communication, not a phase either
-        self.comm.take_copies(columns, comm)  # DDP's copies into .grad are backward's, not its wait's
-        if comm:
-            self.comm.add(comm)
+        measured: dict[str, float] = {}
+        for measure in self.measures:  # each takes its carried values out, and corrects the phases it owns
+            measured.update(measure.window(columns))
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
         summary = self.totals.add_sorted_window(steps, columns)
         if counts:
@@ -402,10 +403,14 @@ class TimingCore:
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
         scalars.update(throughput.scalars(counts))
-        scalars.update(_comm.scalars(comm))
+        scalars.update(measured)
         if self.flops is not None:
             scalars.update(self.flops.scalars(counts, self.context))
         self._write(last_step, scalars)
+
+    def listen(self, measure: Measure) -> None:
+        """``measure`` hears the results from now on, after those already listening."""
+        self.measures.append(measure)
 
     def _rank_memory(self) -> dict[str, float] | None:
         """What this rank's window report says of its memory (None: not read, or nothing read yet)."""
@@ -537,9 +542,10 @@ class TimingCore:
         mfu_line = self.flops.line(self.flops_summary) if self.flops is not None else self.mfu_note
         if mfu_line:
             table += "\n" + mfu_line
-        comm_line = _comm.line(self.comm)
-        if comm_line:
-            table += "\n" + comm_line
+        for measure in self.measures:
+            line = measure.line()
+            if line:
+                table += "\n" + line
         mem = format_memory(self.memory_summary())
         if mem:
             table += "\n" + mem

@@ -22,6 +22,7 @@ from phase_timer.phases import HOST_PHASES, ordered, share_base
 if TYPE_CHECKING:
     from phase_timer.clock import Clock
     from phase_timer.diagnosis import Diagnosis, Signals
+    from phase_timer.measure import Measure
     from phase_timer.ranks import RankExchange
     from phase_timer.stats import RunTotals, WindowSeries
 
@@ -43,6 +44,7 @@ class RunRecord(Protocol):
     skipped: int
     totals: RunTotals
     untimed_reason: str | None
+    measures: list[Measure]
 
     def memory_summary(self) -> dict[str, Any] | None: ...
     def own_cost(self) -> dict[str, Any] | None: ...
@@ -61,6 +63,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
     """The file's content, from the core's totals, signals, diagnosis and the door's context."""
     ctx = dict(core.context)
     totals = core.totals
+    measured = {m.key: m.summary() for m in getattr(core, "measures", ()) if m.key is not None}
     phases: dict[str, Any] = {}
     for p in ordered(list(totals.phases)):
         t = totals.phases[p]
@@ -114,25 +117,11 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "memory_snapshot": _snapshot(core),
         "throughput": _throughput(core),
         "flops": getattr(core, "flops_summary", None),
-        "communication": _communication(core),
+        "communication": measured.get("communication"),
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }
 
-
-def _communication(core: RunRecord) -> dict[str, Any] | None:
-    """DDP's sampled collectives and their exposed wait, and DDP's copies taken off that wait (None: no DDP module
-    split, or nothing sampled)."""
-    run = getattr(core, "comm", None)
-    if run is None:
-        return None
-    out = run.as_dict()
-    if out is None and run.copy_ms is None:
-        return None
-    out = out or {}
-    return {"collectives_ms": out.get("collectives_ms"), "exposed_ms": out.get("exposed_ms"),
-            "samples": out.get("samples", 0), "hidden_share": out.get("hidden_share"), "hook": run.hook,
-            "copies_ms": run.copy_ms, "copy_samples": run.copy_samples}
 
 
 def _snapshot(core: RunRecord) -> dict[str, Any] | None:

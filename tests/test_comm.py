@@ -1,4 +1,4 @@
-"""Exposed communication (``comm.py``): DDP's all-reduce wait split out of backward, on real gloo processes.
+"""Exposed communication (``phase_timer/comm``): DDP's all-reduce wait split out of backward, on real gloo processes.
 
 The planted collectives (``tests/dist_scripts/comm_ddp.py``) are a comm hook whose future completes a known
 30 ms late: on the last bucket (nothing left to hide it) or on the first (60 ms of backward compute after it).

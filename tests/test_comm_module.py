@@ -14,6 +14,8 @@ from torch import nn
 
 import phase_timer
 from phase_timer import comm
+from phase_timer.comm import ddp as comm_ddp
+from phase_timer.comm import run as comm_run
 
 WAIT = "backward.comm_wait"
 
@@ -68,8 +70,8 @@ def test_the_parameter_heard_is_the_shallowest_and_its_hook_is_c(tmp_path) -> No
     timer = phase_timer.attach(model, opt, log_dir=str(tmp_path), summary=False)
     probe = timer._comm[0]
     assert probe._param is model.module.head.weight  # not blocks.0.weight, the first but deeper
-    if comm.Arm is not None:
-        assert isinstance(probe._armed, comm.Arm)
+    if comm_ddp.Arm is not None:
+        assert isinstance(probe._armed, comm_ddp.Arm)
     assert len(model.module.head.weight._post_accumulate_grad_hooks) == 1
     timer.close()
     assert not model.module.head.weight._post_accumulate_grad_hooks
@@ -83,8 +85,8 @@ def test_the_module_copies_and_pickles_while_timed_and_after(tmp_path) -> None:
     ema = copy.deepcopy(model.module)  # an EMA copy, taken mid-run
     assert "register_comm_hook" not in vars(model)  # nothing of ours on the instance
     timer.close()
-    assert comm._PROBES.get(model) is None
-    assert nn.parallel.DistributedDataParallel.register_comm_hook is comm._DDP_OWN.get(
+    assert comm_ddp._PROBES.get(model) is None
+    assert nn.parallel.DistributedDataParallel.register_comm_hook is comm_ddp._DDP_OWN.get(
         "register_comm_hook", nn.parallel.DistributedDataParallel.register_comm_hook)
     assert not hasattr(nn.parallel.DistributedDataParallel.register_comm_hook, "__wrapped__")  # DDP's own again
     pickle.dumps(model.module)
@@ -112,18 +114,18 @@ class Wide(nn.Module):
 
 def copies_run(tmp_path, view: bool, steps: int, native: bool = True, monkeypatch=None, **ddp_kw) -> tuple:
     if not native:
-        monkeypatch.setattr(comm, "Arm", None)
+        monkeypatch.setattr(comm_ddp, "Arm", None)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(Wide(), gradient_as_bucket_view=view, **ddp_kw)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     timer = phase_timer.attach(model, opt, log_dir=str(tmp_path), warmup_steps=1, window=steps, summary=True)
     probe = timer._comm[0]
-    assert (comm.Arm is not None and isinstance(probe._armed, comm.Arm)) == (native and comm.Arm is not None)
+    assert (comm_ddp.Arm is not None and isinstance(probe._armed, comm_ddp.Arm)) == (native and comm_ddp.Arm is not None)
     for _ in range(steps):
         model(torch.randn(8, 2048)).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)  # DDP copies into the .grad it finds
-    run = timer.core.comm
+    run = comm_run.find(timer.core)
     totals = timer.close()
     return run, totals, timer
 
@@ -174,11 +176,11 @@ def test_the_copy_is_taken_off_each_step_and_never_below_zero() -> None:
     # two buckets' copies, each between its two marks: 1.5 + 2.5 ms (the wait between them is not theirs)
     run.add_copies(object(), [(0, 1_500_000), (3_000_000, 5_500_000)], HostClock())
     columns = {WAIT: [1.0, 3.5, 10.0], "backward": [20.0, 21.0, 30.0]}
-    sampled = {comm.COMM_MS: 12.0, comm.COMM_WAIT_MS: 8.0, comm.COMM_SAMPLES: 2.0}
+    sampled = {comm_run.COMM_MS: 12.0, comm_run.COMM_WAIT_MS: 8.0, comm_run.COMM_SAMPLES: 2.0}
     run.take_copies(columns, sampled)
     assert run.copy_ms == 4.0 and run.copy_samples == 1
     assert columns == {WAIT: [0.0, 0.0, 6.0], "backward": [20.0, 21.0, 30.0]}  # backward keeps them
-    assert sampled[comm.COMM_WAIT_MS] == 0.0  # 8 - 2 samples x 4
+    assert sampled[comm_run.COMM_WAIT_MS] == 0.0  # 8 - 2 samples x 4
     step = {WAIT: 5.0, "backward": 9.0}
     run.take_copy(step)
     assert step == {WAIT: 1.0, "backward": 9.0}
@@ -197,7 +199,7 @@ def test_a_second_timer_keeps_the_split_when_the_first_closes(tmp_path) -> None:
     assert WAIT in second.close().phases
 
 
-@pytest.mark.skipif(comm.Arm is None, reason="the C extension is not built")
+@pytest.mark.skipif(comm_ddp.Arm is None, reason="the C extension is not built")
 def test_the_c_hook_decides_as_the_python_one() -> None:
     class Engine:
         current = "backward"
@@ -207,13 +209,13 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
 
     queued: list = []
     engine, owner = Engine(), Owner()
-    arm = comm.Arm(engine, "backward", owner, "flag", queued.append, "go")
+    arm = comm_ddp.Arm(engine, "backward", owner, "flag", queued.append, "go")
     for current, flag in [("backward", True), ("forward", True), ("backward", False), (None, True)]:
         engine.current, owner.flag = current, flag
         queued.clear()
         assert arm(torch.zeros(1)) is None
         assert queued == (["go"] if (current, flag) == ("backward", True) else [])
-    sampled = comm.Arm(engine, "backward", owner, "flag", queued.append, "go", "sample")
+    sampled = comm_ddp.Arm(engine, "backward", owner, "flag", queued.append, "go", "sample")
     assert sampled.due == 0
     engine.current, sampled.due = "backward", 2
     owner.flag = False  # a backward that does not sync is not counted
@@ -224,5 +226,5 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
         sampled(1)
     assert queued == ["go", "sample", "go", "go"] and sampled.due == 0  # the 2nd counted; 0 stays 0
     owner.flag, engine.current, queued = True, "backward", None  # queue raises: no split, and no error in backward
-    arm2 = comm.Arm(engine, "backward", owner, "missing", queued, "go")
-    assert arm2(torch.zeros(1)) is None and comm.Arm(engine, "backward", owner, "flag", None, "go")(1) is None
+    arm2 = comm_ddp.Arm(engine, "backward", owner, "missing", queued, "go")
+    assert arm2(torch.zeros(1)) is None and comm_ddp.Arm(engine, "backward", owner, "flag", None, "go")(1) is None

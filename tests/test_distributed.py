@@ -192,7 +192,7 @@ def test_lightning_ddp_names_the_rank_with_slow_data(tmp_path: pytest.TempPathFa
     # rank 0 waits for it in the all-reduce, and not in its own data loading
     assert values(s, "phase_time_ranks/backward_ms/slowest_rank") == [0.0] * 3
     below(s, "data_wait_ms/min", "backward_ms/max")  # rank 0's data_wait, rank 0's backward
-    # ... and that wait is backward's exposed communication: DDPStrategy's module split (comm.py)
+    # ... and that wait is backward's exposed communication: DDPStrategy's module split (phase_timer/comm)
     assert values(s, "phase_time_ranks/backward.comm_wait_ms/slowest_rank") == [0.0] * 3
     assert min(values(s, "phase_time_ranks/backward.comm_wait_ms/max")) >= 0.5 * 4 * 4.0
     assert "phase_time_ranks/sync_wait_ms/max" in s  # Lightning's per-batch broadcast, timed apart

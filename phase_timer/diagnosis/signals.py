@@ -43,7 +43,7 @@ class Signals:
         self.census = "not run"
         self.census_step: int | None = None
         self.syncs: list[SyncSite] = []
-        #: The model is sharded with FSDP2 (``fully_shard``): COMM_BOUND gives its advice (set by comm.py).
+        #: The model is sharded with FSDP2 (``fully_shard``): COMM_BOUND gives its advice (set by comm/fsdp.py).
         self.fsdp2 = False
         self.sync_count = 0
         #: Syncs on that step that were no step's: other threads outside backward, pauses (evaluation, saves).

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phase_timer
+from phase_timer.comm import run as comm_run
 
 PLANT_S = 0.03
 HIDE_S = 0.06
@@ -116,7 +117,7 @@ def run(case: str, log_dir: str, steps: int) -> dict:
             grads_ok &= all(torch.allclose(p, peers[0], rtol=1e-3, atol=1e-5) for p in peers)
         opt.step()
         opt.zero_grad()
-    run_comm = timer.core.comm
+    run_comm = comm_run.find(timer.core)
     totals = timer.close()
     out = {p: t.mean for p, t in totals.phases.items()}
     hooks_left = len(net.first.weight._post_accumulate_grad_hooks or {})  # the model as found, after close()

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import time
 import weakref
 from collections import deque
@@ -62,8 +61,11 @@ from functools import partial
 from typing import Any
 
 from phase_timer._env import warn
+from phase_timer.comm.copies import _ACTIVE, _copy_marker, _pop_mode, _push_mode
+from phase_timer.comm.run import COMM_MS, COMM_SAMPLES, COMM_WAIT_MS, WAIT, RunComm
+from phase_timer.comm.run import of as run_of
 from phase_timer.patches import Patches
-from phase_timer.phases import BACKWARD, comm_label
+from phase_timer.phases import BACKWARD
 
 try:
     from phase_timer._native import Arm
@@ -72,21 +74,16 @@ except ImportError:  # not built: the parameter's hook is a Python call
 
 log = logging.getLogger(__name__)
 
-WAIT = comm_label(BACKWARD)
-#: Carried on a record (sampled): the collectives' own time of a sampled synced backward, and its exposed wait.
-COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"
-CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
 #: Device clock: the collectives' own time on the first DENSE backwards, then one in EVERY.
 DENSE, EVERY = 8, 16
-PREFIX = "comm"
 #: DDP's own record of its last forward's decision: True when it prepared a synced backward (False under
 #: ``no_sync()``, or after a forward with no grad).
 SYNCED = "require_forward_param_sync"
 #: DDP's copies into ``.grad``: on the synced backward COPY_LEARN (counted from 1) the buckets' copies are counted
 #: (no mark); then timed on the next COPY_DENSE synced backwards, then one in COPY_EVERY or more: as many as keep a
 #: sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate is the median of the last
-#: COPY_KEEP samples.  A backward whose buckets do not copy as counted is counted again (not timed).
-COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS, COPY_KEEP = 2, 3, 1024, 1000, 3
+#: samples (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is counted again (not timed).
+COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS = 2, 3, 1024, 1000
 
 
 class DdpComm:
@@ -97,6 +94,7 @@ class DdpComm:
         self._inner: Any = None  # the user's hook, composed (None: DDP's own, in C++)
         self._state: Any = None
         self._core: Any = None
+        self._run: RunComm | None = None  # the core's communication measure while bound
         self._engine: Any = None  # the core's engine while bound
         self._to_wait: Any = None  # its switch to the wait: a final callback with no Python frame
         self._spans: list[list[Any]] | bool | None = None  # this backward's sample: [launch, end] a bucket (False: not)
@@ -181,19 +179,21 @@ class DdpComm:
         if logger is not None:
             logger._set_comm_hook_name(name)
         self._inner, self._state, self.user_hook = hook, state, name
-        if self._core is not None:
-            self._core.comm.hook = name
+        if self._run is not None:
+            self._run.hook = name
         self._arm()  # the wait's start is a Python callback now (it ends the sampled span, after DDP's)
 
     def bind(self, core: Any) -> None:
         """Time into ``core``'s records from now on (None: stop; a composed hook then only forwards)."""
         self._core = core
+        self._run = run_of(core) if core is not None else None
         self._engine = core._engine if core is not None else None
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
-        if core is not None:
-            core.comm.hook = self.user_hook
-            core.comm.copy = core.comm.copy or not getattr(self.ddp, "gradient_as_bucket_view", True)
-            core.comm.untimed_copies = core.comm.untimed_copies or self._untimeable()
+        run = self._run
+        if run is not None:
+            run.hook = self.user_hook
+            run.copy = run.copy or not getattr(self.ddp, "gradient_as_bucket_view", True)
+            run.untimed_copies = run.untimed_copies or self._untimeable()
         # a deferral still live (bound anew between _split and _joined) is left to _joined, which pops and replays it
         self._spans, self._open, self._synced, self._copy_taken = None, None, 0, 0
         self.copy_host_ns = []
@@ -354,8 +354,8 @@ class DdpComm:
         """A sampled end-of-backward's copies: timed (their marks to the run's estimate) if they were made as
         counted, else counted anew and timed on the next synced backward."""
         pairs = copies.pairs()
-        core = self._core
-        if pairs is None or core is None:
+        run = self._run
+        if pairs is None or run is None:
             if copies.marks and copies.clock is not None:
                 copies.clock.release(copies.marks)
             self._counts = copies.counts or None
@@ -366,7 +366,7 @@ class DdpComm:
         self.copy_host_ns.append(spent)
         del self.copy_host_ns[:-16]
         self._schedule(1 if self._copy_taken < COPY_DENSE else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
-        core.comm.add_copies(self, pairs, copies.clock)
+        run.add_copies(self, pairs, copies.clock)
 
     def _resolve(self, engine: Any) -> None:
         """Sampled backwards whose events are all done (never waits), carried on the open record."""
@@ -387,120 +387,12 @@ class DdpComm:
             engine.add_host(COMM_SAMPLES, 1.0)
 
 
-def _push_mode(mode: Any) -> None:
-    import torch
-
-    torch._C._push_on_torch_dispatch_stack(mode)
-
-
-def _pop_mode(mode: Any) -> None:
-    """Pop ``mode`` if it is on top of the dispatch stack (DDP's end-of-backward pushed nothing of its own above
-    it); else leave the stack alone and let ``mode`` pass everything through from now on."""
-    import torch
-
-    n = torch._C._len_torch_dispatch_stack()
-    if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
-        torch._C._pop_torch_dispatch_stack(None)
-    else:
-        mode.passthrough = True
-
-
-#: The copies marked in this process's backward (one module at a time: two DDP modules sampled in the same
-#: backward would stack two modes; the second waits for its next backward).
-_ACTIVE: list[Any] = [None]
-
-
-_MARKER: Any = None
-
-
-def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
-    """A dispatch mode that watches each ``copy_`` into the ``.grad`` of one of ``params`` (DDP's copies out of its
-    buckets) and makes it where DDP does.  A bucket's copies read one storage (the bucket's, or its comm hook's
-    result); the mode counts them a bucket (``counts``, in DDP's order).  Given the ``counts`` an earlier backward
-    made and a ``clock``, it also marks the stream before each bucket's first copy and after its last (counted), so
-    the copies' time is read where they run: after their bucket's wait, beside the collectives still running, at
-    the pace they are launched, with no mark between two copies.  Every other op passes through, other copies
-    too: DDP reads some of its own at once (the used-parameter map it copies to the host and reads with
-    ``.item()`` under ``find_unused_parameters``)."""
-    global _MARKER
-    if _MARKER is None:
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        copy_ = torch.ops.aten.copy_.default
-
-        class CopyMarker(TorchDispatchMode):
-            def __init__(self, params: Any, counts: list[int] | None, clock: Any) -> None:
-                super().__init__()
-                self.passthrough = False
-                # the gradients' memory (their tensors may reach the mode as other Python objects)
-                self.grads = {(g.data_ptr(), g.numel()) for p in params
-                              if (g := p.grad) is not None and g.layout == torch.strided}
-                self.expect = counts if clock is not None else None
-                self.clock = clock
-                self.counts: list[int] = []
-                self.marks: list[Any] = []  # before a bucket's first copy, after its last: two a bucket
-                self._source: Any = None
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
-                kwargs = kwargs or {}
-                if func is not copy_ or self.passthrough:
-                    return func(*args, **kwargs)
-                dst, src = args[0], args[1]
-                if dst.layout != torch.strided or (dst.data_ptr(), dst.numel()) not in self.grads:
-                    return func(*args, **kwargs)
-                try:
-                    counts, expect = self.counts, self.expect
-                    source = src.untyped_storage().data_ptr() if src.layout == torch.strided else id(src)
-                    if source != self._source or not counts:  # a bucket's first copy: its wait is enqueued before it
-                        self._source = source
-                        counts.append(0)
-                        if expect is not None and len(self.marks) % 2 == 0 and len(counts) <= len(expect):
-                            self.marks.append(self.clock.mark())
-                except Exception:  # noqa: BLE001 - the timing's, never DDP's: this backward reads nothing
-                    self.expect, self.counts = None, []
-                out = func(*args, **kwargs)
-                if not self.counts:
-                    return out
-                counts, expect = self.counts, self.expect
-                counts[-1] += 1
-                k = len(counts) - 1
-                if expect is not None and k < len(expect) and counts[k] == expect[k] and len(self.marks) == 2 * k + 1:
-                    try:
-                        self.marks.append(self.clock.mark())  # the bucket's last copy, as counted before
-                    except Exception:  # noqa: BLE001 - as above
-                        self.expect = None
-                return out
-
-            def pairs(self) -> list[tuple[Any, Any]] | None:
-                """Each bucket's (first mark, last mark), or None where the copies were counted only, or not as
-                expected (a bucket's copies split, or a bucket more or less)."""
-                self.passthrough = True
-                marks = self.marks
-                if self.expect is None or self.counts != self.expect or len(marks) != 2 * len(self.counts):
-                    return None
-                return list(zip(marks[::2], marks[1::2]))
-
-        _MARKER = CopyMarker
-    return _MARKER(params, counts, clock)
-
-
 #: Each DDP module's split (weak: a module dropped takes its entry along); none is an attribute of the module,
 #: which stays picklable and deep-copyable (an EMA copy of it).
 _PROBES: weakref.WeakKeyDictionary[Any, DdpComm] = weakref.WeakKeyDictionary()
 #: DDP's two registrations, wrapped while a split module lives; DDP's own, which ``_compose`` calls past ours.
 _DDP_PATCHES = Patches()
 _DDP_OWN: dict[str, Any] = {}
-
-
-def _between_marks(engine: Any, phase: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` labelled ``phase``'s wait for collectives (``<phase>.comm_wait``), back to ``phase``
-    after it, whatever it raises."""
-    engine.switch(comm_label(phase))
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        engine.switch(phase)
 
 
 def _composing(original: Any, compose: Any) -> Any:
@@ -545,204 +437,6 @@ def attach_ddp(model: Any, core: Any) -> DdpComm | None:
     return probe
 
 
-def attach_comm(models: Any, core: Any) -> list[Any]:
-    """The communication splits of ``models`` into ``core``: each DDP module's, and FSDP2's once if any is sharded
-    with ``fully_shard``.  Each has ``remove()``."""
-    probes: list[Any] = [p for p in (attach_ddp(m, core) for m in models) if p is not None]
-    fsdp = FsdpComm.attach(models, core)
-    if fsdp is not None:
-        probes.append(fsdp)
-    return probes
-
-
-# -- FSDP2 ------------------------------------------------------------------------------------------
-def _device_index(fn: Any) -> int | None:
-    """The position of ``fn``'s ``device`` parameter (None: no such function, or no such parameter)."""
-    import inspect
-
-    try:
-        return list(inspect.signature(fn).parameters).index("device")
-    except (TypeError, ValueError):
-        return None
-
-
-def _host_blocking(issue: Any, at: int, engines: list[Any]) -> Any:
-    """``issue`` (FSDP2's all-gather or reduce-scatter), between two marks when its group is on the CPU: there
-    the collective runs on the host, in the call (on a GPU it is only enqueued on FSDP2's own streams)."""
-
-    def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        engine = engines[-1] if engines else None
-        phase = engine.current if engine is not None else None
-        device = args[at] if len(args) > at else kwargs.get("device")
-        if (phase != "forward" and phase != BACKWARD) or getattr(device, "type", None) != "cpu":
-            return issue(*args, **kwargs)
-        return _between_marks(engine, phase, issue, *args, **kwargs)
-
-    return functools.update_wrapper(timed, issue)
-
-
-def _rs_waits(group: Any) -> list[Any]:
-    """The reduce-scatter events FSDP2's ``post_backward`` is about to make the compute stream wait for (before it
-    launches the group's own reduce-scatter: a bound on the buffers in flight), as this torch's FSDP2 decides."""
-    ctx = getattr(group, "comm_ctx", None)
-    if ctx is None or not getattr(group, "reduce_grads", True):  # FSDP2 returns before its wait then
-        return []
-    states = getattr(ctx, "reduce_scatter_states", None)
-    if states is not None:  # a list: torch >= 2.10
-        if getattr(group, "_param_group_index", 0) != getattr(group, "_num_param_groups", 1) - 1:
-            return []
-        keep = getattr(ctx, "reduce_scatter_max_input_buffers", None)
-        n = len(states) if not keep else len(states) - keep + 1  # FSDP2 pops the oldest until fewer than keep
-        return [s.event for s in states[:max(0, n)] if getattr(s, "event", None) is not None]
-    return []  # one state (older torch): FSDP2 waits only for a group with gradients; that wait stays in backward
-
-
-def _wait_early(events: list[Any], work: Any = None) -> None:
-    """An FSDP2 wait, made early: the compute (current) stream waits for each event; an async group's work (a
-    CPU's: the host waits).  FSDP2's own wait then returns at once."""
-    for event in events:
-        event.wait()
-    if work is not None and hasattr(work, "wait"):
-        work.wait()
-
-
-class FsdpComm:
-    """FSDP2's (``fully_shard``) exposed waits: each all-gather's in ``forward`` and ``backward``, and the
-    reduce-scatters' tail at backward's end.
-
-    FSDP2 makes the compute stream wait for a group's all-gather (its event; a CPU group's work, the host)
-    just before copying the gathered parameters out (``foreach_all_gather_copy_out``): phase-timer makes that
-    same wait a moment earlier, between two marks (``forward.comm_wait`` or ``backward.comm_wait``), and the
-    copy-out, FSDP2's own compute, follows outside them.  Likewise each group's ``post_backward`` first makes the
-    compute stream wait for the earlier reduce-scatters still in flight (FSDP2's bound on their buffers): that
-    wait, made a moment earlier between two marks, is ``backward.comm_wait`` too.  At backward's end FSDP2's root final callback makes
-    the compute stream wait for the reduce-scatters (and for any group's all-reduce): it runs between two marks
-    (``backward.comm_wait``).  It also runs the post-backward of a group whose own never fired (the root's,
-    whose inputs need no gradient: its reduce-scatter launch and copy-in), which is then in that span.  Two marks an all-gather and two a
-    backward: an FSDP2 module of N groups adds ~4N marks a step, beside FSDP2's own Python of each group.
-
-    FSDP2's functions are wrapped once in the process (they are shared by every FSDP2 module), and put back
-    when the last timer lets go; they time into the newest bound timer.
-    """
-
-    _engines: list[Any] = []
-    _patches = Patches()
-
-    def __init__(self, core: Any) -> None:
-        self._engine = core._engine
-
-    @classmethod
-    def attach(cls, models: Any, core: Any) -> FsdpComm | None:
-        try:
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:  # pragma: no cover - torch without FSDP2
-            return None
-        if not any(isinstance(m, FSDPModule) for model in models for m in model.modules()):
-            return None
-        if not cls._patches:
-            why = cls._wrap()
-            if why is not None:
-                warn(log, f"phase-timer: FSDP2's waits for its collectives are not split out (comm_wait): {why}.", 3)
-                return None
-        probe = cls(core)
-        cls._engines.append(probe._engine)
-        core.signals.fsdp2 = True  # COMM_BOUND's advice is FSDP2's
-        return probe
-
-    def remove(self, core: Any = None) -> None:
-        """Stop timing into this probe's core (``core``: only if it is that one); FSDP2's functions are put back
-        when no timer is left."""
-        if core is not None and core._engine is not self._engine:
-            return
-        engines = type(self)._engines
-        if self._engine in engines:
-            engines.remove(self._engine)
-        if not engines:
-            type(self)._unwrap()
-
-    @classmethod
-    def _wrap(cls) -> str | None:
-        try:
-            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
-            from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
-            copy_out = group_mod.foreach_all_gather_copy_out
-            final = FSDPState._root_post_backward_final_callback
-        except (ImportError, AttributeError) as err:  # a torch whose FSDP2 is laid out otherwise
-            return f"this torch's FSDP2 has no {err}"
-        engines = cls._engines
-
-        def timed_copy_out(result, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            engine = engines[-1] if engines else None
-            phase = engine.current if engine is not None else None
-            if phase == "forward" or phase == BACKWARD:
-                event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
-                if event is not None or work is not None:
-                    _between_marks(engine, phase, _wait_early, [event] if event is not None else [], work)
-            return copy_out(result, *args, **kwargs)
-
-        def timed_final(state):  # noqa: ANN001, ANN202
-            engine = engines[-1] if engines else None
-            if engine is None or engine.current != BACKWARD:
-                return final(state)
-            return _between_marks(engine, BACKWARD, final, state)
-
-        functools.update_wrapper(timed_copy_out, copy_out)
-        functools.update_wrapper(timed_final, final)
-        cls._patches.replace(group_mod, "foreach_all_gather_copy_out", timed_copy_out)
-        cls._patches.replace(FSDPState, "_root_post_backward_final_callback", timed_final)
-        post_backward = getattr(getattr(group_mod, "FSDPParamGroup", None), "post_backward", None)
-        if post_backward is not None:  # the compute stream's wait for earlier reduce-scatters, in backward
-
-            def timed_post_backward(group, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-                engine = engines[-1] if engines else None
-                if engine is not None and engine.current == BACKWARD:
-                    events = _rs_waits(group)
-                    if events:
-                        _between_marks(engine, BACKWARD, _wait_early, events)
-                return post_backward(group, *args, **kwargs)
-
-            functools.update_wrapper(timed_post_backward, post_backward)
-            cls._patches.replace(group_mod.FSDPParamGroup, "post_backward", timed_post_backward)
-        for name in ("foreach_all_gather", "foreach_reduce"):  # a CPU group's collectives block the host there
-            issue = getattr(group_mod, name, None)
-            at = _device_index(issue)
-            if at is not None:
-                cls._patches.replace(group_mod, name, _host_blocking(issue, at, engines))
-        return None
-
-    @classmethod
-    def _unwrap(cls) -> None:
-        cls._patches.put_back()
-
-
-def copy_note(run: RunComm) -> str | None:
-    """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
-    if run.copy_ms is not None:
-        return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
-                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
-    if run.copy and run.untimed_copies:
-        return ("DDP's copies into .grad are inside backward.comm_wait (find_unused_parameters=True: its wait for the "
-                "used-parameter map falls among them, so they are not timed)")
-    if run.copy:
-        return "DDP's copies into .grad are inside backward.comm_wait (no backward was sampled to time them)"
-    return None
-
-
-def line(run: RunComm) -> str | None:
-    """The table's line: the collectives' own time, their exposed wait, the share hidden, and what the span holds
-    besides the wait (None: nothing sampled and nothing to say)."""
-    c = run.as_dict()
-    note = copy_note(run)
-    if c is None:
-        return f"communication (DDP): {note}" if note else None
-    hidden = c.get("hidden_share")
-    return (f"communication (DDP, {c['samples']} sampled backwards): collectives {c['collectives_ms']:.3f} ms a step, "
-            f"exposed {c['exposed_ms']:.3f} ms (backward.comm_wait)"
-            + (f", {100 * hidden:.0f}% hidden behind backward's compute" if hidden is not None else "")
-            + (f"; your comm hook {run.hook} composed" if run.hook else "")
-            + (f"; {note}" if note else ""))
-
 
 def find_ddp(model: Any) -> Any:
     """The DistributedDataParallel ``model`` is, or wraps (torch.compile's module), or None."""
@@ -754,108 +448,3 @@ def find_ddp(model: Any) -> Any:
         if isinstance(m, DistributedDataParallel):
             return m
     return None
-
-
-def split(columns: dict[str, list[float]]) -> dict[str, float]:
-    """Take the sampled communication out of a window's columns: ``{comm_ms, comm_wait_ms, comm_samples}``
-    summed over the sampled backwards its records carry (empty when none)."""
-    got = {name: columns.pop(name, None) for name in CARRIED}
-    if not all(got.values()):
-        return {}
-    return {name: float(sum(values)) for name, values in got.items()}
-
-
-def hidden_share(comm: dict[str, float]) -> float | None:
-    """1 - exposed / communication over the same sampled backwards (None: no communication sampled)."""
-    total = comm.get(COMM_MS, 0.0)
-    if total <= 0:
-        return None
-    return min(1.0, max(0.0, 1.0 - comm.get(COMM_WAIT_MS, 0.0) / total))
-
-
-def scalars(comm: dict[str, float]) -> dict[str, float]:
-    """A window's ``comm/collectives_ms`` (mean over its sampled backwards) and ``comm/hidden_share``."""
-    n = comm.get(COMM_SAMPLES, 0.0)
-    if not n:
-        return {}
-    out = {f"{PREFIX}/collectives_ms": comm[COMM_MS] / n}
-    hidden = hidden_share(comm)
-    if hidden is not None:
-        out[f"{PREFIX}/hidden_share"] = hidden
-    return out
-
-
-class RunComm:
-    """The run's sampled communication: summed over every window; and DDP's copies inside the wait's span."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, float] = {}
-        #: The user's comm hook (its name), or None: DDP's own average.
-        self.hook: str | None = None
-        #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
-        self.copy = False
-        self._copy_pending: deque[tuple[int, list[tuple[Any, Any]], Any]] = deque()
-        self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
-        #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
-        #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (the modules' medians, summed),
-        #: or None.
-        self.copy_ms: float | None = None
-        self.copy_samples = 0
-        #: A module whose copies are never timed (``find_unused_parameters=True``): they stay in the wait.
-        self.untimed_copies = False
-
-    def add(self, comm: dict[str, float]) -> None:
-        for k, v in comm.items():
-            self.counts[k] = self.counts.get(k, 0.0) + v
-
-    def add_copies(self, probe: Any, pairs: list[tuple[Any, Any]], clock: Any) -> None:
-        """One sampled end-of-backward's copies: each bucket's two marks."""
-        self._copy_pending.append((id(probe), pairs, clock))
-
-    def resolve_copies(self) -> None:
-        """The sampled copies whose marks are done (``clock.done``: a query, never a wait), into :attr:`copy_ms`."""
-        pending = self._copy_pending
-        while pending:
-            key, pairs, clock = pending[0]
-            if not clock.done(pairs[-1][1]):
-                return
-            pending.popleft()
-            kept = self._copy_samples.setdefault(key, [])
-            kept.append(sum(clock.elapsed_ms(a, b) for a, b in pairs))
-            clock.release([m for pair in pairs for m in pair])
-            del kept[:-COPY_KEEP]
-            self.copy_samples += 1
-            self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())
-
-    def take_copies(self, columns: dict[str, list[float]], comm: dict[str, float]) -> None:
-        """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero; sorted stays
-        sorted) and off its sampled exposed wait."""
-        self.resolve_copies()
-        copy = self.copy_ms
-        if not copy:
-            return
-        waits = columns.get(WAIT)
-        if waits:
-            columns[WAIT] = [v - copy if v > copy else 0.0 for v in waits]
-        if comm.get(COMM_SAMPLES):
-            comm[COMM_WAIT_MS] = max(0.0, comm[COMM_WAIT_MS] - copy * comm[COMM_SAMPLES])
-
-    def take_copy(self, ms: dict[str, float]) -> None:
-        """The same off one step's phases (its own line in the sinks)."""
-        if self._copy_pending:
-            self.resolve_copies()
-        copy = self.copy_ms
-        wait = ms.get(WAIT) if copy else None
-        if wait is not None:
-            ms[WAIT] = wait - copy if wait > copy else 0.0
-
-    def as_dict(self) -> dict[str, float] | None:
-        n = self.counts.get(COMM_SAMPLES, 0.0)
-        if not n:
-            return None
-        out = {"collectives_ms": self.counts[COMM_MS] / n, "exposed_ms": self.counts[COMM_WAIT_MS] / n,
-               "samples": int(n)}
-        hidden = hidden_share(self.counts)
-        if hidden is not None:
-            out["hidden_share"] = hidden
-        return out

@@ -1,0 +1,199 @@
+"""The run's communication, as a measure (:class:`phase_timer.measure.Measure`): what the splits carried on the
+records (the sampled collectives' own time and exposed wait), DDP's copies taken off the wait, the window's
+``comm/*`` scalars, the table's line and the summary file's ``communication`` block."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Any
+
+from phase_timer.measure import Measure
+from phase_timer.phases import BACKWARD, comm_label
+
+WAIT = comm_label(BACKWARD)
+#: Carried on a record (sampled): the collectives' own time of a sampled synced backward, and its exposed wait.
+COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"
+CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
+PREFIX = "comm"
+#: DDP's copies' estimate: the median of a module's last COPY_KEEP samples.
+COPY_KEEP = 3
+
+
+def copy_note(run: RunComm) -> str | None:
+    """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
+    if run.copy_ms is not None:
+        return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
+                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
+    if run.copy and run.untimed_copies:
+        return ("DDP's copies into .grad are inside backward.comm_wait (find_unused_parameters=True: its wait for the "
+                "used-parameter map falls among them, so they are not timed)")
+    if run.copy:
+        return "DDP's copies into .grad are inside backward.comm_wait (no backward was sampled to time them)"
+    return None
+
+
+def line(run: RunComm) -> str | None:
+    """The table's line: the collectives' own time, their exposed wait, the share hidden, and what the span holds
+    besides the wait (None: nothing sampled and nothing to say)."""
+    c = run.as_dict()
+    note = copy_note(run)
+    if c is None:
+        return f"communication (DDP): {note}" if note else None
+    hidden = c.get("hidden_share")
+    return (f"communication (DDP, {c['samples']} sampled backwards): collectives {c['collectives_ms']:.3f} ms a step, "
+            f"exposed {c['exposed_ms']:.3f} ms (backward.comm_wait)"
+            + (f", {100 * hidden:.0f}% hidden behind backward's compute" if hidden is not None else "")
+            + (f"; your comm hook {run.hook} composed" if run.hook else "")
+            + (f"; {note}" if note else ""))
+
+
+
+def split(columns: dict[str, list[float]]) -> dict[str, float]:
+    """Take the sampled communication out of a window's columns: ``{comm_ms, comm_wait_ms, comm_samples}``
+    summed over the sampled backwards its records carry (empty when none)."""
+    got = {name: columns.pop(name, None) for name in CARRIED}
+    if not all(got.values()):
+        return {}
+    return {name: float(sum(values)) for name, values in got.items()}
+
+
+def hidden_share(comm: dict[str, float]) -> float | None:
+    """1 - exposed / communication over the same sampled backwards (None: no communication sampled)."""
+    total = comm.get(COMM_MS, 0.0)
+    if total <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - comm.get(COMM_WAIT_MS, 0.0) / total))
+
+
+def scalars(comm: dict[str, float]) -> dict[str, float]:
+    """A window's ``comm/collectives_ms`` (mean over its sampled backwards) and ``comm/hidden_share``."""
+    n = comm.get(COMM_SAMPLES, 0.0)
+    if not n:
+        return {}
+    out = {f"{PREFIX}/collectives_ms": comm[COMM_MS] / n}
+    hidden = hidden_share(comm)
+    if hidden is not None:
+        out[f"{PREFIX}/hidden_share"] = hidden
+    return out
+
+
+class RunComm(Measure):
+    """The run's sampled communication: summed over every window; and DDP's copies inside the wait's span."""
+
+    key = "communication"
+
+    def __init__(self) -> None:
+        self.counts: dict[str, float] = {}
+        #: The user's comm hook (its name), or None: DDP's own average.
+        self.hook: str | None = None
+        #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
+        self.copy = False
+        self._copy_pending: deque[tuple[int, list[tuple[Any, Any]], Any]] = deque()
+        self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
+        #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
+        #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (the modules' medians, summed),
+        #: or None.
+        self.copy_ms: float | None = None
+        self.copy_samples = 0
+        #: A module whose copies are never timed (``find_unused_parameters=True``): they stay in the wait.
+        self.untimed_copies = False
+
+    def add(self, comm: dict[str, float]) -> None:
+        for k, v in comm.items():
+            self.counts[k] = self.counts.get(k, 0.0) + v
+
+    def add_copies(self, probe: Any, pairs: list[tuple[Any, Any]], clock: Any) -> None:
+        """One sampled end-of-backward's copies: each bucket's two marks."""
+        self._copy_pending.append((id(probe), pairs, clock))
+
+    def resolve_copies(self) -> None:
+        """The sampled copies whose marks are done (``clock.done``: a query, never a wait), into :attr:`copy_ms`."""
+        pending = self._copy_pending
+        while pending:
+            key, pairs, clock = pending[0]
+            if not clock.done(pairs[-1][1]):
+                return
+            pending.popleft()
+            kept = self._copy_samples.setdefault(key, [])
+            kept.append(sum(clock.elapsed_ms(a, b) for a, b in pairs))
+            clock.release([m for pair in pairs for m in pair])
+            del kept[:-COPY_KEEP]
+            self.copy_samples += 1
+            self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())
+
+    def take_copies(self, columns: dict[str, list[float]], comm: dict[str, float]) -> None:
+        """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero; sorted stays
+        sorted) and off its sampled exposed wait."""
+        self.resolve_copies()
+        copy = self.copy_ms
+        if not copy:
+            return
+        waits = columns.get(WAIT)
+        if waits:
+            columns[WAIT] = [v - copy if v > copy else 0.0 for v in waits]
+        if comm.get(COMM_SAMPLES):
+            comm[COMM_WAIT_MS] = max(0.0, comm[COMM_WAIT_MS] - copy * comm[COMM_SAMPLES])
+
+    def take_copy(self, ms: dict[str, float]) -> None:
+        """The same off one step's phases (its own line in the sinks)."""
+        if self._copy_pending:
+            self.resolve_copies()
+        copy = self.copy_ms
+        wait = ms.get(WAIT) if copy else None
+        if wait is not None:
+            ms[WAIT] = wait - copy if wait > copy else 0.0
+
+    # -- the measure -------------------------------------------------------------------------
+    def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
+        """The window's sampled communication out of its columns, DDP's copies off its wait; its scalars."""
+        comm = split(columns)
+        self.take_copies(columns, comm)  # DDP's copies into .grad are backward's, not its wait's
+        if comm:
+            self.add(comm)
+        return scalars(comm)
+
+    def step(self, ms: dict[str, float]) -> None:
+        for name in CARRIED:
+            ms.pop(name, None)  # samples, not phases: a step's are its window's
+        self.take_copy(ms)
+
+    def line(self) -> str | None:
+        return line(self)
+
+    def summary(self) -> dict[str, Any] | None:
+        """DDP's sampled collectives and their exposed wait, and DDP's copies taken off that wait (None: no DDP
+        module split, or nothing sampled)."""
+        out = self.as_dict()
+        if out is None and self.copy_ms is None:
+            return None
+        out = out or {}
+        return {"collectives_ms": out.get("collectives_ms"), "exposed_ms": out.get("exposed_ms"),
+                "samples": out.get("samples", 0), "hidden_share": out.get("hidden_share"), "hook": self.hook,
+                "copies_ms": self.copy_ms, "copy_samples": self.copy_samples}
+
+    def as_dict(self) -> dict[str, float] | None:
+        n = self.counts.get(COMM_SAMPLES, 0.0)
+        if not n:
+            return None
+        out = {"collectives_ms": self.counts[COMM_MS] / n, "exposed_ms": self.counts[COMM_WAIT_MS] / n,
+               "samples": int(n)}
+        hidden = hidden_share(self.counts)
+        if hidden is not None:
+            out["hidden_share"] = hidden
+        return out
+
+
+def find(core: Any) -> RunComm | None:
+    """``core``'s communication measure (None: it has none)."""
+    return next((m for m in core.measures if isinstance(m, RunComm)), None)
+
+
+def of(core: Any) -> RunComm:
+    """``core``'s communication measure: the one it was given, else a new one it listens to from now on (a split
+    module binds to it: a run with none has no communication to report)."""
+    run = find(core)
+    if run is None:
+        run = RunComm()
+        core.listen(run)
+    return run

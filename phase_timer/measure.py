@@ -1,0 +1,45 @@
+"""What a measure is to the core: a listener to the results the engine resolves.
+
+The core (:mod:`phase_timer.core`) times phases and resolves them a few steps later; a *measure* is everything
+else a run reports that the core does not compute itself.  The core imports no measure: the one that assembles a
+run (:func:`phase_timer.assemble.start_core`, or a test) hands it its measures, and the core calls each one, in
+order, at four points:
+
+- :meth:`Measure.window` when a window is resolved, before its statistics: the measure takes the values it
+  carried on the records out of the columns (they are no phases), may correct the phases it owns, and returns
+  the window's scalars (written to every sink at the window's last step, after the phases').
+- :meth:`Measure.step` for each step written on its own (``per_step=True``): the same for one step's values.
+- :meth:`Measure.line` for the printed table: one line, or None.
+- :meth:`Measure.summary` for the summary file: the block at :attr:`Measure.key` (the file's layout and its
+  schema are :mod:`phase_timer.run_summary`'s; a measure fills its block).
+
+A value a measure carries rides on the record open when it resolves (``engine.add_host(name, value)``), so it
+reaches the measure with the window that holds that record, in step order, on the training thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Measure:
+    """A listener to the core's results; every hook is optional (the default does nothing)."""
+
+    #: The summary file's block this measure fills (None: none).
+    key: str | None = None
+
+    def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
+        """A window is resolved: take this measure's carried values out of ``columns`` (each phase's values,
+        sorted), correct the phases it owns (sorted stays sorted); the window's scalars."""
+        return {}
+
+    def step(self, ms: dict[str, float]) -> None:
+        """One step's values, written on their own: take this measure's carried values out, correct its phases."""
+
+    def line(self) -> str | None:
+        """The table's line (None: nothing to say)."""
+        return None
+
+    def summary(self) -> dict[str, Any] | None:
+        """The summary file's block at :attr:`key` (None: nothing measured)."""
+        return None
