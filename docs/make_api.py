@@ -143,7 +143,7 @@ def render() -> str:
         f"- `{NATIVE_ENV}=0`: torch's CUDA events instead of the driver-API clock (the same results, "
         "more host time a step).\n",
         "## Command line\n",
-        "`phase-timer` is installed with the package; `python -m phase_timer.report LOGDIR ...` is the "
+        "`phase-timer` is installed with the package; `python -m phase_timer.cli.report LOGDIR ...` is the "
         "report alone.\n",
         "### `phase-timer report`\n",
         _cli(build_parser(), "report"),

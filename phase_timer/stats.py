@@ -257,7 +257,7 @@ class WindowSeries:
     """Each logging window's mean, p50 and p90 per phase, in bounded memory: the run's own noise.
 
     ``phase-timer compare`` reads how much a phase's window statistics spread to tell a
-    real change from noise (the batch-means method: see :mod:`phase_timer.compare`).
+    real change from noise (the batch-means method: see :mod:`phase_timer.cli.compare_rows`).
     Windows are kept as they come until there are ``max_batches`` of them; then adjacent
     pairs merge (halving the count, doubling ``windows_per_batch``) and later windows are
     gathered that many to a batch.  A merged batch's mean is exact (weighted by each

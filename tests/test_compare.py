@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer.compare import MIN_BATCHES, Z, load_side, standard_error
+from phase_timer.cli.compare_rows import MIN_BATCHES, Z, standard_error
+from phase_timer.cli.compare_side import load_side
 from phase_timer.cli import main
 from phase_timer.run_summary import FILE_NAME
 from phase_timer.stats import WindowSeries

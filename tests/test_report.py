@@ -334,7 +334,7 @@ def test_side_by_side_shows_the_peak_where_a_run_has_memory(runs, tmp_path, caps
 
 
 def test_png_gets_a_memory_panel_only_with_memory_data(runs, summary_run, tmp_path, capsys):
-    from phase_timer.report import load_runs
+    from phase_timer.cli.report_runs import load_runs
 
     heights = {}
     tb = write_tensorboard_run(tmp_path / "tb")
@@ -400,7 +400,7 @@ def test_png_is_written(runs, tmp_path, capsys):
 
 
 def test_a_phase_has_one_colour_in_every_figure():
-    from phase_timer.report import _phase_colors
+    from phase_timer.cli.report_plot import _phase_colors
 
     few, many = _phase_colors(["forward", "step"]), _phase_colors(["data_wait", "h2d", "forward", "ema", "step"])
     assert few["forward"] == many["forward"] and few["step"] == many["step"] == "black"
@@ -482,7 +482,7 @@ def test_help_says_how_window_columns_are_made(capsys):
 @pytest.mark.timeout(120)
 def test_module_command(runs, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "phase_timer.report", str(runs["root"]), "--json"]
+    cmd = [sys.executable, "-m", "phase_timer.cli.report", str(runs["root"]), "--json"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [r["source"] for r in json.loads(proc.stdout)["runs"]] == ["window", "step"]

@@ -20,7 +20,8 @@ from torch import nn
 
 import phase_timer
 from phase_timer.cli import main
-from phase_timer.compare import Z, load_side, rate_relative_error
+from phase_timer.cli.compare_rows import Z, rate_relative_error
+from phase_timer.cli.compare_side import load_side
 from phase_timer.run_summary import FILE_NAME, schema
 from phase_timer.throughput import RunThroughput, format_line, split_counts
 from tests.helpers import HostHours, read_scalars
@@ -237,7 +238,7 @@ def test_a_tensorboard_only_run_gets_its_rates_and_mfu_from_the_windows(tmp_path
 
 def test_tensorboard_rates_weigh_each_window_by_its_period(tmp_path):
     """Unequal windows: the run's rate is total count over total period, not the windows' plain mean."""
-    from phase_timer.runs import PhaseScalars, tensorboard_throughput
+    from phase_timer.cli.read import PhaseScalars, tensorboard_throughput
 
     scalars = PhaseScalars(window={"period": {"mean": [(5, 10.0), (10, 30.0)]}}, window_steps=[(5, 5.0), (10, 5.0)],
                            throughput={"samples_per_s": [(5, 400.0), (10, 400.0 / 3)]})
@@ -247,18 +248,18 @@ def test_tensorboard_rates_weigh_each_window_by_its_period(tmp_path):
 
 # -- report: the figure ---------------------------------------------------------------------------
 def test_png_gets_a_throughput_panel_and_an_mfu_panel_beside_it(runs, capsys, tmp_path, monkeypatch):
-    from phase_timer import throughput_report
-    from phase_timer.report import load_runs
+    from phase_timer.cli import report_plot
+    from phase_timer.cli.report_runs import load_runs
 
     drawn: dict[str, list] = {"rates": [], "mfu": []}
     for name, key in (("draw_rates", "rates"), ("draw_mfu", "mfu")):
-        real = getattr(throughput_report, name)
+        real = getattr(report_plot, name)
 
         def spy(ax, *args, _real=real, _key=key):
             _real(ax, *args)
             drawn[_key].append(ax.get_title())
 
-        monkeypatch.setattr(throughput_report, name, spy)
+        monkeypatch.setattr(report_plot, name, spy)
     plain, alone = runs["base"], with_flops(runs["base"], tmp_path / "alone", COUNTED, alone=True)
     without = edited(runs["base"], tmp_path / "none", lambda d: d.update(throughput=None), alone=True)
     heights = {}

@@ -23,7 +23,8 @@ import phase_timer
 from phase_timer.cli import main
 from phase_timer.engine import Steps
 from phase_timer.phases import share_base
-from phase_timer.report import load_runs, share_bars
+from phase_timer.cli.report_plot import share_bars
+from phase_timer.cli.report_runs import load_runs
 
 STEPS = 24
 NAP_S = 0.001  # a custom phase's own time: material beside a tiny model's step, whatever the machine

@@ -327,7 +327,7 @@ def test_the_report_prints_the_census_as_the_run_did(monkeypatch, tmp_path):
     """`phase-timer report` reads the summary file's census back: the same line the run printed."""
     import json
 
-    from phase_timer.report import summary_lines
+    from phase_timer.cli.report_text import summary_lines
     from phase_timer.run_summary import write_summary
 
     core, _, _ = _run(monkeypatch, warmup=2, steps=25, read_in="forward")

@@ -1,13 +1,12 @@
-"""The ``phase-timer`` console script: ``phase-timer report|compare ...``."""
+"""The ``phase-timer`` command line: its parser, ``report`` and ``compare`` under it, and :func:`main`."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from phase_timer import compare, report
-from phase_timer.runs import PROG, run_command
+from phase_timer.cli import compare, report
+from phase_timer.cli.errors import PROG, run_command
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -32,6 +31,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = compare.run_compare if args.command == "compare" else report.run_report
     return run_command(PROG, args.command, run, args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,13 @@
-"""Finding and reading phase-timer runs: what ``phase-timer report`` and ``compare`` both read.
+"""The one reader of a run: its summary file and its TensorBoard event files, for ``report`` and ``compare``.
 
 A run is a directory with TensorBoard event files holding phase-timer's scalars, a run
-summary file (``phase_timer_summary.json``), or both.  Every problem with the input is a
-:class:`ReportError`: one line naming the path, exit status 2.
+summary file (``phase_timer_summary.json``), or both.  For a run without a summary file,
+``tensorboard_*`` give what its scalars hold in the summary file's names.  Every problem
+with the input is a :class:`~phase_timer.cli.errors.ReportError`.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from phase_timer.cli.errors import ReportError, require
 from phase_timer.memory import STEADY_FROM
 from phase_timer.tags import (
     MEMORY_PREFIX,
@@ -29,8 +30,6 @@ from phase_timer.stats import WINDOW_STATS
 from phase_timer.throughput import COUNTS
 from phase_timer.throughput import PREFIX as THROUGHPUT_PREFIX
 
-EXIT_ERROR = 2
-PROG = "phase-timer"
 _WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")
 _MEMORY_RE = re.compile(rf"^{MEMORY_PREFIX}/(.+)_mb$")
@@ -40,10 +39,6 @@ _THROUGHPUT_RE = re.compile(rf"^{THROUGHPUT_PREFIX}/(.+)$")
 READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 Points = list[tuple[int, float]]
-
-
-class ReportError(Exception):
-    """A problem with the input, reported as one line naming the path; exit status 2."""
 
 
 @dataclass
@@ -280,26 +275,3 @@ def read_summary(path: str) -> dict[str, Any]:
         raise ReportError(f"{path}: run summary version {data.get('schema_version')!r}; this phase-timer reads "
                            f"{', '.join(map(str, READS_VERSIONS))}")
     return data
-
-
-def require(*names: str) -> None:
-    """The optional packages an invocation needs, or one line saying how to get them."""
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError as err:
-            raise ReportError(f"{name} is not installed ({err}): pip install 'phase-timer[report]'") from err
-
-
-def run_command(prog: str, command: str, run: Any, args: Any) -> int:
-    """Run one command: its exit status; a :class:`ReportError` is one line on stderr and status 2."""
-    import sys
-
-    try:
-        return run(args)
-    except ReportError as err:
-        print(f"{prog} {command}: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
-    except BrokenPipeError:  # `phase-timer report ... | head`: the reader left, nothing to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1

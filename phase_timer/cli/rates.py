@@ -1,8 +1,8 @@
-"""Throughput and MFU read back: the lines, the side-by-side rows and the figure's panel of ``phase-timer report``.
+"""Throughput and MFU as both commands print them: the rates' names and labels, the run's lines, a rate's digits.
 
 A run's rates and FLOPs come from its summary file (``throughput`` and, from version 6, ``flops``)
 or, for a run without one, from its TensorBoard ``throughput/*`` windows
-(:func:`~phase_timer.runs.tensorboard_throughput`).  The lines are the ones the run's own table
+(:func:`~phase_timer.cli.read.tensorboard_throughput`).  The lines are the ones the run's own table
 printed (:func:`phase_timer.throughput.format_line`, :func:`phase_timer.mfu.format_mfu`), rebuilt
 from the file's numbers, so a report says what the run said.
 """
@@ -13,13 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from phase_timer.run_summary import FILE_NAME
-from phase_timer.runs import MFU_TAGS, PhaseScalars, Points, summary_count_batches
 
 #: The rates a report or compare shows, in order, with their labels.
 RATES = {"tokens_per_s": "tokens/s", "samples_per_s": "samples/s", "steps_per_s": "steps/s"}
-#: What the MFU panel draws, by the summary file's ``mfu`` keys: line style and label.
-_MFU_STYLES = {"step": ("-", "step (model FLOPs over period)"), "forward": ("--", "forward"),
-               "backward": (":", "backward")}
 
 
 def headline_rate(throughput: dict[str, Any] | None) -> str | None:
@@ -134,88 +130,6 @@ def side_by_side_rows(throughputs: Sequence[dict | None], flopses: Sequence[dict
     return rows
 
 
-# -- the figure's panel ----------------------------------------------------------------------
-def timeline(scalars: PhaseScalars, data: dict[str, Any] | None) -> tuple[dict[str, Points], str | None]:
-    """What the panel draws: the headline rate and the MFUs over the run, by the summary's names (``tokens_per_s``
-    or ``samples_per_s``; ``step``, ``forward``, ``backward`` for MFU), and where they came from.
-
-    TensorBoard's ``throughput/*`` windows where the run has them (a value per window, exact).  Else the summary
-    file's window batches: a rate where every step had the same count (:func:`~phase_timer.runs.summary_count_batches`),
-    an MFU as the run's scaled by the run's mean time over the batch's (exact where every step had the same
-    FLOPs: one batch shape)."""
-    tp = scalars.throughput
-    name = headline_rate({k: 1.0 for k in RATES if tp.get(k)})
-    if name is not None:
-        out = {name: tp[name], **{k: tp[tag] for k, tag in MFU_TAGS.items() if tp.get(tag)}}
-        return out, "TensorBoard"
-    if not data:
-        return {}, None
-    out: dict[str, Points] = {}
-    batches = summary_count_batches(data)
-    name = headline_rate({k: 1.0 for k in RATES if k != "steps_per_s" and batches.get(k)})
-    if name is not None:
-        out[name] = [(last, count * 1e3 / ms) for _, last, count, ms in batches[name]]
-    out.update(_summary_mfu(data))
-    return out, (FILE_NAME if out else None)
-
-
-def _summary_mfu(data: dict[str, Any]) -> dict[str, Points]:
-    mfu = ((data.get("flops") or {}).get("mfu")) or {}
-    windows, phases = data.get("windows") or {}, data.get("phases") or {}
-    columns = windows.get("phases") or {}
-    out = {}
-    for key, phase in (("step", "period"), ("forward", "forward"), ("backward", "backward")):
-        run_ms = (phases.get(phase) or {}).get("mean_ms")
-        means = (columns.get(phase) or {}).get("mean_ms") or []
-        if mfu.get(key) is not None and run_ms:
-            out[key] = [(s, mfu[key] * run_ms / ms) for s, ms in zip(windows.get("last_step") or [], means) if ms]
-    return {k: v for k, v in out.items() if v}
-
-
-def has_panel(timelines: Sequence[dict[str, Points]]) -> bool:
-    return any(t for t in timelines)
-
-
-def draw_rates(ax: Any, timelines: Sequence[dict[str, Points]], labels: list[str], colors: Sequence[str],
-               sources: Sequence[str | None]) -> None:
-    """Each run's headline rate over the run: tokens/s, or samples/s where a run counts no tokens."""
-    names = []
-    for j, (tl, label) in enumerate(zip(timelines, labels)):
-        name = headline_rate({k: 1.0 for k in ("tokens_per_s", "samples_per_s") if tl.get(k)})
-        if name is None:
-            continue
-        names.append(RATES[name])
-        xs, ys = zip(*tl[name])
-        ax.plot(xs, ys, color=colors[j % len(colors)], linewidth=1.4, marker="." if len(xs) < 40 else None,
-                label=label if len(timelines) == 1 else f"{label}: {RATES[name]}")
-    unit = names[0] if len(set(names)) == 1 else "per s"
-    ax.set_title(f"throughput over the run ({unit})\nfrom {_sources(sources, labels)}", fontsize=9)
-    ax.set_ylabel(unit)
-    ax.set_xlabel("step")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    if names:
-        ax.legend(fontsize=8, loc="best")
-
-
-def draw_mfu(ax: Any, timelines: Sequence[dict[str, Points]], labels: list[str], colors: Sequence[str],
-             peaks: Sequence[str | None]) -> None:
-    """Each run's MFU over the run, in % of its peak: the step's solid, forward's and backward's broken."""
-    for j, (tl, label) in enumerate(zip(timelines, labels)):
-        for key, (style, name) in _MFU_STYLES.items():
-            if tl.get(key):
-                xs, ys = zip(*tl[key])
-                ax.plot(xs, [100 * y for y in ys], color=colors[j % len(colors)], linestyle=style, linewidth=1.4,
-                        label=name if len(timelines) == 1 else f"{label}: {name}")
-    shown = [f"{lab}: {p}" if len(labels) > 1 else p for lab, p in zip(labels, peaks) if p]
-    ax.set_title("MFU over the run\n% of " + ("; ".join(shown) if shown else "the run's peak"), fontsize=9)
-    ax.set_ylabel("% of peak")
-    ax.set_xlabel("step")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-
-
 def peak_label(flops: dict[str, Any] | None) -> str | None:
     """``989 TFLOP/s bf16 dense, H100 SXM`` (the MFU's denominator), None without a peak."""
     peak = (flops or {}).get("peak")
@@ -224,12 +138,3 @@ def peak_label(flops: dict[str, Any] | None) -> str | None:
     where = ", ".join(str(v) for v in (f"{peak.get('precision')} dense" if peak.get("precision") else None,
                                        peak.get("device")) if v)
     return f"{peak['tflops']:g} TFLOP/s" + (f" {where}" if where else " (peak_tflops=)")
-
-
-def _sources(sources: Sequence[str | None], labels: list[str]) -> str:
-    how = {"TensorBoard": "TensorBoard's throughput/*, a point per window",
-           FILE_NAME: "the summary file's window batches"}
-    used = [s for s in how if s in sources]
-    if len(used) == 1:
-        return how[used[0]]
-    return "; ".join(f"{', '.join(lab for lab, s in zip(labels, sources) if s == src)}: {how[src]}" for src in used)
