@@ -33,6 +33,16 @@ copies are the device-to-device memcpy of the step.  Rank zero prints one
 row per case, rank and step, then a summary per case and rank (the largest per-step gap, and how many steps are
 within 0.1 ms or 2%), and the verdicts.  ``--cpu``: gloo, a tiny model, no profiler: that the script runs,
 splits and adds up (``tests/test_comm.py`` runs it).
+
+``--launches`` adds the blocked rule (``nccl_truth.per_step_blocked``): the queued rule's exposed time only where
+the compute stream has its next kernel queued (from the host's launch call of the kernel that ends each of its
+gaps), not where it idles for the host, as FSDP2's steps do between groups.  The launch calls are the CUDA
+runtime's and driver's, which the profiler's CUDA activity records already (matched to their kernels by
+correlation id): the flag turns on no CPU activity (``--profile-cpu`` does, and combines with it).  Each row then
+ends in ``blocked`` and its diff, and each case and rank gets a summary line of its own.  ``--stream-waits`` (with
+``--launches``) has the profiler record CUPTI's synchronization records too (torch's experimental
+``enable_cuda_sync_events``) and the summary line adds the rule with the compute stream's own waits on events
+counted as queued work (``waited``: a wait on a collective queued while the host has yet to launch what follows).
 """
 
 from __future__ import annotations
@@ -52,7 +62,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
-from benchmarks.nccl_truth import device_intervals, exposed_where, per_step  # noqa: E402
+from benchmarks.nccl_truth import (  # noqa: E402
+    device_activities, device_intervals, exposed_where, launch_times, per_step, per_step_blocked)
 from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.phases import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
@@ -66,9 +77,9 @@ SPAN_BEGIN, SPAN_END = "bitwise_not", "logical_not"
 
 def span_kernels() -> None:
     """Wrap phase-timer's FSDP2 spans with the two kernels (each on the stream the marks go to)."""
-    from phase_timer import comm
+    from phase_timer.comm import fsdp
 
-    between = comm._between_marks
+    between = fsdp._between_marks
     tiny = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def marked(engine, phase, fn, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -82,7 +93,7 @@ def span_kernels() -> None:
 
         return between(engine, phase, inner, *a, **kw)
 
-    comm._between_marks = marked
+    fsdp._between_marks = marked
 
 
 class Block(nn.Module):
@@ -194,7 +205,9 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     core._consume = consumed
     activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if args.profile_cpu
                                                            else [])
-    prof = None if device.type != "cuda" else torch.profiler.profile(activities=activities)
+    sync = {"experimental_config": torch._C._profiler._ExperimentalConfig(enable_cuda_sync_events=True)} \
+        if args.stream_waits and device.type == "cuda" else {}
+    prof = None if device.type != "cuda" else torch.profiler.profile(activities=activities, **sync)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     first = args.steps - args.profiled
     probe = next(iter(getattr(timer, "_comm", None) or ()), None)
@@ -220,17 +233,26 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     if prof is not None:
         torch.cuda.synchronize()  # the benchmark's
         prof.stop()
-    copy_ms = core.comm.copy_ms
+    from phase_timer.comm import run as comm_run
+
+    run_comm = comm_run.find(core)
+    copy_ms = run_comm.copy_ms if run_comm is not None else None
     counted = core.flops is not None and getattr(core.flops, "counted", None)
     pt_peak = core.memory.peak_allocated_mb if core.memory is not None else None
     totals = timer.close()
     torch_peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     truth: list[dict] = []
     where: list[dict] = []
+    blocked: list[dict] = []
+    blocked_start: list[dict] = []
     if prof is not None:
         events = prof.events()
         intervals = device_intervals(events)
         truth = per_step(intervals, ("nccl",), "spin_kernel")
+        if args.launches:
+            activities = device_activities(events)
+            blocked = per_step_blocked(activities, launch_times(events), ("nccl",), "spin_kernel")
+            blocked_start = per_step_blocked(activities, launch_times(events, at="start"), ("nccl",), "spin_kernel")
         if args.span_kernels:
             where = exposed_where(intervals, SPAN_BEGIN, SPAN_END)
         if args.trace_dir and rank in (0, 1) and case in args.trace_cases.split(","):
@@ -240,12 +262,15 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
         step = first + k
         raw, final = steps.get(step, ({}, {}))
         t = truth[k] if k < len(truth) else {}
+        bl = blocked[k] if k < len(blocked) else {}
         rows.append(dict(step=step, wait=sum(final.get(p, 0.0) for p in COMM_PARTS),
                          raw=sum(raw.get(p, 0.0) for p in COMM_PARTS), fwd=final.get("forward.comm_wait"),
                          step_ms=final.get("step"), period=final.get("period"), data_wait=final.get("data_wait"),
                          truth=t.get("exposed_queued"), strict=t.get("exposed_stream"), analyzers=t.get("exposed"),
                          comm=t.get("comm"),
-                         prof_copies=t.get("copies"), prof_copies_run=t.get("copies_run")))
+                         prof_copies=t.get("copies"), prof_copies_run=t.get("copies_run"),
+                         blocked=bl.get("blocked"), blocked_unmatched=bl.get("unmatched"), waited=bl.get("waited"),
+                         blocked_at_call_start=blocked_start[k]["blocked"] if k < len(blocked_start) else None))
     d = timer.diagnosis
     findings = [d, *d.secondary] if d is not None else []
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
@@ -268,6 +293,33 @@ def fmt(v: float | None, w: int = 8) -> str:
     return f"{'-':>{w}}" if v is None else f"{v:{w}.3f}"
 
 
+def blocked_diff(row: dict) -> float | None:
+    """phase-timer's reading less the blocked rule's, ms (None without the rule)."""
+    return None if row.get("blocked") is None else row["wait"] - row["blocked"]
+
+
+def blocked_line(r: dict) -> str:
+    """One case's and rank's summary under the blocked rule: its steps within 0.1 ms or 2% of the rule, the largest
+    gap, the rule's mean against the queued rule's, the part counted in gaps whose kernel had no launch found, and
+    the rule with each launch at its call's start."""
+    rows = [row for row in r["rows"] if row.get("blocked") is not None]
+    ok = sum(abs(blocked_diff(row)) <= max(0.1, 0.02 * row["blocked"]) for row in rows)
+    worst = max((blocked_diff(row) for row in rows), key=abs, default=0.0)
+    n = len(rows) or 1
+    mean = {k: sum(row[k] or 0.0 for row in rows) / n for k in ("blocked", "truth", "blocked_unmatched",
+                                                                 "blocked_at_call_start")}
+    line = (f"{r['case']:14} rank {r['rank']}: {ok}/{len(rows)} steps within 0.1 ms or 2% of the blocked rule, "
+            f"largest gap {worst:+.3f} ms; blocked {mean['blocked']:.3f} ms a step vs queued {mean['truth']:.3f}; in "
+            f"gaps with no launch found {mean['blocked_unmatched']:.3f}; with launches at their call's start "
+            f"{mean['blocked_at_call_start']:.3f}")
+    waited = [row for row in rows if row.get("waited") is not None]
+    if waited:
+        near = sum(abs(row["wait"] - row["waited"]) <= max(0.1, 0.02 * row["waited"]) for row in waited)
+        line += (f"; with the compute stream's waits queued {sum(row['waited'] for row in waited) / len(waited):.3f} "
+                 f"({near}/{len(waited)} steps within 0.1 ms or 2%)")
+    return line
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cpu", action="store_true", help="gloo, a tiny model, no profiler: a smoke run")
@@ -284,6 +336,12 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--profile-cpu", action="store_true", help="CPU activity too (slows the host ~3x a launch: the "
                    "steps turn host-bound and the union rule then counts NCCL beside the idle gaps as exposed)")
+    p.add_argument("--launches", action="store_true", help="the blocked rule beside the others: the queued rule "
+                   "where the compute stream has its next kernel queued (the host's launch calls, which the CUDA "
+                   "activity records already; no CPU activity)")
+    p.add_argument("--stream-waits", action="store_true", help="with --launches: CUPTI's synchronization records "
+                   "too (enable_cuda_sync_events), and the blocked rule with the compute stream's waits counted as "
+                   "queued work")
     p.add_argument("--sample-at", type=int, help="time DDP's copies on this step's backward too (a traced one)")
     p.add_argument("--span-kernels", action="store_true", help="a diagnosis: exposed NCCL inside and outside "
                    "phase-timer's FSDP2 spans, per step (a tiny kernel marks each span on the trace)")
@@ -292,6 +350,7 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--json")
     args = p.parse_args()
+    args.launches = args.launches or args.stream_waits
     if args.cpu:
         args.width, args.depth, args.vocab, args.batch, args.seq = 64, 2, 128, 4, 16
         args.steps, args.warmup, args.profiled, args.window, args.eval_batches = 30, 3, 4, 5, 30
@@ -317,11 +376,15 @@ def main() -> None:
                  "comm_wait: forward.comm_wait + backward.comm_wait (before cp: DDP's copies not taken off); queued: the "
                  "union rule with the compute stream's launch gaps (<= 3 us) filled; strict: the union rule as is; "
                  "analyzers: compute kernels only; nccl: the collectives' union; copies, run: DDP's copies (device-to-"
-                 "device memcpy), their own time and back to back; all ms",
+                 "device memcpy), their own time and back to back; all ms"
+                 + ("; blocked: the queued rule where the compute stream has its next kernel queued (launched by the "
+                    "host: from the launch call's end), not where it idles for the host" if args.launches else ""),
                  f"{'case':14} {'rank':>4} {'step':>4} {'comm_wait':>9} {'before cp':>9} {'queued':>8} "
                  f"{'diff':>8} {'strict':>8} {'diff':>8} {'analyzers':>9} {'nccl':>8} {'copies':>8} {'run':>8} "
-                 f"{'step':>8} {'period':>8} {'data_wait':>9}"]
+                 f"{'step':>8} {'period':>8} {'data_wait':>9}"
+                 + (f" {'blocked':>8} {'diff':>8}" if args.launches else "")]
         summary = []
+        blocked_summary = []
         for r in results:
             ok = strict_ok = n = 0
             worst = 0.0
@@ -337,7 +400,8 @@ def main() -> None:
                              f"{fmt(row['raw'], 9)} {fmt(row['truth'])} {fmt(diff)} {fmt(row['strict'])} "
                              f"{fmt(sdiff)} {fmt(row['analyzers'], 9)} "
                              f"{fmt(row['comm'])} {fmt(row['prof_copies'])} {fmt(row.get('prof_copies_run'))} {fmt(row['step_ms'])} "
-                             f"{fmt(row['period'])} {fmt(row['data_wait'], 9)}")
+                             f"{fmt(row['period'])} {fmt(row['data_wait'], 9)}"
+                             + (f" {fmt(row['blocked'])} {fmt(blocked_diff(row))}" if args.launches else ""))
             over = sum(1 for row in r["rows"] if row["step_ms"] is not None and row["period"] is not None
                        and row["step_ms"] > row["period"])
             pc = [row["prof_copies_run"] for row in r["rows"] if row.get("prof_copies_run")]
@@ -346,7 +410,11 @@ def main() -> None:
                            f"{fmt(sorted(pc)[len(pc) // 2] if pc else None)} ms (median); steps with step > period: "
                            f"{over}; mean step {fmt(r['mean_step'])} period {fmt(r['mean_period'])}; "
                            f"verdicts {','.join(r['kinds'])}")
+            if args.launches:
+                blocked_summary.append(blocked_line(r))
         lines += ["", *summary, ""]
+        if args.launches:
+            lines += [*blocked_summary, ""]
         lines += [f"findings ({r['case']}, rank {r['rank']}): " + " || ".join(r["findings"]) for r in results]
         lines += [f"where ({r['case']}, rank {r['rank']}, step {first}): exposed (queued rule) inside phase-timer's "
                   f"spans {w['inside']:.3f} ms, outside {w['outside']:.3f} ms in {w['n_outside']} intervals, by "

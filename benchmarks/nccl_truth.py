@@ -23,25 +23,54 @@ hand (``tests/test_nccl_truth.py``).
 - **Steps** are cut at marker kernels (``marker``, launched at each iteration's start on the compute stream):
   step *i* is ``[marker_i, marker_{i+1})``, the last one ends at the last activity; every interval is clipped
   to the step it falls in.
+- **Blocked rule** (:func:`per_step_blocked`). When the host paces the step (FSDP2's Python per group), the
+  compute stream idles beside a running collective because nothing is queued on it yet: the union rule, queued or
+  not, counts that time, though the stream waits for the host, not for the collective.  The blocked rule keeps,
+  of the queued rule's exposed time, only what falls where the compute stream is *blocked*: in each gap between
+  its activities, from the host's launch of the activity that ends the gap (its runtime call, ``cudaLaunchKernel``,
+  ``cuLaunchKernel``, ``cudaMemcpyAsync`` and the like, matched by the profiler's correlation id) to the gap's
+  end; before that launch the stream had nothing queued.  The compute stream is the markers' stream.  The
+  launches come from the same ``prof.events()`` (:func:`launch_times`): the profiler's CUDA activity alone
+  records the runtime and driver calls (torch 2.11: CPU-side events whose ``FunctionEvent.id`` is CUPTI's
+  correlation id, the same as their kernel's; a kernel's ``device_resource_id`` is its stream).  A launch is
+  taken at the call's end: under the profiler a call lasts 5-70 µs and an idle stream starts its kernel ~1 µs
+  after it returns (an H100), so the call's start would count as blocked the host's own time in the call.
+  A stream can also be blocked with no kernel queued: a wait on a collective's event (``cudaStreamWaitEvent``)
+  queued while the host has yet to launch what follows.  Where the profile holds CUPTI's synchronization records
+  (torch's experimental ``enable_cuda_sync_events``: a ``Stream Wait Event`` on the waiting stream, at the host's
+  call), ``waited`` gives the rule with such a wait counted as queued work too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from bisect import bisect_left
+from collections import Counter
+from typing import Any, Iterable, Mapping, Sequence
 
 Interval = tuple[float, float, str, str]  # start µs, end µs, name, kind ("kernel", "memcpy", "memset", "annotation")
+#: An interval with where it ran and what launched it: start µs, end µs, name, kind, stream, correlation id.
+Activity = tuple[float, float, str, str, int, int]
 #: A marker kernel lasts at most this long (longer spins are not markers).
 MARKER_MAX_US = 10.0
 #: Two copies this close follow each other on a queued stream (a launch's gap on the device is ~1.3 µs).
 QUEUED_GAP_US = 3.0
 ANNOTATION_PREFIXES = ("nccl:", "fsdp::", "fsdp:", "record_param_comms", "profilerstep", "ddp::")
+#: CUPTI's synchronization records (``enable_cuda_sync_events``): no device work, the host's call on a stream.
+SYNC_NAMES = ("Stream Wait Event", "Event Sync", "Stream Sync", "Context Sync")
 
 
 def device_intervals(events: Iterable[Any]) -> list[Interval]:
-    """The device's activities in ``prof.events()``: kernels, memcpy and memset, never annotations."""
+    """The device's activities in ``prof.events()``: kernels, memcpy and memset, never annotations nor
+    synchronization records."""
+    return [a[:4] for a in device_activities(events) if a[3] != "sync"]
+
+
+def device_activities(events: Iterable[Any]) -> list[Activity]:
+    """:func:`device_intervals` with each activity's stream (``device_resource_id``) and correlation id (``id``:
+    CUPTI's, shared with the runtime call that launched it), and the synchronization records (kind ``"sync"``)."""
     import torch
 
-    out: list[Interval] = []
+    out: list[Activity] = []
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= e.time_range.start:
             continue
@@ -51,13 +80,35 @@ def device_intervals(events: Iterable[Any]) -> list[Interval]:
         if getattr(e, "is_user_annotation", False) or (activity is not None and "annotation" in str(activity).lower()) \
                 or low.startswith(ANNOTATION_PREFIXES):
             kind = "annotation"
+        elif name in SYNC_NAMES:
+            kind = "sync"
         elif "memcpy" in low:
             kind = "memcpy"
         elif "memset" in low:
             kind = "memset"
         else:
             kind = "kernel"
-        out.append((float(e.time_range.start), float(e.time_range.end), name, kind))
+        out.append((float(e.time_range.start), float(e.time_range.end), name, kind,
+                    int(getattr(e, "device_resource_id", -1)), int(e.id)))
+    return out
+
+
+#: The host's calls that queue device work: the CUDA runtime's and driver's (``cudaLaunchKernel``,
+#: ``cuLaunchKernel``, ``cuLaunchKernelEx``, ``cudaMemcpyAsync``, ``cudaMemsetAsync``, ``cudaGraphLaunch``...).
+LAUNCH_PREFIXES = ("cu",)
+
+
+def launch_times(events: Iterable[Any], at: str = "end") -> dict[int, float]:
+    """The host time (µs) of each runtime or driver call in ``prof.events()``, by correlation id: the call's end
+    (``at="end"``: the work is queued by then; an idle stream starts it ~1 µs later) or its start (``"start"``).
+    Only CPU-side events named ``cuda*``/``cu*`` count (an op's own id is from another counter)."""
+    import torch
+
+    out: dict[int, float] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith(LAUNCH_PREFIXES):
+            continue
+        out[int(e.id)] = float(e.time_range.end if at == "end" else e.time_range.start)
     return out
 
 
@@ -128,6 +179,88 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
             copies_run=back_to_back_us(mine) / 1e3,
             span=(hi - lo) / 1e3,
         ))
+    return rows
+
+
+def _is_marker(iv: Sequence[Any], marker: str) -> bool:
+    return iv[3] == "kernel" and marker in iv[2] and iv[1] - iv[0] <= MARKER_MAX_US
+
+
+def blocked_windows(activities: Sequence[Activity], launches: Mapping[int, float], stream: int,
+                    comm: Sequence[str] = ("nccl",), waits: Sequence[float] = ()
+                    ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Where ``stream`` (the compute stream) waits with work queued: for each gap between its activities (kernels,
+    memcpy and memset, markers too; not annotations, not communication), from the later of the gap's start and
+    the host's launch of the activity that ends the gap (``launches``: correlation id -> µs) to the gap's end;
+    with ``waits`` (host times of the stream's own waits on events), from the first wait queued after the launch
+    of the activity before the gap, where that comes sooner.  Second, the gaps whose ending activity has no launch
+    in ``launches``: each is among the first as a whole (it counts as the union rule counts it)."""
+    own = sorted((a, b, corr) for a, b, n, k, s, corr in activities
+                 if s == stream and k not in ("annotation", "sync") and not any(c in n.lower() for c in comm))
+    waits = sorted(waits)
+    windows: list[tuple[float, float]] = []
+    unmatched: list[tuple[float, float]] = []
+    end: float | None = None
+    before: float | None = None  # the launch of the activity before the gap
+    for a, b, corr in own:
+        if end is not None and a > end:
+            launch = launches.get(corr)
+            if launch is None:
+                unmatched.append((end, a))
+                windows.append((end, a))
+            else:
+                i = bisect_left(waits, end if before is None else before)
+                if i < len(waits):
+                    launch = min(launch, waits[i])
+                if launch < a:
+                    windows.append((max(end, launch), a))
+        end = b if end is None else max(end, b)
+        before = launches.get(corr, before)
+    return windows, unmatched
+
+
+def compute_stream(activities: Sequence[Activity], marker: str = "spin_kernel") -> int | None:
+    """The stream the most ``marker`` kernels run on (the markers are launched on the compute stream); None
+    without markers."""
+    streams = Counter(a[4] for a in activities if _is_marker(a, marker))
+    return streams.most_common(1)[0][0] if streams else None
+
+
+def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, float], comm: Sequence[str] = ("nccl",),
+                     marker: str = "spin_kernel") -> list[dict[str, float]]:
+    """The blocked rule per step (cut as :func:`per_step` cuts them): ``blocked``, the queued rule's exposed
+    communication (the collectives' union outside every other activity, the work's gaps of at most QUEUED_GAP_US
+    filled) inside the compute stream's :func:`blocked_windows`; ``unmatched``, the part of it in gaps whose
+    ending activity has no launch in ``launches`` (counted in ``blocked``); ``queued``, the queued rule itself
+    (``per_step``'s ``exposed_queued``); and where ``activities`` hold the compute stream's ``Stream Wait Event``
+    records, ``waited``, the blocked rule with each of those waits counted as queued work (its record's end); in
+    ms."""
+    acts = [a for a in activities if a[3] not in ("annotation", "sync")]
+    stream = compute_stream(acts, marker)
+    if stream is None:
+        return []
+    starts = sorted(a[0] for a in acts if _is_marker(a, marker))
+    last = max(a[1] for a in acts)
+    is_comm = [any(c in a[2].lower() for c in comm) for a in acts]
+    comm_iv = [(a[0], a[1]) for a, c in zip(acts, is_comm) if c]
+    work = [(a[0], a[1]) for a, c in zip(acts, is_comm) if not c and not _is_marker(a, marker)]
+    windows, unmatched = blocked_windows(acts, launches, stream, comm)
+    waits = [a[1] for a in activities if a[3] == "sync" and a[2] == "Stream Wait Event" and a[4] == stream]
+    waited = blocked_windows(acts, launches, stream, comm, waits)[0] if waits else None
+    rows = []
+    for lo, hi in zip(starts, [*starts[1:], last]):
+        exposed = _minus(_union(_clip(comm_iv, lo, hi)), _union(_clip(work, lo, hi), QUEUED_GAP_US))
+        blocked = _union(_clip(windows, lo, hi))
+        lost = _union(_clip(unmatched, lo, hi))
+        row = dict(
+            blocked=sum(_overlap(a, b, blocked) for a, b in exposed) / 1e3,
+            unmatched=sum(_overlap(a, b, lost) for a, b in exposed) / 1e3,
+            queued=sum(b - a for a, b in exposed) / 1e3,
+        )
+        if waited is not None:
+            held = _union(_clip(waited, lo, hi))
+            row["waited"] = sum(_overlap(a, b, held) for a, b in exposed) / 1e3
+        rows.append(row)
     return rows
 
 

@@ -1,5 +1,5 @@
 """The benchmarks' truth for exposed communication (``benchmarks/nccl_truth.py``) on hand-made timelines: what the
-profiler's union-of-intervals rule must say, annotations and all."""
+profiler's union-of-intervals rule must say, annotations and all, and the blocked rule beside it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.nccl_truth import exposed_us, per_step  # noqa: E402
+from benchmarks.nccl_truth import compute_stream, exposed_us, per_step, per_step_blocked  # noqa: E402
 
 NCCL = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
 
@@ -97,3 +97,137 @@ def test_exposed_where_splits_the_exposed_time_by_the_timer_s_spans() -> None:
     assert first["then_idle"] == 0  # the work after each interval starts at its end: the stream was waiting
     assert second["inside"] == 0 and second["outside"] == pytest.approx(0.010)
     assert second["then_idle"] == pytest.approx(0.010)  # nothing ran for 20 us after it: the host's gap
+
+
+# The blocked rule: activities (start, end, name, kind, stream, correlation id) and the host's launches (correlation
+# id -> µs). Stream 7 computes (the markers run there), stream 20 holds NCCL's kernels.
+COMPUTE, COMM = 7, 20
+
+
+def act(a, b, corr, name="void gemm()", kind="kernel", stream=COMPUTE):
+    return (float(a), float(b), name, kind, stream, corr)
+
+
+def timeline(launch_b, b_start, *extra):
+    """marker, a kernel to 100, NCCL 100..600 on its own stream, then kernel B (launched at ``launch_b``, starting at
+    ``b_start``) for 100 us, and the next step's marker at 2000 (launched just before it)."""
+    acts = [act(0, 1, 1, "spin_kernel"), act(10, 100, 2), act(100, 600, 3, NCCL, stream=COMM),
+            act(b_start, b_start + 100, 4), act(2000, 2001, 5, "spin_kernel"), *extra]
+    return acts, {1: -5.0, 2: 5.0, 3: 60.0, 4: float(launch_b), 5: 1990.0}
+
+
+def test_a_host_paced_gap_beside_a_collective_is_not_blocked():
+    """(a) B is launched after the collective ends: the stream waited for the host, not for NCCL; the union rule
+    counts the 500 us, the blocked rule none."""
+    acts, launches = timeline(690, 700)
+    row = per_step_blocked(acts, launches)[0]
+    union = per_step([a[:4] for a in acts])[0]
+    assert union["exposed_stream"] == pytest.approx(0.5) and union["exposed_queued"] == pytest.approx(0.5)
+    assert row["queued"] == pytest.approx(0.5)
+    assert row["blocked"] == 0 and row["unmatched"] == 0
+
+
+def test_a_wait_on_a_collective_with_the_next_kernel_queued_counts_in_full():
+    """(b) B is launched at 50, before the gap: the stream is blocked from 100 to 600 by the collective."""
+    acts, launches = timeline(50, 600)
+    row = per_step_blocked(acts, launches)[0]
+    union = per_step([a[:4] for a in acts])[0]
+    assert union["exposed_stream"] == pytest.approx(0.5) and union["exposed_queued"] == pytest.approx(0.5)
+    assert row["blocked"] == pytest.approx(0.5) and row["queued"] == pytest.approx(0.5)
+
+
+def test_a_gap_partly_host_paced_counts_only_from_the_launch_on():
+    """(c) B is launched at 300, mid-collective, and waits for it to end at 600: 300..600 is blocked."""
+    acts, launches = timeline(300, 600)
+    row = per_step_blocked(acts, launches)[0]
+    assert row["queued"] == pytest.approx(0.5)
+    assert row["blocked"] == pytest.approx(0.3)
+
+
+def test_annotations_neither_double_count_the_collective_nor_fill_the_compute_stream_s_gap():
+    """(d) ProcessGroupNCCL's GPU-side nccl:all_reduce over its kernel's interval, on the kernel's stream and on the
+    compute stream (where a torch puts it): counted once, and no activity of the compute stream."""
+    extra = (act(100, 600, 6, "nccl:all_reduce", "annotation", COMM),
+             act(100, 600, 7, "nccl:all_reduce", "annotation", COMPUTE),
+             act(0, 2001, 8, "FSDP::post_backward", "annotation", COMPUTE))
+    acts, launches = timeline(50, 600, *extra)
+    row = per_step_blocked(acts, launches)[0]
+    assert row["blocked"] == pytest.approx(0.5) and row["queued"] == pytest.approx(0.5)
+    assert per_step([a[:4] for a in acts])[0]["comm"] == pytest.approx(0.5)
+
+
+def test_the_blocked_rule_keeps_the_queued_rule_s_work_and_launch_gaps():
+    """Another stream's copy beside the collective hides it (work, as in the union rule); the compute stream's 2 us
+    launch gaps beside a collective count in neither rule; the steps are the markers'."""
+    acts, launches = timeline(50, 600, act(200, 300, 9, "Memcpy DtoD (Device -> Device)", "memcpy", 30))
+    launches[9] = 150.0
+    row = per_step_blocked(acts, launches)[0]
+    assert row["blocked"] == pytest.approx(0.4) and row["queued"] == pytest.approx(0.4)
+    queued = [act(0, 1, 1, "spin_kernel"), act(95, 1100, 2, NCCL, stream=COMM), act(1500, 1501, 99, "spin_kernel")]
+    queued += [act(90 + 12 * i, 100 + 12 * i, 10 + i) for i in range(6)]  # 10 us kernels 2 us apart, all launched early
+    rows = per_step_blocked(queued, {c: 0.0 for c in [1, 2, 99, *range(10, 16)]})
+    assert len(rows) == 2
+    assert rows[0]["queued"] == pytest.approx(0.94)  # 160..1100: the kernels' gaps filled
+    assert rows[0]["blocked"] == pytest.approx(0.94)
+
+
+def test_a_gap_with_no_launch_found_counts_as_the_union_rule_counts_it_and_is_reported():
+    acts, launches = timeline(50, 600)
+    del launches[4]
+    row = per_step_blocked(acts, launches)[0]
+    assert row["blocked"] == pytest.approx(0.5) and row["unmatched"] == pytest.approx(0.5)
+    assert per_step_blocked([a for a in acts if "spin" not in a[2]], launches) == []  # no marker: no step
+
+
+def test_a_wait_queued_on_the_compute_stream_blocks_it_where_the_profile_holds_the_waits():
+    """CUPTI's Stream Wait Event (a synchronization record, at the host's call): B is launched late (690, after the
+    collective), but the compute stream's wait on the collective was queued at 150: ``waited`` counts 150..600, the
+    blocked rule none; a wait on another stream, or queued before the launch of the kernel before the gap, counts
+    not; the records are no activities (they neither close a gap nor hide the collective)."""
+    sync = "Stream Wait Event"
+    acts, launches = timeline(690, 700, act(148, 150, 6, sync, "sync"), act(120, 122, 7, sync, "sync", 30))
+    row = per_step_blocked(acts, launches)[0]
+    assert row["blocked"] == 0 and row["waited"] == pytest.approx(0.45) and row["queued"] == pytest.approx(0.5)
+    assert per_step([a[:4] for a in acts if a[3] != "sync"])[0]["exposed_stream"] == pytest.approx(0.5)
+    early, launches = timeline(690, 700, act(2, 4, 6, sync, "sync"))  # queued before the kernel at 10 (launched at 5)
+    assert per_step_blocked(early, launches)[0]["waited"] == 0
+    assert "waited" not in per_step_blocked(*timeline(690, 700))[0]  # no records: no such rule
+
+
+def test_the_compute_stream_is_the_markers_stream():
+    """Kernel B on another stream does not end the compute stream's gap: its next activity is the marker at 2000,
+    launched at 1990, so 100..600 was the host's (the compute stream had nothing queued)."""
+    acts, launches = timeline(50, 600)
+    acts[3] = act(600, 700, 4, stream=40)
+    assert compute_stream(acts) == COMPUTE
+    assert per_step_blocked(acts, launches)[0]["blocked"] == 0
+
+
+def test_activities_and_launches_are_read_off_the_profiler_s_events():
+    """``prof.events()`` as torch 2.11 gives them with CUDA activity alone: each kernel with its stream
+    (``device_resource_id``) and CUPTI's correlation id (``id``), each runtime or driver call a CPU-side event with
+    the same id; an op's own id (another counter) is no launch; with ``enable_cuda_sync_events`` a stream's wait is a
+    device-side record on that stream."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.nccl_truth import device_activities, device_intervals, launch_times
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, device, corr, a, b, res):
+        return SimpleNamespace(name=name, device_type=device, id=corr, time_range=SimpleNamespace(start=a, end=b),
+                               device_resource_id=res, is_user_annotation=False)
+
+    events = [ev("cudaLaunchKernel", cpu, 3, 10.0, 20.0, 1234), ev("cuLaunchKernel", cpu, 20, 30.0, 35.0, 1234),
+              ev("cudaDeviceSynchronize", cpu, 40, 36.0, 90.0, 1234), ev("aten::mm", cpu, 21, 29.0, 36.0, 1234),
+              ev("spin_kernel", cuda, 3, 19.0, 20.0, 7), ev("void cutlass::Kernel2<x>", cuda, 20, 36.0, 80.0, 7),
+              ev("nccl:all_reduce", cuda, 5, 40.0, 60.0, 13), ev(NCCL, cuda, 6, 40.0, 60.0, 13),
+              ev("Stream Wait Event", cuda, 41, 37.0, 38.0, 7)]
+    assert launch_times(events) == {3: 20.0, 20: 35.0, 40: 90.0}
+    assert launch_times(events, at="start")[20] == 30.0
+    acts = device_activities(events)
+    assert acts[1] == (36.0, 80.0, "void cutlass::Kernel2<x>", "kernel", 7, 20)
+    assert [a[3] for a in acts] == ["kernel", "kernel", "annotation", "kernel", "sync"]
+    assert device_intervals(events) == [a[:4] for a in acts[:4]]  # no synchronization record
