@@ -22,13 +22,15 @@ from typing import Any
 from phase_timer import oom
 from phase_timer._env import warn
 from phase_timer.clock import make_clock
-from phase_timer.config import TimerConfig, _fail
+from phase_timer.config import _fail
 from phase_timer.core import TimingCore
+from phase_timer.options import Options
 from phase_timer.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name
-from phase_timer.sinks import Sink, open_event_file
+from phase_timer.sinks import BackgroundSink, Sink, SummaryWriterSink, open_event_file
 from phase_timer.flops import check_flops_arg
 from phase_timer.step_flops import FlopPlan
+from phase_timer.tags import custom_scalars_layout
 from phase_timer.throughput import BatchCounter
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ def tensorboard_installed() -> bool:
     return True
 
 
-def own_event_file(log_dir: str, *, config: TimerConfig, ranks: bool, fail_fast: bool) -> Outputs:
+def own_event_file(log_dir: str, *, config: Options, ranks: bool, fail_fast: bool) -> Outputs:
     """An event file of our own in ``log_dir`` (and the summary file beside it).
 
     Without the ``tensorboard`` package: no event file, one warning naming the extra, and the
@@ -81,8 +83,15 @@ def own_event_file(log_dir: str, *, config: TimerConfig, ranks: bool, fail_fast:
     return Outputs([sink], log_dir, log_dir)
 
 
+def writer_sink(writer: Any, config: Options, *, ranks: bool, name: str) -> Sink:
+    """A SummaryWriter that is not ours (the user's, a logger's), written on a thread of its own, with the custom
+    scalars' layout; closing the run leaves it open."""
+    layout = custom_scalars_layout(config.per_step, ranks)
+    return BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), name)
+
+
 def start_core(
-    config: TimerConfig,
+    config: Options,
     device: Any,
     *,
     door: str,
@@ -116,7 +125,8 @@ def start_core(
     core.log_dir = out.log_dir
     core.outputs_missing = out.missing
     dev = _device(device)
-    core.context.update(door=door, config=config_dict(config), device_type=dev.type if dev is not None else "cpu",
+    given = {k: v for k, v in config_dict(config).items() if k != "enabled"}  # every run written had it on
+    core.context.update(door=door, config=given, device_type=dev.type if dev is not None else "cpu",
                         device_name=device_name(dev) if dev is not None else "cpu", cpu_count=cpu_count())
     core.context.update(context or {})
     # The run's directory for memory_snapshot's file (rank zero's; the others learn it through the store, as they
@@ -127,7 +137,7 @@ def start_core(
     return core
 
 
-def _flop_plan(config: TimerConfig, clock: str, device: Any) -> FlopPlan | None:
+def _flop_plan(config: Options, clock: str, device: Any) -> FlopPlan | None:
     """The run's FLOPs and MFU: counted on a device (where a peak can be known), given, or asked for with
     ``peak_tflops=`` (the CPU); None with ``mfu=False``.  Counting on the host clock with no peak would
     cost an untimed step for a figure nobody could read against anything."""

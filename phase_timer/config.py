@@ -1,15 +1,17 @@
-"""Keyword-only configuration shared by both doors, checked when it is built."""
+"""The rules the doors' arguments are checked by, when a door is built.
+
+Each rule is ``check(owner, name, value)`` and fails fast with a ``ValueError`` that repeats
+the call (``attach(window=0)``), says what the argument must be and what it got.  Which
+argument takes which rule: :class:`phase_timer.options.Options`.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-from phase_timer import files
 from phase_timer._env import env_flag
-from phase_timer.trace import TraceWriter
 
 #: Set to 1/true/yes/on to turn every phase-timer into a no-op without touching code.
 DISABLE_ENV = "PHASE_TIMER_DISABLE"
@@ -123,87 +125,33 @@ def check_peak(owner: str, name: str, value: Any) -> None:
         _fail(owner, name, value, "the device's dense peak in TFLOP/s (a finite number > 0), or None")
 
 
-def check_snapshot(owner: str, value: Any) -> None:
+def check_snapshot(owner: str, name: str, value: Any) -> None:
     """``memory_snapshot``: None/False (off), True or ``"end"`` (the run's directory), or a file path."""
     if value is None or isinstance(value, bool) or value == "end":
         return
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        _fail(owner, "memory_snapshot", value, "None, True, 'end' or a file path for the snapshot")
-    check_path(owner, "memory_snapshot", value, kind="file")
+        _fail(owner, name, value, "None, True, 'end' or a file path for the snapshot")
+    check_path(owner, name, value, kind="file")
 
 
-def check_nvtx(owner: str) -> None:
-    """``nvtx=True`` needs torch's NVTX functions (a CUDA build); a CPU build lacks them."""
+def check_nvtx(owner: str, name: str, value: Any) -> None:
+    """True or False; True needs torch's NVTX functions (a CUDA build), which a CPU build lacks."""
+    check_bool(owner, name, value)
+    if not value:
+        return
     try:
         import torch.cuda.nvtx as nvtx
 
         nvtx.range_push("phase-timer")
         nvtx.range_pop()
     except Exception as err:  # noqa: BLE001 - any failure means the ranges would fail mid-run
-        _fail(owner, "nvtx", True, "False on this torch build", f": its NVTX ranges fail here ({err})")
+        _fail(owner, name, True, "False on this torch build", f": its NVTX ranges fail here ({err})")
 
 
-@dataclass(frozen=True)
-class TimerConfig:
-    """What both doors accept.  ``window=None`` means: the framework's logging interval."""
-
-    window: int | None = None
-    warmup_steps: int = 5
-    max_pending: int = 64
-    per_step: bool = False
-    summary: bool = True
-    log_dir: str | os.PathLike[str] | None = None
-    nvtx: bool = False
-    trace_steps: tuple[int, int] | None = None
-    trace_path: str | os.PathLike[str] | None = None
-    rank_timeout_s: float = 30.0
-    memory: bool = True
-    #: A step's samples and tokens for its throughput: None reads them from each batch's shapes (tokens: the
-    #: input ids' numel, padding included); or a count a batch, or a function of the batch (``throughput.py``).
-    samples_per_batch: Any = None
-    tokens_per_batch: Any = None
-    #: FLOPs and MFU (``step_flops.py``): the step's FLOPs if given (else counted once per batch shape on an
-    #: untimed step), the device's dense peak in TFLOP/s if given (else the table's), and whether to do it at all.
-    flops_per_step: Any = None
-    peak_tflops: Any = None
-    mfu: bool = True
-    #: Record the CUDA allocator's history and dump a snapshot on an out-of-memory error (``phase_timer/oom.py``):
-    #: None (off), True (``memory_snapshot.pickle`` in the run's directory), ``"end"`` (also at the run's end), a path.
-    memory_snapshot: Any = None
-    owner: str = "PhaseTimer"
-    #: What the door calls ``window`` (the Lightning callback: ``log_every_n_steps``).
-    window_arg: str = "window"
-
-    def __post_init__(self) -> None:
-        o = self.owner
-        check_int(o, self.window_arg, self.window, 1, optional=True)
-        check_int(o, "warmup_steps", self.warmup_steps, 0)
-        check_int(o, "max_pending", self.max_pending, 1)
-        check_bool(o, "per_step", self.per_step)
-        check_bool(o, "summary", self.summary)
-        check_bool(o, "nvtx", self.nvtx)
-        if self.nvtx:
-            check_nvtx(o)
-        check_path(o, "log_dir", self.log_dir, kind="directory")
-        check_path(o, "trace_path", self.trace_path, kind="file")
-        check_seconds(o, "rank_timeout_s", self.rank_timeout_s)
-        check_bool(o, "memory", self.memory)
-        check_count(o, "samples_per_batch", self.samples_per_batch)
-        check_count(o, "tokens_per_batch", self.tokens_per_batch)
-        check_bool(o, "mfu", self.mfu)
-        check_flops(o, "flops_per_step", self.flops_per_step)
-        check_peak(o, "peak_tflops", self.peak_tflops)
-        check_snapshot(o, self.memory_snapshot)
-        ts = self.trace_steps
-        if ts is not None and not (
-            isinstance(ts, tuple) and len(ts) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in ts)
-            and 0 <= ts[0] < ts[1]
-        ):
-            _fail(o, "trace_steps", ts, "a tuple (first, stop) of ints with 0 <= first < stop, or None")
-
-    def make_trace(self, log_dir: str | None, clock: str) -> TraceWriter | None:
-        """The trace writer for ``trace_steps`` (default file: ``<log_dir>/phase_trace.json``)."""
-        if self.trace_steps is None:
-            return None
-        path = self.trace_path or files.join(log_dir or ".", "phase_trace.json")
-        return TraceWriter(path, *self.trace_steps, clock=clock)
+def check_span(owner: str, name: str, value: Any) -> None:
+    """None, or ``(first, stop)``: ints with ``0 <= first < stop``."""
+    if value is not None and not (
+        isinstance(value, tuple) and len(value) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value) and 0 <= value[0] < value[1]
+    ):
+        _fail(owner, name, value, "a tuple (first, stop) of ints with 0 <= first < stop, or None")

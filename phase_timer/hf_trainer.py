@@ -34,23 +34,22 @@ Trainer's training loop (callbacks are not handed the Trainer itself).
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import logging
 import os
-import sys
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
-from phase_timer.config import DEFAULT_LOG_DIR, TimerConfig, check_bool, disabled_by_env, reject_unknown
+from phase_timer.config import DEFAULT_LOG_DIR, disabled_by_env, reject_unknown
+from phase_timer.door import ThroughTimer, documented
 from phase_timer.loop import LoopTimer
+from phase_timer.options import Options
 from phase_timer.patches import Patches
 from phase_timer.phases import FORWARD
 from phase_timer.runinfo import loader_info
-from phase_timer.stats import RunTotals
-from phase_timer.user_sinks import trainer_reporters
+from phase_timer.transformers_trainer import calling_trainer, guard_loop, reporters, tensorboard_writer
 
 try:
     from transformers import TrainerCallback
@@ -71,29 +70,28 @@ DEFAULT_DIR = DEFAULT_LOG_DIR
 _WRAPPED = ("get_batch_samples", "training_step", "_evaluate", "_save_checkpoint", "_finalize_training")
 
 
-class PhaseTimerCallback(TrainerCallback):
+@documented(run="each ``train()``", end="the end of ``train()``")
+class PhaseTimerCallback(ThroughTimer, TrainerCallback):
     """Times every optimizer step of ``Trainer.train()``: the same phases as the other two doors.
 
     Values go to the Trainer's TensorBoard run (``report_to`` with ``"tensorboard"``) at its
     ``global_step``, else to ``<output_dir>/phase-timer-logs/version_N``; the summary table is
-    printed at the end of ``train()`` on the main process, with the verdict.
-
-    Args:
-        log_dir: write to this directory instead (``version_N`` inside it).
-        window: steps per logging window (default: the Trainer's ``logging_steps``).
-        warmup_steps, max_pending, per_step, summary, nvtx, trace_steps, trace_path, rank_timeout_s, memory,
-        samples_per_batch, tokens_per_batch, flops_per_step, peak_tflops, mfu, memory_snapshot: as for ``PhaseTimer``
-            (tokens: the batches' ``input_ids``, padding included; FLOPs: counted over every micro-batch of a step).
-        enabled: ``False`` (or ``PHASE_TIMER_DISABLE=1``) times nothing.
-
-    Attributes (as ``PhaseTimer``'s; ``None`` before the end of ``train()``):
-        totals, diagnosis, last_summary, summary_path, log_dir, syncs, sync_census: the last
-            ``train()`` call's, as for ``PhaseTimer``.
-        timer: the :class:`~phase_timer.LoopTimer` of the last ``train()`` call.
+    printed at the end of ``train()`` on the main process, with the verdict.  A step's batches,
+    for ``samples_per_batch``, ``tokens_per_batch`` and the FLOP count, are all its micro-batches
+    (tokens: their ``input_ids``, padding included).
 
     Passed in ``Trainer(callbacks=[...])``, it also guards the Trainer's whole training loop: an
     exception or Ctrl+C anywhere in it (a callback, clipping, logging) writes what was measured,
     marked interrupted, puts every wrapped method back, and goes on to the caller unchanged.
+
+    Args:
+        log_dir: write to this directory instead (``version_N`` inside it).
+        window: steps per logging window (default: the Trainer's ``logging_steps``).
+        {options}
+
+    Attributes (the last ``train()``'s; ``None`` before its end):
+        timer: the :class:`~phase_timer.LoopTimer` of the last ``train()`` call.
+        {results}
     """
 
     def __init__(
@@ -120,14 +118,7 @@ class PhaseTimerCallback(TrainerCallback):
         **unknown: Any,
     ) -> None:
         reject_unknown("PhaseTimerCallback", PhaseTimerCallback.__init__, unknown)
-        self.config = TimerConfig(
-            window=window, warmup_steps=warmup_steps, max_pending=max_pending, per_step=per_step,
-            summary=summary, log_dir=log_dir, nvtx=nvtx, trace_steps=trace_steps, trace_path=trace_path,
-            rank_timeout_s=rank_timeout_s, memory=memory, samples_per_batch=samples_per_batch,
-            tokens_per_batch=tokens_per_batch, flops_per_step=flops_per_step, peak_tflops=peak_tflops, mfu=mfu,
-            memory_snapshot=memory_snapshot, owner="PhaseTimerCallback",
-        )
-        check_bool("PhaseTimerCallback", "enabled", enabled)
+        self.config = Options.of("PhaseTimerCallback", locals())
         self.enabled = enabled
         self.timer: LoopTimer | None = None
         self._trainer: Trainer | None = None
@@ -135,35 +126,19 @@ class PhaseTimerCallback(TrainerCallback):
         self._state: TrainerState | None = None
         self._patches = Patches()
 
-    # -- the results, as every door has them ----------------------------------------------
-    @property
-    def totals(self) -> RunTotals | None:
-        """Every timed step of the last ``train()`` (empty when disabled; None before the end)."""
-        timer = self.timer
-        if timer is not None:
-            return timer.totals
-        return RunTotals() if not self.enabled or disabled_by_env() else None
-
-    diagnosis = property(lambda self: _of_timer(self, "diagnosis", None), doc="The verdict of the last ``train()``.")
-    last_summary = property(lambda self: _of_timer(self, "last_summary", None), doc="The table as printed.")
-    summary_path = property(lambda self: _of_timer(self, "summary_path", None), doc="Where the summary file went.")
-    log_dir = property(lambda self: _of_timer(self, "log_dir", None), doc="Where the TensorBoard values went.")
-    syncs = property(lambda self: _of_timer(self, "syncs", ()), doc="The sync census's syncs of one warm-up step.")
-    sync_census = property(lambda self: _of_timer(self, "sync_census", None), doc="Whether the census ran, or why not.")
-
     # -- train() begins and ends --------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         """The Trainer is built: guard its whole training loop (nothing measured is lost, whatever raises)."""
-        trainer = _calling_trainer()
+        trainer = calling_trainer()
         if trainer is not None and "_inner_training_loop" not in trainer.__dict__:
-            _guard_loop(self, trainer)
+            guard_loop(self, trainer)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, optimizer: Any = None, train_dataloader: Any = None, **kw: Any) -> None:
         self._restore()  # a train() that raised left its wrappers: gone before this one
         if not self.enabled or disabled_by_env():
             return
-        trainer = _calling_trainer()
+        trainer = calling_trainer()
         if trainer is None or optimizer is None:
             warn(log, "phase-timer: PhaseTimerCallback could not find the Trainer or its optimizer at on_train_begin "
                       "(a Trainer that calls its callbacks differently?): this train() is not timed")
@@ -180,20 +155,20 @@ class PhaseTimerCallback(TrainerCallback):
                 train_dataloader: Any) -> None:
         self._trainer, self._state = trainer, state
         config = self.config
-        writer = _tensorboard_writer(trainer)
+        writer = tensorboard_writer(trainer)
         if writer is None and config.log_dir is None:
-            config = _replace(config, log_dir=os.path.join(args.output_dir, DEFAULT_DIR))
+            config = dataclasses.replace(config, log_dir=os.path.join(args.output_dir, DEFAULT_DIR))
         if config.window is None:
             steps = args.logging_steps
-            config = _replace(config, window=int(steps) if steps >= 1 else 50)
+            config = dataclasses.replace(config, window=int(steps) if steps >= 1 else 50)
         # The compiled / DDP module the loop calls (never `or`: a compiled module's truth is its len(), which raises).
         module = getattr(trainer, "model_wrapped", None)
         if module is None:
             module = model
         self.timer = timer = LoopTimer(
             module, optimizer, None, config=config, device=None, copy_to_device=False, writer=writer,
-            end_step="optimizer", scaler=getattr(optimizer, "scaler", None), enabled=True,
-            sinks=_reporters(trainer),  # report_to's W&B and MLflow runs, beside TensorBoard
+            end_step="optimizer", scaler=getattr(optimizer, "scaler", None),
+            sinks=reporters(trainer),  # report_to's W&B and MLflow runs, beside TensorBoard
         )
         timer._loader_active = True  # the batches come through get_batch_samples, wrapped below
         if timer.core is not None:
@@ -314,86 +289,3 @@ class PhaseTimerCallback(TrainerCallback):
             return
         self._patches.put_back()  # the class's own methods again, or what the user had put on the instance
 
-
-def _of_timer(callback: PhaseTimerCallback, name: str, default: Any) -> Any:
-    timer = callback.timer
-    return getattr(timer, name, default) if timer is not None else default
-
-
-def _guard_loop(callback: PhaseTimerCallback, trainer: Trainer) -> None:
-    """Put :class:`_GuardedLoop` on the Trainer instance in place of its ``_inner_training_loop`` (``train()``
-    looks it up at each call): whatever raises in it -- the callbacks' events, clipping, ``floating_point_ops``,
-    a KeyboardInterrupt between two of our hooks -- closes the timer (written, marked interrupted, hooks put
-    back) and goes on unchanged."""
-    trainer._inner_training_loop = _GuardedLoop(callback, trainer)
-
-
-class _GuardedLoop:
-    """The Trainer's own ``_inner_training_loop``, guarded.  A plain object, not a closure over the bound method:
-    it pickles with the Trainer, and ``del trainer`` frees it without waiting for the cyclic collector."""
-
-    def __init__(self, callback: PhaseTimerCallback, trainer: Trainer) -> None:
-        self._callback = callback
-        self._trainer = weakref.ref(trainer)
-        # accelerate's find_executable_batch_size reads the signature: the method's own, bound
-        self.__signature__ = inspect.signature(trainer._inner_training_loop)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self._trainer()
-        try:
-            return type(trainer)._inner_training_loop(trainer, *args, **kwargs)
-        except BaseException as err:
-            self._callback._finish(interrupted=True, error=err)
-            raise
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_callback": self._callback, "_trainer": self._trainer(), "__signature__": self.__signature__}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _trainer=weakref.ref(state["_trainer"]))
-
-
-def _replace(config: TimerConfig, **changes: Any) -> TimerConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)
-
-
-def _calling_trainer() -> Trainer | None:
-    """The Trainer whose training loop called ``on_train_begin`` (callbacks are not handed it)."""
-    from transformers import Trainer
-
-    frame = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer):
-            return owner
-        frame = frame.f_back
-    return None
-
-
-def _reporters(trainer: Any) -> list[Any]:
-    """Sinks into the Trainer's other reporters (``report_to``: W&B, MLflow), at its ``global_step``; a reporter
-    that cannot be written warns once and is left out (the run is still timed)."""
-    try:
-        return trainer_reporters(trainer)
-    except Exception as err:  # noqa: BLE001 - an integration's internals changed: time the run all the same
-        warn(log, f"phase-timer: the Trainer's reporters cannot be written ({type(err).__name__}: {err}); "
-                  "the values go to TensorBoard and the summary file")
-        return []
-
-
-def _tensorboard_writer(trainer: Any) -> Any:
-    """The SummaryWriter of the Trainer's TensorBoard callback (``report_to`` has tensorboard), if any.
-
-    That callback comes before ours (the Trainer's own callbacks are listed first), so its
-    ``on_train_begin`` has made the writer: in ``$TENSORBOARD_LOGGING_DIR`` or
-    ``<output_dir>/runs/...``, wherever it decided.
-    """
-    for cb in getattr(trainer.callback_handler, "callbacks", ()):
-        writer = getattr(cb, "tb_writer", None)
-        if type(cb).__name__ == "TensorBoardCallback" and writer is not None and hasattr(writer, "log_dir"):
-            return writer
-    return None
