@@ -29,7 +29,7 @@ from benchmarks.comm_nccl import GPT, fmt  # noqa: E402
 from benchmarks.nccl_truth import device_intervals, per_step  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.phases import COMM_PARTS
-from phase_timer.tags import step_tag  # noqa: E402
+from phase_timer.outputs.tags import step_tag  # noqa: E402
 
 
 class Profiled:

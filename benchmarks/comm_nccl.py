@@ -77,7 +77,7 @@ SPAN_BEGIN, SPAN_END = "bitwise_not", "logical_not"
 
 def span_kernels() -> None:
     """Wrap phase-timer's FSDP2 spans with the two kernels (each on the stream the marks go to)."""
-    from phase_timer.comm import fsdp
+    from phase_timer.measures.comm import fsdp
 
     between = fsdp._between_marks
     tiny = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -233,7 +233,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     if prof is not None:
         torch.cuda.synchronize()  # the benchmark's
         prof.stop()
-    from phase_timer.comm import run as comm_run
+    from phase_timer.measures.comm import run as comm_run
 
     run_comm = comm_run.find(core)
     copy_ms = run_comm.copy_ms if run_comm is not None else None

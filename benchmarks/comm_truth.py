@@ -50,9 +50,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
-from phase_timer import comm  # noqa: E402
-import phase_timer.comm.ddp  # noqa: E402,F401 - comm.ddp, comm.run below
-import phase_timer.comm.run  # noqa: E402,F401
+from phase_timer.measures import comm  # noqa: E402
+import phase_timer.measures.comm.ddp  # noqa: E402,F401 - comm.ddp, comm.run below
+import phase_timer.measures.comm.run  # noqa: E402,F401
 from benchmarks.nccl_truth import back_to_back_us, device_intervals, exposed_us  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
 

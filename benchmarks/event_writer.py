@@ -27,8 +27,8 @@ import time
 
 sys.path.insert(0, ".")
 
-from phase_timer.tags import window_scalars  # noqa: E402
-from phase_timer.stats import summarize  # noqa: E402
+from phase_timer.outputs.tags import window_scalars  # noqa: E402
+from phase_timer.timing.stats import summarize  # noqa: E402
 
 _U64, _U32 = struct.Struct("<Q"), struct.Struct("<I")
 

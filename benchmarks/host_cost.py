@@ -26,10 +26,10 @@ import contextlib
 
 import torch
 
-import phase_timer.engine
-from phase_timer.clock import CudaClock, HostClock, NativeCudaClock
-from phase_timer.core import TimingCore
-from phase_timer.sinks import BackgroundSink, SummaryWriterSink, open_event_file
+import phase_timer.timing.engine
+from phase_timer.timing.clock import CudaClock, HostClock, NativeCudaClock
+from phase_timer.run.core import TimingCore
+from phase_timer.outputs.sinks import BackgroundSink, SummaryWriterSink, open_event_file
 
 
 def print_and_save(text: str, path: str | None) -> None:
@@ -87,18 +87,18 @@ def clocks() -> list:
 @contextlib.contextmanager
 def python_engine():
     """The Python engine even where the C one would be chosen (what the previous release ran)."""
-    steps = phase_timer.engine.Steps
-    phase_timer.engine.Steps = None
+    steps = phase_timer.timing.engine.Steps
+    phase_timer.timing.engine.Steps = None
     try:
         yield
     finally:
-        phase_timer.engine.Steps = steps
+        phase_timer.timing.engine.Steps = steps
 
 
 def engine_calls(n: int) -> dict[str, float]:
     """The C engine's calls one by one, on the native clock and on the host clock (no CUDA)."""
-    from phase_timer.clock import HostClock
-    from phase_timer.engine import Steps, native_steps
+    from phase_timer.timing.clock import HostClock
+    from phase_timer.timing.engine import Steps, native_steps
 
     out: dict[str, float] = {}
     if Steps is None or NativeCudaClock is None:
@@ -180,9 +180,9 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
     pays on average.  A little device work per step lets the device finish each step soon, so
     counting the steps in flight takes its query path (the dearer one).
     """
-    import phase_timer.boundaries as b
-    import phase_timer.memory as mm
-    from phase_timer.boundaries import Boundaries
+    import phase_timer.run.boundaries as b
+    import phase_timer.measures.memory as mm
+    from phase_timer.run.boundaries import Boundaries
 
     cuda = clock_type is not HostClock
     x = torch.randn(64, 64, device="cuda") if cuda else None
@@ -201,9 +201,9 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
             state = {"i": 0}
             count = None
             if mode == "counts":  # the steady state of throughput and FLOPs: a shape counted before, carried
-                from phase_timer.flops import StepFlops, signature
-                from phase_timer.step_flops import FlopPlan
-                from phase_timer.throughput import BatchCounter
+                from phase_timer.measures.flops import StepFlops, signature
+                from phase_timer.measures.step_flops import FlopPlan
+                from phase_timer.measures.throughput import BatchCounter
 
                 batch = (torch.randint(0, 100, (8, 128)), torch.randint(0, 100, (8, 128)))
                 core.counter = BatchCounter()
@@ -256,9 +256,9 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
 
 def schedule_rows(extra_us: dict[str, float]) -> list[str]:
     """The schedule's cost by run length: dense at first (a verdict from 20 steps), sparse later."""
-    import phase_timer.boundaries as b
+    import phase_timer.run.boundaries as b
 
-    import phase_timer.memory as mm
+    import phase_timer.measures.memory as mm
 
     def expected(timed: int) -> tuple[float, float, float]:
         """Sampled steps, counted closes and memory steps within ``timed`` timed steps (sparse gaps at their mean).

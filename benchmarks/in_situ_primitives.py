@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.host_cost import print_and_save  # noqa: E402
 from benchmarks.launch_bound import DEV, sync  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, make_batches, make_model  # noqa: E402
-from phase_timer.clock import make_clock  # noqa: E402
+from phase_timer.timing.clock import make_clock  # noqa: E402
 
 LAG = 2  # the engine's default: the two newest records are not asked
 # The engine's calls a step, with how many of each it makes.

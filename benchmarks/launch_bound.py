@@ -34,12 +34,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
-import phase_timer.engine  # noqa: E402
+import phase_timer.timing.engine  # noqa: E402
 from benchmarks.host_cost import print_and_save, python_engine  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model, plain_step  # noqa: E402
-from phase_timer.clock import make_clock  # noqa: E402
-from phase_timer.core import TimingCore  # noqa: E402
-from phase_timer.sinks import open_event_file  # noqa: E402
+from phase_timer.timing.clock import make_clock  # noqa: E402
+from phase_timer.run.core import TimingCore  # noqa: E402
+from phase_timer.outputs.sinks import open_event_file  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run only
 
@@ -260,10 +260,10 @@ def main() -> None:
     timer = make_timer()
     with python_engine():
         timer_py = make_timer()
-    threaded = getattr(phase_timer.engine, "RESOLVER_THREAD", None)  # None: an older tree, which has no thread
-    phase_timer.engine.RESOLVER_THREAD = False
+    threaded = getattr(phase_timer.timing.engine, "RESOLVER_THREAD", None)  # None: an older tree, which has no thread
+    phase_timer.timing.engine.RESOLVER_THREAD = False
     timer_inline = make_timer()  # the C engine resolving at the poll, on the training thread
-    phase_timer.engine.RESOLVER_THREAD = threaded
+    phase_timer.timing.engine.RESOLVER_THREAD = threaded
     assert timer.core is not None and timer_py.core is not None
     clock = timer.core.clock
     engines = f"{type(timer.core._engine).__name__} / {type(timer_py.core._engine).__name__}"
@@ -378,7 +378,7 @@ def main() -> None:
         *(overhead_table(list(variants), us, width=40) if args.rounds else []),
     ]
     if args.inside_inline:
-        phase_timer.engine.RESOLVER_THREAD = False
+        phase_timer.timing.engine.RESOLVER_THREAD = False
     inside = host_inside(model, opt, step, args.inside_steps, calibrate=args.calibrate)
     if args.parts:  # a second run with the parts timed too: the first run's hook totals stay unbiased
         detail = host_inside(model, opt, step, args.inside_steps, parts=True)

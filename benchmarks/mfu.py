@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
 from benchmarks.provenance import code_line  # noqa: E402
-from phase_timer.flops import gpt2_flops_per_token  # noqa: E402
+from phase_timer.measures.flops import gpt2_flops_per_token  # noqa: E402
 
 LINES: list[str] = []
 ROWS: list[tuple[str, ...]] = []

@@ -49,11 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 
-import phase_timer.rank_reader as reader_module  # noqa: E402
-import phase_timer.ranks as ranks_module  # noqa: E402
+import phase_timer.distributed.rank_reader as reader_module  # noqa: E402
+import phase_timer.distributed.ranks as ranks_module  # noqa: E402
 from benchmarks.provenance import ROOT, code_line  # noqa: E402
-from phase_timer.rank_tree import FAN_IN  # noqa: E402
-from phase_timer.ranks import RankExchange  # noqa: E402
+from phase_timer.distributed.rank_tree import FAN_IN  # noqa: E402
+from phase_timer.distributed.ranks import RankExchange  # noqa: E402
 
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "between_steps", "step", "period")
 
@@ -215,8 +215,8 @@ def summarize(res: dict[str, Any], windows: int, kill: bool) -> tuple[str, bool]
 
 def frame_bytes() -> int:
     """What a rank sends for one window of these phases (its report and its run totals, in one frame)."""
-    from phase_timer.rank_node import leaf_body
-    from phase_timer.ranks import _json, _OwnTotals, encode
+    from phase_timer.distributed.rank_node import leaf_body
+    from phase_timer.distributed.ranks import _json, _OwnTotals, encode
 
     own = _OwnTotals()
     sums = {p: [123.456789, 50] for p in PHASES}
@@ -304,10 +304,10 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
     """The tree: every rank's frame sent as its thread sends it; each leader's reading and sending up, and rank
     zero's, run in turn in this thread (each timed on its own), exchange by exchange."""
     from phase_timer.diagnosis import Signals
-    from phase_timer.tags import rank_scalars
-    from phase_timer.rank_node import leaf_body
-    from phase_timer.rank_tree import Tree
-    from phase_timer.ranks import RankExchange, _json, _OwnTotals, encode
+    from phase_timer.outputs.tags import rank_scalars
+    from phase_timer.distributed.rank_node import leaf_body
+    from phase_timer.distributed.rank_tree import Tree
+    from phase_timer.distributed.ranks import RankExchange, _json, _OwnTotals, encode
 
     ns = f"bench/new/{n}"
     ranks_store, zero_store = _store(kind)
@@ -359,7 +359,7 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
 
 
 def _old_modules(rev: str) -> Any:
-    """``phase_timer/ranks.py``, ``metrics.py`` and ``diagnosis.py`` as they were at ``rev`` (git), loaded
+    """``phase_timer/distributed/ranks.py``, ``metrics.py`` and ``diagnosis.py`` as they were at ``rev`` (git), loaded
     beside today's (their imports of the rest of the package resolve to today's, unchanged there; ``metrics``,
     split since into ``phases``, ``tags`` and ``table``, resolves to the old one)."""
     import subprocess
@@ -381,7 +381,7 @@ def _old_modules(rev: str) -> Any:
 
 def scale_old(n: int, windows: int, kind: str, old: Any) -> dict[str, Any]:
     """The design before the tree (``old``: its modules): every rank appends to one key, rank zero reads them all."""
-    from phase_timer import throughput
+    from phase_timer.measures import throughput
 
     ns = f"bench/old/{n}"
     ranks_store, zero_store = _store(kind)

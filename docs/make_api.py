@@ -100,9 +100,9 @@ def render() -> str:
     from phase_timer import Diagnosis, LoopTimer, attach
     from phase_timer._env import NATIVE_ENV
     from phase_timer.config import DISABLE_ENV
-    from phase_timer.lightning import PhaseTimer
+    from phase_timer.doors.lightning import PhaseTimer
     from phase_timer.cli import build_parser
-    from phase_timer.stats import PhaseTotals, RunTotals
+    from phase_timer.timing.stats import PhaseTotals, RunTotals
 
     parts = [
         "# API reference\n",
@@ -121,7 +121,7 @@ def render() -> str:
     for name in ("phase", "end_step", "detach", "close"):
         method = getattr(LoopTimer, name)
         parts += [f"### `timer.{name}`\n", _signature(f"timer.{name}", method), _markdown(method.__doc__ or "")]
-    from phase_timer.hf_trainer import PhaseTimerCallback
+    from phase_timer.doors.hf_trainer import PhaseTimerCallback
 
     parts += [
         "## `phase_timer.PhaseTimerCallback`: the 🤗 Trainer callback\n",

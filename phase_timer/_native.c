@@ -467,7 +467,7 @@ static PyTypeObject ClockType = {
  * records waiting for the device, their resolution, and the logging window's
  * columns -- so that a training step costs Python nothing but the few calls the
  * hooks make (open, switch, close, poll).  Same semantics as the Python engine
- * (phase_timer/engine.py: Recorder + Resolver + Window), which tests compare it to.
+ * (phase_timer/timing/engine.py: Recorder + Resolver + Window), which tests compare it to.
  *
  * Marks are int64: event slots of a native Clock, or host nanoseconds from a
  * callable (time.perf_counter_ns; tests pass a fake).  Phase names are interned
@@ -1688,7 +1688,7 @@ static PyTypeObject ArmType = {
 
 /*
  * Fast: the usual boundaries inside a step in one C call each, on the state of a Python
- * phase_timer.boundaries.Boundaries (its slots, read and written where CPython keeps them), with the
+ * phase_timer.run.boundaries.Boundaries (its slots, read and written where CPython keeps them), with the
  * engine's switch/end/relabel called directly when it is a Steps.  Boundaries stays the one definition of
  * every phase: each method here does what its Python namesake does in the usual case -- a plain (not
  * sampled) step, not paused, no user phase open, no memory read due, nothing to warn about -- and in every

@@ -2,7 +2,7 @@
 
 Each rule is ``check(owner, name, value)`` and fails fast with a ``ValueError`` that repeats
 the call (``attach(window=0)``), says what the argument must be and what it got.  Which
-argument takes which rule: :class:`phase_timer.options.Options`.
+argument takes which rule: :class:`phase_timer.doors.options.Options`.
 """
 
 from __future__ import annotations

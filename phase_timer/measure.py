@@ -1,8 +1,8 @@
 """What a measure is to the core: a listener to the results the engine resolves.
 
-The core (:mod:`phase_timer.core`) times phases and resolves them a few steps later; a *measure* is everything
+The core (:mod:`phase_timer.run.core`) times phases and resolves them a few steps later; a *measure* is everything
 else a run reports that the core does not compute itself.  The core imports no measure: the one that assembles a
-run (:func:`phase_timer.assemble.start_core`, or a test) hands it its measures, and the core calls each one, in
+run (:func:`phase_timer.doors.assemble.start_core`, or a test) hands it its measures, and the core calls each one, in
 order, at four points:
 
 - :meth:`Measure.window` when a window is resolved, before its statistics: the measure takes the values it
@@ -11,7 +11,7 @@ order, at four points:
 - :meth:`Measure.step` for each step written on its own (``per_step=True``): the same for one step's values.
 - :meth:`Measure.line` for the printed table: one line, or None.
 - :meth:`Measure.summary` for the summary file: the block at :attr:`Measure.key` (the file's layout and its
-  schema are :mod:`phase_timer.run_summary`'s; a measure fills its block).
+  schema are :mod:`phase_timer.outputs.run_summary`'s; a measure fills its block).
 
 A value a measure carries rides on the record open when it resolves (``engine.add_host(name, value)``), so it
 reaches the measure with the window that holds that record, in step order, on the training thread.

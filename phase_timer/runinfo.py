@@ -68,17 +68,6 @@ def loader_info(loader: Any) -> dict[str, Any] | None:
     return {"type": type(loader).__name__}
 
 
-def optimizer_info(optimizers: Any) -> list[dict[str, Any]]:
-    from phase_timer.optim_hooks import stepped
-
-    out = []
-    for opt in optimizers or ():
-        opt = stepped(opt) or opt  # the optimizer a wrapper (accelerate's) steps: its type is the one that says
-        defaults = getattr(opt, "defaults", {}) or {}
-        out.append({"type": type(opt).__name__, "fused": defaults.get("fused"), "foreach": defaults.get("foreach")})
-    return out
-
-
 def device_name(device: Any) -> str | None:
     try:
         dev = torch.device(device)

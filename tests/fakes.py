@@ -101,7 +101,7 @@ class FakeAllocator:
     """A caching allocator's counters, moved by the test (MB): allocations and frees planted where it wants.
 
     ``reserved`` follows the allocated peak plus ``slack_mb`` (a cache that never gives memory back);
-    ``read`` and ``info`` are what :func:`phase_timer.memory.reader_for` returns on CUDA.
+    ``read`` and ``info`` are what :func:`phase_timer.measures.memory.reader_for` returns on CUDA.
     """
 
     MB = 1 << 20
@@ -126,7 +126,7 @@ class FakeAllocator:
         self.peak, self.peak_reserved = self.allocated, self.reserved
 
     def read(self) -> Any:
-        from phase_timer.memory import Reading
+        from phase_timer.measures.memory import Reading
 
         self.reads += 1
         b = lambda mb: int(mb * self.MB)  # noqa: E731

@@ -50,7 +50,7 @@ class VirtualClock:
 @contextlib.contextmanager
 def virtual_time() -> Iterator[VirtualClock]:
     """``time.perf_counter_ns`` on a :class:`VirtualClock`, and phase-timer's sampling generator seeded."""
-    import phase_timer.boundaries as boundaries
+    import phase_timer.run.boundaries as boundaries
 
     clock = VirtualClock()
     saved_clock, saved_random = time.perf_counter_ns, boundaries.random

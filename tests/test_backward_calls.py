@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from phase_timer import backward_calls
+from phase_timer.doors import backward_calls
 
 
 class Recording:

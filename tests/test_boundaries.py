@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from phase_timer.boundaries import Boundaries
-from phase_timer.clock import HostClock
-from phase_timer.core import TimingCore
+from phase_timer.run.boundaries import Boundaries
+from phase_timer.timing.clock import HostClock
+from phase_timer.run.core import TimingCore
 
 _now = [0]
 
@@ -172,7 +172,7 @@ def _script(seed: int, n: int = 1500) -> list[tuple]:
 def _replay(ops: list[tuple], native: bool, seed: int, memory: bool) -> tuple[list, dict]:
     import random
 
-    from phase_timer import memory as memory_mod
+    from phase_timer.measures import memory as memory_mod
     from tests.fakes import FakeAllocator
 
     written: list = []

@@ -13,11 +13,11 @@ import os
 
 import pytest
 
-from phase_timer.comm import RunComm, hidden_share, line, split
+from phase_timer.measures.comm import RunComm, hidden_share, line, split
 from phase_timer.diagnosis import Signals, diagnose
 from phase_timer.phases import ordered, part_of, share_base, whole_phases
-from phase_timer.table import format_summary
-from phase_timer.stats import RunTotals
+from phase_timer.outputs.table import format_summary
+from phase_timer.timing.stats import RunTotals
 from test_distributed import ROOT, SCRIPTS, _run
 
 PLANT_MS = 30.0

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import phase_timer
-from phase_timer import comm
-from phase_timer.comm import ddp as comm_ddp
-from phase_timer.comm import run as comm_run
+from phase_timer.measures import comm
+from phase_timer.measures.comm import ddp as comm_ddp
+from phase_timer.measures.comm import run as comm_run
 
 WAIT = "backward.comm_wait"
 
@@ -171,7 +171,7 @@ def test_without_copies_nothing_is_taken_off(tmp_path) -> None:
 
 def test_the_copy_is_taken_off_each_step_and_never_below_zero() -> None:
     run = comm.RunComm()
-    from phase_timer.clock import HostClock
+    from phase_timer.timing.clock import HostClock
 
     # two buckets' copies, each between its two marks: 1.5 + 2.5 ms (the wait between them is not theirs)
     run.add_copies(object(), [(0, 1_500_000), (3_000_000, 5_500_000)], HostClock())

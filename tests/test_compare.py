@@ -30,8 +30,8 @@ import phase_timer
 from phase_timer.cli.compare_rows import MIN_BATCHES, Z, standard_error
 from phase_timer.cli.compare_side import load_side
 from phase_timer.cli import main
-from phase_timer.run_summary import FILE_NAME
-from phase_timer.stats import WindowSeries
+from phase_timer.outputs.run_summary import FILE_NAME
+from phase_timer.timing.stats import WindowSeries
 from tests.helpers import HostHours, hours, loader
 from tests.test_report import planted_memory, write_tensorboard_run
 

@@ -8,14 +8,14 @@ import warnings
 
 import pytest
 
-from phase_timer.core import TimingCore
-from phase_timer.engine import POLL_EVERY
-from phase_timer.table import format_summary
-from phase_timer.tags import SKIPPED_TAG, WINDOW_STEPS_TAG, window_tag
-from phase_timer.recorder import Recorder
-from phase_timer.resolver import Resolver
-from phase_timer import stats
-from phase_timer.stats import PhaseTotals, percentile, summarize
+from phase_timer.run.core import TimingCore
+from phase_timer.timing.engine import POLL_EVERY
+from phase_timer.outputs.table import format_summary
+from phase_timer.outputs.tags import SKIPPED_TAG, WINDOW_STEPS_TAG, window_tag
+from phase_timer.timing.recorder import Recorder
+from phase_timer.timing.resolver import Resolver
+from phase_timer.timing import stats
+from phase_timer.timing.stats import PhaseTotals, percentile, summarize
 from tests.fakes import FakeClock, ListSink
 
 
@@ -260,7 +260,7 @@ def test_host_phases_and_period():
 
 def test_pause_removes_time_from_period(monkeypatch):
     now = [0]
-    monkeypatch.setattr("phase_timer.core.time.perf_counter_ns", lambda: now[0])
+    monkeypatch.setattr("phase_timer.run.core.time.perf_counter_ns", lambda: now[0])
     # (device spans of 0.1 ms: the host's period, not the record's own time, is the larger)
     core = TimingCore(FakeClock(tick_ms=0.1), [], window=10, warmup_steps=0, max_pending=8)
     run_step(core, 0, PHASES)
@@ -367,7 +367,7 @@ def test_share_of_a_phase_absent_from_some_steps_is_time_weighted():
 
 
 def test_nvtx_ranges_mirror_the_spans():
-    from phase_timer.recorder import NvtxRecorder
+    from phase_timer.timing.recorder import NvtxRecorder
 
     calls = []
     clock = FakeClock()
@@ -382,7 +382,7 @@ def test_nvtx_ranges_mirror_the_spans():
 
 
 def test_nvtx_off_by_default_costs_nothing():
-    from phase_timer.recorder import NvtxRecorder
+    from phase_timer.timing.recorder import NvtxRecorder
 
     core = TimingCore(FakeClock(), [], window=10, warmup_steps=0, max_pending=8)
     assert not isinstance(core._engine._recorder, NvtxRecorder)

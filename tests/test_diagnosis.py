@@ -19,11 +19,11 @@ from torch import nn
 
 import phase_timer
 from phase_timer import PhaseTimer
-from phase_timer.core import TimingCore
+from phase_timer.run.core import TimingCore
 from phase_timer.diagnosis import MIN_STEPS, Diagnosis, Signals, diagnose, format_verdict
-from phase_timer.resolver import Resolver
-from phase_timer.run_summary import FILE_NAME, schema
-from phase_timer.stats import RunTotals
+from phase_timer.timing.resolver import Resolver
+from phase_timer.outputs.run_summary import FILE_NAME, schema
+from phase_timer.timing.stats import RunTotals
 from tests.fakes import FakeClock
 from tests.helpers import loader, module_class, trainer
 
@@ -158,8 +158,8 @@ def test_a_device_more_than_a_phase_behind_inside_the_step_is_not_host_bound():
 
 @pytest.mark.parametrize("lag", [0, 3])
 def test_the_python_engine_says_whether_the_device_is_a_phase_behind(lag):
-    from phase_timer.clock import HostClock
-    from phase_timer.engine import PyEngine
+    from phase_timer.timing.clock import HostClock
+    from phase_timer.timing.engine import PyEngine
 
     engine = PyEngine(FakeClock(lag=lag), window=10, max_pending=8)
     assert engine.behind() is None  # no record
@@ -214,7 +214,7 @@ def test_unstable_windows():
 
 def spreads(means: dict) -> dict:
     """A window across ranks as the exchange hands it over: each phase's spread of per-rank means."""
-    from phase_timer.ranks import RankWindow
+    from phase_timer.distributed.ranks import RankWindow
 
     return RankWindow.from_means(0, 0, means).phases
 
@@ -343,7 +343,7 @@ def test_what_the_host_waits_for_comes_first_and_the_rest_is_secondary():
 def test_steps_in_flight_from_the_poll_or_a_query_of_an_older_step():
     clock = FakeClock(lag=1000)  # nothing completes until told
     r = Resolver(clock, max_pending=16, lag=2)
-    from phase_timer.recorder import Recorder
+    from phase_timer.timing.recorder import Recorder
 
     rec = Recorder(clock)
     records = []
@@ -393,10 +393,10 @@ def _validated(path: str) -> dict:
 
 
 def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypatch, host_hours):
-    import phase_timer.boundaries
+    import phase_timer.run.boundaries
 
-    monkeypatch.setattr(phase_timer.boundaries, "DENSE_SAMPLES", 0)  # no dense start: ...
-    monkeypatch.setattr(phase_timer.boundaries, "SAMPLE_GAP", (8, 8))  # ... a sampled step every 8th
+    monkeypatch.setattr(phase_timer.run.boundaries, "DENSE_SAMPLES", 0)  # no dense start: ...
+    monkeypatch.setattr(phase_timer.run.boundaries, "SAMPLE_GAP", (8, 8))  # ... a sampled step every 8th
     timer = _plain_run(tmp_path, steps=40, sleep_s=0.002)  # 4 items x 2 planted hours a batch
     d = timer.diagnosis
     assert d.kind == "INPUT_BOUND"
@@ -471,7 +471,7 @@ def test_lightning_exception_writes_the_summary_marked_interrupted(tmp_path):
 
 
 def test_a_rule_that_fails_warns_and_the_run_keeps_its_numbers(tmp_path, monkeypatch):
-    import phase_timer.core as core_module
+    import phase_timer.run.core as core_module
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug in a rule")
@@ -484,9 +484,9 @@ def test_a_rule_that_fails_warns_and_the_run_keeps_its_numbers(tmp_path, monkeyp
 
 
 def test_steps_in_flight_is_logged_per_window_from_the_counted_closes():
-    from phase_timer.boundaries import FLIGHT_DENSE_STEPS, FLIGHT_EVERY, Boundaries
-    from phase_timer.core import TimingCore
-    from phase_timer.tags import IN_FLIGHT_TAG
+    from phase_timer.run.boundaries import FLIGHT_DENSE_STEPS, FLIGHT_EVERY, Boundaries
+    from phase_timer.run.core import TimingCore
+    from phase_timer.outputs.tags import IN_FLIGHT_TAG
 
     class Sink:
         def __init__(self):
@@ -537,7 +537,7 @@ def _schedule(steps: int, warmup: int, seed: int, monkeypatch) -> tuple[list[int
     the warm-up) that were sampled, and those whose close counted the steps in flight."""
     import random
 
-    import phase_timer.boundaries as b
+    import phase_timer.run.boundaries as b
 
     seeded = random.Random
     monkeypatch.setattr(b.random, "Random", lambda: seeded(seed))
@@ -573,7 +573,7 @@ def _schedule(steps: int, warmup: int, seed: int, monkeypatch) -> tuple[list[int
 @pytest.mark.parametrize("warmup", [0, 5])
 @pytest.mark.parametrize("seed", range(10))
 def test_the_verdicts_samples_come_densely_first_then_sparsely(warmup, seed, monkeypatch):
-    from phase_timer.boundaries import DENSE_GAP, DENSE_SAMPLES, FLIGHT_DENSE_STEPS, FLIGHT_EVERY, SAMPLE_GAP
+    from phase_timer.run.boundaries import DENSE_GAP, DENSE_SAMPLES, FLIGHT_DENSE_STEPS, FLIGHT_EVERY, SAMPLE_GAP
     from phase_timer.diagnosis import MIN_FLIGHT_SAMPLES, MIN_STEPS
 
     sampled, counted, core = _schedule(1000 + warmup, warmup, seed, monkeypatch)
@@ -600,7 +600,7 @@ def test_a_short_gpu_bound_run_that_reads_the_loss_every_step_is_gpu_bound(monke
     with the note that the host never ran ahead."""
     import time
 
-    from phase_timer.boundaries import FORWARD, Boundaries
+    from phase_timer.run.boundaries import FORWARD, Boundaries
 
     host = [10**9]
 

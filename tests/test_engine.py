@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from phase_timer.clock import HostClock
-from phase_timer.core import TimingCore
-from phase_timer.engine import PyEngine, Steps, make_engine, native_steps
+from phase_timer.timing.clock import HostClock
+from phase_timer.run.core import TimingCore
+from phase_timer.timing.engine import PyEngine, Steps, make_engine, native_steps
 from tests.fakes import FakeClock
 
 needs_steps = pytest.mark.skipif(Steps is None, reason="the C extension is not built")
@@ -212,7 +212,7 @@ def test_c_engine_is_the_default_for_host_and_native_clocks(monkeypatch):
 
 
 def test_python_engine_when_the_extension_is_missing(monkeypatch):
-    import phase_timer.engine as engine_module
+    import phase_timer.timing.engine as engine_module
 
     monkeypatch.setattr(engine_module, "Steps", None)
     core = TimingCore(HostClock(), [], window=2, warmup_steps=0, max_pending=8)

@@ -8,8 +8,6 @@ import os
 import pytest
 
 from phase_timer import files
-
-
 def test_a_local_file_is_written_whole_and_readable_as_the_umask_says(tmp_path) -> None:
     path = files.write(tmp_path / "a" / "b.json", b"{}")
     assert open(path, "rb").read() == b"{}" and os.listdir(tmp_path / "a") == ["b.json"]  # no temporary left

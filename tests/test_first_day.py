@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer.stats import RunTotals
+from phase_timer.timing.stats import RunTotals
 from tests.helpers import event_files, read_scalars
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from phase_timer.flops import (
+from phase_timer.measures.flops import (
     COUNTED,
     GIVEN,
     FlopCounter,
@@ -21,8 +21,8 @@ from phase_timer.flops import (
     gpt2_flops_per_token,
     signature,
 )
-from phase_timer.mfu import format_mfu, format_no_flops, format_no_peak, mfu, mfu_advice, step_mfu
-from phase_timer.peaks import Peak, peak_tflops, precision_key, tf32_allowed
+from phase_timer.measures.mfu import format_mfu, format_no_flops, format_no_peak, mfu, mfu_advice, step_mfu
+from phase_timer.measures.peaks import Peak, peak_tflops, precision_key, tf32_allowed
 
 M = 8  # rows of the batch
 WIDTHS = (16, 32, 32, 4)  # a stack of three Linear layers: 16 -> 32 -> 32 -> 4

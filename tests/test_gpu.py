@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-import phase_timer.clock
+import phase_timer.timing.clock
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -88,8 +88,8 @@ def _strict(fn):
 @pytest.fixture
 def no_sync_in_timer(monkeypatch):
     """Every call into the clock and the core's step path raises on a host-device sync."""
-    from phase_timer.clock import CudaClock, NativeCudaClock
-    from phase_timer.core import TimingCore
+    from phase_timer.timing.clock import CudaClock, NativeCudaClock
+    from phase_timer.run.core import TimingCore
 
     clocks = [c for c in (CudaClock, NativeCudaClock) if c is not None]
     for cls, names in [*((c, ("mark", "done", "elapsed_ms", "spans")) for c in clocks), (TimingCore, ("begin_step", "close", "poll"))]:
@@ -155,7 +155,7 @@ def test_profiler_sees_no_sync_added_by_the_timer(tmp_path, monkeypatch, native)
     runtime sync, and test_native_clock_never_waits_for_the_device that it never waits.
     """
     from phase_timer import PhaseTimer
-    from phase_timer.clock import make_clock
+    from phase_timer.timing.clock import make_clock
 
     monkeypatch.setenv("PHASE_TIMER_NATIVE", native)
     timer = PhaseTimer(warmup_steps=3)
@@ -171,15 +171,15 @@ def test_profiler_sees_no_sync_added_by_the_timer(tmp_path, monkeypatch, native)
 
 
 # -- the native (driver-API) clock -------------------------------------------------
-needs_native = pytest.mark.skipif(phase_timer.clock.NativeCudaClock is None, reason="_native not built")
+needs_native = pytest.mark.skipif(phase_timer.timing.clock.NativeCudaClock is None, reason="_native not built")
 
 
 @needs_native
 def test_the_doors_use_the_native_clock_by_default(monkeypatch):
-    from phase_timer.clock import CudaClock, NativeCudaClock, make_clock
+    from phase_timer.timing.clock import CudaClock, NativeCudaClock, make_clock
 
-    from phase_timer.core import TimingCore
-    from phase_timer.engine import PyEngine, Steps
+    from phase_timer.run.core import TimingCore
+    from phase_timer.timing.engine import PyEngine, Steps
 
     assert type(make_clock("cuda")) is NativeCudaClock
     assert type(TimingCore(make_clock("cuda"), [], window=5, warmup_steps=0, max_pending=8)._engine) is Steps
@@ -191,7 +191,7 @@ def test_the_doors_use_the_native_clock_by_default(monkeypatch):
 @needs_native
 def test_native_clock_agrees_with_torch_events():
     """The same boundaries marked by both clocks: every span equal within 0.01 ms."""
-    from phase_timer.clock import CudaClock, NativeCudaClock
+    from phase_timer.timing.clock import CudaClock, NativeCudaClock
 
     native, torch_clock = NativeCudaClock(), CudaClock()
     a = torch.randn(4096, 4096, device="cuda")
@@ -226,7 +226,7 @@ def test_native_clock_never_waits_for_the_device():
     """With the GPU busy ~0.5 s, mark/done/spans return at once; only wait() blocks."""
     import time
 
-    from phase_timer.clock import NativeCudaClock
+    from phase_timer.timing.clock import NativeCudaClock
 
     clock = NativeCudaClock()
     start = clock.mark()
@@ -253,7 +253,7 @@ def test_native_clock_from_a_thread_that_never_used_cuda():
     """Marks from a fresh thread (no current context) land on the device's default stream."""
     import threading
 
-    from phase_timer.clock import NativeCudaClock
+    from phase_timer.timing.clock import NativeCudaClock
 
     clock = NativeCudaClock()
     first = clock.mark()
@@ -267,7 +267,7 @@ def test_native_clock_from_a_thread_that_never_used_cuda():
 
 @needs_native
 def test_native_clock_notices_a_stream_switch():
-    from phase_timer.clock import NativeCudaClock
+    from phase_timer.timing.clock import NativeCudaClock
 
     clock = NativeCudaClock()
     clock.mark()
@@ -290,8 +290,8 @@ def settle(eng) -> None:
 @pytest.mark.parametrize("threaded", [False, True])
 def test_c_engine_on_the_native_clock_agrees_with_the_python_engine_on_torch_events(threaded):
     """The same steps through Steps (native clock) and PyEngine (torch's events): per-step ms within 0.01."""
-    from phase_timer.clock import CudaClock, NativeCudaClock
-    from phase_timer.engine import PyEngine, Steps
+    from phase_timer.timing.clock import CudaClock, NativeCudaClock
+    from phase_timer.timing.engine import PyEngine, Steps
 
     native = NativeCudaClock()
     c_eng = Steps(native, 4, 64, 2, 4, True, threaded=threaded)
@@ -334,8 +334,8 @@ def test_c_engine_on_the_native_clock_agrees_with_the_python_engine_on_torch_eve
 @pytest.mark.parametrize("threaded", [False, True])
 def test_c_engine_never_waits_for_the_device(threaded):
     """GPU busy ~0.5 s: open/switch/close/poll return at once with nothing resolved; only drain waits."""
-    from phase_timer.clock import NativeCudaClock
-    from phase_timer.engine import Steps
+    from phase_timer.timing.clock import NativeCudaClock
+    from phase_timer.timing.engine import Steps
 
     clock = NativeCudaClock()
     eng = Steps(clock, 2, 8, 0, threaded=threaded)
@@ -361,8 +361,8 @@ def test_c_engine_never_waits_for_the_device(threaded):
 def test_threaded_engine_keeps_its_thread_while_the_device_is_behind():
     """A backlog the device has not finished is the device's, not the thread's: the engine stays threaded,
     nothing waits, and what the thread reads later comes out."""
-    from phase_timer.clock import NativeCudaClock
-    from phase_timer.engine import Steps
+    from phase_timer.timing.clock import NativeCudaClock
+    from phase_timer.timing.engine import Steps
 
     clock = NativeCudaClock()
     eng = Steps(clock, 4, 16, 0, threaded=True)  # a backlog of 8 wakes the thread
@@ -387,8 +387,8 @@ def test_a_hot_loop_times_every_step_with_the_resolver_thread():
     engine then resolves at the poll, and no step goes untimed for want of room (the max_pending bound)."""
     import warnings
 
-    from phase_timer.clock import NativeCudaClock
-    from phase_timer.core import TimingCore
+    from phase_timer.timing.clock import NativeCudaClock
+    from phase_timer.run.core import TimingCore
 
     core = TimingCore(NativeCudaClock(), [], window=50, warmup_steps=0, max_pending=64, memory=False)
     assert core._engine.threaded
@@ -411,8 +411,8 @@ def test_a_hot_loop_times_every_step_with_the_resolver_thread():
 def test_threaded_engine_survives_a_fork():
     """A DataLoader worker forks the training process while the resolver thread runs: the child, which has no
     such thread, lets go of the engine without joining it (no hang), and the parent's engine goes on."""
-    from phase_timer.clock import NativeCudaClock
-    from phase_timer.engine import native_steps
+    from phase_timer.timing.clock import NativeCudaClock
+    from phase_timer.timing.engine import native_steps
 
     clock = NativeCudaClock()
     eng = native_steps(clock, 2, 16, 0, threaded=True)
@@ -448,8 +448,8 @@ def test_threaded_engine_survives_a_fork():
 @pytest.mark.parametrize("threaded", [False, True])
 def test_c_engine_record_across_streams_waits_for_every_stream(threaded):
     """A record whose marks went to two streams is resolved only when both have finished."""
-    from phase_timer.clock import NativeCudaClock
-    from phase_timer.engine import Steps
+    from phase_timer.timing.clock import NativeCudaClock
+    from phase_timer.timing.engine import Steps
 
     clock = NativeCudaClock()
     eng = Steps(clock, 10, 8, 0, threaded=threaded)
@@ -1043,8 +1043,8 @@ def test_the_sync_census_on_cuda_hears_each_read_in_its_phase_and_leaves_the_use
 def test_one_query_answers_only_for_records_on_one_stream(engine):
     """A poll asks the newest record it may for all of them only when they are on one stream: a record on a
     busy side stream between done ones is waited for (resolving it early would read events not done)."""
-    from phase_timer.clock import CudaClock, NativeCudaClock
-    from phase_timer.engine import PyEngine, native_steps
+    from phase_timer.timing.clock import CudaClock, NativeCudaClock
+    from phase_timer.timing.engine import PyEngine, native_steps
 
     if engine != "python" and NativeCudaClock is None:
         pytest.skip("the C clock is not built")
@@ -1083,8 +1083,8 @@ def test_one_query_answers_only_for_records_on_one_stream(engine):
 
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_steps_in_flight_on_a_busy_device_never_waits(engine):
-    from phase_timer.clock import CudaClock, NativeCudaClock
-    from phase_timer.engine import PyEngine, native_steps
+    from phase_timer.timing.clock import CudaClock, NativeCudaClock
+    from phase_timer.timing.engine import PyEngine, native_steps
 
     if engine == "native" and NativeCudaClock is None:
         pytest.skip("the C clock is not built")
@@ -1151,7 +1151,7 @@ def _hf_run(tmp_path, callbacks, steps: int = 40, profile_from: int = 10, profil
 def test_hf_trainer_phases_add_up_the_timer_adds_no_sync_and_the_verdict_names_the_trainers_syncs(tmp_path):
     pytest.importorskip("transformers")
     from benchmarks.truth import device_busy
-    from phase_timer.hf_trainer import PhaseTimerCallback
+    from phase_timer.doors.hf_trainer import PhaseTimerCallback
 
     without, _ = _hf_run(tmp_path / "without", [])
     cb = PhaseTimerCallback(warmup_steps=3, summary=False)
@@ -1195,7 +1195,7 @@ def test_hf_trainer_compiled_fp16_checkpointed_accumulated_on_cuda(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from benchmarks.models import Tokens
-    from phase_timer.hf_trainer import PhaseTimerCallback
+    from phase_timer.doors.hf_trainer import PhaseTimerCallback
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=256, n_layer=2, n_embd=256, n_head=4))
@@ -1223,8 +1223,8 @@ def test_flops_counted_on_a_warm_up_step_exact_on_a_linear_stack_mfu_against_the
     import json
 
     import phase_timer
-    from phase_timer.boundaries import Boundaries
-    from phase_timer.peaks import peak_tflops
+    from phase_timer.run.boundaries import Boundaries
+    from phase_timer.measures.peaks import peak_tflops
 
     monkeypatch.setattr(Boundaries, "count_batch", _strict(Boundaries.count_batch))
     width, batch = 1024, 128

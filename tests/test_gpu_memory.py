@@ -89,7 +89,7 @@ def _oom_plain(log_dir: str, syncs: dict[str, int]) -> tuple[torch.OutOfMemoryEr
     """A plain loop that runs out at step 30; the sync calls made while the door explains it (profiled)."""
     import phase_timer
     from benchmarks.memory_truth import SYNC_CALLS, _profiler
-    from phase_timer import oom
+    from phase_timer.measures import oom
 
     model = _Grows().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -154,7 +154,7 @@ def test_a_real_out_of_memory_in_forward_is_explained_with_a_loadable_snapshot_a
     import json
     import pickle
 
-    from phase_timer.run_summary import schema
+    from phase_timer.outputs.run_summary import schema
 
     try:  # the device machine has no jsonschema: the CPU tests validate the same file's form there
         import jsonschema

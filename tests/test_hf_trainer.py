@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
-from phase_timer.hf_trainer import DEFAULT_DIR, PhaseTimerCallback  # noqa: E402
+from phase_timer.doors.hf_trainer import DEFAULT_DIR, PhaseTimerCallback  # noqa: E402
 from tests.helpers import hours, read_scalars  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,7 +193,7 @@ def test_a_save_is_paused_not_between_steps(tmp_path, host_hours):
 
 
 def test_a_callback_that_cannot_attach_warns_once_and_training_goes_on(tmp_path, monkeypatch):
-    import phase_timer.hf_trainer as door
+    import phase_timer.doors.hf_trainer as door
 
     def broken(*args, **kwargs):
         raise RuntimeError("an unforeseen Trainer")

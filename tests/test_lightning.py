@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from phase_timer import PhaseTimer
-from phase_timer.tags import window_tag
+from phase_timer.outputs.tags import window_tag
 from tests import helpers
 from tests.helpers import (
     NAMESPACES, event_files, hours, hours_per_step, loader, module_class, open_files_under, read_scalars, trainer,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer.tags import step_tag, window_tag
+from phase_timer.outputs.tags import step_tag, window_tag
 from tests import helpers
 from tests.helpers import SlowSGD, hours, hours_per_step, loader, open_files_under, read_scalars, slow_backward
 

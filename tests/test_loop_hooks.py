@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import phase_timer
-from phase_timer import boundaries as boundaries_mod
-from phase_timer import loop as loop_mod
+from phase_timer.run import boundaries as boundaries_mod
+from phase_timer.doors import loop as loop_mod
 
 pytestmark = pytest.mark.skipif(loop_mod._LoopHooks is None, reason="the C extension is not built")
 

@@ -684,7 +684,7 @@ def hf_trainer(plant: Plant, tmp: Any, *, accumulate: int = 1, evaluate: bool = 
     from transformers.data.data_collator import default_data_collator
 
     from benchmarks.models import Tokens
-    from phase_timer.hf_trainer import PhaseTimerCallback
+    from phase_timer.doors.hf_trainer import PhaseTimerCallback
 
     class PlantedTrainer(Trainer):
         def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer import memory as memory_mod
-from phase_timer.boundaries import Boundaries
-from phase_timer.clock import HostClock
-from phase_timer.core import TimingCore
+from phase_timer.measures import memory as memory_mod
+from phase_timer.run.boundaries import Boundaries
+from phase_timer.timing.clock import HostClock
+from phase_timer.run.core import TimingCore
 from phase_timer.diagnosis import memory_findings
-from phase_timer.memory import DENSE, MEDIUM, SPARSE_GAP, MemoryTracker
-from phase_timer.run_summary import FILE_NAME
+from phase_timer.measures.memory import DENSE, MEDIUM, SPARSE_GAP, MemoryTracker
+from phase_timer.outputs.run_summary import FILE_NAME
 from tests.fakes import FakeAllocator, ListSink
 from tests.helpers import read_scalars
 
@@ -130,7 +130,7 @@ def test_a_peak_set_on_a_step_not_read_is_between_samples(fake, monkeypatch):
 
 # -- the schedule ---------------------------------------------------------------------------
 def test_memory_steps_are_dense_first_then_one_in_about_64_and_never_the_verdicts(fake, monkeypatch):
-    import phase_timer.boundaries as b
+    import phase_timer.run.boundaries as b
 
     core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
     bounds = Boundaries(core)
@@ -403,7 +403,7 @@ def test_lightning_door_attributes_a_planted_temporary_to_the_optimizer(fake, tm
 
 def test_hf_trainer_door_reads_memory_per_phase(fake, tmp_path):
     pytest.importorskip("transformers")
-    from phase_timer.hf_trainer import PhaseTimerCallback
+    from phase_timer.doors.hf_trainer import PhaseTimerCallback
     from tests.test_hf_trainer import trainer
 
     cb = PhaseTimerCallback(warmup_steps=2, summary=False)

@@ -1,7 +1,7 @@
 """The peak's phase on recorded sequences (issue 39): a steady loop's jitter, a later spike, a user's reset.
 
 A memory step reads the allocator's counters at each boundary it passes; the steps between are not
-read.  :class:`Recorded` replays such a run into a :class:`~phase_timer.memory.MemoryTracker` with a
+read.  :class:`Recorded` replays such a run into a :class:`~phase_timer.measures.memory.MemoryTracker` with a
 :class:`tests.fakes.FakeAllocator` whose numbers each test plants: the reads a memory step makes, in
 the order the boundaries make them, and the allocations of the steps nobody reads.  Each test here
 fails on the rule before issue 39 (the phase of the last rise seen, "between samples" for any rise
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer import memory as memory_mod
-from phase_timer.memory import BETWEEN_SAMPLES, MemoryTracker, peak_tolerance
-from phase_timer.table import format_memory
+from phase_timer.measures import memory as memory_mod
+from phase_timer.measures.memory import BETWEEN_SAMPLES, MemoryTracker, peak_tolerance
+from phase_timer.outputs.table import format_memory
 from tests.fakes import FakeAllocator
 
 WEIGHTS, BATCH, ACT, GRADS, STATE = 900.0, 10.0, 184.0, 50.0, 200.0  # MB

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer.flops import gpt2_flops_per_token
+from phase_timer.measures.flops import gpt2_flops_per_token
 
 B, D_IN, D_H, D_OUT = 6, 24, 40, 8
 #: An MLP's FLOPs a step, as FlopCounterMode counts them: forward 2*B*(in*h + h*out); backward the weights'
@@ -75,7 +75,7 @@ def test_with_no_warm_up_the_counted_step_goes_untimed_and_the_next_period_is_it
 def test_a_new_shape_is_counted_on_its_first_step_and_each_step_carries_its_own_count(tmp_path, monkeypatch,
                                                                                       every_step_sampled):
     if every_step_sampled:  # the new shape's first step is a verdict's sampled step: it gives up its sample
-        monkeypatch.setattr("phase_timer.boundaries.sample_gap", lambda rng, n: 1)
+        monkeypatch.setattr("phase_timer.run.boundaries.sample_gap", lambda rng, n: 1)
     small, large = _batches(20, b=B), _batches(20, b=2 * B)
     timer = _mlp_loop(tmp_path, small + large, peak_tflops=0.01)
     data = _summary(timer)

@@ -82,7 +82,7 @@ def test_an_interrupted_counted_step_that_follows_a_sampled_one_leaves_no_dispat
     ``finish`` among them, bound to the plain class's).  When that step is a new shape's counted step and the
     loop raises in it (a step-based loop holding its iterator: the loader is not closed first), close() must
     still leave FlopCounterMode: else every op after it, in this process, runs under the mode."""
-    monkeypatch.setattr("phase_timer.boundaries.sample_gap", lambda rng, n: 2)
+    monkeypatch.setattr("phase_timer.run.boundaries.sample_gap", lambda rng, n: 2)
     model, opt = _mlp()
     holder: dict = {}
 
@@ -142,7 +142,7 @@ def test_the_counted_steps_time_is_in_no_timed_steps_period(tmp_path, host_hours
 def test_past_max_shapes_the_counted_shapes_steps_still_give_mfu(tmp_path):
     """More shapes than MAX_SHAPES (bucketed sequence lengths): the warning says the uncounted shapes' steps are
     left out of MFU; the counted shapes' steps, most of the run, must still give it."""
-    from phase_timer.flops import MAX_SHAPES
+    from phase_timer.measures.flops import MAX_SHAPES
 
     model, opt = _mlp()
     sizes = [B + i for i in range(MAX_SHAPES + 1)]  # one shape more than is counted

@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 import torch
 
-from phase_timer import clock as clock_mod
-from phase_timer.sinks import EventFileSink, open_event_file
-from phase_timer.stats import _INV_LOG_GROWTH, _ZERO, PhaseTotals, Window
+from phase_timer.timing import clock as clock_mod
+from phase_timer.outputs.sinks import EventFileSink, open_event_file
+from phase_timer.timing.stats import _INV_LOG_GROWTH, _ZERO, PhaseTotals, Window
 
 try:
     from phase_timer import _native as native
@@ -135,7 +135,7 @@ def test_event_file_flushes_by_time_and_on_close(tmp_path):
 
 
 def test_the_default_event_file_is_written_off_the_training_thread(tmp_path):
-    from phase_timer.sinks import BackgroundSink
+    from phase_timer.outputs.sinks import BackgroundSink
 
     sink = open_event_file(str(tmp_path), per_step=False)
     assert isinstance(sink, BackgroundSink)  # a slow file system never holds a step
@@ -164,7 +164,7 @@ def test_make_clock_falls_back_to_torch_events(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(clock_mod, "NativeCudaClock", Broken)
     monkeypatch.setattr(clock_mod, "CudaClock", TorchEvents)
-    with caplog.at_level("INFO", logger="phase_timer.clock"):
+    with caplog.at_level("INFO", logger="phase_timer.timing.clock"):
         assert isinstance(clock_mod.make_clock("cuda:0"), TorchEvents)
     assert "cuEventRecord" in caplog.text
     monkeypatch.setenv("PHASE_TIMER_NATIVE", "0")
@@ -206,9 +206,9 @@ def test_the_c_close_reads_the_clock_that_python_reads(monkeypatch):
     calling it (a test's virtual clock): the step's period is on the host clock the rest of the core reads."""
     import time
 
-    from phase_timer.boundaries import Boundaries
-    from phase_timer.clock import HostClock
-    from phase_timer.core import TimingCore
+    from phase_timer.run.boundaries import Boundaries
+    from phase_timer.timing.clock import HostClock
+    from phase_timer.run.core import TimingCore
 
     core = TimingCore(HostClock(), window=5, warmup_steps=0, max_pending=8)
     b = Boundaries(core)

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer import memory as timer_memory
-from phase_timer import oom
+from phase_timer.measures import memory as timer_memory
+from phase_timer.measures import oom
 from phase_timer.diagnosis import out_of_memory
-from phase_timer.run_summary import schema
+from phase_timer.outputs.run_summary import schema
 from tests.fakes import FakeAllocator
 from tests.helpers import loader, trainer
 from tests.test_first_day import PLAIN_LOOP, run_script

@@ -1,4 +1,4 @@
-"""The doors' shared arguments are written once (``phase_timer/options.py``): each door's signature, checks and
+"""The doors' shared arguments are written once (``phase_timer/doors/options.py``): each door's signature, checks and
 docstring agree with that one definition, and each door keeps what is its own."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import phase_timer
-from phase_timer.door import RESULTS
-from phase_timer.options import Options, entries
+from phase_timer.doors.door import RESULTS
+from phase_timer.doors.options import Options, entries
 
 #: Each door: what it is called in errors, its constructor, its name for the window, and the words of its docs.
 DOORS = {

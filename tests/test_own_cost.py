@@ -15,11 +15,11 @@ import time
 import pytest
 
 from benchmarks.host_cost import per_call_us
-from phase_timer import memory as memory_mod
-from phase_timer.boundaries import Boundaries
-from phase_timer.clock import HostClock
-from phase_timer.core import TimingCore
-from phase_timer.table import format_own_cost
+from phase_timer.measures import memory as memory_mod
+from phase_timer.run.boundaries import Boundaries
+from phase_timer.timing.clock import HostClock
+from phase_timer.run.core import TimingCore
+from phase_timer.outputs.table import format_own_cost
 from tests.fakes import FakeAllocator
 from tests.helpers import HOUR_MS, HostHours
 

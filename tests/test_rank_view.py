@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from phase_timer.rank_view import RankRow, rank_verdicts
+from phase_timer.distributed.rank_view import RankRow, rank_verdicts
 
 pytestmark = pytest.mark.timeout(300)
 

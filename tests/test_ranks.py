@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phase_timer.tags import RANKS_TAG, rank_scalars
-from phase_timer.rank_view import format_rank_table
-from phase_timer.rank_node import leaf_body
-from phase_timer.ranks import STALE_EXCHANGES, RankExchange, RankTotals, RankWindow, _json, decode, encode
+from phase_timer.outputs.tags import RANKS_TAG, rank_scalars
+from phase_timer.distributed.rank_view import format_rank_table
+from phase_timer.distributed.rank_node import leaf_body
+from phase_timer.distributed.ranks import STALE_EXCHANGES, RankExchange, RankTotals, RankWindow, _json, decode, encode
 
 
 def sums(**ms: float) -> dict[str, list[float]]:
@@ -78,7 +78,7 @@ def test_every_rank_is_written_and_the_store_is_left_clean(store) -> None:
 
 
 def test_a_rank_that_stops_reporting_is_named_and_the_others_go_on(store, monkeypatch) -> None:
-    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)  # exchanges are milliseconds apart here
+    monkeypatch.setattr("phase_timer.distributed.rank_reader.STALE_S", 0.0)  # exchanges are milliseconds apart here
     exchanges = ranks(store, 3)
     with pytest.warns(RuntimeWarning, match="rank 2 has not reported"):
         written = run_windows(exchanges, 2 * STALE_EXCHANGES + 4, {0: 1.0, 1: 2.0, 2: 3.0}, stop_after={2: 2})
@@ -221,7 +221,7 @@ class GatedStore:
 
 
 def test_a_rank_taken_as_gone_that_was_only_held_up_counts_again_and_leaves_no_keys(store, monkeypatch) -> None:
-    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)
+    monkeypatch.setattr("phase_timer.distributed.rank_reader.STALE_S", 0.0)
     ns = "phase_timer/held"
     before = store.num_keys()
     gated = GatedStore(store.clone())
@@ -300,7 +300,7 @@ def test_a_report_never_counted_holds_up_no_exchange_after_it(store, monkeypatch
     # Rank 2's report of exchange 0 is appended, and its count fails (the rank's store connection broke):
     # rank 0 reads a report that is never counted.  It must still close that exchange and go on, not read
     # every exchange since at each window (a request more a window, for the rest of the run).
-    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)
+    monkeypatch.setattr("phase_timer.distributed.rank_reader.STALE_S", 0.0)
 
     class CountFails(SlowCountStore):
         def add(self, key, n):
@@ -356,7 +356,7 @@ def test_finish_keeps_to_its_timeout(store, monkeypatch) -> None:
     code's waiting, not the machine's speed: a loaded machine takes longer to make the same readings."""
     from types import SimpleNamespace
 
-    import phase_timer.ranks as ranks_mod
+    import phase_timer.distributed.ranks as ranks_mod
 
     now = [1000.0]
 
@@ -412,8 +412,8 @@ def by_hand(store, ns: str, k: int, rank: int, reports: list[list], *, final: bo
 
 
 def test_a_window_is_written_once_every_rank_reported_it_or_moved_past() -> None:
-    from phase_timer.rank_node import NodeReader
-    from phase_timer.rank_tree import Tree
+    from phase_timer.distributed.rank_node import NodeReader
+    from phase_timer.distributed.rank_tree import Tree
 
     store, ns = dist.HashStore(), "phase_timer/rule"
     tree = Tree(3)

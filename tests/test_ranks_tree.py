@@ -16,12 +16,14 @@ import warnings
 import pytest
 import torch.distributed as dist
 
-from phase_timer import rank_summary, throughput
-from phase_timer.rank_view import format_rank_table
-from phase_timer.rank_reader import STALE_EXCHANGES
-from phase_timer.rank_summary import EXACT, Spread, Summary
-from phase_timer.rank_tree import Tree
-from phase_timer.ranks import RankExchange, RankWindow
+from phase_timer.distributed import rank_summary
+
+from phase_timer.measures import throughput
+from phase_timer.distributed.rank_view import format_rank_table
+from phase_timer.distributed.rank_reader import STALE_EXCHANGES
+from phase_timer.distributed.rank_summary import EXACT, Spread, Summary
+from phase_timer.distributed.rank_tree import Tree
+from phase_timer.distributed.ranks import RankExchange, RankWindow
 
 FAN_IN = 4
 _HEADER = struct.Struct("<IBI")  # a frame's head: sender, final flag, length (the old design's too)
@@ -61,7 +63,7 @@ def report(rank: int, n: int, w: int) -> dict:
 
 def job(n: int, store, monkeypatch) -> list[RankExchange]:
     """``n`` ranks in a tree of fan-in 4 (set as a job would have it: no argument the old code lacked)."""
-    monkeypatch.setattr("phase_timer.ranks.FAN_IN", FAN_IN, raising=False)
+    monkeypatch.setattr("phase_timer.distributed.ranks.FAN_IN", FAN_IN, raising=False)
     return [RankExchange(CountingStore(store), r, n, "phase_timer/tree") for r in range(n)]
 
 
@@ -132,7 +134,7 @@ def test_a_dead_leader_s_group_is_read_by_the_leader_above(monkeypatch, dies_aft
     # 16 ranks, 4 groups of 4; rank 5 leads ranks 4-7 and dies after 2 windows (or before its first).  Rank
     # zero reads that group itself (still not every rank), names rank 5 gone, and writes every window with
     # the 15 others.
-    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)  # exchanges are milliseconds apart here
+    monkeypatch.setattr("phase_timer.distributed.rank_reader.STALE_S", 0.0)  # exchanges are milliseconds apart here
     n, windows = 16, 3 * STALE_EXCHANGES
     store = dist.HashStore()
     exchanges = job(n, store, monkeypatch)
@@ -198,7 +200,7 @@ class GatedStore(CountingStore):
 def test_a_leader_held_up_and_taken_as_gone_stops_reading_once_its_group_is_read_above(monkeypatch) -> None:
     # Rank 5's thread is held up long enough for rank zero to read its group itself; released, it sees that
     # and stops: its late reports count again, every window is written once, and no key is left behind.
-    monkeypatch.setattr("phase_timer.rank_reader.STALE_S", 0.0)
+    monkeypatch.setattr("phase_timer.distributed.rank_reader.STALE_S", 0.0)
     n = 16
     store = dist.HashStore()
     exchanges = job(n, store, monkeypatch)

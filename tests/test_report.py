@@ -14,7 +14,7 @@ import pytest
 
 from phase_timer.phases import ordered
 from phase_timer.cli import main
-from phase_timer.stats import summarize
+from phase_timer.timing.stats import summarize
 from tests.helpers import event_files, loader, module_class, read_scalars, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ def with_memory(summary_run: dict, dest: Path, memory: dict | None) -> Path:
     """The real run's summary file alone in ``dest``, its ``memory`` replaced (and checked against the schema)."""
     import jsonschema
 
-    from phase_timer.run_summary import schema
+    from phase_timer.outputs.run_summary import schema
 
     dest.mkdir()
     data = json.loads(summary_run["file"].read_text())
@@ -304,7 +304,7 @@ def test_memory_from_tensorboard_is_reported_and_said_to_be(tmp_path, capsys):
 
 
 def test_memory_from_the_summary_file_is_the_runs_own_block(summary_run, tmp_path, capsys):
-    from phase_timer.table import format_memory
+    from phase_timer.outputs.table import format_memory
 
     planted = planted_memory()
     run = with_memory(summary_run, tmp_path / "cuda_run", planted)

@@ -22,8 +22,8 @@ import phase_timer
 from phase_timer.cli import main
 from phase_timer.cli.compare_rows import Z, rate_relative_error
 from phase_timer.cli.compare_side import load_side
-from phase_timer.run_summary import FILE_NAME, schema
-from phase_timer.throughput import RunThroughput, format_line, split_counts
+from phase_timer.outputs.run_summary import FILE_NAME, schema
+from phase_timer.measures.throughput import RunThroughput, format_line, split_counts
 from tests.helpers import HostHours, read_scalars
 from tests.test_compare import OPTIMIZER_H, WaitingSGD
 from tests.test_report import PNG_MAGIC, png_height, write_tensorboard_run

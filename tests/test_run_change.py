@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from phase_timer.run_change import find_shift
+from phase_timer.diagnosis.run_change import find_shift
 from tests import helpers
 from tests.helpers import HOUR_MS
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import phase_timer
 from phase_timer.cli import main
-from phase_timer.engine import Steps
+from phase_timer.timing.engine import Steps
 from phase_timer.phases import share_base
 from phase_timer.cli.report_plot import share_bars
 from phase_timer.cli.report_runs import load_runs

@@ -13,11 +13,11 @@ import warnings
 
 import pytest
 
-import phase_timer.syncs as syncs
-from phase_timer.boundaries import FORWARD, Boundaries
-from phase_timer.core import TimingCore
+import phase_timer.measures.syncs as syncs
+from phase_timer.run.boundaries import FORWARD, Boundaries
+from phase_timer.run.core import TimingCore
 from phase_timer.diagnosis import Signals, diagnose
-from phase_timer.syncs import MESSAGE, SyncCensus
+from phase_timer.measures.syncs import MESSAGE, SyncCensus
 from tests.fakes import FakeClock
 
 
@@ -255,7 +255,7 @@ def test_a_run_that_ends_during_the_census_turns_the_check_off(monkeypatch):
 def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
     import jsonschema
 
-    from phase_timer.run_summary import SCHEMA_VERSION, schema, write_summary
+    from phase_timer.outputs.run_summary import SCHEMA_VERSION, schema, write_summary
 
     core, _, _ = _run(monkeypatch, warmup=2, steps=25)
     path = write_summary(core, tmp_path)
@@ -328,7 +328,7 @@ def test_the_report_prints_the_census_as_the_run_did(monkeypatch, tmp_path):
     import json
 
     from phase_timer.cli.report_text import summary_lines
-    from phase_timer.run_summary import write_summary
+    from phase_timer.outputs.run_summary import write_summary
 
     core, _, _ = _run(monkeypatch, warmup=2, steps=25, read_in="forward")
     with open(write_summary(core, tmp_path)) as f:

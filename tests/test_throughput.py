@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phase_timer.throughput import BatchCounter, RunThroughput, check_count, format_line, rates, shape_counts, split_counts
+from phase_timer.measures.throughput import BatchCounter, RunThroughput, check_count, format_line, rates, shape_counts, split_counts
 
 
 @pytest.mark.parametrize(

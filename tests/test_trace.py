@@ -11,7 +11,7 @@ from torch import nn
 
 import phase_timer
 from phase_timer import PhaseTimer
-from phase_timer.tags import step_tag
+from phase_timer.outputs.tags import step_tag
 from tests.helpers import loader, module_class, read_scalars, trainer
 from tests.test_loop import SleepyNet, train
 

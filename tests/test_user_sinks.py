@@ -156,7 +156,7 @@ def test_our_writes_between_the_users_logs_keep_both(wandb_env, users_step, ours
     """The rule itself, write by write on a real run: ``ours_after[i]`` of our writes after the user's
     i-th log (``step=i``, or no step).  Ours ride in the user's open row; a burst (windows resolved at
     once) opens rows of its own at the run's next steps, which the user's next ``step=`` still reaches."""
-    from phase_timer.user_sinks import WandbSink
+    from phase_timer.outputs.user_sinks import WandbSink
 
     run = wandb_env.init()
     sink = WandbSink(run)
@@ -175,7 +175,7 @@ def test_our_writes_between_the_users_logs_keep_both(wandb_env, users_step, ours
 
 
 def test_a_run_no_one_else_logs_to_gets_a_row_per_write(wandb_env):
-    from phase_timer.user_sinks import WandbSink
+    from phase_timer.outputs.user_sinks import WandbSink
 
     run = wandb_env.init()
     sink = WandbSink(run)
@@ -353,7 +353,7 @@ def hf_trainer(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, report_to: str) -
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from phase_timer import hf_trainer as door
+    from phase_timer.doors import hf_trainer as door
     from tests.test_hf_trainer import Tokens
 
     cb = door.PhaseTimerCallback(warmup_steps=2, summary=False)

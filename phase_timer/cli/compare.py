@@ -70,7 +70,7 @@ from phase_timer.cli.compare_side import METRICS, load_side
 from phase_timer.cli.compare_text import format_comparison
 from phase_timer.cli.comparison import compare
 from phase_timer.cli.errors import ReportError, require
-from phase_timer.run_summary import FILE_NAME
+from phase_timer.outputs.run_summary import FILE_NAME
 
 #: The exit status when a gate fails.
 EXIT_SLOWER = 1

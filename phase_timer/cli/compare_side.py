@@ -26,8 +26,8 @@ from phase_timer.cli.read import (
     tensorboard_memory,
     tensorboard_throughput,
 )
-from phase_timer.run_summary import FILE_NAME
-from phase_timer.stats import SERIES_STATS, percentile
+from phase_timer.outputs.run_summary import FILE_NAME
+from phase_timer.timing.stats import SERIES_STATS, percentile
 
 METRICS = SERIES_STATS  # what each window batch keeps is what can be compared
 

@@ -6,8 +6,8 @@ from phase_timer.cli.compare_rows import MEMORY_ROWS, MemoryRow, RateRow
 from phase_timer.cli.compare_side import Side
 from phase_timer.cli.comparison import Comparison
 from phase_timer.cli.rates import RATES, format_rate
-from phase_timer.rank_view import format_rank_comparison
-from phase_timer.run_summary import FILE_NAME
+from phase_timer.distributed.rank_view import format_rank_comparison
+from phase_timer.outputs.run_summary import FILE_NAME
 
 _NO_BAND = "no noise band: the allocator's counters are deterministic in a steady loop"
 

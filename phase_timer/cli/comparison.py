@@ -21,8 +21,8 @@ from phase_timer.cli.compare_side import Side
 from phase_timer.cli.errors import ReportError
 from phase_timer.cli.rates import RATES, headline_rate
 from phase_timer.phases import TOTALS, ordered, share_base
-from phase_timer.rank_view import RankRow, compare_ranks, rank_verdicts
-from phase_timer.run_summary import FILE_NAME
+from phase_timer.distributed.rank_view import RankRow, compare_ranks, rank_verdicts
+from phase_timer.outputs.run_summary import FILE_NAME
 
 
 @dataclass

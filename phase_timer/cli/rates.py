@@ -3,7 +3,7 @@
 A run's rates and FLOPs come from its summary file (``throughput`` and, from version 6, ``flops``)
 or, for a run without one, from its TensorBoard ``throughput/*`` windows
 (:func:`~phase_timer.cli.read.tensorboard_throughput`).  The lines are the ones the run's own table
-printed (:func:`phase_timer.throughput.format_line`, :func:`phase_timer.mfu.format_mfu`), rebuilt
+printed (:func:`phase_timer.measures.throughput.format_line`, :func:`phase_timer.measures.mfu.format_mfu`), rebuilt
 from the file's numbers, so a report says what the run said.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from phase_timer.run_summary import FILE_NAME
+from phase_timer.outputs.run_summary import FILE_NAME
 
 #: The rates a report or compare shows, in order, with their labels.
 RATES = {"tokens_per_s": "tokens/s", "samples_per_s": "samples/s", "steps_per_s": "steps/s"}
@@ -27,7 +27,7 @@ def headline_rate(throughput: dict[str, Any] | None) -> str | None:
 
 def throughput_line(throughput: dict[str, Any] | None) -> str | None:
     """``throughput: 36.9k tokens/s, 288.0 samples/s, 3.0 steps/s`` (and the job's), as the run printed it."""
-    from phase_timer.throughput import format_line
+    from phase_timer.measures.throughput import format_line
 
     if not throughput:
         return None
@@ -41,7 +41,7 @@ def throughput_line(throughput: dict[str, Any] | None) -> str | None:
 
 def format_rate(v: float) -> str:
     """A rate as the run's throughput line writes it (``36.9k``, ``587.2``); below one, three digits."""
-    from phase_timer.throughput import _si
+    from phase_timer.measures.throughput import _si
 
     return _si(v) if v >= 1 else f"{v:.3g}"
 
@@ -58,9 +58,9 @@ def _pct(x: float) -> str:
 
 
 def _peak(peak: dict[str, Any]) -> Any:
-    """The file's peak as :func:`~phase_timer.mfu.format_mfu` takes it: a :class:`~phase_timer.peaks.Peak` from the
+    """The file's peak as :func:`~phase_timer.measures.mfu.format_mfu` takes it: a :class:`~phase_timer.measures.peaks.Peak` from the
     table, or the user's ``peak_tflops=`` (no device or precision named) as a number."""
-    from phase_timer.peaks import FP8, FP8_NOTE, Peak
+    from phase_timer.measures.peaks import FP8, FP8_NOTE, Peak
 
     if not peak.get("device") or not peak.get("precision"):
         return float(peak["tflops"])
@@ -69,8 +69,8 @@ def _peak(peak: dict[str, Any]) -> Any:
 
 
 def _step_flops(flops: dict[str, Any]) -> Any:
-    """The file's mean FLOPs a step as a :class:`~phase_timer.flops.StepFlops` (its recompute, its source)."""
-    from phase_timer.flops import BACKWARD, FORWARD, GIVEN, StepFlops
+    """The file's mean FLOPs a step as a :class:`~phase_timer.measures.flops.StepFlops` (its recompute, its source)."""
+    from phase_timer.measures.flops import BACKWARD, FORWARD, GIVEN, StepFlops
 
     per = flops.get("per_step") or {}
     source = flops.get("source") or GIVEN
@@ -95,7 +95,7 @@ def flops_line(flops: dict[str, Any] | None) -> str | None:
 def mfu_line(flops: dict[str, Any] | None) -> str | None:
     """The MFU line with its denominator (``MFU 41% of 989 TFLOP/s (bf16 dense, H100 SXM): forward 52%, ...``),
     or why there is none (the file's note)."""
-    from phase_timer.mfu import format_mfu
+    from phase_timer.measures.mfu import format_mfu
 
     if not flops:
         return None

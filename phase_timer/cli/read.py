@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phase_timer.cli.errors import ReportError, require
-from phase_timer.memory import STEADY_FROM
-from phase_timer.tags import (
+from phase_timer.measures.memory import STEADY_FROM
+from phase_timer.outputs.tags import (
     MEMORY_PREFIX,
     MEMORY_RANKS_PREFIX,
     SKIPPED_TAG,
@@ -25,10 +25,10 @@ from phase_timer.tags import (
     WINDOW_PREFIX,
     WINDOW_STEPS_TAG,
 )
-from phase_timer.run_summary import FILE_NAME, SCHEMA
-from phase_timer.stats import WINDOW_STATS
-from phase_timer.throughput import COUNTS
-from phase_timer.throughput import PREFIX as THROUGHPUT_PREFIX
+from phase_timer.outputs.run_summary import FILE_NAME, SCHEMA
+from phase_timer.timing.stats import WINDOW_STATS
+from phase_timer.measures.throughput import COUNTS
+from phase_timer.measures.throughput import PREFIX as THROUGHPUT_PREFIX
 
 _WINDOW_RE = re.compile(rf"^{WINDOW_PREFIX}/(.+)_ms/({'|'.join(WINDOW_STATS)})$")
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}/(.+)_ms$")

@@ -47,7 +47,7 @@ mean over the steps (right, one row per run).
 
 Memory (CUDA runs).  A run with memory data gets a memory block under its
 table: from its summary file, the block the run printed
-(:func:`phase_timer.table.format_memory`); from TensorBoard alone, a shorter one from
+(:func:`phase_timer.outputs.table.format_memory`); from TensorBoard alone, a shorter one from
 the ``phase_memory/*`` scalars (the last peaks, the mean allocated at the step's begin
 and activations).  ``memory`` in ``--json`` is the summary file's ``memory`` object as
 it is there, or for a TensorBoard-only run the same names that TensorBoard has
@@ -61,7 +61,7 @@ Throughput and MFU.  A run whose batches were counted gets the line it printed,
 ``throughput: 36.9k tokens/s, 288.0 samples/s, 3.0 steps/s`` (and the job's, across ranks),
 and from a version-6 summary file with FLOPs a ``FLOPs:`` line (a step's, forward and backward,
 counted or given; TFLOP/s) and the MFU line with its denominator, ``MFU 41% of 989 TFLOP/s
-(bf16 dense, H100 SXM): forward 52%, backward 47%`` (:func:`phase_timer.mfu.format_mfu`), or
+(bf16 dense, H100 SXM): forward 52%, backward 47%`` (:func:`phase_timer.measures.mfu.format_mfu`), or
 the file's note on why there is none.  ``throughput`` and ``flops`` in ``--json`` are the
 summary file's objects as they are there; for a run without one, what its TensorBoard
 ``throughput/*`` windows give (``source``: ``"tensorboard"``; each rate the windows' weighted by
@@ -90,7 +90,7 @@ from phase_timer.cli.report_json import to_json
 from phase_timer.cli.report_plot import write_png
 from phase_timer.cli.report_runs import load_runs
 from phase_timer.cli.report_text import format_text
-from phase_timer.run_summary import FILE_NAME
+from phase_timer.outputs.run_summary import FILE_NAME
 
 
 def add_report_args(parser: argparse.ArgumentParser) -> None:

@@ -11,8 +11,8 @@ from phase_timer.cli.read import Points
 from phase_timer.cli.report_runs import RunReport
 from phase_timer.cli.report_text import percent, run_labels
 from phase_timer.phases import STEP_PHASES, TOTALS, ordered, share_base
-from phase_timer.run_summary import FILE_NAME
-from phase_timer.tags import MEMORY_PREFIX
+from phase_timer.outputs.run_summary import FILE_NAME
+from phase_timer.outputs.tags import MEMORY_PREFIX
 
 #: One colour per built-in phase, the same in every panel and every figure (the TensorBoard
 #: layout's order); custom phases take the colours after them.

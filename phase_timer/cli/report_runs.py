@@ -32,9 +32,9 @@ from phase_timer.cli.read import (
     tensorboard_throughput,
 )
 from phase_timer.phases import ordered, share_base
-from phase_timer.run_summary import FILE_NAME
-from phase_timer.stats import WINDOW_STATS, percentile
-from phase_timer.tags import STEP_PREFIX, WINDOW_PREFIX
+from phase_timer.outputs.run_summary import FILE_NAME
+from phase_timer.timing.stats import WINDOW_STATS, percentile
+from phase_timer.outputs.tags import STEP_PREFIX, WINDOW_PREFIX
 
 
 @dataclass

@@ -9,9 +9,9 @@ from typing import Any
 from phase_timer.cli import rates
 from phase_timer.cli.report_runs import PhaseStats, RunReport
 from phase_timer.phases import ordered
-from phase_timer.run_summary import FILE_NAME
-from phase_timer.table import _mb, format_memory, format_own_cost, share_note
-from phase_timer.tags import MEMORY_PREFIX
+from phase_timer.outputs.run_summary import FILE_NAME
+from phase_timer.outputs.table import _mb, format_memory, format_own_cost, share_note
+from phase_timer.outputs.tags import MEMORY_PREFIX
 
 _HEADERS = {
     "summary": ("mean ms", "p50 ms", "p90 ms", "p99 ms", "max ms"),
@@ -133,8 +133,8 @@ def format_text(reports: Sequence[RunReport]) -> str:
 def summary_lines(data: dict[str, Any]) -> list[str]:
     """What a summary file adds below the table: steps in flight, phase-timer's own cost, the syncs, the verdict."""
     from phase_timer.diagnosis import Diagnosis, format_verdict
-    from phase_timer.rank_view import summary_table
-    from phase_timer.syncs import SyncSite, format_census
+    from phase_timer.distributed.rank_view import summary_table
+    from phase_timer.measures.syncs import SyncSite, format_census
 
     lines = []
     if data.get("interrupted"):

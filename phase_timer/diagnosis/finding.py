@@ -117,7 +117,7 @@ IMBALANCE_SHARE = 0.1
 IMBALANCE_MIN_MB = 512.0
 
 
-#: OUT_OF_MEMORY (an out-of-memory error ended the run; ``phase_timer/oom.py`` says what was known): it came in
+#: OUT_OF_MEMORY (an out-of-memory error ended the run; ``phase_timer/measures/oom.py`` says what was known): it came in
 #: one of the first OOM_FIRST_STEPS steps begun (the first optimizer step makes the optimizer's state) ...
 OOM_FIRST_STEPS = 2
 

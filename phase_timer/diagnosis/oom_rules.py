@@ -12,7 +12,7 @@ from phase_timer.diagnosis.memory_rules import _activations, _creep, _expandable
 
 def out_of_memory(oom: dict[str, Any], mem: dict[str, Any] | None) -> Diagnosis:
     """OUT_OF_MEMORY: where the run was when it ran out, what failed, what each phase held, and what to try,
-    from what was measured (``oom``: ``phase_timer/oom.py``'s facts; ``mem``: the memory summary, or None)."""
+    from what was measured (``oom``: ``phase_timer/measures/oom.py``'s facts; ``mem``: the memory summary, or None)."""
     n = _oom_numbers(oom, mem)
     when, said, creep = _oom_when(oom, mem)
     rank = oom.get("rank")

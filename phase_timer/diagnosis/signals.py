@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from phase_timer.cpu_use import CpuUse
+from phase_timer.measures.cpu_use import CpuUse
 from phase_timer.diagnosis.finding import SPIKE_MAX, SPIKE_P90, STRAGGLER_MARGIN, WAIT_PHASES
-from phase_timer.run_change import RankShifts
-from phase_timer.syncs import SyncCensus, SyncSite
+from phase_timer.diagnosis.run_change import RankShifts
+from phase_timer.measures.syncs import SyncCensus, SyncSite
 
 
 class Signals:
@@ -27,7 +27,7 @@ class Signals:
         self.behind_checked = 0
         self.behind = 0
         #: Sampled steps' host time from the step's begin to its end (ms), and phase-timer's own host time (ns,
-        #: window ends out); and the own host time of the ordinary steps timed apart (``phase_timer.own_cost``).
+        #: window ends out); and the own host time of the ordinary steps timed apart (``phase_timer.run.own_cost``).
         self.host_step_ms: list[float] = []
         self.own_ns: list[int] = []
         self.plain_ns: list[int] = []
@@ -50,7 +50,7 @@ class Signals:
         self.sync_other_threads = 0
         self.sync_paused = 0
         #: The CPU time of the training process, its training thread and the loader's workers, read at a few
-        #: window ends (``phase_timer.cpu_use``): what the INPUT_BOUND advice is made of.
+        #: window ends (``phase_timer.measures.cpu_use``): what the INPUT_BOUND advice is made of.
         self.cpu = CpuUse()
         #: Each window's per-phase medians in step order (the core's ``stats.WindowSeries``) and, on rank zero
         #: of a distributed run, each window's slowest rank a phase: what RUN_CHANGED reads.

@@ -6,15 +6,15 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from phase_timer import run_change
+from phase_timer.diagnosis import run_change
 from phase_timer.diagnosis.finding import (
     BEHIND_SHARE, Diagnosis, HOST_IDLE_SHARE, MATERIAL, MIN_FLIGHT_SAMPLES, MIN_WINDOWS, OPTIMIZER_SHARE,
     PACED_RATIO, SPIKE_MAX, SPIKE_P90, SPIKY_SHARE, _pct, _severity, phase_share,
 )
 from phase_timer.diagnosis.signals import Signals
-from phase_timer.input_advice import Run, advise
+from phase_timer.measures.input_advice import Run, advise
 from phase_timer.phases import share_base
-from phase_timer.syncs import SyncSite
+from phase_timer.measures.syncs import SyncSite
 
 
 def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any]) -> Diagnosis | None:
@@ -145,7 +145,7 @@ def _unstable(signals: Signals) -> Diagnosis | None:
 
 
 def _run_changed(totals: Any, signals: Signals) -> Diagnosis | None:
-    """RUN_CHANGED (``phase_timer.run_change``): a phase's level moved partway through the run and stayed."""
+    """RUN_CHANGED (``phase_timer.diagnosis.run_change``): a phase's level moved partway through the run and stayed."""
     if signals.series is None:
         return None
     scale = totals.phases.get("period") or totals.phases.get("step")

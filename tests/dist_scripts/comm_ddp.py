@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phase_timer
-from phase_timer.comm import run as comm_run
+from phase_timer.measures.comm import run as comm_run
 
 PLANT_S = 0.03
 HIDE_S = 0.06

@@ -65,7 +65,7 @@ def main() -> None:
 
     fsdp_fns = (group_mod.foreach_all_gather_copy_out, group_mod.foreach_all_gather, group_mod.foreach_reduce,
                 FSDPState._root_post_backward_final_callback)
-    ours = os.path.join("phase_timer", "comm", "fsdp.py")  # FSDP2 as found after close(): none of its functions is ours
+    ours = os.path.join("phase_timer", "measures", "comm", "fsdp.py")  # FSDP2 as found after close(): none of its functions is ours
     mine = dict(phases={ph: t.mean for ph, t in totals.phases.items()}, steps=totals.steps,
                 restored=not any(fn.__code__.co_filename.endswith(ours) for fn in fsdp_fns))
     every: list = [None] * dist.get_world_size()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phase_timer
-from phase_timer import comm
+from phase_timer.measures import comm
 
 STEPS = 8
 

@@ -107,7 +107,7 @@ def main() -> None:
     if args.fake_memory_extra is not None:  # memory on the CPU: the counters a CUDA rank's allocator would give
         from fakes import FakeAllocator
 
-        from phase_timer import memory as timer_memory
+        from phase_timer.measures import memory as timer_memory
 
         fake = FakeAllocator()
         fake.alloc(1000 + (args.fake_memory_extra if slow else 0))

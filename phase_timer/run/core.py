@@ -1,0 +1,609 @@
+"""The framework-free core: hooks -> engine (marks, records, lazy resolution, window) -> stats -> sinks.
+
+Both doors (the Lightning callback and the plain-PyTorch attachment) turn their
+framework's events into boundaries (:mod:`phase_timer.run.boundaries`), which make
+these calls on :class:`TimingCore`: ``begin_step(step, phase)``, ``phase(name)``,
+``relabel(name)``, ``add_host(name, ms)``, ``end()`` (the step's device part ends),
+``close()`` (the record ends: the time between steps too), ``discard()``,
+``pause()/resume()`` and ``finish()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from phase_timer._env import warn
+from phase_timer.timing.clock import Clock
+from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict, phase_share
+from phase_timer.measures import memory as _memory
+from phase_timer.measures import oom as _oom
+from phase_timer.measures import throughput
+from phase_timer.distributed.rank_view import format_rank_table
+from phase_timer.timing.engine import POLL_EVERY, make_engine
+from phase_timer.measure import Measure
+from phase_timer.measures.memory import MemoryTracker
+from phase_timer.outputs.table import format_memory, format_own_cost, format_summary
+from phase_timer.outputs.tags import (
+    DIAGNOSIS_TAG,
+    IN_FLIGHT_TAG,
+    SKIPPED_TAG,
+    WINDOW_STEPS_TAG,
+    memory_scalars,
+    rank_scalars,
+    step_scalars,
+    window_scalars,
+)
+from phase_timer.run.own_cost import estimate as _own_estimate
+from phase_timer.distributed.ranks import RankExchange, RankWindow
+from phase_timer.measures.step_flops import FlopPlan
+from phase_timer.outputs.sinks import BackgroundSink, GuardedSink, Sink
+from phase_timer.timing.stats import RunTotals, WindowSeries
+from phase_timer.measures.syncs import format_census
+from phase_timer.outputs.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+
+#: Values a record carries that are not phases: throughput's counts and FLOPs (each measure takes its own).
+CARRIED = throughput.CARRIED
+
+
+def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
+    """Each sink behind a guard: its first failure warns, training and the run's end go on."""
+    return [s if isinstance(s, (GuardedSink, BackgroundSink)) else GuardedSink(s, type(s).__name__) for s in sinks]
+
+
+class TimingCore:
+    """One run's timing: which steps are recorded, their resolution, statistics and output."""
+
+    # Slots for what the boundaries' C path (``_native.Fast``) reads and writes at every step, where CPython
+    # keeps them (no attribute lookup); everything else in ``__dict__``.
+    __slots__ = ("_in_step", "_last_end", "_poll_in", "steps_begun", "_warmup", "closed", "trace", "ranks", "_engine",
+                 "__dict__")
+
+    def __init__(
+        self,
+        clock: Clock,
+        sinks: Sequence[Sink] = (),
+        *,
+        window: int,
+        warmup_steps: int,
+        max_pending: int,
+        per_step: bool = False,
+        poll_lag: int = 2,
+        nvtx: bool = False,
+        trace: TraceWriter | None = None,
+        ranks: RankExchange | None = None,
+        memory: bool = True,
+        measures: Sequence[Measure] = (),
+    ) -> None:
+        self.clock = clock
+        self.trace = trace
+        self._engine = make_engine(
+            clock, window=window, max_pending=max_pending, lag=poll_lag, per_step=per_step, nvtx=nvtx,
+            traced=trace is not None,
+        )
+        self._sinks = _guarded(sinks)
+        self._window_size = window
+        self._warmup = warmup_steps
+        self.totals = RunTotals()
+        #: Samples, tokens and steps a second (counted from the batches' shapes by the door: ``counter``).
+        self.throughput = throughput.RunThroughput()
+        #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called.
+        self.measures: list[Measure] = list(measures)
+        self.counter: throughput.BatchCounter | None = None
+        #: The table's MFU line where MFU is not measured, saying how to get it (None: measured, or turned off).
+        self.mfu_note: str | None = None
+        #: FLOPs and MFU (``step_flops.py``; None: not counted, no MFU).
+        self.flops: FlopPlan | None = None
+        #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
+        self.series = WindowSeries()
+        self.steps_begun = 0
+        self.steps_ended = 0
+        self.ranks = ranks
+        self.skipped = 0
+        self.closed = False
+        #: Why no step was timed, when none was (set at the end; the summary says it).
+        self.untimed_reason: str | None = None
+        #: What the diagnosis reads: sampled steps, windows' spread, the ranks' windows.
+        self.signals = Signals()
+        self.signals.series = self.series  # RUN_CHANGED reads the windows in order
+        #: Host time spent at window ends during the run (statistics, CPU readings, writes queued, the ranks'
+        #: exchange): spread over the steps by the own-cost line, taken out of the samples it falls in.
+        self.window_ns = 0
+        #: What the door knows of the run (loader settings, precision, optimizers, configuration).
+        self.context: dict = {}
+        #: Where rank zero writes the run summary file at the end (None: nowhere).
+        self.summary_dir: str | None = None
+        #: Where the TensorBoard values go (None: nowhere), and why none go when the package is missing.
+        self.log_dir: str | None = None
+        self.outputs_missing: str | None = None
+        self.diagnosis: Diagnosis | None = None
+        self.summary_path: str | None = None
+        #: The summary file's name (None: ``phase_timer_summary.json``; a rank other than zero that ran out of
+        #: memory writes ``phase_timer_summary.rank<r>.json``).
+        self.summary_name: str | None = None
+        #: What was known when an out-of-memory error ended the run (``phase_timer/measures/oom.py``; None: none did).
+        self.oom: dict | None = None
+        #: ``memory_snapshot=``: the allocator's history being recorded (``oom.Snapshot``; None: not asked).
+        self.snapshot: _oom.Snapshot | None = None
+        self.interrupted = False
+        #: The summary's ``flops`` block, made at the end (None: no FLOPs counted nor asked for).
+        self.flops_summary: dict | None = None
+        #: Added to a step's index where it is logged (the 🤗 door: the Trainer logs step k at global_step k+1).
+        self.log_step_offset = 0
+        #: Memory per phase (CUDA only; None: not read): sampled steps' allocator counters.
+        self.memory: MemoryTracker | None = None
+        self._memory_rows: list[tuple[int, dict[str, float]]] = []  # memory steps' values not yet written
+        try:
+            found = _memory.reader_for(clock) if memory else None
+            self.memory = MemoryTracker(*found) if found is not None else None
+        except Exception as err:  # noqa: BLE001 - a torch without the allocator's counters: time only
+            warn(log, f"phase-timer: memory is not read ({type(err).__name__}: {err}); the time phases go on")
+        # Steps in flight are read on the device's clock only: on the host's, nothing is in flight.
+        self._flight = clock.kind != "host"
+        self._flight_sum = self._flight_n = 0
+        self._last_written_step = 0
+        self._in_step = False
+        self._last_end: int | None = None
+        self._paused_at: int | None = None
+        #: Host time paused (evaluation, saves, epoch ends: no step's, out of ``period``) and the pauses, since the
+        #: last window: the rank report carries them, so that rank zero sees a rank's pauses the others wait for.
+        self._paused_ms = 0.0
+        self._pauses = 0
+        self._poll_in = POLL_EVERY  # closes until the next poll
+        # The hot path: the engine's own methods (C functions with the C engine), no extra frame.
+        self.phase = self._engine.switch
+        self.relabel = self._engine.relabel
+        self.add_host = self._engine.add_host
+        self.end = self._engine.end
+
+    # -- the step ---------------------------------------------------------------
+    @property
+    def recording(self) -> bool:
+        return self._engine.is_open
+
+    @property
+    def current_phase(self) -> str | None:
+        return self._engine.current
+
+    @property
+    def pending(self) -> int:
+        return self._engine.pending
+
+    def begin_step(self, step: int, phase: str) -> None:
+        """Open step ``step`` with ``phase`` as its first span (unless warming up or full)."""
+        if self.closed:
+            return
+        self._in_step = True
+        self.steps_begun += 1
+        if self.steps_begun <= self._warmup:
+            return
+        engine = self._engine
+        if engine.full:
+            self._consume(engine.poll())
+            if engine.full:
+                self._skip()
+                return
+        trace = self.trace
+        if trace is not None and trace.wants(step):  # traced runs have the Python engine
+            if trace.ref is None:  # the one reference every traced mark is measured against
+                trace.ref_host_ns = time.perf_counter_ns()
+                trace.ref = self.clock.mark()
+            engine.open(step, phase, trace.ref)
+        else:
+            engine.open(step, phase)
+
+    def close(self, count_in_flight: bool = False) -> None:
+        """Close the record (after :meth:`end`, the time between steps ends here); resolve what the device finished.
+
+        ``count_in_flight`` (one close in 16): also count the steps in flight, after the poll.
+        """
+        if not self._in_step:
+            return
+        self._in_step = False
+        # Closed while paused (an evaluation after the last step, nothing resumed): the period ends where the
+        # pause began, and a resume moves the next period's start past the pause as usual.
+        now = self._paused_at if self._paused_at is not None else time.perf_counter_ns()
+        last, self._last_end = self._last_end, now
+        engine = self._engine
+        engine.close((now - last) / 1e6 if last is not None else -1.0)
+        if self._paused_at is not None:  # the rest of the pause is no record's: the next period is the host's
+            engine.cut()
+        # Every POLL_EVERY closes (and at a close that counts the steps in flight, which reads the poll's answer).
+        self._poll_in -= 1
+        if self._poll_in > 0 and not count_in_flight:
+            if self.ranks is not None:
+                self._rank_close()
+            return
+        self._poll_in = POLL_EVERY
+        results = engine.poll()  # None unless a window (or, per_step, a step) is ready
+        if count_in_flight:
+            self._count_flight()
+        if results is not None:
+            self._consume(results)
+        if self.ranks is not None:
+            self._rank_close()
+
+    def _finished_now(self) -> list[tuple] | None:
+        """What the device has finished, without waiting for it: a few polls (the resolver thread's share
+        included), at most ~0.1 s of host time, never a device wait."""
+        engine, out = self._engine, []
+        for _ in range(64):
+            # The newest step done (one query; always on the host clock), or none left: nothing to wait for.
+            if engine.newest_done() is not False:
+                out.extend(engine.drain() or ())
+                break
+            out.extend(engine.poll() or ())
+            time.sleep(0.002)
+        return out or None
+
+    def _count_flight(self) -> None:
+        """At a close that counts them, after its poll: the steps in flight (device clock only)."""
+        if self._flight:
+            # No wait: the poll's own answer, or a query of an older step's last mark.
+            engine = self._engine
+            n = engine.in_flight()
+            if n == 0:  # every earlier step is done: is the one just ended done too (the device idle now)?
+                self.signals.tail_checked += 1
+                self.signals.tail_busy += not engine.newest_done()
+            self.signals.flight[n] += 1
+            self._flight_sum += n
+            self._flight_n += 1
+
+    def _rank_close(self) -> None:
+        # Every rank ends the same steps, so every rank reports at the same ones.
+        self.steps_ended += 1
+        if self.steps_ended % self._window_size == 0:
+            t0 = time.perf_counter_ns()
+            self._write_ranks(self.ranks.exchange())
+            self.window_ns += time.perf_counter_ns() - t0
+
+    def untime(self) -> None:
+        """The step just begun goes untimed, as a warm-up step does (its FLOPs are being counted: it runs slower):
+        its record is dropped, and its close still ends the host's clock, so the next step's ``period`` is its own."""
+        if self._in_step:
+            self._engine.discard()
+
+    def discard(self) -> None:
+        """Drop the open record: a step abandoned before its end has no honest total.
+
+        The next step's ``period`` starts here, so it does not carry the dropped batch either.
+        """
+        self._engine.discard()
+        self._in_step = False
+        if self._last_end is not None:
+            self._last_end = time.perf_counter_ns()
+
+    def probe_behind(self) -> None:
+        """At a sampled step's boundary: has the device not yet begun the span the host just issued?
+
+        One query of a mark a phase old, never a wait (device clock only): a device more than a phase
+        behind inside the step is busy, even when the host is held to its pace (a full launch queue).
+        """
+        if self._flight:
+            behind = self._engine.behind()
+            if behind is not None:
+                self.signals.behind_checked += 1
+                self.signals.behind += behind
+
+    def add_memory(self, tracker: MemoryTracker) -> None:
+        """A memory step closed: its values (MB) go to the sinks at its step (``phase_memory/<what>_mb``), just
+        before the first write at that step or later, so that every sink sees its steps in order (the windows
+        are resolved steps later; a logger such as W&B wants a step that never goes back)."""
+        scalars = memory_scalars(tracker.end_step())
+        if self._sinks:
+            self._memory_rows.append((tracker.step, scalars))
+
+    def add_sample(self, own_ns: int, host_step_ms: float) -> None:
+        """A sampled step: phase-timer's own host time on it, and the host's time from its begin to its end."""
+        self.signals.own_ns.append(own_ns)
+        self.signals.host_step_ms.append(host_step_ms)
+
+    @property
+    def own_us_per_step(self) -> float | None:
+        """phase-timer's own host time per step (µs): an ordinary step's, plus the sampled work amortized
+        (:meth:`own_cost`); None before a sampled step."""
+        own = self.own_cost()
+        return own["us_per_step"] if own is not None else None
+
+    @property
+    def memory_us_per_step(self) -> float | None:
+        """Memory's share of that: all its host time (on memory steps only), over the steps begun (None: not read)."""
+        mem = self.memory
+        return mem.own_ns / self.steps_begun / 1e3 if mem is not None and self.steps_begun else None
+
+    def own_cost(self) -> dict | None:
+        """The own-cost figures (µs; ``own_cost.estimate``), with the share of ``period`` and whether the host ran
+        ahead; None before a sampled step."""
+        sig, mem = self.signals, self.memory
+        own = _own_estimate(plain_ns=sig.plain_ns, sampled_ns=sig.own_ns, window_ns=self.window_ns,
+                            memory_ns=mem.own_ns if mem is not None else None,
+                            memory_steps=mem.samples if mem is not None else 0, steps=self.steps_begun,
+                            sample_gap=sig.sample_gap, memory_gap=sum(_memory.SPARSE_GAP) / 2)
+        if own is None:
+            return None
+        period = self.totals.phases.get("period")
+        own["share_of_period"] = own["us_per_step"] / 1e3 / period.mean if period is not None and period.mean > 0 else None
+        own["samples"] = len(sig.own_ns)
+        own["host_ahead"] = self.host_ahead
+        return own
+
+    def _skip(self) -> None:
+        self.skipped += 1
+        if self.skipped == 1:
+            msg = (
+                f"phase-timer: {self._engine.max_pending} steps are still running on the device, the "
+                "`max_pending` bound; steps are left untimed until the device catches up (counted in "
+                f"{SKIPPED_TAG}). Raise `max_pending` to time them all."
+            )
+            warn(log, msg, 3)
+
+    def pause(self) -> None:
+        """Stop the host clock of ``period`` (validation inside training, epoch ends)."""
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter_ns()
+            if not self._in_step:  # a pause no record holds: the next record's period is the host's
+                self._engine.cut()
+
+    def resume(self) -> None:
+        if self._paused_at is None:
+            return
+        now = time.perf_counter_ns()
+        if self._last_end is not None:
+            self._last_end += now - self._paused_at
+            self._paused_ms += (now - self._paused_at) / 1e6  # a pause inside training (not before the first step)
+            self._pauses += 1
+        self._paused_at = None
+
+    # -- results ----------------------------------------------------------------
+    def _consume(self, results: list[tuple] | None) -> None:
+        """The engine's results, in step order: per-step writes, traced steps, whole windows."""
+        t0 = time.perf_counter_ns()
+        for item in results or ():
+            kind = item[0]
+            if kind == "window":
+                self._emit(*item[1:])
+            elif kind == "step":
+                ms = item[2]
+                for name in CARRIED:
+                    ms.pop(name, None)  # counts, not phases: a step's rates are its window's
+                for measure in self.measures:
+                    measure.step(ms)
+                self._write(item[1], step_scalars(ms))
+            elif kind == "trace" and self.trace is not None:
+                self.trace.add(item[1])
+        if not self.closed:  # the run's end is no step's
+            self.window_ns += time.perf_counter_ns() - t0
+
+    def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
+        counts = throughput.split_counts(columns, self.throughput)  # counts, not phases: out first
+        measured: dict[str, float] = {}
+        for measure in self.measures:  # each takes its carried values out, and corrects the phases it owns
+            measured.update(measure.window(columns))
+        # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
+        summary = self.totals.add_sorted_window(steps, columns)
+        if counts:
+            self.throughput.add(counts)
+        if self.ranks is not None:
+            sent = dict(counts)
+            if self._pauses:  # the pauses since the last window (rank zero's RANK_STRAGGLER reads them)
+                sent.update(paused_ms=self._paused_ms, pauses=float(self._pauses))
+                self._paused_ms, self._pauses = 0.0, 0
+            self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory(), counts=sent or None)
+        self.signals.add_window(steps, summary)
+        self.series.add(last_step, steps, summary, columns)
+        scalars = window_scalars(summary)
+        scalars[WINDOW_STEPS_TAG] = float(steps)
+        if self._flight_n:  # the samples taken since the last window (none: no value, not a zero)
+            scalars[IN_FLIGHT_TAG] = self._flight_sum / self._flight_n
+            self._flight_sum = self._flight_n = 0
+        if self.skipped:
+            scalars[SKIPPED_TAG] = float(self.skipped)
+        scalars.update(throughput.scalars(counts))
+        scalars.update(measured)
+        if self.flops is not None:
+            scalars.update(self.flops.scalars(counts, self.context))
+        self._write(last_step, scalars)
+
+    def listen(self, measure: Measure) -> None:
+        """``measure`` hears the results from now on, after those already listening."""
+        self.measures.append(measure)
+
+    def _rank_memory(self) -> dict[str, float] | None:
+        """What this rank's window report says of its memory (None: not read, or nothing read yet)."""
+        mem = self.memory
+        if mem is None or mem.peak_allocated_mb is None:
+            return None
+        return {"peak_allocated_mb": mem.peak_allocated_mb, "peak_reserved_mb": mem.peak_reserved_mb,
+                "device_total_mb": mem.device_total_mb, "alloc_retries": mem.retries}
+
+    def _write_ranks(self, windows: list[RankWindow]) -> None:
+        for w in windows:
+            self.signals.add_rank_window(w.phases, w.step)
+            scalars = rank_scalars(w)
+            scalars.update({f"{throughput.PREFIX}/job_{k}": v for k, v in w.job.items()})
+            self._write(w.step, scalars)
+
+    def _write(self, step: int, scalars: dict[str, float]) -> None:
+        rows = self._memory_rows
+        while rows and rows[0][0] <= step:
+            self._write_now(*rows.pop(0))
+        self._write_now(step, scalars)
+
+    def _write_now(self, step: int, scalars: dict[str, float]) -> None:
+        step += self.log_step_offset
+        if step > self._last_written_step:
+            self._last_written_step = step
+        for sink in self._sinks:
+            sink.write(step, scalars)
+
+    def poll(self) -> None:
+        """Resolve finished steps now (never waits)."""
+        self._consume(self._engine.poll())
+
+    def finish(self, rank_timeout_s: float = 30.0, *, interrupted: bool = False, wait: bool = True) -> RunTotals:
+        """End of training: drop a half-done step, wait for the rest, write and close.
+
+        The only place that waits for the device (through the engine's ``drain``), and,
+        when distributed, for the other ranks' last reports (at most ``rank_timeout_s``).
+        ``wait=False`` (SIGTERM: the process is about to end, and its GPU may be stuck in a
+        collective): no wait for the device; the steps it has finished are kept, the rest dropped.
+        Safe to call twice; the second call does nothing.
+        """
+        if self.closed:
+            return self.totals
+        self.closed = True
+        self._sinks = _guarded(self._sinks)  # one added after construction too: the end never raises
+        self._engine.discard()  # a step cut off mid-way has no honest total
+        self._in_step = False
+        try:
+            self._consume(self._engine.drain() if wait else self._finished_now())
+        except Exception as err:  # noqa: BLE001 - e.g. the device died: keep what was resolved
+            msg = f"phase-timer: could not resolve the last steps ({type(err).__name__}: {err})"
+            warn(log, msg, 2)
+        self._consume(self._engine.flush())
+        if self.ranks is not None:
+            self._write_ranks(self.ranks.finish(rank_timeout_s, interrupted=interrupted))
+        for row in self._memory_rows:  # the last memory steps, after every resolved step
+            self._write_now(*row)
+        self._memory_rows = []
+        self.interrupted = interrupted
+        _oom.at_end(self)  # the snapshot's end; rank zero hears of the other ranks' out-of-memory errors
+        self._conclude()
+        for sink in self._sinks:
+            sink.close()
+        self._write_trace()
+        return self.totals
+
+    def _conclude(self) -> None:
+        """The verdict: once to TensorBoard as text, and (rank zero) the run summary file.  Never raises."""
+        self.flops_summary, mfu_tips = None, []
+        if self.flops is not None:
+            try:
+                self.flops_summary = self.flops.run(self.throughput.counts, self.context)
+                mfu_tips = self.flops.advice(self.flops_summary, optimizer_share=phase_share(self.totals, "optimizer", "step"))
+            except Exception as err:  # noqa: BLE001 - MFU is an extra: the verdict and the files go on without it
+                warn(log, f"phase-timer: could not compute MFU ({type(err).__name__}: {err})")
+        try:
+            self.diagnosis = diagnose(
+                self.totals, self.signals, clock=self.clock.kind, context=self.context,
+                rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
+                warmup_steps=self._warmup, memory=self.memory_summary(), mfu=mfu_tips, oom=self.oom,
+            )
+        except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
+            warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
+            return
+        if self.totals.steps or self.oom is not None:
+            text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
+            for sink in self._sinks:  # every one is guarded (finish): a sink without text is skipped there
+                sink.write_text(DIAGNOSIS_TAG, text, self._last_written_step)
+        # Rank zero's file; and a rank that ran out of memory writes its own (summary_dir set by oom.caught).
+        if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0 or _oom.own(self)):
+            from phase_timer.outputs.run_summary import write_summary
+
+            try:
+                self.summary_path = write_summary(self, self.summary_dir, name=self.summary_name)
+            except Exception as err:  # noqa: BLE001 - e.g. a full disk: the printed summary still says it all
+                warn(log, f"phase-timer: could not write the run summary file ({type(err).__name__}: {err})")
+
+    def _write_trace(self) -> None:
+        if self.trace is None or self.trace.ref is None:
+            return
+        try:
+            path = self.trace.write()
+            log.info("phase-timer: trace of steps %d..%d in %s", self.trace.first, self.trace.stop - 1, path)
+        except OSError as err:
+            msg = f"phase-timer: could not write the trace ({err})"
+            warn(log, msg, 3)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self._warmup
+
+    @property
+    def window(self) -> int:
+        """Steps per logging window."""
+        return self._window_size
+
+    def summary_table(self, title: str = "phase-timer") -> str:
+        ranks = self.ranks
+        table = format_summary(self.totals, clock=self.clock.kind, untimed_reason=self.untimed_reason,
+                               title=title if ranks is None else f"{title} (rank {ranks.rank})")
+        if ranks is not None and ranks.totals is not None:
+            table += "\n\n" + format_rank_table(ranks.totals, title=title)
+        rates = throughput.format_line(self.throughput.rates(), self.job_throughput())
+        if rates:
+            table += "\n" + rates
+        elif self.totals.steps and self.counter is not None:
+            table += "\n" + throughput.NOT_COUNTED
+        mfu_line = self.flops.line(self.flops_summary) if self.flops is not None else self.mfu_note
+        if mfu_line:
+            table += "\n" + mfu_line
+        for measure in self.measures:
+            line = measure.line()
+            if line:
+                table += "\n" + line
+        mem = format_memory(self.memory_summary())
+        if mem:
+            table += "\n" + mem
+        own = self.own_cost_line()
+        if own:
+            table += "\n" + own
+        sig = self.signals
+        census = format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)
+        if census:
+            table += "\n" + census
+        if self.diagnosis is not None and (self.totals.steps or self.oom is not None):
+            table += "\n" + format_verdict(self.diagnosis)
+        files = self.files_line()
+        if files:
+            table += "\n" + files
+        return table
+
+    def files_line(self) -> str | None:
+        """Where this run's files went (rank zero, or a rank that ran out of memory): its TensorBoard directory and
+        its summary file."""
+        if self.ranks is not None and self.ranks.rank != 0 and not _oom.own(self):
+            return None
+        parts = []
+        if self.log_dir is not None:
+            parts.append(f"TensorBoard values in {self.log_dir}")
+        elif self.outputs_missing is not None:
+            parts.append(self.outputs_missing)
+        if self.summary_path is not None:
+            parts.append(f"summary {self.summary_path}")
+        return "files: " + "; ".join(parts) if parts else None
+
+    def job_throughput(self) -> dict[str, float] | None:
+        """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""
+        totals = self.ranks.totals if self.ranks is not None else None
+        # a rank's pauses travel with its counts, with no rate of their own
+        counted = {r: c for r, c in totals.counts.items() if "period_ms" in c} if totals is not None else {}
+        return throughput.job_rates(counted) if counted else None
+
+    def memory_summary(self) -> dict | None:
+        """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""
+        if self.memory is None:
+            return None
+        out = self.memory.as_dict()
+        ranks = self.ranks
+        if ranks is not None and ranks.totals is not None and ranks.totals.memory:
+            out["ranks"] = {str(r): dict(v) for r, v in sorted(ranks.totals.memory.items())}
+        return out
+
+    def own_cost_line(self) -> str | None:
+        """"phase-timer's own host time: X µs/step (Y% of period): ordinary steps ...", or None before a sampled step."""
+        own = self.own_cost()
+        return format_own_cost(own) if own is not None else None
+
+    @property
+    def host_ahead(self) -> bool | None:
+        """The host ran a step or more ahead of the device at most sampled closes (None: not known)."""
+        flight = self.signals.flight
+        n = sum(flight.values())
+        if not n:
+            return None
+        return n - flight[0] > n / 2
