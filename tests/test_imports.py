@@ -1,11 +1,12 @@
-"""No module of phase_timer imports one that imports it back (issue 25, item 4).
+"""No module of phase_timer imports one that imports it back, nor one in a layer above its own.
 
 Every ``import``/``from ... import`` of a phase_timer module counts, at module level, inside
 functions and under ``TYPE_CHECKING`` alike: a cycle that only a lazy import hides is still
 two modules that cannot be read, tested or moved apart.  The modules of the subpackages
 (``phase_timer/cli/``, ``phase_timer/diagnosis/``) count as the top level's do.  A package
 facade (an ``__init__.py``) is not a target: it re-exports, and nothing in the package
-needs it.
+needs it.  The layers are the package's folders in ``docs/design.md``'s map: ``timing/`` imports no
+measure, output or door, and so on up to ``cli/``.
 """
 
 from __future__ import annotations
@@ -104,3 +105,38 @@ def test_the_graph_sees_function_level_imports_of_the_package():
 def test_no_module_imports_one_that_imports_it_back():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+#: The package's layers, bottom first (``docs/design.md``'s map): a module imports only from its own layer and
+#: the layers below.  The top-level modules other than ``__init__`` and ``report`` are the ground.
+LAYERS = ("", "timing", "measures", "distributed", "diagnosis", "outputs", "run", "doors", "cli")
+#: What stands on everything: the package's face and ``python -m phase_timer.report``.
+ROOF = {"phase_timer", "phase_timer.report"}
+
+
+def layer(module: str) -> int:
+    """The layer of ``phase_timer.<folder>.<...>`` (a top-level module: the ground, 0)."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 2 else 0
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a lower layer to a higher one, as "importer -> imported"."""
+    return sorted(f"{src} -> {dst}" for src, dsts in graph.items() if src not in ROOF
+                  for dst in dsts if layer(dst) > layer(src))
+
+
+def test_the_layer_check_sees_a_planted_import_up():
+    graph = {"phase_timer.timing.engine": {"phase_timer.measures.memory", "phase_timer.phases"},
+             "phase_timer.doors.loop": {"phase_timer.run.core"}}
+    assert upward_imports(graph) == ["phase_timer.timing.engine -> phase_timer.measures.memory"]
+
+
+def test_every_folder_of_the_package_is_a_layer():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS[1:])
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    ups = upward_imports(import_graph())
+    assert not ups, "imports up the layers (docs/design.md's map):\n" + "\n".join(ups)
