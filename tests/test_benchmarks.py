@@ -121,7 +121,7 @@ def test_the_code_line_names_the_tree_git_names(tmp_path):
     (copy / "__pycache__" / "x.pyc").write_bytes(b"0")
     (copy / "_native.cpython-311-x86_64-linux-gnu.so").write_bytes(b"0")
     assert tree_hash(str(copy)) == head
-    (copy / "core.py").write_text((copy / "core.py").read_text() + "\n")
+    (copy / "phases.py").write_text((copy / "phases.py").read_text() + "\n")
     assert tree_hash(str(copy)) != head
     line = code_line()
     clean = not git("status", "--porcelain", "--", "phase_timer")
