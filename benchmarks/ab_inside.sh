@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The host time inside phase-timer's hooks, an older phase_timer beside this one, alternating processes on
-# one machine (issue 28's before/after).  OLD_DIR holds the older tree's phase_timer/ and setup.py, and this
-# tree's benchmarks/ (e.g. `git archive COMMIT phase_timer setup.py | tar -x -C OLD_DIR; cp -r benchmarks OLD_DIR`).
+# one machine (issue 28's before/after).  OLD_DIR holds the older tree's phase_timer/, setup.py and its own
+# benchmarks/, which import its own layout (`git archive COMMIT phase_timer setup.py pyproject.toml benchmarks |
+# tar -x -C OLD_DIR`).
 #
 #     benchmarks/ab_inside.sh OLD_DIR [ROUNDS] [STEPS] > table.txt
 #

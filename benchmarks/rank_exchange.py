@@ -358,13 +358,21 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
             "leader_max_ms": max(per_leader) if per_leader else None, "leaders": len(leaders) + 1, "ok": ok}
 
 
+#: The modules the old files import, by their names then, and where each lives today.
+_OLD_NAMES = {"cpu_use": "measures.cpu_use", "input_advice": "measures.input_advice", "memory": "measures.memory",
+              "stats": "timing.stats", "syncs": "measures.syncs"}
+
+
 def _old_modules(rev: str) -> Any:
-    """``phase_timer/distributed/ranks.py``, ``metrics.py`` and ``diagnosis.py`` as they were at ``rev`` (git), loaded
-    beside today's (their imports of the rest of the package resolve to today's, unchanged there; ``metrics``,
-    split since into ``phases``, ``tags`` and ``table``, resolves to the old one)."""
+    """``phase_timer/ranks.py``, ``metrics.py`` and ``diagnosis.py`` as they were at ``rev`` (git), loaded beside
+    today's (their imports of the rest of the package resolve to today's modules, under the names they had then:
+    ``_OLD_NAMES``; ``metrics``, split since into ``phases``, ``tags`` and ``table``, resolves to the old one)."""
+    import importlib
     import subprocess
     import types
 
+    for old_name, today in _OLD_NAMES.items():
+        sys.modules.setdefault(f"phase_timer.{old_name}", importlib.import_module(f"phase_timer.{today}"))
     mods = {}
     for name in ("metrics", "ranks", "diagnosis"):
         src = subprocess.run(["git", "show", f"{rev}:phase_timer/{name}.py"], cwd=ROOT, capture_output=True,
