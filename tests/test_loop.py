@@ -341,7 +341,7 @@ def test_no_optimizer_with_a_manual_end_is_supported(tmp_path):
     assert timer.totals.steps == 5 and "optimizer" in timer.totals.phases  # backward's end to the step's end
 
 
-@pytest.mark.parametrize("name", ["step", "data_wait", "period", "idle", "not a name", 3])
+@pytest.mark.parametrize("name", ["step", "data_wait", "period", "idle", "comm_ms", "comm_wait_ms", "tokens", "not a name", 3])
 def test_reserved_or_bad_phase_names_are_refused(name, tmp_path):
     timer = phase_timer.attach(SleepyNet(), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), log_dir=tmp_path,
                                summary=False)

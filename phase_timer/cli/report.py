@@ -140,10 +140,10 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m phase_timer.cli.report") -> int:
     """``python -m phase_timer.cli.report LOGDIR ...``: the report alone (``phase-timer report`` is
-    :mod:`phase_timer.cli`)."""
-    parser = argparse.ArgumentParser(prog="python -m phase_timer.cli.report", description=REPORT_HELP)
+    :mod:`phase_timer.cli`); ``prog``: the command's name in its help and errors."""
+    parser = argparse.ArgumentParser(prog=prog, description=REPORT_HELP)
     add_report_args(parser)
     return run_command(PROG, "report", run_report, parser.parse_args(argv))
 

@@ -43,6 +43,7 @@ from torch import nn
 
 from phase_timer.measures import oom
 from phase_timer._env import warn_once
+from phase_timer.measures.comm.run import CARRIED as COMM_CARRIED
 from phase_timer.run.core import CARRIED
 from phase_timer.phases import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS
 from phase_timer.measures.throughput import first_tensor
@@ -54,7 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _grad_enabled = torch.is_grad_enabled
-_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *CARRIED}  # a built-in's name would merge into it
+#: A built-in's name would merge into it; a carried value's (throughput's, communication's) would be taken out of it.
+_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *CARRIED, *COMM_CARRIED}
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -61,10 +61,9 @@ def main() -> None:
         opt.zero_grad()
     totals = timer.close()
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     fsdp_fns = (group_mod.foreach_all_gather_copy_out, group_mod.foreach_all_gather, group_mod.foreach_reduce,
-                FSDPState._root_post_backward_final_callback)
+                group_mod.FSDPParamGroup.finalize_backward, group_mod.FSDPParamGroup.post_backward)
     ours = os.path.join("phase_timer", "measures", "comm", "fsdp.py")  # FSDP2 as found after close(): none of its functions is ours
     mine = dict(phases={ph: t.mean for ph, t in totals.phases.items()}, steps=totals.steps,
                 restored=not any(fn.__code__.co_filename.endswith(ours) for fn in fsdp_fns))

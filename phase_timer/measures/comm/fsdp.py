@@ -49,20 +49,66 @@ def _host_blocking(issue: Any, at: int, engines: list[Any]) -> Any:
     return functools.update_wrapper(timed, issue)
 
 
+def _has_grad(group: Any) -> bool:
+    """Whether FSDP2's ``post_backward`` finds a gradient to reduce in ``group`` (it returns before its wait
+    otherwise, in a torch whose wait comes after that check)."""
+    for param in getattr(group, "fsdp_params", ()):
+        if not hasattr(param, "_unsharded_param"):
+            continue
+        if getattr(param, "unsharded_accumulated_grad", None) is not None:
+            return True
+        if getattr(getattr(param, "unsharded_param", None), "grad", None) is not None:
+            return True
+    return False
+
+
+def _own_waits(group: Any) -> list[Any]:
+    """The events of ``group``'s own earlier reduction FSDP2 waits for before reducing again or finalizing
+    (``_wait_for_post_backward``): its post-reduce event and its all-reduce's."""
+    events = [getattr(group, "_post_reduce_event", None), getattr(getattr(group, "_all_reduce_state", None), "event", None)]
+    return [e for e in events if e is not None]
+
+
 def _rs_waits(group: Any) -> list[Any]:
-    """The reduce-scatter events FSDP2's ``post_backward`` is about to make the compute stream wait for (before it
-    launches the group's own reduce-scatter: a bound on the buffers in flight), as this torch's FSDP2 decides."""
+    """The events FSDP2's ``post_backward`` is about to make the compute stream wait for before it launches the
+    group's own reduce-scatter, as this torch's FSDP2 decides: the earlier reduce-scatters (a bound on the buffers in
+    flight) and the group's own earlier reduction."""
     ctx = getattr(group, "comm_ctx", None)
     if ctx is None or not getattr(group, "reduce_grads", True):  # FSDP2 returns before its wait then
         return []
     states = getattr(ctx, "reduce_scatter_states", None)
-    if states is not None:  # a list: torch >= 2.10
-        if getattr(group, "_param_group_index", 0) != getattr(group, "_num_param_groups", 1) - 1:
-            return []
-        keep = getattr(ctx, "reduce_scatter_max_input_buffers", None)
-        n = len(states) if not keep else len(states) - keep + 1  # FSDP2 pops the oldest until fewer than keep
-        return [s.event for s in states[:max(0, n)] if getattr(s, "event", None) is not None]
-    return []  # one state (older torch): FSDP2 waits only for a group with gradients; that wait stays in backward
+    if states is not None:  # a list (torch 2.13): waited for by the last param group, gradients or not
+        out: list[Any] = []
+        if getattr(group, "_param_group_index", 0) == getattr(group, "_num_param_groups", 1) - 1:
+            keep = getattr(ctx, "reduce_scatter_max_input_buffers", None)
+            n = len(states) if not keep else len(states) - keep + 1  # FSDP2 pops the oldest until fewer than keep
+            out = [s.event for s in states[:max(0, n)] if getattr(s, "event", None) is not None]
+        return out + _own_waits(group) if _has_grad(group) else out
+    if not _has_grad(group):  # one state (torch 2.11 and before): waited for by a group with gradients only
+        return []
+    event = getattr(getattr(ctx, "reduce_scatter_state", None), "event", None)
+    return ([event] if event is not None else []) + _own_waits(group)
+
+
+def _finalize_waits(group: Any) -> tuple[list[Any], Any]:
+    """The events (and an async group's work) FSDP2's ``finalize_backward`` makes the compute stream wait for, at
+    backward's end: the group's own reduction (the reduce-scatter its post-reduce event follows), every stream's
+    last post-reduce event (torch 2.13), an all-gather never waited for."""
+    events = _own_waits(group)
+    last = getattr(getattr(group, "comm_ctx", None), "_last_post_reduce_events", None)
+    if last:
+        events += [e for e in last.values() if e is not None]
+    gathered = getattr(group, "_all_gather_result", None)
+    event = getattr(gathered, "all_gather_event", None)
+    if event is not None:
+        events.append(event)
+    return events, getattr(gathered, "all_gather_work", None)
+
+
+def _undone(events: list[Any]) -> list[Any]:
+    """The events the device has not yet reached (a query each, never a wait): a wait for the others cannot hold the
+    compute stream, and marks around it would time only the host's pace where the device idles."""
+    return [e for e in events if not e.query()]
 
 
 def _wait_early(events: list[Any], work: Any = None) -> None:
@@ -82,12 +128,15 @@ class FsdpComm:
     just before copying the gathered parameters out (``foreach_all_gather_copy_out``): phase-timer makes that
     same wait a moment earlier, between two marks (``forward.comm_wait`` or ``backward.comm_wait``), and the
     copy-out, FSDP2's own compute, follows outside them.  Likewise each group's ``post_backward`` first makes the
-    compute stream wait for the earlier reduce-scatters still in flight (FSDP2's bound on their buffers): that
-    wait, made a moment earlier between two marks, is ``backward.comm_wait`` too.  At backward's end FSDP2's root final callback makes
-    the compute stream wait for the reduce-scatters (and for any group's all-reduce): it runs between two marks
-    (``backward.comm_wait``).  It also runs the post-backward of a group whose own never fired (the root's,
-    whose inputs need no gradient: its reduce-scatter launch and copy-in), which is then in that span.  Two marks an all-gather and two a
-    backward: an FSDP2 module of N groups adds ~4N marks a step, beside FSDP2's own Python of each group.
+    compute stream wait for earlier reduce-scatters (FSDP2's bound on their buffers: the one state of torch 2.11,
+    for a group with gradients; the oldest of torch 2.13's list) and for its own earlier reduction; and at
+    backward's end each group's ``finalize_backward`` (inside FSDP2's root final callback) waits for its own
+    reduction, the last reduce-scatter's among them: each such wait, made a moment earlier between two marks, is
+    ``backward.comm_wait`` too.  A wait for events the device has already passed (a query each, never a wait) gets no
+    marks: it cannot hold the compute stream, and its marks would time only the host's pace on an idle device.  The
+    final callback's own Python (the root group's post-backward and reduce-scatter launch, the groups' reshards) is
+    ``backward``'s.  At most two marks an all-gather and two a reduce-scatter wait: an FSDP2 module of N groups adds
+    up to ~6N marks a step, beside FSDP2's own Python of each group.
 
     FSDP2's functions are wrapped once in the process (they are shared by every FSDP2 module), and put back
     when the last timer lets go; they time into the newest bound timer.
@@ -132,10 +181,9 @@ class FsdpComm:
     def _wrap(cls) -> str | None:
         try:
             from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
-            from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
             copy_out = group_mod.foreach_all_gather_copy_out
-            final = FSDPState._root_post_backward_final_callback
+            finalize = group_mod.FSDPParamGroup.finalize_backward
         except (ImportError, AttributeError) as err:  # a torch whose FSDP2 is laid out otherwise
             return f"this torch's FSDP2 has no {err}"
         engines = cls._engines
@@ -145,27 +193,31 @@ class FsdpComm:
             phase = engine.current if engine is not None else None
             if phase == "forward" or phase == BACKWARD:
                 event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
-                if event is not None or work is not None:
-                    _between_marks(engine, phase, _wait_early, [event] if event is not None else [], work)
+                events = _undone([event]) if event is not None else []
+                if events or work is not None:
+                    _between_marks(engine, phase, _wait_early, events, work)
             return copy_out(result, *args, **kwargs)
 
-        def timed_final(state):  # noqa: ANN001, ANN202
+        def timed_finalize(group, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             engine = engines[-1] if engines else None
-            if engine is None or engine.current != BACKWARD:
-                return final(state)
-            return _between_marks(engine, BACKWARD, final, state)
+            if engine is not None and engine.current == BACKWARD:
+                events, work = _finalize_waits(group)
+                events = _undone(events)
+                if events or work is not None:
+                    _between_marks(engine, BACKWARD, _wait_early, events, work)
+            return finalize(group, *args, **kwargs)
 
         functools.update_wrapper(timed_copy_out, copy_out)
-        functools.update_wrapper(timed_final, final)
+        functools.update_wrapper(timed_finalize, finalize)
         cls._patches.replace(group_mod, "foreach_all_gather_copy_out", timed_copy_out)
-        cls._patches.replace(FSDPState, "_root_post_backward_final_callback", timed_final)
+        cls._patches.replace(group_mod.FSDPParamGroup, "finalize_backward", timed_finalize)
         post_backward = getattr(getattr(group_mod, "FSDPParamGroup", None), "post_backward", None)
         if post_backward is not None:  # the compute stream's wait for earlier reduce-scatters, in backward
 
             def timed_post_backward(group, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
                 engine = engines[-1] if engines else None
                 if engine is not None and engine.current == BACKWARD:
-                    events = _rs_waits(group)
+                    events = _undone(_rs_waits(group))
                     if events:
                         _between_marks(engine, BACKWARD, _wait_early, events)
                 return post_backward(group, *args, **kwargs)

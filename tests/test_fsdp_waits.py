@@ -1,0 +1,75 @@
+"""Which FSDP2 waits phase-timer makes early between marks, as each torch's FSDP2 decides them (torch 2.11's one
+reduce-scatter state, torch 2.13's list), on stand-ins for FSDP2's objects: the real ones need two processes
+(``tests/test_comm.py`` runs them on gloo) and the real waits two GPUs (``benchmarks/comm_nccl.py``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from phase_timer.measures.comm.fsdp import _finalize_waits, _rs_waits, _undone
+
+
+class Event:
+    def __init__(self, name: str, done: bool = False) -> None:
+        self.name, self.done = name, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def param(grad: bool = True, accumulated: bool = False, unsharded: bool = True) -> NS:
+    p = NS(unsharded_accumulated_grad=object() if accumulated else None,
+           unsharded_param=NS(grad=object() if grad else None))
+    if unsharded:
+        p._unsharded_param = p.unsharded_param
+    return p
+
+
+def group(ctx: NS, params: list, **kw: object) -> NS:
+    return NS(comm_ctx=ctx, fsdp_params=params, reduce_grads=kw.pop("reduce_grads", True),
+              _post_reduce_event=kw.pop("post_reduce", None), _all_reduce_state=kw.pop("all_reduce", None),
+              _all_gather_result=kw.pop("gathered", None), **kw)
+
+
+def test_torch_2_11_waits_for_the_one_reduce_scatter_state_only_in_a_group_with_gradients() -> None:
+    rs = Event("rs")
+    ctx = NS(reduce_scatter_state=NS(event=rs))
+    assert _rs_waits(group(ctx, [param()])) == [rs]
+    assert _rs_waits(group(ctx, [param(grad=False, accumulated=True)])) == [rs]  # an accumulated gradient counts
+    assert _rs_waits(group(ctx, [param(grad=False)])) == []  # FSDP2 returns before its wait
+    assert _rs_waits(group(ctx, [param(unsharded=False)])) == []  # a parameter never unsharded has none
+    assert _rs_waits(group(ctx, [param()], reduce_grads=False)) == []
+    assert _rs_waits(group(NS(reduce_scatter_state=None), [param()])) == []
+
+
+def test_a_group_s_own_earlier_reduction_is_waited_for_before_it_reduces_again() -> None:
+    rs, own, ar = Event("rs"), Event("own"), Event("ar")
+    g = group(NS(reduce_scatter_state=NS(event=rs)), [param()], post_reduce=own, all_reduce=NS(event=ar))
+    assert _rs_waits(g) == [rs, own, ar]
+
+
+def test_torch_2_13_waits_for_the_oldest_states_in_the_last_param_group_gradients_or_not() -> None:
+    events = [Event(f"rs{i}") for i in range(3)]
+    ctx = NS(reduce_scatter_states=[NS(event=e) for e in events], reduce_scatter_max_input_buffers=2)
+    last = dict(_param_group_index=0, _num_param_groups=1)
+    assert _rs_waits(group(ctx, [param()], **last)) == events[:2]  # pops until fewer than 2 remain
+    assert _rs_waits(group(ctx, [param(grad=False)], **last)) == events[:2]
+    assert _rs_waits(group(ctx, [param()], _param_group_index=0, _num_param_groups=2)) == []
+
+
+def test_finalize_waits_for_the_group_s_reduction_every_stream_s_last_and_a_gather_never_waited_for() -> None:
+    own, last, gather = Event("own"), Event("last"), Event("gather")
+    work = object()
+    g = group(NS(_last_post_reduce_events={"stream": last}), [param()], post_reduce=own,
+              gathered=NS(all_gather_event=gather, all_gather_work=work))
+    assert _finalize_waits(g) == ([own, last, gather], work)
+    assert _finalize_waits(group(NS(), [param()])) == ([], None)
+
+
+def test_a_wait_the_device_has_passed_gets_no_marks() -> None:
+    done, pending = Event("done", done=True), Event("pending")
+    assert _undone([done, pending]) == [pending]
+    assert _undone([done]) == []
