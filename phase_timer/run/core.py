@@ -19,11 +19,10 @@ from phase_timer.timing.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
 from phase_timer.measures import memory as _memory
 from phase_timer.measures import oom as _oom
-from phase_timer.distributed.rank_view import format_rank_table
 from phase_timer.timing.engine import POLL_EVERY, make_engine
 from phase_timer.measure import Measure
 from phase_timer.measures.memory import MemoryTracker
-from phase_timer.outputs.table import format_memory, format_own_cost, format_summary
+from phase_timer.outputs.table import files_line, format_own_cost, run_table
 from phase_timer.outputs.tags import (
     DIAGNOSIS_TAG,
     IN_FLIGHT_TAG,
@@ -38,7 +37,6 @@ from phase_timer.run.own_cost import estimate as _own_estimate
 from phase_timer.distributed.ranks import RankExchange, RankWindow
 from phase_timer.outputs.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.timing.stats import RunTotals, WindowSeries
-from phase_timer.measures.syncs import format_census
 from phase_timer.outputs.trace import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -509,45 +507,14 @@ class TimingCore:
         return self._window_size
 
     def summary_table(self, title: str = "phase-timer") -> str:
-        ranks = self.ranks
-        table = format_summary(self.totals, clock=self.clock.kind, untimed_reason=self.untimed_reason,
-                               title=title if ranks is None else f"{title} (rank {ranks.rank})")
-        if ranks is not None and ranks.totals is not None:
-            table += "\n\n" + format_rank_table(ranks.totals, title=title)
-        for measure in self.measures:
-            line = measure.line()
-            if line:
-                table += "\n" + line
-        mem = format_memory(self.memory_summary())
-        if mem:
-            table += "\n" + mem
-        own = self.own_cost_line()
-        if own:
-            table += "\n" + own
-        sig = self.signals
-        census = format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)
-        if census:
-            table += "\n" + census
-        if self.diagnosis is not None and (self.totals.steps or self.oom is not None):
-            table += "\n" + format_verdict(self.diagnosis)
-        files = self.files_line()
-        if files:
-            table += "\n" + files
-        return table
+        """The table printed at the end (``outputs.table.run_table``)."""
+        return run_table(self, title)
 
     def files_line(self) -> str | None:
-        """Where this run's files went (rank zero, or a rank that ran out of memory): its TensorBoard directory and
-        its summary file."""
+        """Where this run's files went (rank zero, or a rank that ran out of memory); None: nowhere."""
         if self.ranks is not None and self.ranks.rank != 0 and not _oom.own(self):
             return None
-        parts = []
-        if self.log_dir is not None:
-            parts.append(f"TensorBoard values in {self.log_dir}")
-        elif self.outputs_missing is not None:
-            parts.append(self.outputs_missing)
-        if self.summary_path is not None:
-            parts.append(f"summary {self.summary_path}")
-        return "files: " + "; ".join(parts) if parts else None
+        return files_line(self.log_dir, self.outputs_missing, self.summary_path)
 
     def memory_summary(self) -> dict | None:
         """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""
