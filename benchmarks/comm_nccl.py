@@ -237,7 +237,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     run_comm = comm_run.find(core)
     copy_ms = run_comm.copy_ms if run_comm is not None else None
-    counted = core.flops is not None and getattr(core.flops, "counted", None)
+    plan = getattr(timer._bounds, "flops", None)  # the FLOP plan the boundaries count with (None: none)
+    counted = plan is not None and getattr(plan, "counted", None)
     pt_peak = core.memory.peak_allocated_mb if core.memory is not None else None
     totals = timer.close()
     torch_peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None

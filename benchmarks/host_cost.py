@@ -206,9 +206,9 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
                 from phase_timer.measures.throughput import BatchCounter
 
                 batch = (torch.randint(0, 100, (8, 128)), torch.randint(0, 100, (8, 128)))
-                core.counter = BatchCounter()
-                core.flops = FlopPlan("bench", given=None, peak_tflops=1.0, device_name=None)
-                core.flops.carried[signature(batch)] = FlopPlan.carry(StepFlops({"forward": 1e12, "backward": 2e12},
+                bounds.counter = BatchCounter()  # what start_core's measures give the boundaries
+                bounds.flops = FlopPlan("bench", given=None, peak_tflops=1.0, device_name=None)
+                bounds.flops.carried[signature(batch)] = FlopPlan.carry(StepFlops({"forward": 1e12, "backward": 2e12},
                                                                                "counted"))
                 count = bounds.count_batch
 

@@ -3,12 +3,17 @@
 The core (:mod:`phase_timer.run.core`) times phases and resolves them a few steps later; a *measure* is everything
 else a run reports that the core does not compute itself.  The core imports no measure: the one that assembles a
 run (:func:`phase_timer.doors.assemble.start_core`, or a test) hands it its measures, and the core calls each one, in
-order, at four points:
+order, at these points:
 
 - :meth:`Measure.window` when a window is resolved, before its statistics: the measure takes the values it
   carried on the records out of the columns (they are no phases), may correct the phases it owns, and returns
   the window's scalars (written to every sink at the window's last step, after the phases').
 - :meth:`Measure.step` for each step written on its own (``per_step=True``): the same for one step's values.
+- :meth:`Measure.report` under torch.distributed, after each window: what this rank's window report carries for
+  the measure (rank zero keeps each rank's sums: ``RankTotals.counts``).
+- :meth:`Measure.job` on rank zero, for each window of the job's the exchange hands back: its scalars.
+- :meth:`Measure.end` once at the run's end, after the last window, before the verdict: the run's last figures,
+  and the lines the verdict weighs (MFU's).
 - :meth:`Measure.line` for the printed table: one line, or None.
 - :meth:`Measure.summary` for the summary file: the block at :attr:`Measure.key` (the file's layout and its
   schema are :mod:`phase_timer.outputs.run_summary`'s; a measure fills its block).
@@ -35,6 +40,19 @@ class Measure:
 
     def step(self, ms: dict[str, float]) -> None:
         """One step's values, written on their own: take this measure's carried values out, correct its phases."""
+
+    def report(self) -> dict[str, float]:
+        """This rank's window report (after :meth:`window`): the values rank zero sums for this rank."""
+        return {}
+
+    def job(self, window: Any) -> dict[str, float]:
+        """Rank zero: a window of the job's (``distributed.ranks.RankWindow``) is written: its scalars."""
+        return {}
+
+    def end(self, totals: Any) -> list[str]:
+        """The run's end, before the verdict, with the run's totals (``timing.stats.RunTotals``): the lines the
+        verdict weighs (:func:`phase_timer.diagnosis.diagnose`'s ``mfu``)."""
+        return []
 
     def line(self) -> str | None:
         """The table's line (None: nothing to say)."""

@@ -99,7 +99,7 @@ def test_an_interrupted_counted_step_that_follows_a_sampled_one_leaves_no_dispat
             with phase_timer.attach(model, opt, Loader(), log_dir=tmp_path, warmup_steps=2, summary=False,
                                     peak_tflops=0.01) as timer:
                 holder["timer"] = timer
-                plan = timer.core.flops
+                plan = timer._bounds.flops
                 it = iter(timer.loader)
                 while True:
                     x, y = next(it)

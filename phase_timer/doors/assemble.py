@@ -28,9 +28,10 @@ from phase_timer.distributed.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name
 from phase_timer.outputs.sinks import BackgroundSink, Outputs, Sink, SummaryWriterSink, open_event_file
 from phase_timer.measures.flops import check_flops_arg
-from phase_timer.measures.step_flops import FlopPlan
+from phase_timer.measures.step_flops import FlopPlan, MfuNote
 from phase_timer.outputs.tags import custom_scalars_layout
-from phase_timer.measures.throughput import BatchCounter
+from phase_timer.measures.throughput import BatchCounter, RunThroughput
+from phase_timer.measure import Measure
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,8 @@ def start_core(
         trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
         ranks=ranks, memory=config.memory,
     )
-    core.counter = BatchCounter(config.samples_per_batch, config.tokens_per_batch)
-    core.flops = _flop_plan(config, clock.kind, _device(device))
-    if core.flops is None and config.mfu:  # the host clock with no peak: said once, with how to get it
-        core.mfu_note = ("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
-                         "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well")
+    for measure in _measures(config, core, device):
+        core.listen(measure)
     core.summary_dir = out.summary_dir if rank_zero else None
     core.log_dir = out.log_dir
     core.outputs_missing = out.missing
@@ -121,6 +119,21 @@ def start_core(
     core.snapshot = oom.Snapshot.start(config.memory_snapshot, core, directory)
     oom.publish(core, directory)
     return core
+
+
+def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
+    """What listens to the run's results, in the order the core calls them: throughput (the boundaries count each
+    batch with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to
+    get MFU)."""
+    out: list[Measure] = [RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks)]
+    plan = _flop_plan(config, core.clock.kind, _device(device))
+    if plan is not None:
+        plan.context = core.context  # the door's precision names the peak
+        out.append(plan)
+    elif config.mfu:  # the host clock with no peak: said once, with how to get it
+        out.append(MfuNote("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
+                           "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well"))
+    return out
 
 
 def _flop_plan(config: Options, clock: str, device: Any) -> FlopPlan | None:

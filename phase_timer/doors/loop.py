@@ -128,9 +128,9 @@ class LoopTimer(Door, PlainHooks):
                 "that steps another is followed through its `base_optimizer`), or use end_step='manual'"
             )
             self._bounds = Boundaries(self.core, no_end_hint=hint)
-            if self.core.flops is not None:  # a FLOP count starts on the loop's thread only, once it is known
+            if self._bounds.flops is not None:  # a FLOP count starts on the loop's thread only, once it is known
                 me = weakref.ref(self)
-                self.core.flops.may_count = lambda: (t := me()) is not None and t._thread == threading.get_ident()
+                self._bounds.flops.may_count = lambda: (t := me()) is not None and t._thread == threading.get_ident()
             self._hooks_in_c()
             self._install()
             # DDP's and FSDP2's waits for their collectives, split out of forward and backward (phase_timer/comm).

@@ -44,9 +44,9 @@ from torch import nn
 from phase_timer.measures import oom
 from phase_timer._env import warn_once
 from phase_timer.measures.comm.run import CARRIED as COMM_CARRIED
-from phase_timer.run.core import CARRIED
 from phase_timer.phases import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS
-from phase_timer.measures.throughput import first_tensor
+from phase_timer.measures.step_flops import CARRIED as FLOP_VALUES
+from phase_timer.measures.throughput import COUNTS, first_tensor
 
 if TYPE_CHECKING:
     from phase_timer.run.boundaries import Boundaries
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _grad_enabled = torch.is_grad_enabled
-#: A built-in's name would merge into it; a carried value's (throughput's, communication's) would be taken out of it.
-_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *CARRIED, *COMM_CARRIED}
+#: A built-in's name would merge into it; a carried value's (throughput's, FLOPs', communication's) would be taken out of it.
+_RESERVED = HOST_PHASES | set(TOTALS) | set(STEP_PHASES) | {BETWEEN, PAUSED, *COUNTS, *FLOP_VALUES, *COMM_CARRIED}
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

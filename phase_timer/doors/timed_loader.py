@@ -36,7 +36,7 @@ class TimedLoader:
         it = iter(self._loader)
         fetch, on_batch = timer._fetch, timer._on_batch
         core, bounds = timer.core, timer._bounds
-        count = bounds.count_batch if bounds is not None and core is not None and (core.counter or core.flops) else None
+        count = bounds.count_batch if bounds is not None and core is not None and (bounds.counter or bounds.flops) else None
         try:
             while True:
                 fetch()

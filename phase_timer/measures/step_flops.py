@@ -4,9 +4,8 @@ Every door hands each batch to ``Boundaries.count_batch`` (``run/boundaries.py``
 first batch the boundaries read its signature (``flops.signature``: shapes only, on the host) and
 
 - a signature already counted (or ``flops_per_step=``): the step carries its FLOPs as three host
-  values (``flops``, ``flops_forward``, ``flops_backward``), summed over the window's steps like
-  the samples and tokens (``throughput.split_counts``), so a window's FLOPs are exactly its timed
-  steps';
+  values (``flops``, ``flops_forward``, ``flops_backward``), summed over the window's steps
+  (:func:`split_flops`), so a window's FLOPs are exactly its timed steps';
 - a new signature: that step is counted (``FlopCounterMode``, ``flops.FlopCounter``) and goes
   untimed -- a warm-up step where one is left that is not the sync census's, else the step is
   dropped from the record as a warm-up step is (its close still ends the next step's ``period``).
@@ -15,15 +14,21 @@ MFU = FLOPs / (time x the device's dense peak) (``mfu.py``): the step's over ``p
 phase's over its own GPU time, per window (``throughput/mfu*``) and over the run (the table's MFU
 line, the summary's ``flops`` block, the verdict).  The peak is the table's (``peaks.py``) for the
 device and the dtype most counted FLOPs ran in, or ``peak_tflops=``; none is ever guessed.
+
+:class:`FlopPlan` is the measure (:class:`phase_timer.measure.Measure`): the boundaries count with it,
+and the core hands it each window and the run's end.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from phase_timer._env import warn
+from phase_timer.measure import Measure
 from phase_timer.measures.flops import BACKWARD, COUNTED, FORWARD, GIVEN, FlopCounter, StepFlops
 from phase_timer.measures.mfu import format_mfu, format_no_flops, format_no_peak, mfu_advice, step_mfu
 from phase_timer.measures.peaks import BF16, FP8, FP16, FP32, TF32, Peak, peak_tflops, precision_key, tf32_allowed
@@ -31,10 +36,11 @@ from phase_timer.measures.peaks import BF16, FP8, FP16, FP32, TF32, Peak, peak_t
 #: The host values a step carries for its FLOPs (reserved names: no phase may take them).
 FLOPS, FLOPS_FORWARD, FLOPS_BACKWARD = "flops", "flops_forward", "flops_backward"
 CARRIED = (FLOPS, FLOPS_FORWARD, FLOPS_BACKWARD)
-#: What ``throughput.split_counts`` sums for them: the steps that carried FLOPs, their period and phases.
+#: What :func:`split_flops` sums with them: the steps that carried FLOPs, their period and phases.
 FLOP_STEPS, FLOP_PERIOD_MS = "flop_steps", "flop_period_ms"
 PHASE_MS = {FORWARD: "flop_forward_ms", BACKWARD: "flop_backward_ms"}
 PREFIX = "throughput"
+log = logging.getLogger(__name__)
 
 
 def dtype_key(dtype: Any, *, tf32: bool) -> str | None:
@@ -50,8 +56,27 @@ def dtype_key(dtype: Any, *, tf32: bool) -> str | None:
     return None
 
 
-class FlopPlan:
-    """One run's FLOPs: the counter, the step counted last, and the peak MFU is read against.
+def split_flops(columns: dict[str, list[float]]) -> dict[str, float]:
+    """Take the FLOPs out of a window's columns: each of :data:`CARRIED` summed over the window's steps when every
+    one carries it, with those steps' summed ``period`` (``flop_period_ms``), their count (``flop_steps``) and
+    forward's and backward's summed time (``flop_forward_ms``, ``flop_backward_ms``), the MFUs' denominators."""
+    out: dict[str, float] = {}
+    period = columns.get("period")
+    n = len(period) if period else 0
+    for name in CARRIED:
+        values = columns.pop(name, None)
+        if values and len(values) == n:  # carried on every step of the window (an uncounted shape: none)
+            out[name] = float(sum(values))
+    if n and FLOPS in out:
+        out[FLOP_PERIOD_MS] = float(sum(period))
+        out[FLOP_STEPS] = float(n)
+        for phase, key in PHASE_MS.items():
+            out[key] = float(sum(columns.get(phase) or ()))
+    return out
+
+
+class FlopPlan(Measure):
+    """One run's FLOPs: the counter, the step counted last, and the peak MFU is read against; the FLOPs/MFU measure.
 
     Args:
         owner: the timer's name, for messages.
@@ -60,6 +85,8 @@ class FlopPlan:
         device_name: the device as torch names it (``NVIDIA H100 80GB HBM3``); None on the host.
         compute_units: its multiprocessor count (tells an MI250X's GCD from an MI250's).
     """
+
+    key = "flops"
 
     def __init__(self, owner: str, *, given: StepFlops | None, peak_tflops: float | None,
                  device_name: str | None, compute_units: int | None = None) -> None:
@@ -78,6 +105,15 @@ class FlopPlan:
         self.given_carried = self.carry(given) if given is not None else None
         self._peak: Peak | float | None = None
         self._peak_known = False
+        #: What the door knows of the run (the core's ``context``: its precision names a peak).
+        self.context: Mapping[str, Any] = {}
+        #: The run's summed FLOPs, their steps, period and phases (:func:`split_flops`, window by window).
+        self.counts: dict[str, float] = {}
+        self._window: dict[str, float] = {}  # the last window's: this rank's report carries them
+        #: The summary file's ``flops`` block, made at the run's end (None: not yet, or it failed).
+        self.block: dict[str, Any] | None = None
+        #: The batches' shapes could not be read (``Boundaries.count_batch``): no FLOPs nor MFU from then on.
+        self.dropped = False
 
     @staticmethod
     def carry(flops: StepFlops) -> tuple[tuple[str, float], ...]:
@@ -159,7 +195,7 @@ class FlopPlan:
             out["mfu"] = {"step": head, "forward": phases.get(FORWARD), "backward": phases.get(BACKWARD)}
         return out
 
-    def line(self, block: Mapping[str, Any] | None) -> str | None:
+    def mfu_line(self, block: Mapping[str, Any] | None) -> str | None:
         """The table's MFU line, from the summary's ``flops`` block."""
         if block is None:
             return None
@@ -183,6 +219,51 @@ class FlopPlan:
         precision = (block.get("peak") or {}).get("precision")
         return mfu_advice(m["step"], phases, gpu_bound=gpu_bound, precision=precision,
                           optimizer_share=optimizer_share)
+
+
+    # -- the measure -------------------------------------------------------------------------
+    def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
+        """The window's FLOPs out of its columns (no phases); its ``throughput/tflops_per_s`` and MFUs."""
+        counts = self._window = split_flops(columns)
+        for k, v in counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + v
+        return self.scalars(counts, self.context) if not self.dropped else {}
+
+    def step(self, ms: dict[str, float]) -> None:
+        for name in CARRIED:
+            ms.pop(name, None)  # FLOPs, not phases: a step's MFU is its window's
+
+    def report(self) -> dict[str, float]:
+        return self._window
+
+    def end(self, totals: Any) -> list[str]:
+        """The summary's ``flops`` block from the run's counts; the verdict's MFU lines.  Never raises: MFU is an
+        extra, the verdict and the files go on without it."""
+        self.block = None
+        if self.dropped:
+            return []
+        try:
+            self.block = self.run(self.counts, self.context)
+            return self.advice(self.block, optimizer_share=totals.share("optimizer", "step"))
+        except Exception as err:  # noqa: BLE001 - MFU is an extra
+            warn(log, f"phase-timer: could not compute MFU ({type(err).__name__}: {err})")
+            return []
+
+    def line(self) -> str | None:
+        return self.mfu_line(self.block) if not self.dropped else None
+
+    def summary(self) -> dict[str, Any] | None:
+        return self.block if not self.dropped else None
+
+
+class MfuNote(Measure):
+    """Where no FLOPs are counted though MFU was asked for (the host clock with no peak): the table says how to get it."""
+
+    def __init__(self, note: str) -> None:
+        self.note = note
+
+    def line(self) -> str | None:
+        return self.note
 
 
 def _summed(counts: Mapping[str, float]) -> StepFlops:

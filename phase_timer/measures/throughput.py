@@ -5,8 +5,9 @@ handed over (a tensor's leading dimension; for token batches the input ids' ``nu
 included), never from values on the device.  The door adds them to the step's record as two
 host values (``samples``, ``tokens``: the engine sums a step's micro-batches), so that they come
 back with the step's ``period`` in the same window, for exactly the steps that were timed.
-The core takes them out of the window's columns before anything else sees them
-(:func:`split_counts`): they are counts, not phases.
+:class:`RunThroughput`, the measure (:class:`phase_timer.measure.Measure`), takes them out of the
+window's columns (:func:`split_counts`): they are counts, not phases.  The boundaries count each
+batch with its :class:`BatchCounter` (``RunThroughput.counter``).
 
 Rates are totals over totals: a window's samples over its steps' summed ``period``; the run's
 the same over every timed step; the job's (under torch.distributed) the sum of the ranks' rates.
@@ -24,13 +25,11 @@ import torch
 
 from phase_timer._env import warn
 from phase_timer.config import check_count  # noqa: F401 - re-exported: the argument's rule
-from phase_timer.measures.step_flops import CARRIED as FLOP_VALUES, FLOP_PERIOD_MS, FLOP_STEPS, FLOPS, PHASE_MS
+from phase_timer.measure import Measure
 
 #: The host values a step carries besides its phases (reserved: no phase may take these names).
 SAMPLES, TOKENS = "samples", "tokens"
 COUNTS = (SAMPLES, TOKENS)
-#: Every host value a step carries that is a count, not a phase: the samples and tokens, and its FLOPs.
-CARRIED = (*COUNTS, *FLOP_VALUES)
 PREFIX = "throughput"
 #: The table's line where no step's batch could be counted (said once, at the end).
 NOT_COUNTED = ("throughput: not counted: no batch's size could be read (the batches, or the model's inputs without "
@@ -119,29 +118,22 @@ def _given(how: Count, batch: Any, default: int | None) -> int | None:
 
 def split_counts(columns: dict[str, list[float]], run: RunThroughput | None = None) -> dict[str, float]:
     """Take the counts out of a window's columns: ``{samples, tokens}`` summed over the window's steps that
-    carry them, with ``period_ms`` summed over the same steps (every timed step has a period); the FLOPs
-    (``step_flops.CARRIED``) the same way, with their own ``flop_period_ms`` and forward's and backward's
-    summed GPU time (``flop_forward_ms``, ``flop_backward_ms``), the MFUs' denominators.
+    carry them, with ``period_ms`` summed over the same steps (every timed step has a period).
 
     ``run``: the run's counts, told whether every step of this window had the same count (once a window)."""
     out: dict[str, float] = {}
     period = columns.get("period")
     n = len(period) if period else 0
-    for name in CARRIED:
+    for name in COUNTS:
         values = columns.pop(name, None)
         # Counted on every step of the window (a batch whose shapes say nothing leaves a step out: then none).
         if values and len(values) == n:
             out[name] = float(sum(values))
-            if run is not None and name in COUNTS:
+            if run is not None:
                 run.note_per_step(name, min(values), max(values))
-    if n and (SAMPLES in out or TOKENS in out):
+    if n and out:
         out["period_ms"] = float(sum(period))
         out["steps"] = float(n)
-    if n and FLOPS in out:
-        out[FLOP_PERIOD_MS] = float(sum(period))
-        out[FLOP_STEPS] = float(n)
-        for phase, key in PHASE_MS.items():
-            out[key] = float(sum(columns.get(phase) or ()))
     return out
 
 
@@ -173,17 +165,27 @@ def scalars(counts: Mapping[str, float]) -> dict[str, float]:
 VARIED = -1.0
 
 
-class RunThroughput:
-    """The run's counts over every timed step, window by window.
+class RunThroughput(Measure):
+    """The run's counts over every timed step, window by window: the throughput measure.
 
     ``per_step``: each count's value when every counted step had the same (``VARIED`` once two differed).
     ``phase-timer compare`` needs it: with a constant count a window's rate is that count over its mean
     ``period``, so a rate's window-to-window noise comes from the period's, which the summary file keeps.
+
+    Args:
+        counter: how the boundaries count a batch (None: nothing counts one).
+        ranks: the rank exchange (``distributed.ranks.RankExchange``; None: one process): rank zero's job rates.
     """
 
-    def __init__(self) -> None:
+    key = "throughput"
+
+    def __init__(self, counter: BatchCounter | None = None, ranks: Any = None) -> None:
+        self.counter = counter
+        self.ranks = ranks
         self.counts: dict[str, float] = {}
         self.per_step: dict[str, float] = {}
+        self._window: dict[str, float] = {}  # the last window's counts: this rank's report carries them
+        self._timed = False  # a window was resolved (a step timed)
 
     def note_per_step(self, name: str, lowest: float, highest: float) -> None:
         """One window's smallest and largest count of ``name`` a step."""
@@ -199,13 +201,54 @@ class RunThroughput:
         return rates(self.counts)
 
     def as_dict(self) -> dict[str, Any] | None:
-        """What the summary file holds (None: nothing counted)."""
+        """The run's counts and rates (None: nothing counted)."""
         if SAMPLES not in self.counts:
             return None
         per_step = {name: (v if v != VARIED else None) for name in COUNTS if (v := self.per_step.get(name)) is not None}
         return {"samples": self.counts.get("samples"), "tokens": self.counts.get("tokens"),
                 "steps": self.counts.get("steps"), **self.rates(),
                 "per_step": {name: per_step.get(name) for name in COUNTS}}
+
+    def job_rates(self) -> dict[str, float] | None:
+        """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""
+        totals = self.ranks.totals if self.ranks is not None else None
+        # a rank's pauses travel with its counts, with no rate of their own
+        counted = {r: c for r, c in totals.counts.items() if "period_ms" in c} if totals is not None else {}
+        return job_rates(counted) if counted else None
+
+    # -- the measure -------------------------------------------------------------------------
+    def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
+        """The window's counts out of its columns (counts, not phases); its ``throughput/*_per_s``."""
+        counts = self._window = split_counts(columns, self)
+        self._timed = True
+        if counts:
+            self.add(counts)
+        return scalars(counts)
+
+    def step(self, ms: dict[str, float]) -> None:
+        for name in COUNTS:
+            ms.pop(name, None)  # counts, not phases: a step's rates are its window's
+
+    def report(self) -> dict[str, float]:
+        return self._window
+
+    def job(self, window: Any) -> dict[str, float]:
+        """The job's rates over a window of the ranks' (``throughput/job_*``)."""
+        return {f"{PREFIX}/job_{k}": v for k, v in window.job.items()}
+
+    def line(self) -> str | None:
+        """``throughput: ...`` (and the job's), or why nothing was counted (None: nothing timed, nothing counts)."""
+        line = format_line(self.rates(), self.job_rates())
+        if line is None and self._timed and self.counter is not None:
+            return NOT_COUNTED
+        return line
+
+    def summary(self) -> dict[str, Any] | None:
+        """This rank's rates (under torch.distributed, the job's beside them; None: nothing counted)."""
+        out = self.as_dict()
+        if out is not None:
+            out["job"] = self.job_rates()
+        return out
 
 
 def _si(x: float) -> str:

@@ -115,8 +115,8 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "memory": core.memory_summary(),
         "oom": getattr(core, "oom", None),
         "memory_snapshot": _snapshot(core),
-        "throughput": _throughput(core),
-        "flops": getattr(core, "flops_summary", None),
+        "throughput": measured.get("throughput"),
+        "flops": measured.get("flops"),
         "communication": measured.get("communication"),
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
@@ -128,15 +128,6 @@ def _snapshot(core: RunRecord) -> dict[str, Any] | None:
     """``memory_snapshot=``: where the allocator's history went, or why it did not (None: not asked)."""
     snap = getattr(core, "snapshot", None)
     return snap.as_dict() if snap is not None else None
-
-
-def _throughput(core: RunRecord) -> dict[str, Any] | None:
-    """The run's rates (this rank's; under torch.distributed, the job's beside them), None if nothing was counted."""
-    run = getattr(core, "throughput", None)
-    out = run.as_dict() if run is not None else None
-    if out is not None:
-        out["job"] = core.job_throughput() if hasattr(core, "job_throughput") else None
-    return out
 
 
 def _environment(core: RunRecord, ctx: dict[str, Any]) -> dict[str, Any]:

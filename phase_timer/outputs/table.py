@@ -1,8 +1,14 @@
-"""The end-of-training table, as text: the phases, the memory block, phase-timer's own cost."""
+"""The end-of-training table, as text: the phases, the measures' lines, the memory block, phase-timer's own cost, the
+census, the verdict and where the files went."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
+
+from phase_timer.diagnosis import format_verdict
+from phase_timer.distributed.rank_view import format_rank_table
+from phase_timer.measures.syncs import format_census
 
 from phase_timer.measures.memory import BEFORE, BEFORE_NOTE
 from phase_timer.phases import BETWEEN, BETWEEN_PREFIX, COMM_PARTS, HOST_PHASES, ordered, share_base
@@ -164,3 +170,34 @@ def _own_parts(own: dict) -> str:
     if long_run is not None and long_run < us - max(1.0, 0.1 * us):
         text += f" (≈{long_run:.1f} µs/step over a long run: the first steps are sampled densely)"
     return text
+
+
+def run_table(core: Any, title: str = "phase-timer") -> str:
+    """A run's table (``TimingCore.summary_table``): the phases (and the ranks'), each measure's line in the order
+    they listen, memory, own cost, the sync census, the verdict and the files."""
+    ranks = core.ranks
+    table = format_summary(core.totals, clock=core.clock.kind, untimed_reason=core.untimed_reason,
+                           title=title if ranks is None else f"{title} (rank {ranks.rank})")
+    if ranks is not None and ranks.totals is not None:
+        table += "\n\n" + format_rank_table(ranks.totals, title=title)
+    sig = core.signals
+    lines = [measure.line() for measure in core.measures]
+    lines += [format_memory(core.memory_summary()), core.own_cost_line(),
+              format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)]
+    if core.diagnosis is not None and (core.totals.steps or core.oom is not None):
+        lines.append(format_verdict(core.diagnosis))
+    lines.append(core.files_line())
+    return table + "".join("\n" + line for line in lines if line)
+
+
+def files_line(log_dir: str | None, missing: str | None, summary_path: str | None) -> str | None:
+    """``files: TensorBoard values in <log_dir>; summary <path>`` (``missing``: why no values were written, where no
+    ``log_dir``); None: no file."""
+    parts = []
+    if log_dir is not None:
+        parts.append(f"TensorBoard values in {log_dir}")
+    elif missing is not None:
+        parts.append(missing)
+    if summary_path is not None:
+        parts.append(f"summary {summary_path}")
+    return "files: " + "; ".join(parts) if parts else None

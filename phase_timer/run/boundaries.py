@@ -40,6 +40,8 @@ from phase_timer._env import native_wanted, warn_once
 from phase_timer.run.core import TimingCore
 from phase_timer.timing.engine import POLL_EVERY
 from phase_timer.measures.flops import signature
+from phase_timer.measures.step_flops import FlopPlan
+from phase_timer.measures.throughput import BatchCounter, RunThroughput
 from phase_timer.phases import BACKWARD, BETWEEN, FETCH, FORWARD, H2D, IDLE, OPTIMIZER, PAUSED, after_end
 from phase_timer.run.own_cost import SAMPLE_KEY, PlainSample
 from phase_timer.measures.syncs import SyncCensus
@@ -110,6 +112,8 @@ class Boundaries:
         # what the doors call inside a step (see `_hot`)
         "on_fetch", "on_batch", "on_forward", "on_copied", "on_backward_start", "on_backward_end",
         "on_optimizer_start", "on_step_end",
+        # what counts a batch (see `count_batch`)
+        "counter", "flops",
         "__dict__",
     )
 
@@ -159,6 +163,10 @@ class Boundaries:
             core.signals.census = f"not run: it needs a warm-up step after the first (warmup_steps={warmup} < 2)"
         else:
             self._census, self._census_at = SyncCensus(self.now), warmup - 1
+        #: What counts each batch (``count_batch``): throughput's counter and the FLOP plan, the core's measures
+        #: (``measures/throughput.py``, ``measures/step_flops.py``; None: not counted).
+        self.counter: BatchCounter | None = next((m.counter for m in core.measures if isinstance(m, RunThroughput)), None)
+        self.flops: FlopPlan | None = next((m for m in core.measures if isinstance(m, FlopPlan)), None)
         self._hot(core._engine)
 
     def _hot(self, engine: Any, native: bool = True) -> None:
@@ -346,10 +354,10 @@ class Boundaries:
         never a value: no sync.
         Every step pays this: one frame, the signature, a dict lookup and three host values (a few µs)."""
         core = self.core
-        counter = core.counter
+        counter = self.counter
         if counter is not None and samples:
             counter.add(core.add_host, batch)
-        plan = core.flops
+        plan = self.flops
         if plan is None or plan.begun == self.begun or not self.open:
             return
         plan.begun = self.begun
@@ -358,7 +366,7 @@ class Boundaries:
         try:
             carried = plan.given_carried or plan.carried.get(signature(step_batch))
         except TypeError as err:  # a batch item whose .shape is no shape (unhashable): no FLOPs, training goes on
-            core.flops = None
+            self.flops, plan.dropped = None, True
             self._warn_once("flops", f"phase-timer: the batch's shapes cannot be read ({err}); no FLOPs nor MFU")
             return
         if carried is None:
@@ -604,21 +612,21 @@ class _CountedBoundaries(Boundaries):
 
     def _set(self, phase: str) -> None:
         if phase != self._auto:
-            self.core.flops.counter.mark(phase)
+            self.flops.counter.mark(phase)
         super()._set(phase)
 
     def pause(self) -> None:
         if not self.paused:
-            self.core.flops.counter.mark(PAUSED)
+            self.flops.counter.mark(PAUSED)
         super().pause()
 
     def _wake(self) -> None:
         super()._wake()
-        self.core.flops.counter.mark(self._auto)
+        self.flops.counter.mark(self._auto)
 
     def _end_count(self, keep: bool) -> None:
         self.__class__ = Boundaries
-        plan = self.core.flops
+        plan = self.flops
         flops = plan.counter.stop(drop=(PAUSED,)) if keep else plan.counter.close()
         if flops is not None:
             plan.carried[plan.counter.last_signature] = plan.carry(flops)

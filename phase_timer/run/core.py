@@ -16,15 +16,13 @@ from collections.abc import Sequence
 
 from phase_timer._env import warn
 from phase_timer.timing.clock import Clock
-from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict, phase_share
+from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
 from phase_timer.measures import memory as _memory
 from phase_timer.measures import oom as _oom
-from phase_timer.measures import throughput
-from phase_timer.distributed.rank_view import format_rank_table
 from phase_timer.timing.engine import POLL_EVERY, make_engine
 from phase_timer.measure import Measure
 from phase_timer.measures.memory import MemoryTracker
-from phase_timer.outputs.table import format_memory, format_own_cost, format_summary
+from phase_timer.outputs.table import files_line, format_own_cost, run_table
 from phase_timer.outputs.tags import (
     DIAGNOSIS_TAG,
     IN_FLIGHT_TAG,
@@ -37,17 +35,12 @@ from phase_timer.outputs.tags import (
 )
 from phase_timer.run.own_cost import estimate as _own_estimate
 from phase_timer.distributed.ranks import RankExchange, RankWindow
-from phase_timer.measures.step_flops import FlopPlan
 from phase_timer.outputs.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.timing.stats import RunTotals, WindowSeries
-from phase_timer.measures.syncs import format_census
 from phase_timer.outputs.trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
-
-#: Values a record carries that are not phases: throughput's counts and FLOPs (each measure takes its own).
-CARRIED = throughput.CARRIED
 
 
 def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
@@ -89,15 +82,8 @@ class TimingCore:
         self._window_size = window
         self._warmup = warmup_steps
         self.totals = RunTotals()
-        #: Samples, tokens and steps a second (counted from the batches' shapes by the door: ``counter``).
-        self.throughput = throughput.RunThroughput()
         #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called.
         self.measures: list[Measure] = list(measures)
-        self.counter: throughput.BatchCounter | None = None
-        #: The table's MFU line where MFU is not measured, saying how to get it (None: measured, or turned off).
-        self.mfu_note: str | None = None
-        #: FLOPs and MFU (``step_flops.py``; None: not counted, no MFU).
-        self.flops: FlopPlan | None = None
         #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
         self.series = WindowSeries()
         self.steps_begun = 0
@@ -130,8 +116,6 @@ class TimingCore:
         #: ``memory_snapshot=``: the allocator's history being recorded (``oom.Snapshot``; None: not asked).
         self.snapshot: _oom.Snapshot | None = None
         self.interrupted = False
-        #: The summary's ``flops`` block, made at the end (None: no FLOPs counted nor asked for).
-        self.flops_summary: dict | None = None
         #: Added to a step's index where it is logged (the 🤗 door: the Trainer logs step k at global_step k+1).
         self.log_step_offset = 0
         #: Memory per phase (CUDA only; None: not read): sampled steps' allocator counters.
@@ -368,9 +352,7 @@ class TimingCore:
                 self._emit(*item[1:])
             elif kind == "step":
                 ms = item[2]
-                for name in CARRIED:
-                    ms.pop(name, None)  # counts, not phases: a step's rates are its window's
-                for measure in self.measures:
+                for measure in self.measures:  # each takes its carried values out (a step's are its window's)
                     measure.step(ms)
                 self._write(item[1], step_scalars(ms))
             elif kind == "trace" and self.trace is not None:
@@ -379,16 +361,15 @@ class TimingCore:
             self.window_ns += time.perf_counter_ns() - t0
 
     def _emit(self, key: int, last_step: int, steps: int, columns: dict[str, list[float]]) -> None:
-        counts = throughput.split_counts(columns, self.throughput)  # counts, not phases: out first
         measured: dict[str, float] = {}
         for measure in self.measures:  # each takes its carried values out, and corrects the phases it owns
             measured.update(measure.window(columns))
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
         summary = self.totals.add_sorted_window(steps, columns)
-        if counts:
-            self.throughput.add(counts)
         if self.ranks is not None:
-            sent = dict(counts)
+            sent: dict[str, float] = {}
+            for measure in self.measures:
+                sent.update(measure.report())
             if self._pauses:  # the pauses since the last window (rank zero's RANK_STRAGGLER reads them)
                 sent.update(paused_ms=self._paused_ms, pauses=float(self._pauses))
                 self._paused_ms, self._pauses = 0.0, 0
@@ -402,10 +383,7 @@ class TimingCore:
             self._flight_sum = self._flight_n = 0
         if self.skipped:
             scalars[SKIPPED_TAG] = float(self.skipped)
-        scalars.update(throughput.scalars(counts))
         scalars.update(measured)
-        if self.flops is not None:
-            scalars.update(self.flops.scalars(counts, self.context))
         self._write(last_step, scalars)
 
     def listen(self, measure: Measure) -> None:
@@ -424,7 +402,8 @@ class TimingCore:
         for w in windows:
             self.signals.add_rank_window(w.phases, w.step)
             scalars = rank_scalars(w)
-            scalars.update({f"{throughput.PREFIX}/job_{k}": v for k, v in w.job.items()})
+            for measure in self.measures:
+                scalars.update(measure.job(w))
             self._write(w.step, scalars)
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
@@ -480,18 +459,17 @@ class TimingCore:
 
     def _conclude(self) -> None:
         """The verdict: once to TensorBoard as text, and (rank zero) the run summary file.  Never raises."""
-        self.flops_summary, mfu_tips = None, []
-        if self.flops is not None:
+        advice: list[str] = []
+        for measure in self.measures:  # their last figures; what they tell the verdict (MFU's lines)
             try:
-                self.flops_summary = self.flops.run(self.throughput.counts, self.context)
-                mfu_tips = self.flops.advice(self.flops_summary, optimizer_share=phase_share(self.totals, "optimizer", "step"))
-            except Exception as err:  # noqa: BLE001 - MFU is an extra: the verdict and the files go on without it
-                warn(log, f"phase-timer: could not compute MFU ({type(err).__name__}: {err})")
+                advice += measure.end(self.totals)
+            except Exception as err:  # noqa: BLE001 - a measure is an extra: the verdict and the files go on
+                warn(log, f"phase-timer: {type(measure).__name__} failed at the run's end ({type(err).__name__}: {err})")
         try:
             self.diagnosis = diagnose(
                 self.totals, self.signals, clock=self.clock.kind, context=self.context,
                 rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup, memory=self.memory_summary(), mfu=mfu_tips, oom=self.oom,
+                warmup_steps=self._warmup, memory=self.memory_summary(), mfu=advice, oom=self.oom,
             )
         except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
             warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
@@ -529,60 +507,14 @@ class TimingCore:
         return self._window_size
 
     def summary_table(self, title: str = "phase-timer") -> str:
-        ranks = self.ranks
-        table = format_summary(self.totals, clock=self.clock.kind, untimed_reason=self.untimed_reason,
-                               title=title if ranks is None else f"{title} (rank {ranks.rank})")
-        if ranks is not None and ranks.totals is not None:
-            table += "\n\n" + format_rank_table(ranks.totals, title=title)
-        rates = throughput.format_line(self.throughput.rates(), self.job_throughput())
-        if rates:
-            table += "\n" + rates
-        elif self.totals.steps and self.counter is not None:
-            table += "\n" + throughput.NOT_COUNTED
-        mfu_line = self.flops.line(self.flops_summary) if self.flops is not None else self.mfu_note
-        if mfu_line:
-            table += "\n" + mfu_line
-        for measure in self.measures:
-            line = measure.line()
-            if line:
-                table += "\n" + line
-        mem = format_memory(self.memory_summary())
-        if mem:
-            table += "\n" + mem
-        own = self.own_cost_line()
-        if own:
-            table += "\n" + own
-        sig = self.signals
-        census = format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)
-        if census:
-            table += "\n" + census
-        if self.diagnosis is not None and (self.totals.steps or self.oom is not None):
-            table += "\n" + format_verdict(self.diagnosis)
-        files = self.files_line()
-        if files:
-            table += "\n" + files
-        return table
+        """The table printed at the end (``outputs.table.run_table``)."""
+        return run_table(self, title)
 
     def files_line(self) -> str | None:
-        """Where this run's files went (rank zero, or a rank that ran out of memory): its TensorBoard directory and
-        its summary file."""
+        """Where this run's files went (rank zero, or a rank that ran out of memory); None: nowhere."""
         if self.ranks is not None and self.ranks.rank != 0 and not _oom.own(self):
             return None
-        parts = []
-        if self.log_dir is not None:
-            parts.append(f"TensorBoard values in {self.log_dir}")
-        elif self.outputs_missing is not None:
-            parts.append(self.outputs_missing)
-        if self.summary_path is not None:
-            parts.append(f"summary {self.summary_path}")
-        return "files: " + "; ".join(parts) if parts else None
-
-    def job_throughput(self) -> dict[str, float] | None:
-        """The job's rates under torch.distributed (rank zero): each rank's over its whole run, summed."""
-        totals = self.ranks.totals if self.ranks is not None else None
-        # a rank's pauses travel with its counts, with no rate of their own
-        counted = {r: c for r, c in totals.counts.items() if "period_ms" in c} if totals is not None else {}
-        return throughput.job_rates(counted) if counted else None
+        return files_line(self.log_dir, self.outputs_missing, self.summary_path)
 
     def memory_summary(self) -> dict | None:
         """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""
