@@ -118,7 +118,9 @@ def run_script(args: argparse.Namespace) -> int:
         built = trainers_built(report_dir)
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
-    if status != 0:
+    if status in (126, 127) and not built:  # said already, by _run
+        pass
+    elif status != 0:
         print(f"{PROG} run: {command[0]} exited with status {status}", file=sys.stderr)
     elif not built:
         print(f"{PROG} run: the script built no Lightning or 🤗 Trainer: nothing was timed (a hand-written loop "

@@ -187,9 +187,12 @@ def add_summary(state: RunState, data: dict[str, Any]) -> None:
 
 def from_events(run_dir: str) -> RunState:
     """The newest window of the run's TensorBoard scalars (a run that writes no live file)."""
-    from phase_timer.cli.read import read_phase_scalars, run_dirs
+    from phase_timer.cli.read import read_phase_scalars
 
-    files, _ = run_dirs(run_dir).get(os.path.normpath(run_dir), ([], None))
+    try:
+        files = [n for n in os.listdir(run_dir) if n.startswith("events.out.tfevents.")]
+    except OSError:
+        files = []
     if not files:
         return RunState(run_dir, "waiting", note=f"no {LIVE_NAME}, {FILE_NAME} nor event files yet")
     scalars = read_phase_scalars(run_dir)

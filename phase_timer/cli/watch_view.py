@@ -153,7 +153,7 @@ def frame(state: RunState) -> Any:
 
     head = (f"[bold]phase-timer watch[/] {escape(state.run_dir)}  {_STATUS.get(state.status, state.status)}"
             + (f"  step {state.step}" if state.step is not None else "")
-            + (f", {state.windows} windows" if state.windows else ""))
+            + (f", {state.windows} window{'s' if state.windows > 1 else ''}" if state.windows else ""))
     parts: list[Any] = [Text.from_markup(head)]
     if state.note:
         parts.append(Text(state.note, style="dim"))
