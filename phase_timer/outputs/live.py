@@ -9,8 +9,8 @@ temporary file, then a rename: a reader never sees half a file).
 
 It runs behind a :class:`~phase_timer.outputs.sinks.BackgroundSink`: the training thread only puts
 the scalars it already made on a queue.  The file is written at a window's scalars and at the
-ranks' (not at per-step or memory writes, which only update what it holds), and once more at the
-end, with ``"status": "ended"``.  ``state`` (the core's :meth:`live_view`) is called on the writer
+ranks' (not at per-step or memory writes, which only update what it holds), at most once a second
+(``INTERVAL_S``), and once more at the end, with ``"status": "ended"``.  ``state`` (the core's :meth:`live_view`) is called on the writer
 thread: the verdict so far and the own cost; a failure there leaves them out of that write.
 """
 
@@ -30,6 +30,10 @@ from phase_timer.outputs.tags import RANKS_TAG, WINDOW_PREFIX, WINDOW_STEPS_TAG
 LIVE_NAME = "phase_timer_live.json"
 LIVE_SCHEMA = "phase-timer/live"
 LIVE_VERSION = 1
+#: At most one write of the file a second while the run goes on (a watcher redraws once a second; windows that
+#: come faster only update what the sink holds), and one at the end: the writer thread's cost is bounded by time,
+#: not by the windows' rate.
+INTERVAL_S = 1.0
 #: Windows the history keeps (the trend's span); older ones are dropped.
 HISTORY = 64
 #: What each history entry keeps of a window: its step, steps, period and the rates.
@@ -42,9 +46,12 @@ _MEAN_SUFFIX = "_ms/mean"
 class LiveFile:
     """A sink that keeps a run's newest values and writes them to ``<directory>/phase_timer_live.json``."""
 
-    def __init__(self, directory: str, state: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, directory: str, state: Callable[[], dict[str, Any]] | None = None,
+                 interval_s: float = INTERVAL_S) -> None:
         self.path = files.join(directory, LIVE_NAME)
         self._state = state
+        self._interval_s = interval_s
+        self._next_dump = 0.0  # time.monotonic() from which the next window's write goes to the file
         self._scalars: dict[str, float] = {}
         self._history: deque[dict[str, float]] = deque(maxlen=HISTORY)
         self._totals: dict[str, list[float]] = {}  # phase -> [sum of mean x steps, steps]
@@ -62,7 +69,8 @@ class LiveFile:
         steps = scalars.get(WINDOW_STEPS_TAG)
         if steps is not None:
             self._window(step, steps, scalars)
-        if steps is not None or RANKS_TAG in scalars:
+        if (steps is not None or RANKS_TAG in scalars) and time.monotonic() >= self._next_dump:
+            self._next_dump = time.monotonic() + self._interval_s
             self._dump("running")
 
     def _window(self, step: int, steps: float, scalars: dict[str, float]) -> None:
