@@ -507,7 +507,7 @@ def test_a_rank_that_runs_out_writes_its_own_finding_and_rank_zero_names_it(tmp_
     run = tmp_path / "version_0"
     assert sorted(os.listdir(run)) == sorted(
         [*(p for p in os.listdir(run) if p.startswith("events.")), "phase_timer_summary.json",
-         "phase_timer_summary.rank1.json"])
+         "phase_timer_summary.rank1.json", "phase_timer_live.json"])  # the live file: rank zero's, for `watch`
     rank1 = summary_of(str(run / "phase_timer_summary.rank1.json"))
     assert rank1["environment"]["rank"] == 1
     assert (rank1["oom"]["rank"], rank1["oom"]["step"], rank1["oom"]["phase"]) == (1, AT, "forward")

@@ -26,6 +26,7 @@ from phase_timer.run.core import TimingCore
 from phase_timer.doors.options import Options
 from phase_timer.distributed.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name
+from phase_timer.outputs.live import LiveFile
 from phase_timer.outputs.sinks import BackgroundSink, Outputs, Sink, SummaryWriterSink, open_event_file
 from phase_timer.measures.flops import check_flops_arg
 from phase_timer.measures.step_flops import FlopPlan, MfuNote
@@ -106,6 +107,8 @@ def start_core(
     for measure in _measures(config, core, device):
         core.listen(measure)
     core.summary_dir = out.summary_dir if rank_zero else None
+    if core.summary_dir is not None:  # what `phase-timer watch` reads, written on a thread of its own
+        core.add_sink(BackgroundSink(LiveFile(core.summary_dir, core.live_view), "live-file"))
     core.log_dir = out.log_dir
     core.outputs_missing = out.missing
     dev = _device(device)

@@ -386,6 +386,33 @@ class TimingCore:
         scalars.update(measured)
         self._write(last_step, scalars)
 
+    def add_sink(self, sink: Sink) -> None:
+        """One more place the values go from now on (guarded: its first failure warns, training goes on)."""
+        self._sinks.extend(_guarded([sink]))
+
+    def live_view(self) -> dict:
+        """What the live file adds to the scalars: the verdict so far (the run's, once it has one) and the own cost.
+
+        Called on the live file's writer thread, never the training thread, while the run changes what it
+        reads: a value may be a window behind, and a read that meets a change in progress raises (the live
+        file then goes without these, that once).  The verdict so far leaves out MFU's tips (counting them is
+        the end's work)."""
+        out: dict = {"clock": self.clock.kind, "steps_timed": self.totals.steps, "skipped_steps": self.skipped}
+        diagnosis = self.diagnosis
+        if diagnosis is None and self.totals.steps:
+            diagnosis = diagnose(
+                self.totals, self.signals, clock=self.clock.kind, context=self.context,
+                rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
+                warmup_steps=self._warmup, memory=self.memory_summary(),
+            )
+        if diagnosis is not None:
+            out["verdict"] = {"kind": diagnosis.kind, "severity": diagnosis.severity, "why": diagnosis.why,
+                              "advice": list(diagnosis.next[:1]), "final": self.diagnosis is not None}
+        own = self.own_cost()
+        if own is not None:
+            out["own_cost"] = {"us_per_step": own["us_per_step"], "share_of_period": own.get("share_of_period")}
+        return out
+
     def listen(self, measure: Measure) -> None:
         """``measure`` hears the results from now on, after those already listening."""
         self.measures.append(measure)

@@ -1,0 +1,172 @@
+"""``phase-timer run``'s side in the script's process: every Lightning and 🤗 ``Trainer`` it builds gets the callback.
+
+``phase-timer run`` starts the script with a ``sitecustomize`` of its own first on ``PYTHONPATH``
+(``phase_timer/cli/boot/``), which Python imports at start-up, before the script; that calls
+:func:`install`.  :func:`install` puts an import hook on ``sys.meta_path`` that, once
+``lightning.pytorch``'s, ``pytorch_lightning``'s or ``transformers``' trainer module has run, wraps its
+``Trainer.__init__``: the call's ``callbacks`` get a :class:`~phase_timer.PhaseTimer` (or a
+:class:`~phase_timer.PhaseTimerCallback`) with the options given to ``phase-timer run``, unless they hold one
+already.  Nothing is imported that the script does not import itself.
+
+The environment: a launcher (``torchrun``, ``python -m torch.distributed.run``, ``accelerate launch``) keeps
+``phase-timer run``'s variables, so that the training processes it starts get the hook.  Any other process
+takes them out of ``os.environ`` at once, so that what it starts (a ``git`` call, a tokenizer's helper, a
+DataLoader worker that is a new interpreter) runs without phase-timer, and puts them back when it builds its
+first Trainer: a training process's own children (Lightning's DDP launcher runs the script again) are
+training processes too.
+
+A hand-written loop is not timed: which module, optimizer and loader make the step cannot be known without
+guessing; ``phase-timer run`` says so at the end when no Trainer was built.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import json
+import os
+import sys
+from typing import Any
+
+#: The options (JSON: the doors' argument names), the marker directory and the boot directory on PYTHONPATH.
+ENV_OPTIONS = "PHASE_TIMER_RUN_OPTIONS"
+ENV_REPORT = "PHASE_TIMER_RUN_REPORT"
+ENV_BOOT = "PHASE_TIMER_RUN_BOOT"
+ENV_ROOT = "PHASE_TIMER_RUN_ROOT"
+_VARS = (ENV_OPTIONS, ENV_REPORT, ENV_BOOT, ENV_ROOT)
+#: The trainer modules, and which door each gets.
+TRAINER_MODULES = {"lightning.pytorch.trainer.trainer": "lightning", "pytorch_lightning.trainer.trainer": "lightning",
+                   "transformers.trainer": "transformers"}
+_saved: dict[str, str] = {}
+
+
+def is_launcher(argv: list[str]) -> bool:
+    """Whether ``argv`` (``sys.orig_argv``) starts training processes rather than being one."""
+    words = [os.path.basename(a) for a in argv[1:4]]
+    if words and words[0] in ("torchrun", "accelerate"):
+        return True
+    if len(argv) > 2 and argv[1] == "-m":
+        return argv[2] in ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
+    return False
+
+
+def strip_env() -> None:
+    """phase-timer run's variables out of ``os.environ`` (kept, for :func:`restore_env`)."""
+    boot = os.environ.get(ENV_BOOT)
+    for name in _VARS:
+        if name in os.environ:
+            _saved[name] = os.environ.pop(name)
+    path = os.environ.get("PYTHONPATH")
+    if boot and path is not None:
+        _saved["PYTHONPATH"] = path
+        rest = [p for p in path.split(os.pathsep) if p != boot]
+        if rest:
+            os.environ["PYTHONPATH"] = os.pathsep.join(rest)
+        else:
+            del os.environ["PYTHONPATH"]
+
+
+def restore_env() -> None:
+    os.environ.update(_saved)
+
+
+def options() -> dict[str, Any]:
+    raw = _saved.get(ENV_OPTIONS, os.environ.get(ENV_OPTIONS, "{}"))
+    return json.loads(raw)
+
+
+def _has(callbacks: Any, cls: type) -> bool:
+    return any(isinstance(c, cls) for c in callbacks or ())
+
+
+def make_callback(door: str) -> tuple[type, Any]:
+    """The callback class of ``door`` and one made with the options (``window``: the door's own name for it)."""
+    opts = dict(options())
+    if door == "lightning":
+        from phase_timer.doors.lightning import PhaseTimer as cls
+
+        if "window" in opts:
+            opts["log_every_n_steps"] = opts.pop("window")
+    else:
+        from phase_timer.doors.hf_trainer import PhaseTimerCallback as cls
+    if isinstance(opts.get("trace_steps"), list):
+        opts["trace_steps"] = tuple(opts["trace_steps"])
+    return cls, cls(**opts)
+
+
+def _mark(door: str, added: bool) -> None:
+    """A line for ``phase-timer run``: this process built a Trainer (and whether it got the callback here)."""
+    where = _saved.get(ENV_REPORT) or os.environ.get(ENV_REPORT)
+    if not where:
+        return
+    try:
+        with open(os.path.join(where, f"{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps({"door": door, "added": added}) + "\n")
+    except OSError:
+        pass
+
+
+def wrap_init(cls: type, door: str) -> None:
+    """``cls.__init__`` with the callback added to its ``callbacks`` argument."""
+    init = cls.__init__
+    if getattr(init, "_phase_timer_run", False):
+        return
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind_partial(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        callbacks = [callbacks] if callbacks is not None and not isinstance(callbacks, (list, tuple)) else callbacks
+        timer_cls, timer = make_callback(door)
+        added = not _has(callbacks, timer_cls)
+        if added:
+            bound.arguments["callbacks"] = [*(callbacks or ()), timer]
+        restore_env()  # a training process: what it starts may train too
+        _mark(door, added)
+        init(*bound.args, **bound.kwargs)
+
+    __init__._phase_timer_run = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: Any, door: str) -> None:
+        self.inner, self.door = inner, door
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        trainer = getattr(module, "Trainer", None)
+        if isinstance(trainer, type):
+            wrap_init(trainer, self.door)
+
+
+class TrainerFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: hands the trainer modules' specs back with a loader that wraps ``Trainer``."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        door = TRAINER_MODULES.get(name)
+        if door is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader, door)
+        return spec
+
+
+def install() -> None:
+    """At start-up (``sitecustomize``): the hook, or for a launcher nothing (its workers get the hook)."""
+    if is_launcher(list(getattr(sys, "orig_argv", sys.argv))):
+        return
+    strip_env()
+    for name, door in TRAINER_MODULES.items():  # imported already (a sitecustomize before ours): wrap it now
+        module = sys.modules.get(name)
+        if module is not None and isinstance(getattr(module, "Trainer", None), type):
+            wrap_init(module.Trainer, door)
+    sys.meta_path.insert(0, TrainerFinder())
