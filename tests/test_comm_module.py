@@ -16,6 +16,7 @@ import phase_timer
 from phase_timer.measures import comm
 from phase_timer.measures.comm import ddp as comm_ddp
 from phase_timer.measures.comm import run as comm_run
+from phase_timer.measures.comm.copies import Copies
 
 WAIT = "backward.comm_wait"
 
@@ -174,7 +175,8 @@ def test_the_copy_is_taken_off_each_step_and_never_below_zero() -> None:
     from phase_timer.timing.clock import HostClock
 
     # two buckets' copies, each between its two marks: 1.5 + 2.5 ms (the wait between them is not theirs)
-    run.add_copies(object(), [(0, 1_500_000), (3_000_000, 5_500_000)], HostClock())
+    run.add_copies(object(), [Copies(0, 1_500_000, 1_500_000, 1_500_000, False),
+                              Copies(3_000_000, 5_500_000, 2_500_000, 2_500_000, False)], HostClock())
     columns = {WAIT: [1.0, 3.5, 10.0], "backward": [20.0, 21.0, 30.0]}
     sampled = {comm_run.COMM_MS: 12.0, comm_run.COMM_WAIT_MS: 8.0, comm_run.COMM_SAMPLES: 2.0}
     run.take_copies(columns, sampled)
@@ -228,3 +230,28 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
     owner.flag, engine.current, queued = True, "backward", None  # queue raises: no split, and no error in backward
     arm2 = comm_ddp.Arm(engine, "backward", owner, "missing", queued, "go")
     assert arm2(torch.zeros(1)) is None and comm_ddp.Arm(engine, "backward", owner, "flag", None, "go")(1) is None
+
+
+def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_launches() -> None:
+    """A bucket's copies on a sampled backward: where the device caught up with the host, the marks hold the mode's
+    Python between the copies (200 small copies: 4.25 ms apart on the device, 4.3 on the host, 0.8 ms of which in
+    the copies' own calls); that Python is taken off.  Where the device had not reached the first mark (every copy
+    queued), or the marks are further apart on the device than on the host, the marks hold the copies' own time."""
+    from phase_timer.timing.clock import HostClock
+
+    clock = HostClock()
+    ms = 1_000_000
+    paced = Copies(0, int(4.25 * ms), int(4.3 * ms), int(0.8 * ms), True)
+    assert paced.ms(clock) == pytest.approx(0.8)  # 4.25 - (4.3 - 0.8) = 0.75, never below the calls' own 0.8
+    part = Copies(0, int(2.0 * ms), int(2.2 * ms), int(0.5 * ms), True)
+    assert part.ms(clock) == pytest.approx(0.5)  # max(0.5, 2.0 - 1.7)
+    queued = Copies(0, int(4.25 * ms), int(4.3 * ms), int(0.8 * ms), False)
+    assert queued.ms(clock) == pytest.approx(4.25)
+    slow = Copies(0, int(0.07 * ms), int(0.025 * ms), int(0.005 * ms), True)  # one 100 MB copy: the device's time
+    assert slow.ms(clock) == pytest.approx(0.07)
+    tiny = Copies(0, int(0.01 * ms), int(0.5 * ms), int(0.4 * ms), True)  # never above the marks' own span
+    assert tiny.ms(clock) == pytest.approx(0.01)
+    run = comm.RunComm()
+    run.add_copies(object(), [paced, queued], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.8 + 4.25)

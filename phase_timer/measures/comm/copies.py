@@ -3,7 +3,44 @@ the compute stream before each bucket's first copy and after its last (:mod:`pha
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, NamedTuple
+
+
+class Copies(NamedTuple):
+    """One bucket's copies on a sampled end-of-backward: the compute stream's marks before the first and after the
+    last; the host's time between the two marks, and inside the copies' own calls (ns); and whether the device had
+    reached the first mark when the host came to the last."""
+
+    start: Any
+    end: Any
+    host_ns: int
+    launch_ns: int
+    caught: bool
+
+    def ms(self, clock: Any) -> float:
+        """The copies' time as DDP runs them, with no mode in its end-of-backward (both marks done).
+
+        Where the device had not reached the first mark when the last copy was launched, every copy was queued
+        before it ran: the marks hold the copies' own time, back to back, as DDP's are on a device behind its
+        host.  So too where the marks are further apart on the device than on the host (by more than
+        ``PACE_SLACK_MS`` and ``PACE_SLACK`` of it): the copies took longer than the host took to launch them.
+        Otherwise the device caught up with the host and the copies ran at the pace it launched them, the mode's
+        Python included: that Python (the host time between the marks, less the copies' own calls) is taken off,
+        never below the calls' own time, never above the marks'.  A device that catches up with DDP's own
+        launches runs the copies at about that pace; where the copies' own time lies between that pace and the
+        mode's, the estimate reads low by the difference (``backward.comm_wait`` high by as much)."""
+        span = clock.elapsed_ms(self.start, self.end)
+        host = self.host_ns / 1e6
+        if not self.caught or span > host * (1 + PACE_SLACK) + PACE_SLACK_MS:
+            return span
+        launch = self.launch_ns / 1e6
+        return min(span, max(launch, span - (host - launch)))
+
+
+#: The device's marks further apart than the host's by more than this share and these ms: the copies' own time,
+#: not the host's pace (a paced bucket's device span is the host's within a launch's latency at each end).
+PACE_SLACK, PACE_SLACK_MS = 0.02, 0.01
 
 
 def _push_mode(mode: Any) -> None:
@@ -38,7 +75,10 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
     result); the mode counts them a bucket (``counts``, in DDP's order).  Given the ``counts`` an earlier backward
     made and a ``clock``, it also marks the stream before each bucket's first copy and after its last (counted), so
     the copies' time is read where they run: after their bucket's wait, beside the collectives still running, at
-    the pace they are launched, with no mark between two copies.  Every other op passes through, other copies
+    the pace they are launched, with no mark between two copies.  It also keeps, a bucket, what tells that pace
+    from the copies' own (:meth:`pairs`): the host time between the two marks, the host time of the copies'
+    own calls (DDP's launches, without the mode's Python around them), and whether the device had already
+    reached the first mark when the host came to mark the last (one ``query()``, never a wait).  Every other op passes through, other copies
     too: DDP reads some of its own at once (the used-parameter map it copies to the host and reads with
     ``.item()`` under ``find_unused_parameters``)."""
     global _MARKER
@@ -59,6 +99,9 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
                 self.clock = clock
                 self.counts: list[int] = []
                 self.marks: list[Any] = []  # before a bucket's first copy, after its last: two a bucket
+                self.host: list[int] = []  # perf_counter_ns at each mark
+                self.launch: list[int] = []  # a bucket's copies' own calls, ns (the mode's Python left out)
+                self.caught: list[bool] = []  # a bucket: the device had reached its first mark at its last
                 self._source: Any = None
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
@@ -75,30 +118,38 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
                         self._source = source
                         counts.append(0)
                         if expect is not None and len(self.marks) % 2 == 0 and len(counts) <= len(expect):
+                            self.host.append(time.perf_counter_ns())
                             self.marks.append(self.clock.mark())
+                            self.launch.append(0)
                 except Exception:  # noqa: BLE001 - the timing's, never DDP's: this backward reads nothing
                     self.expect, self.counts = None, []
+                t0 = time.perf_counter_ns()
                 out = func(*args, **kwargs)
                 if not self.counts:
                     return out
-                counts, expect = self.counts, self.expect
+                counts, expect, marks = self.counts, self.expect, self.marks
                 counts[-1] += 1
                 k = len(counts) - 1
-                if expect is not None and k < len(expect) and counts[k] == expect[k] and len(self.marks) == 2 * k + 1:
-                    try:
-                        self.marks.append(self.clock.mark())  # the bucket's last copy, as counted before
-                    except Exception:  # noqa: BLE001 - as above
-                        self.expect = None
+                if expect is not None and len(marks) == 2 * k + 1:
+                    self.launch[k] += time.perf_counter_ns() - t0
+                    if k < len(expect) and counts[k] == expect[k]:
+                        try:  # the bucket's last copy, as counted before
+                            self.caught.append(self.clock.done(marks[-1]))  # a query: never a wait
+                            marks.append(self.clock.mark())
+                            self.host.append(time.perf_counter_ns())
+                        except Exception:  # noqa: BLE001 - as above
+                            self.expect = None
                 return out
 
-            def pairs(self) -> list[tuple[Any, Any]] | None:
-                """Each bucket's (first mark, last mark), or None where the copies were counted only, or not as
-                expected (a bucket's copies split, or a bucket more or less)."""
+            def pairs(self) -> list[Copies] | None:
+                """Each bucket's :class:`Copies`, or None where the copies were counted only, or not as expected
+                (a bucket's copies split, or a bucket more or less)."""
                 self.passthrough = True
-                marks = self.marks
+                marks, host = self.marks, self.host
                 if self.expect is None or self.counts != self.expect or len(marks) != 2 * len(self.counts):
                     return None
-                return list(zip(marks[::2], marks[1::2]))
+                return [Copies(marks[2 * k], marks[2 * k + 1], host[2 * k + 1] - host[2 * k], self.launch[k],
+                               self.caught[k]) for k in range(len(self.counts))]
 
         _MARKER = CopyMarker
     return _MARKER(params, counts, clock)

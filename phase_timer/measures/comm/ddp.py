@@ -33,7 +33,7 @@ copies do not fall as counted (a rebuild of the buckets) is counted anew and tim
 a bucket's copies, and which parameters copy changes from step to step.  The copies' time (each bucket's, summed; the median of the last samples) is taken off each
 step's ``backward.comm_wait`` (never below zero) when its window is made, and stays in ``backward``.  (On a
 sampled backward the mode's own host time, a few µs a copy, paces the copies where the device has caught up with
-the host; the estimate then holds that pace too.)  (A static graph's first-iteration all-reduce is queued at
+the host: there the mode's Python is taken off the marks' time, ``copies.Copies.ms``.)  (A static graph's first-iteration all-reduce is queued at
 backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested

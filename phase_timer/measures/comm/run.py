@@ -9,6 +9,7 @@ from collections import deque
 from typing import Any
 
 from phase_timer.measure import Measure
+from phase_timer.measures.comm.copies import Copies
 from phase_timer.phases import BACKWARD, comm_label
 
 WAIT = comm_label(BACKWARD)
@@ -89,7 +90,7 @@ class RunComm(Measure):
         self.hook: str | None = None
         #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
         self.copy = False
-        self._copy_pending: deque[tuple[int, list[tuple[Any, Any]], Any]] = deque()
+        self._copy_pending: deque[tuple[int, list[Copies], Any]] = deque()
         self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (the modules' medians, summed),
@@ -103,8 +104,8 @@ class RunComm(Measure):
         for k, v in comm.items():
             self.counts[k] = self.counts.get(k, 0.0) + v
 
-    def add_copies(self, probe: Any, pairs: list[tuple[Any, Any]], clock: Any) -> None:
-        """One sampled end-of-backward's copies: each bucket's two marks."""
+    def add_copies(self, probe: Any, pairs: list[Copies], clock: Any) -> None:
+        """One sampled end-of-backward's copies: each bucket's (:class:`~phase_timer.measures.comm.copies.Copies`)."""
         self._copy_pending.append((id(probe), pairs, clock))
 
     def resolve_copies(self) -> None:
@@ -112,12 +113,12 @@ class RunComm(Measure):
         pending = self._copy_pending
         while pending:
             key, pairs, clock = pending[0]
-            if not clock.done(pairs[-1][1]):
+            if not clock.done(pairs[-1].end):
                 return
             pending.popleft()
             kept = self._copy_samples.setdefault(key, [])
-            kept.append(sum(clock.elapsed_ms(a, b) for a, b in pairs))
-            clock.release([m for pair in pairs for m in pair])
+            kept.append(sum(pair.ms(clock) for pair in pairs))
+            clock.release([m for pair in pairs for m in (pair.start, pair.end)])
             del kept[:-COPY_KEEP]
             self.copy_samples += 1
             self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())
