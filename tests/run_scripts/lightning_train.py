@@ -1,7 +1,7 @@
 """A small Lightning script with no phase-timer in it (``--by-hand`` passes the callback itself), for
 ``tests/test_watch_run.py``: ``phase-timer run`` on it must write what the callback passed by hand writes.
 
-    python tests/run_scripts/lightning_train.py ROOT [--steps N] [--by-hand] [--fail] [--sleep-ms MS]
+    python tests/run_scripts/lightning_train.py ROOT [--steps N] [--by-hand] [--fail] [--sleep-ms MS] [--gpu]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=0.0)
     parser.add_argument("--by-hand", action="store_true")
     parser.add_argument("--fail", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="one CUDA device (tests/test_gpu_watch.py)")
     args = parser.parse_args()
     torch.manual_seed(0)
     callbacks = []
@@ -47,7 +48,7 @@ def main() -> None:
         callbacks.append(PhaseTimer(warmup_steps=2))
     trainer = pl.Trainer(max_steps=args.steps, log_every_n_steps=10, callbacks=callbacks, default_root_dir=args.root,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         accelerator="cpu", devices=1)
+                         accelerator="gpu" if args.gpu else "cpu", devices=1)
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     trainer.fit(Regressor(args.sleep_ms), DataLoader(data, batch_size=8))
     print("script: done")
