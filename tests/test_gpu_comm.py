@@ -96,7 +96,9 @@ def test_the_split_adds_no_sync(case):
 
 
 def test_fsdp2_on_one_device_runs_split_and_adds_up(case, tmp_path):
-    """World size 1: FSDP2 skips its all-gathers; its end-of-backward wait is still split, and nothing breaks."""
+    """World size 1: FSDP2 skips its all-gathers; nothing breaks, and the phases add up.  Its reduce-scatters have
+    done by the time the host reaches their waits (one rank: nothing to wait for), and a wait the device has
+    passed gets no marks: ``backward.comm_wait`` is there only where a step waited, and then inside backward."""
     import phase_timer
     from phase_timer.phases import share_base, whole_phases
     from torch.distributed.fsdp import fully_shard
@@ -115,6 +117,6 @@ def test_fsdp2_on_one_device_runs_split_and_adds_up(case, tmp_path):
         opt.zero_grad()
     phases = {p: t.mean for p, t in timer.close().phases.items()}
     print("COMM fsdp2", {p: round(v, 3) for p, v in phases.items()})
-    assert "backward.comm_wait" in phases and phases["backward.comm_wait"] < phases["backward"]
+    assert phases.get("backward.comm_wait", 0.0) < 0.5 * phases["backward"]
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
     assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)

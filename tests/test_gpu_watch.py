@@ -37,7 +37,7 @@ def test_run_times_an_unmodified_script_on_cuda_and_watch_reads_it(tmp_path):
     assert "script: done" in run.stdout
     run_dir = tmp_path / "lightning_logs" / "version_0"
     summary = json.loads((run_dir / FILE_NAME).read_text())
-    assert summary["clock"] == "cuda"  # the GPU's own clock, not the host's
+    assert summary["phases"]["forward"]["clock"] == "cuda"  # the GPU's own clock, not the host's
     assert summary["steps"]["timed"] == 80 - 2
     live = json.loads((run_dir / LIVE_NAME).read_text())
     assert live["status"] == "ended" and live["clock"] == "cuda"
