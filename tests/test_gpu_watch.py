@@ -1,6 +1,6 @@
 """``phase-timer run`` and ``phase-timer watch`` on CUDA: an unmodified Lightning script on one GPU, timed by
 ``run`` (the script holds no phase-timer), read back by ``watch --once`` and from the live file.  With ``OUT`` set
-(the device's output folder) the frame ``watch`` printed is kept there (``watch_frame.txt``)."""
+(the device's output folder) the frame is kept there as an SVG image (``watch_gpu.svg``)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,11 @@ def test_run_times_an_unmodified_script_on_cuda_and_watch_reads_it(tmp_path):
     live = json.loads((run_dir / LIVE_NAME).read_text())
     assert live["status"] == "ended" and live["clock"] == "cuda"
     assert live["verdict"]["kind"] == summary["diagnosis"]["kind"]
-    watch = _run("-m", "phase_timer.cli", "watch", str(run_dir), "--once")
+    out = os.environ.get("OUT")
+    svg = Path(out, "watch_gpu.svg") if out else tmp_path / "watch_gpu.svg"
+    watch = _run("-m", "phase_timer.cli", "watch", str(run_dir), "--svg", str(svg))
     assert watch.returncode == 0, watch.stderr
     for phase in ("forward", "backward", "optimizer", "step", "period"):
         assert f"\n{phase} " in watch.stdout, watch.stdout
     assert f"verdict: {summary['diagnosis']['kind']} " in watch.stdout
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "watch_frame.txt").write_text(watch.stdout)
+    assert svg.read_text().lstrip().startswith("<svg")  # the README's picture of a GPU run, kept under OUT

@@ -109,6 +109,17 @@ def test_watch_once_on_a_finished_run_prints_phases_throughput_and_verdict(runs,
     assert "own host time" in out
 
 
+def test_watch_svg_writes_the_frame_as_an_image(lightning_runs, tmp_path):
+    svg = tmp_path / "frame.svg"
+    out = _phase_timer("watch", str(lightning_runs[1]), "--svg", str(svg))
+    assert out.returncode == 0, out.stderr
+    assert "\nforward " in out.stdout  # the frame is printed too
+    text = svg.read_text()
+    assert text.lstrip().startswith("<svg") and "forward" in text and "verdict" in text
+    bad = _phase_timer("watch", str(lightning_runs[1]), "--svg", str(tmp_path / "no" / "such" / "frame.svg"))
+    assert bad.returncode == 2 and "--svg: cannot write" in bad.stderr
+
+
 def test_the_live_file_ends_with_the_runs_verdict(lightning_runs):
     live = json.loads((lightning_runs[1] / LIVE_NAME).read_text())
     summary = _summary(lightning_runs[1])
@@ -202,7 +213,44 @@ def test_run_leaves_no_phase_timer_in_unrelated_processes_and_says_a_plain_scrip
     probe = json.loads(out.stdout.split("probe ", 1)[1])
     assert probe["hook"] and not probe["env"]
     assert probe["child"] == {"hook": False, "env": False}
-    assert "built no Lightning or 🤗 Trainer: nothing was timed" in out.stderr
+    assert "built no Lightning or 🤗 Trainer and its loop was not timed (no optimizer stepped twice)" in out.stderr
+
+
+def _loop_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    out = _phase_timer("run", "--warmup-steps", "2", "--log-dir", str(tmp_path / "run"), "--", sys.executable,
+                       str(SCRIPTS / "loop_train.py"), *args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "script: done" in out.stdout
+    return out
+
+
+def test_run_times_a_hand_written_loop_from_its_third_step(tmp_path):
+    out = _loop_run(tmp_path, "--steps", "30")
+    assert "timed the hand-written loop from its third step (Net with AdamW)" in out.stderr
+    assert "never closed" not in out.stderr  # run closes the timer it attached
+    summary = _summary(tmp_path / "run" / "version_0")
+    assert summary["door"] == "loop"  # attach()'s own
+    assert summary["steps"]["timed"] == 30 - 2 - 2  # two watched, two of warm-up
+    for phase in ("forward", "backward", "optimizer", "step"):
+        assert summary["phases"][phase]["count"] == 26, phase
+
+
+def test_run_times_a_loop_of_two_models_and_two_optimizers_as_one_step(tmp_path):
+    out = _loop_run(tmp_path, "--gan", "--steps", "30")
+    # the discriminator's optimizer steps first: the step ends after the generator's
+    assert "(Sequential, Sequential with Adam, SGD)" in out.stderr
+    summary = _summary(tmp_path / "run" / "version_0")
+    assert summary["steps"]["timed"] == 26 and summary["phases"]["optimizer"]["count"] == 26
+
+
+@pytest.mark.parametrize("case, why", [
+    ("--by-hand", "a timer was open already"),
+    ("--hidden", "no module the loop holds has the optimizer's parameters"),
+])
+def test_run_says_why_a_loop_was_not_timed(tmp_path, case, why):
+    out = _loop_run(tmp_path, case, "--steps", "8")
+    assert f"its loop was not timed ({why}" in out.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_under_torchrun_each_training_process_gets_the_hook():

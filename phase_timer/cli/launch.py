@@ -122,11 +122,24 @@ def run_script(args: argparse.Namespace) -> int:
         pass
     elif status != 0:
         print(f"{PROG} run: {command[0]} exited with status {status}", file=sys.stderr)
-    elif not built:
-        print(f"{PROG} run: the script built no Lightning or 🤗 Trainer: nothing was timed (a hand-written loop "
-              "cannot be timed without a change to it: wrap it in `with phase_timer.attach(model, optimizer, "
-              "loader) as timer:`, see the README)", file=sys.stderr)
+    else:
+        _say_loop(built)
     return status
+
+
+def _say_loop(built: list[dict[str, Any]]) -> None:
+    """The last line for a script that built no Trainer: the hand-written loop timed, or why it was not."""
+    if any(b["door"] != "loop" for b in built):
+        return
+    loops = [b for b in built if b["door"] == "loop"]
+    timed = [b for b in loops if b["added"]]
+    if timed:
+        print(f"{PROG} run: timed the hand-written loop from its third step ({timed[0].get('note')})",
+              file=sys.stderr)
+        return
+    why = loops[0].get("note") if loops else "no optimizer stepped twice"
+    print(f"{PROG} run: the script built no Lightning or 🤗 Trainer and its loop was not timed ({why}): wrap it in "
+          "`with phase_timer.attach(model, optimizer, loader) as timer:`, see the README", file=sys.stderr)
 
 
 def _run(command: list[str], env: dict[str, str]) -> int:

@@ -2,13 +2,14 @@
 
 Usage::
 
-    phase-timer watch [LOG_DIR] [--once] [--interval S]
+    phase-timer watch [LOG_DIR] [--once] [--interval S] [--svg FILE]
 
 ``LOG_DIR`` is a run's directory (where its ``phase_timer_live.json``, summary file or event files are);
 without it, the run whose files changed last under ``lightning_logs/``, ``phase-timer-logs/`` or a 🤗
 ``output_dir``'s ``runs/`` (and one level down), from the current directory.  The view redraws each
 ``--interval`` seconds (default 1) until the run ends or Ctrl-C; ``--once`` prints one frame and exits (a
-finished run, a CI log).  It reads only files (:mod:`phase_timer.cli.watch_state`): it works from another
+finished run, a CI log); ``--svg FILE`` prints one frame and also writes it as an SVG image (rich's export: a
+README's picture of a run).  It reads only files (:mod:`phase_timer.cli.watch_state`): it works from another
 process, another machine on a shared file system, or after the run, and never touches the training
 process.  A run with no window yet says so and waits; a directory deleted under the view keeps the last
 frame and says so.  Needs ``rich``: ``pip install 'phase-timer[watch]'``.
@@ -35,6 +36,7 @@ def add_watch_args(parser: argparse.ArgumentParser) -> None:
                              "a 🤗 output_dir's runs/)")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between frames (default 1)")
+    parser.add_argument("--svg", metavar="FILE", help="print one frame (as --once) and write it to FILE as an SVG image")
 
 
 def _require_rich() -> None:
@@ -51,9 +53,14 @@ def run_watch(args: argparse.Namespace) -> int:
     from phase_timer.cli.watch_view import frame
 
     run_dir = check_log_dir(args.log_dir) if args.log_dir else newest_run()
-    console = Console(width=None if Console().is_terminal else 110)
-    if args.once:
+    console = Console(width=None if Console().is_terminal else 110, record=bool(args.svg))
+    if args.once or args.svg:
         console.print(frame(read_state(run_dir)))
+        if args.svg:
+            try:
+                console.save_svg(args.svg, title=f"phase-timer watch {run_dir}")
+            except OSError as err:
+                raise ReportError(f"--svg: cannot write {args.svg} ({err.strerror or err})") from err
         return 0
     return _live(console, run_dir, args.interval)
 

@@ -15,12 +15,14 @@ DataLoader worker that is a new interpreter) runs without phase-timer, and puts 
 first Trainer: a training process's own children (Lightning's DDP launcher runs the script again) are
 training processes too.
 
-A hand-written loop is not timed: which module, optimizer and loader make the step cannot be known without
-guessing; ``phase-timer run`` says so at the end when no Trainer was built.
+A hand-written loop (no Trainer) is timed from its third step by :mod:`phase_timer.doors.autoloop`, once
+``torch.optim``'s optimizer module has run: its optimizers are the ones that step in an iteration, its models
+the modules in reach that hold their parameters; where that cannot be known, it says why at the end.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.abc
 import importlib.machinery
@@ -39,7 +41,11 @@ _VARS = (ENV_OPTIONS, ENV_REPORT, ENV_BOOT, ENV_ROOT)
 #: The trainer modules, and which door each gets.
 TRAINER_MODULES = {"lightning.pytorch.trainer.trainer": "lightning", "pytorch_lightning.trainer.trainer": "lightning",
                    "transformers.trainer": "transformers"}
+#: The module whose global step hooks watch a hand-written loop (:mod:`phase_timer.doors.autoloop`).
+OPTIMIZER_MODULE = "torch.optim.optimizer"
 _saved: dict[str, str] = {}
+#: The hand-written loop's watch while it watches, and the timer it attached (kept for the process's life).
+_loop: dict[str, Any] = {}
 
 
 def is_launcher(argv: list[str]) -> bool:
@@ -96,16 +102,55 @@ def make_callback(door: str) -> tuple[type, Any]:
     return cls, cls(**opts)
 
 
-def _mark(door: str, added: bool) -> None:
-    """A line for ``phase-timer run``: this process built a Trainer (and whether it got the callback here)."""
+def _mark(door: str, added: bool, note: str | None = None) -> None:
+    """A line for ``phase-timer run``: this process built a Trainer, or found a loop (and whether it got the
+    callback or the timer here; ``note``: what was timed, or why not)."""
     where = _saved.get(ENV_REPORT) or os.environ.get(ENV_REPORT)
     if not where:
         return
     try:
         with open(os.path.join(where, f"{os.getpid()}.jsonl"), "a") as f:
-            f.write(json.dumps({"door": door, "added": added}) + "\n")
+            f.write(json.dumps({"door": door, "added": added, **({"note": note} if note else {})}) + "\n")
     except OSError:
         pass
+
+
+def _attach_loop(models: list[Any], opts: list[Any]) -> None:
+    """The hand-written loop's timer, with the run's options (the plain door's names)."""
+    from phase_timer.doors.autoloop import names
+    from phase_timer.doors.loop import attach
+
+    restore_env()  # a training process: what it starts may train too
+    timer = _loop["timer"] = attach(models[0] if len(models) == 1 else models, opts[0] if len(opts) == 1 else opts,
+                                    **options())
+    atexit.register(timer.close)  # the script has no close of its own; before the never-closed handler (LIFO)
+    _mark("loop", True, names(models, opts))
+
+
+def _loop_untimed(why: str) -> None:
+    _mark("loop", False, why)
+
+
+def _is_timed() -> bool:
+    from phase_timer.doors import lifecycle
+
+    return bool(lifecycle._open)
+
+
+def watch_loop() -> None:
+    """The hand-written loop's watch (once per process; none once a Trainer is built)."""
+    if "watch" in _loop or _loop.get("trainer"):
+        return
+    from phase_timer.doors.autoloop import LoopWatch
+
+    _loop["watch"] = LoopWatch(_attach_loop, _loop_untimed, _is_timed)
+
+
+def _stop_loop_watch() -> None:
+    _loop["trainer"] = True
+    watch = _loop.get("watch")
+    if watch is not None:
+        watch.remove()
 
 
 def wrap_init(cls: type, door: str) -> None:
@@ -125,6 +170,7 @@ def wrap_init(cls: type, door: str) -> None:
         if added:
             bound.arguments["callbacks"] = [*(callbacks or ()), timer]
         restore_env()  # a training process: what it starts may train too
+        _stop_loop_watch()  # the Trainer's door times it, not the loop's
         _mark(door, added)
         init(*bound.args, **bound.kwargs)
 
@@ -141,6 +187,12 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
+        if self.door == "loop":
+            try:
+                watch_loop()
+            except Exception as err:  # noqa: BLE001 - the script runs untimed rather than not at all
+                _loop_untimed(f"the loop's watch failed ({type(err).__name__}: {err})")
+            return
         trainer = getattr(module, "Trainer", None)
         if isinstance(trainer, type):
             wrap_init(trainer, self.door)
@@ -150,7 +202,7 @@ class TrainerFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands the trainer modules' specs back with a loader that wraps ``Trainer``."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        door = TRAINER_MODULES.get(name)
+        door = "loop" if name == OPTIMIZER_MODULE else TRAINER_MODULES.get(name)
         if door is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -169,4 +221,6 @@ def install() -> None:
         module = sys.modules.get(name)
         if module is not None and isinstance(getattr(module, "Trainer", None), type):
             wrap_init(module.Trainer, door)
+    if OPTIMIZER_MODULE in sys.modules:
+        watch_loop()
     sys.meta_path.insert(0, TrainerFinder())
