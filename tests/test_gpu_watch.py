@@ -50,3 +50,13 @@ def test_run_times_an_unmodified_script_on_cuda_and_watch_reads_it(tmp_path):
         assert f"\n{phase} " in watch.stdout, watch.stdout
     assert f"verdict: {summary['diagnosis']['kind']} " in watch.stdout
     assert svg.read_text().lstrip().startswith("<svg")  # the README's picture of a GPU run, kept under OUT
+
+
+def test_run_times_a_hand_written_loop_on_cuda(tmp_path):
+    script = REPO / "tests" / "run_scripts" / "loop_train.py"
+    run = _run("-m", "phase_timer.cli", "run", "--warmup-steps", "2", "--log-dir", str(tmp_path / "run"), "--",
+               sys.executable, str(script), "--cuda", "--steps", "40")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "timed the hand-written loop from its third step (Net with AdamW)" in run.stderr
+    summary = json.loads((tmp_path / "run" / "version_0" / FILE_NAME).read_text())
+    assert summary["phases"]["forward"]["clock"] == "cuda" and summary["steps"]["timed"] == 40 - 2 - 2

@@ -1,7 +1,7 @@
 """A hand-written training loop with no phase-timer in it (``--by-hand`` attaches itself), for
 ``tests/test_watch_run.py``: ``phase-timer run`` finds its optimizers and models and times it from its third step.
 
-    python tests/run_scripts/loop_train.py [--steps N] [--gan] [--by-hand] [--hidden]
+    python tests/run_scripts/loop_train.py [--steps N] [--gan] [--by-hand] [--hidden] [--cuda]
 
 ``--gan``: two models and two optimizers a step (a discriminator's step, then a generator's), as a GAN's loop;
 ``--hidden``: the model is out of the loop's reach (two dicts down).
@@ -24,8 +24,8 @@ class Net(nn.Module):
         return self.body(x)
 
 
-def plain(steps: int, by_hand: bool) -> None:
-    model = Net()
+def plain(steps: int, by_hand: bool, device: str = "cpu") -> None:
+    model = Net().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     timer = None
     if by_hand:
@@ -33,7 +33,7 @@ def plain(steps: int, by_hand: bool) -> None:
 
         timer = phase_timer.attach(model, opt, warmup_steps=2, log_dir="by-hand")
     for _ in range(steps):
-        x = torch.randn(64, 16)  # the loop makes its own batches
+        x = torch.randn(64, 16, device=device)  # the loop makes its own batches
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--gan", action="store_true")
     parser.add_argument("--by-hand", action="store_true")
     parser.add_argument("--hidden", action="store_true")
+    parser.add_argument("--cuda", action="store_true", help="the plain loop on one CUDA device")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.gan:
@@ -80,7 +81,7 @@ def main() -> None:
     elif args.hidden:
         hidden(args.steps)
     else:
-        plain(args.steps, args.by_hand)
+        plain(args.steps, args.by_hand, "cuda" if args.cuda else "cpu")
     print("script: done")
 
 
