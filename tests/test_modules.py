@@ -529,3 +529,69 @@ def test_the_transformers_door_measures_a_tiny_gpt2(tmp_path):
             "lm_head"} <= set(rows)
     assert rows["transformer.h[0-1].attn"]["kind"] == "attention" and rows["transformer.h[0-1]"]["calls"] == 2
     assert rows["transformer.h[0-1].attn"]["backward_ms"] > 0 and rows["lm_head"]["backward_ms"] > 0
+
+
+# -- report, compare, the verdict ---------------------------------------------------------------------------
+
+
+def _planted_run(tmp: Any, forward_s: float) -> str:
+    planted = Planted()
+    model = Net(planted)
+    model.slow_fwd.forward = _sleeping(model.slow_fwd, forward_s)  # type: ignore[method-assign]
+    return train(model, n=20, tmp=tmp).log_dir
+
+
+def _sleeping(module: nn.Module, seconds: float) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        helpers.pause(seconds)
+        return module.lin(x)
+
+    return forward
+
+
+def test_report_and_compare_name_the_module_that_got_slower(tmp_path, host_hours, capsys):
+    from phase_timer.cli import main
+
+    base = _planted_run(tmp_path / "base", 0.005)
+    cand = _planted_run(tmp_path / "cand", 0.007)
+    assert main(["report", cand]) == 0
+    text = capsys.readouterr().out
+    assert "modules: " in text and "slow_fwd" in text and "slow_bwd" in text
+    assert main(["report", "--json", cand]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert hours(doc["runs"][0]["modules"]["rows"]["slow_fwd"]["forward_ms"]) == 7
+    main(["compare", base, cand])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("modules: "))
+    assert line.startswith("modules: slow_fwd got slower") and "+40.0%" in line
+    main(["compare", "--json", base, cand])
+    doc = json.loads(capsys.readouterr().out)
+    assert hours(doc["modules"]["slow_fwd"]["delta_ms"]) == 2 and hours(doc["modules"]["slow_bwd"]["delta_ms"]) == 0
+
+
+def test_the_verdict_names_the_module_holding_the_slow_phase_and_the_activation_holders():
+    from phase_timer.diagnosis.finding import Diagnosis
+    from phase_timer.diagnosis.module_rules import with_modules
+
+    def row(kind: str, parent: str | None, fwd: float, bwd: float, act: float | None, share: float) -> dict:
+        return {"kind": kind, "parent": parent, "forward_ms": fwd, "backward_ms": bwd, "activation_mb": act,
+                "share_of_forward": share, "share_of_backward": share}
+
+    block = {"rows": {"h[0-11]": row("other", None, 9, 18, 900, 0.7),
+                      "h[0-11].attn": row("attention", "h[0-11]", 3, 6, 300, 0.25),
+                      "h[0-11].mlp": row("mlp", "h[0-11]", 4, 8, 500, 0.3),
+                      "lm_head": row("vocab_head", None, 3, 9, 1200, 0.35)},
+             "leaves": ["h[0-11].attn", "h[0-11].mlp", "lm_head"]}
+    gpu = Diagnosis("GPU_BOUND", "info", "the GPU is the bottleneck", ("make backward cheaper",),
+                    {"largest_phase": "backward"})
+    named = with_modules(gpu, block)
+    assert "in backward, lm_head (vocab_head) takes 9.00 ms (35% of backward)" in named.why
+    assert named.next[1].startswith("lm_head: a fused or chunked cross-entropy")
+    assert named.evidence["module"] == "lm_head"
+    head = Diagnosis("MEMORY_HEADROOM", "info", "room to spare", ("a larger batch",), {})
+    oom = Diagnosis("OUT_OF_MEMORY", "high", "ran out", (), {}, (head,))
+    said = with_modules(oom, block)
+    assert "held most by lm_head 1200 MB, h[0-11].mlp 500 MB, h[0-11].attn 300 MB" in said.why
+    assert said.next[-1] == "activation checkpointing on lm_head trades its recompute for its activations"
+    assert "held most by lm_head" in said.secondary[0].why
+    assert with_modules(gpu, None) is gpu
