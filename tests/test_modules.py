@@ -595,3 +595,15 @@ def test_the_verdict_names_the_module_holding_the_slow_phase_and_the_activation_
     assert said.next[-1] == "activation checkpointing on lm_head trades its recompute for its activations"
     assert "held most by lm_head" in said.secondary[0].why
     assert with_modules(gpu, None) is gpu
+
+
+def test_the_cost_benchmark_runs_on_the_cpu():
+    import argparse
+
+    from benchmarks.modules_cost import sampled_step_cost
+
+    args = argparse.Namespace(cpu=True, layers=2, width=32, seq=16, batch=2, vocab=256, reps=3)
+    cost = sampled_step_cost(args)
+    # transformer, its wte, wpe, h[0-1] with ln_1, attn, ln_2, mlp, ln_f; lm_head
+    assert cost["samples_read"] == 3 and cost["rows"] == 10
+    assert cost["sampled_step_us"] > 0
