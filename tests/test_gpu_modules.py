@@ -93,7 +93,7 @@ def test_each_top_level_module_agrees_with_the_profilers_kernels(tmp_path):
 
     model, opt, idx = _model()
     measure = modules.make([model], True, make_clock(torch.device("cuda")), warmup_steps=0, owner="test")
-    keys = {m: k for m, k in measure.tree.targets if k in TOP}
+    keys = {m: k for m, k in measure.tree.modules() if k in TOP}
     for _ in range(5):
         _step(model, opt, idx)
     torch.cuda.synchronize()

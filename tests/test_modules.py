@@ -607,3 +607,25 @@ def test_the_cost_benchmark_runs_on_the_cpu():
     # transformer, its wte, wpe, h[0-1] with ln_1, attn, ln_2, mlp, ln_f; lm_head
     assert cost["samples_read"] == 3 and cost["rows"] == 10
     assert cost["sampled_step_us"] > 0
+
+
+def test_a_timer_never_closed_is_collected_with_its_model():
+    """The measure holds the model's modules weakly: a loop that drops its timer and model unclosed still has its
+    timer collected (and written), as without modules."""
+    import gc
+    import weakref
+
+    def train() -> tuple[Any, Any]:
+        model = TinyGPT()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        timer = phase_timer.attach(model, opt, [torch.randint(0, 64, (2, 8)) for _ in range(12)], summary=False,
+                                   warmup_steps=1)
+        for idx in timer.loader:
+            model(idx).backward()
+            opt.step()
+        return weakref.ref(timer), weakref.ref(model)
+
+    with pytest.warns(RuntimeWarning, match="never closed"):
+        timer, model = train()
+        gc.collect()
+    assert timer() is None and model() is None

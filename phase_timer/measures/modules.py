@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,10 +112,11 @@ class Entry:
 
 @dataclass
 class Tree:
-    """What a sampled step hooks: each module object and the row it adds to, and the rows in display order."""
+    """What a sampled step hooks: each module object (weakly: the run never keeps a model alive, nor through it the
+    door that hooks it) and the row it adds to, and the rows in display order."""
 
     entries: dict[str, Entry] = field(default_factory=dict)
-    targets: list[tuple[nn.Module, str]] = field(default_factory=list)
+    targets: list[tuple[weakref.ref[nn.Module], str]] = field(default_factory=list)
     #: Modules left out because they are compiled (their names), and whether the whole model is.
     compiled: list[str] = field(default_factory=list)
     whole_compiled: bool = False
@@ -124,7 +126,11 @@ class Tree:
         if entry is None:
             entry = self.entries[key] = Entry(key, parent, module_kind(module, name))
         entry.modules += 1
-        self.targets.append((module, key))
+        self.targets.append((weakref.ref(module), key))
+
+    def modules(self) -> list[tuple[nn.Module, str]]:
+        """The hooked modules still alive, with their rows."""
+        return [(m, key) for ref, key in self.targets if (m := ref()) is not None]
 
 
 def module_kind(module: nn.Module, name: str) -> str:
@@ -216,12 +222,18 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _default(tree: Tree, module: nn.Module, prefix: str, parent: str | None, search: int) -> None:
+def _children(tree: Tree, module: nn.Module, prefix: str) -> Iterable[tuple[str, nn.Module]]:
+    """A module's children with their paths; a compiled one is left out, named in ``tree.compiled``."""
     for name, child in module.named_children():
         path = _join(prefix, name)
         if compiled_module(child):
             tree.compiled.append(path)
-            continue
+        else:
+            yield path, child
+
+
+def _default(tree: Tree, module: nn.Module, prefix: str, parent: str | None, search: int) -> None:
+    for path, child in _children(tree, module, prefix):
         blocks = _repeated(child)
         if blocks is not None:
             _blocks(tree, path, blocks, parent, sub=1)
@@ -254,26 +266,16 @@ def _blocks(tree: Tree, path: str, blocks: list[tuple[str, nn.Module]], parent: 
 def _depth(tree: Tree, module: nn.Module, prefix: str, parent: str | None, depth: int) -> None:
     if depth <= 0:
         return
-    for name, child in module.named_children():
-        path = _join(prefix, name)
-        if compiled_module(child):
-            tree.compiled.append(path)
-            continue
+    for path, child in _children(tree, module, prefix):
         blocks = _repeated(child)
         if blocks is not None:
             key = path + _span([n for n, _ in blocks])
             _blocks(tree, path, blocks, parent, sub=0)
-            if depth > 1:
-                for _, block in blocks:
-                    _depth_into(tree, block, key, depth - 1)
+            for _, block in blocks if depth > 1 else ():  # each block's children under the blocks' row, summed
+                _depth(tree, block, key, key, depth - 1)
         else:
             tree.add(child, path, parent, path)
             _depth(tree, child, path, path, depth - 1)
-
-
-def _depth_into(tree: Tree, block: nn.Module, key: str, depth: int) -> None:
-    """A block's children under the blocks' row (summed across blocks by their shared keys)."""
-    _depth(tree, block, key, key, depth)
 
 
 def _named(tree: Tree, root: nn.Module, names: list[str], prefix: str, owner: str) -> None:
@@ -346,7 +348,7 @@ class Sample:
 
     # hooks -------------------------------------------------------------------------------------
     def install(self, tree: Tree) -> None:
-        for module, key in tree.targets:
+        for module, key in tree.modules():
             self.handles.append(module.register_forward_pre_hook(self._pre(key), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post(key), with_kwargs=True, always_call=True))
 
@@ -514,12 +516,11 @@ class ModuleTimes(Measure):
 
     def __init__(self, models: Iterable[nn.Module], spec: Any = True, *, clock: Any,
                  allocated: Callable[[], int] | None = None, warmup_steps: int = 0, owner: str = "attach") -> None:
-        self.models = list(models)
         self.spec = spec
         self.clock = clock
         #: The allocator's allocated bytes now (no sync); None: activations are not measured (the CPU).
         self.allocated = allocated
-        self.tree = build_tree(self.models, spec, owner)
+        self.tree = build_tree(list(models), spec, owner)  # the models are not kept: the tree holds its modules weakly
         self._rng = random.Random(SEED)
         self._next = warmup_steps + 2  # steps begun, 1-based: past the warm-up and its first timed step
         self._dense = 0
