@@ -25,6 +25,13 @@ from tests.helpers import hours, read_scalars
 SLEEP_S = 0.005
 
 
+@pytest.fixture(autouse=True)
+def _dense_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These short CPU runs sample densely, as a device run does (the host clock's default is sparse only: a sampled
+    step's hooks are in its host-clock phases)."""
+    monkeypatch.setattr(mod, "HOST_DENSE", mod.DENSE)
+
+
 class Planted:
     """What a planted module measured of itself: its sleep, from just before to just after (ms), per step."""
 

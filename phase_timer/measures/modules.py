@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 #: The first DENSE steps after the warm-up sampled come DENSE_GAP steps apart (a short run gets a figure) ...
 DENSE = 4
 DENSE_GAP = 8
+#: ... on the device's clock.  On the host clock a sampled step's phases hold its hooks' host time (the host clock
+#: is the work), which would make every window of a cheap step read spiky (UNSTABLE): there, HOST_DENSE of them.
+HOST_DENSE = 0
 #: ... then one in GAP (at random in it, so that no periodic work aliases with the samples): a mean of 256 steps.
 GAP = (160, 352)
 GAP_MEAN = sum(GAP) // 2
@@ -515,7 +518,8 @@ class ModuleTimes(Measure):
     key = "modules"
 
     def __init__(self, models: Iterable[nn.Module], spec: Any = True, *, clock: Any,
-                 allocated: Callable[[], int] | None = None, warmup_steps: int = 0, owner: str = "attach") -> None:
+                 allocated: Callable[[], int] | None = None, warmup_steps: int = 0, owner: str = "attach",
+                 dense: int = DENSE) -> None:
         self.spec = spec
         self.clock = clock
         #: The allocator's allocated bytes now (no sync); None: activations are not measured (the CPU).
@@ -524,6 +528,7 @@ class ModuleTimes(Measure):
         self._rng = random.Random(SEED)
         self._next = warmup_steps + 2  # steps begun, 1-based: past the warm-up and its first timed step
         self._dense = 0
+        self._dense_n = dense  # steps sampled DENSE_GAP apart before the sparse gap
         self.sample: Sample | None = None
         self._pending: list[Sample] = []
         self.samples = 0  # read
@@ -564,7 +569,7 @@ class ModuleTimes(Measure):
         return True
 
     def _schedule(self, begun: int) -> None:
-        if self._dense < DENSE:
+        if self._dense < self._dense_n:
             self._dense += 1
             self._next = begun + DENSE_GAP
         else:
@@ -669,7 +674,7 @@ class ModuleTimes(Measure):
         if not n:
             return None
         per = self.own_ns / n / 1e6
-        return {"sampled_step_ms": per, "us_per_step": per * 1e3 / (GAP_MEAN if n > DENSE else max(1, DENSE_GAP))}
+        return {"sampled_step_ms": per, "us_per_step": per * 1e3 / (GAP_MEAN if n > self._dense_n else max(1, DENSE_GAP))}
 
     def note(self) -> str | None:
         """Why some or all modules are not measured (None: nothing to say)."""
@@ -746,7 +751,9 @@ def make(models: Sequence[nn.Module], spec: Any, clock: Any, *, warmup_steps: in
         reader = cuda_reader(index)
         allocated = lambda: reader().allocated  # noqa: E731
         own_clock = type(clock)(clock.device)
-    return ModuleTimes(models, spec, clock=own_clock, allocated=allocated, warmup_steps=warmup_steps, owner=owner)
+    dense = DENSE if getattr(clock, "kind", None) != "host" else HOST_DENSE
+    return ModuleTimes(models, spec, clock=own_clock, allocated=allocated, warmup_steps=warmup_steps, owner=owner,
+                       dense=dense)
 
 
 __all__ = ["ModuleTimes", "Tree", "build_tree", "check_modules", "make"]
