@@ -376,6 +376,8 @@ def test_nested_blocks_shared_weights_and_children_never_exceed_the_parent(tmp_p
     assert rows["lm_head"]["calls"] == 1 and rows["transformer.wte"]["calls"] == 1
     assert set(block["leaves"]) >= {"transformer.h[0-3].attn", "transformer.h[0-3].mlp", "lm_head"}
     assert "transformer" not in block["leaves"]
+    # every sink takes the row's name without brackets (MLflow refuses them)
+    assert "phase_module/transformer.h.0-3.attn/backward_ms" in read_scalars(timer.log_dir)
 
 
 def _train_lm(model: nn.Module, tmp: Any, n: int = 24, **kwargs: Any) -> Any:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -83,6 +84,11 @@ MB = float(1 << 20)
 #: Said when no sample could be resolved (the summary's note; the table's line).
 NOT_COMPILED_NOTE = ("hooks do not fire inside a compiled region (torch.compile) or a CUDA graph's replay, so its "
                      "modules' times are not known here; a run without compile measures them")
+
+
+def tag_key(key: str) -> str:
+    """A row's name as every sink takes it (MLflow allows no brackets): ``h[0-11]`` -> ``h.0-11``, ``[*]`` -> ``.all``."""
+    return re.sub(r"\[(\d+)-(\d+)\]", r".\1-\2", key).replace("[*]", ".all")
 
 
 def check_modules(owner: str, name: str, value: Any) -> None:
@@ -629,7 +635,7 @@ class ModuleTimes(Measure):
         for key, row in last.items():
             for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_mb"):
                 if name in row:
-                    out[f"{PREFIX}/{key}/{name}"] = row[name]
+                    out[f"{PREFIX}/{tag_key(key)}/{name}"] = row[name]
         self.own_ns += time.perf_counter_ns() - t0
         return out
 
