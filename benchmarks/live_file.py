@@ -28,6 +28,8 @@ import time
 sys.path.insert(0, ".")
 
 import torch  # noqa: E402
+
+from benchmarks.host_cost import print_and_save  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -86,11 +88,7 @@ def main() -> None:
              "a write's cost bounds the writer thread's time a second, whatever the windows' rate",
              f"{'what':<16}{'us a write':>11}{'us a second, at most':>22}{'share of one core':>19}"]
     lines += [f"{name:<16}{us:>11.1f}{us / INTERVAL_S:>22.1f}{us / INTERVAL_S / 1e4:>18.3f}%" for name, us in rows]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_and_save("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import time
 sys.path.insert(0, ".")
 
 import torch  # noqa: E402
+
+from benchmarks.host_cost import print_and_save  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -174,11 +176,7 @@ def main() -> None:
     off, on = statistics.median(periods[False]), statistics.median(periods[True])
     lines.append(f"period ms (median of 3 runs): modules=False {off:.3f}, modules=True {on:.3f} "
                  f"({100 * (on - off) / off:+.2f}%); runs: off {periods[False]}, on {periods[True]}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_and_save("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
