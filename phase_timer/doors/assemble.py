@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from phase_timer.measures import oom
@@ -32,7 +32,6 @@ from phase_timer.measures.flops import check_flops_arg
 from phase_timer.measures.step_flops import FlopPlan, MfuNote
 from phase_timer.outputs.tags import custom_scalars_layout
 from phase_timer.measures.throughput import BatchCounter, RunThroughput
-from phase_timer.measures.modules import make as make_modules
 from phase_timer.measure import Measure
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,6 @@ def start_core(
     outputs: Callable[[bool], Outputs] | None,
     trace_dir: str | None = None,
     context: dict[str, Any] | None = None,
-    models: Sequence[Any] = (),
 ) -> TimingCore:
     """The core of one run, with its clock, ranks and (rank zero) outputs.
 
@@ -106,7 +104,7 @@ def start_core(
         trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
         ranks=ranks, memory=config.memory,
     )
-    for measure in _measures(config, core, device, models):
+    for measure in _measures(config, core, device):
         core.listen(measure)
     core.summary_dir = out.summary_dir if rank_zero else None
     if core.summary_dir is not None:  # what `phase-timer watch` reads, written on a thread of its own
@@ -126,10 +124,10 @@ def start_core(
     return core
 
 
-def _measures(config: Options, core: TimingCore, device: Any, models: Sequence[Any] = ()) -> list[Measure]:
+def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
     """What listens to the run's results, in the order the core calls them: throughput (the boundaries count each
     batch with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to
-    get MFU), then which module (``models``' modules on sampled steps; the boundaries take it from the core)."""
+    get MFU)."""
     out: list[Measure] = [RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks)]
     plan = _flop_plan(config, core.clock.kind, _device(device))
     if plan is not None:
@@ -138,9 +136,6 @@ def _measures(config: Options, core: TimingCore, device: Any, models: Sequence[A
     elif config.mfu:  # the host clock with no peak: said once, with how to get it
         out.append(MfuNote("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
                            "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well"))
-    mods = make_modules(list(models), config.modules, core.clock, warmup_steps=config.warmup_steps, owner=config.owner)
-    if mods is not None:
-        out.append(mods)
     return out
 
 

@@ -40,7 +40,6 @@ from phase_timer._env import native_wanted, warn_once
 from phase_timer.run.core import TimingCore
 from phase_timer.timing.engine import POLL_EVERY
 from phase_timer.measures.flops import signature
-from phase_timer.measures.modules import ModuleTimes
 from phase_timer.measures.step_flops import FlopPlan
 from phase_timer.measures.throughput import BatchCounter, RunThroughput
 from phase_timer.phases import BACKWARD, BETWEEN, FETCH, FORWARD, H2D, IDLE, OPTIMIZER, PAUSED, after_end
@@ -106,7 +105,7 @@ class Boundaries:
         "core", "no_end_hint", "begun", "open", "ended", "trailing", "paused", "in_backward", "steps", "_auto",
         "_explicit", "_after_backward", "_saw_forward", "_saw_backward", "_failed", "_fetched", "_warned",
         "_flight_at", "_rng", "_samples", "_sample_in", "_mem", "_mem_on", "_mem_due", "_step", "_census",
-        "_census_at", "_mods", "_mod_on", "_mod_due",
+        "_census_at",
         # a sampled step's (_SampledBoundaries)
         "_depth", "_own_ns", "_calls", "_t_begin", "_t_end", "_host_ns", "_sample_state", "_restart",
         "_window0",
@@ -155,11 +154,6 @@ class Boundaries:
         self._mem_on = False  # this step is a memory step
         self._mem_due = self._mem.next_due if self._mem is not None else 0
         self._step = 0  # the step index the door gave the last step begun
-        # Which module (measures/modules.py): a modules' sample puts hooks on the model from its begin to its close;
-        # due the way a memory step is (the C boundaries hand a step at or past `_mod_due` to `_begin`).
-        self._mods: ModuleTimes | None = next((m for m in core.measures if isinstance(m, ModuleTimes)), None)
-        self._mod_on = False  # this step is a modules' sample
-        self._mod_due = self._mods.next_due if self._mods is not None else 1 << 62
         # The sync census (device clock): on the last warm-up step, from the close before it to its own.
         self._census: SyncCensus | None = None
         self._census_at = -1  # the close (1-based) at which the census starts, then stops
@@ -409,8 +403,6 @@ class Boundaries:
         """Evaluation or validation begins: neither the record nor ``period`` counts what follows."""
         if self.paused:
             return
-        if self._mod_on:  # evaluation's forwards are no training step's: the sample is dropped
-            self._mod_end(False)
         self._mem_mark(PAUSED)  # a peak set in evaluation is the pause's
         self.paused = True
         self.core.pause()
@@ -457,8 +449,6 @@ class Boundaries:
             self._census_at = -1  # no step follows this close: the census has none to hear
         if self.ended:
             self._close()
-        if self._mod_on:  # cut off mid-way
-            self._mod_end(False)
         self._end_census()
         self._mem_mark("after the last step")  # the run's peak, whenever it was set
         warmup = self.core.warmup_steps
@@ -525,19 +515,12 @@ class Boundaries:
         if self._mem is not None and self.begun >= self._mem_due and type(self) is Boundaries:
             self._mem_on = self._mem_call(self._mem.begin, self.begun, step, phase)
         self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
-        # A modules' sample: a plain step past the warm-up (the verdict's sampled step times the host: the next one).
-        if self.begun >= self._mod_due and type(self) is Boundaries and self.core.recording:
-            mods = self._mods
-            self._mod_on = mods.begin(self.begun, step)  # type: ignore[union-attr]
-            self._mod_due = mods.next_due  # type: ignore[union-attr]
         self.open, self.ended, self.trailing, self._auto = True, False, False, phase
         self._after_backward = self._saw_forward = self._saw_backward = self._failed = False
 
     def _drop(self) -> None:
         self.core.discard()
         self.open = self.ended = self.trailing = self._failed = False
-        if self._mod_on:
-            self._mod_end(False)
         if self._mem_on:
             self._mem_end(self._mem.drop)
 
@@ -546,8 +529,6 @@ class Boundaries:
         flight = self.steps == self._flight_at
         if flight:
             self._flight_at += flight_gap(self.steps - self.core.warmup_steps)
-        if self._mod_on:
-            self._mod_end(self.core.recording)
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
         if self._mem_on:
@@ -558,15 +539,6 @@ class Boundaries:
         self._sample_in -= 1
         if self._sample_in <= 0:
             self._start_sample()
-
-    def _mod_end(self, recorded: bool) -> None:
-        """The modules' sample is over: hooks off; a recorded step's marks wait to be read."""
-        self._mod_on = False
-        try:
-            self._mods.close(recorded)  # type: ignore[union-attr]
-        except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self._mods, self._mod_due = None, 1 << 62
-            self._warn_once("modules", f"phase-timer: modules are no longer measured ({type(err).__name__}: {err})")
 
     def _mem_read(self, phase: str) -> None:
         mem = self._mem

@@ -497,7 +497,6 @@ class TimingCore:
                 self.totals, self.signals, clock=self.clock.kind, context=self.context,
                 rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
                 warmup_steps=self._warmup, memory=self.memory_summary(), mfu=advice, oom=self.oom,
-                modules=next((m.summary() for m in self.measures if m.key == "modules"), None),
             )
         except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
             warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
