@@ -263,6 +263,19 @@ def test_under_torchrun_each_training_process_gets_the_hook():
     assert all(p["hook"] and not p["env"] and p["child"] == {"hook": False, "env": False} for p in probes)
 
 
+def test_under_accelerate_launch_the_training_process_gets_the_hook(tmp_path):
+    """``accelerate launch`` is a launcher: it keeps run's variables, and the script it starts (a process of its
+    own) builds a 🤗 Trainer that gets the callback."""
+    pytest.importorskip("accelerate")
+    out = _phase_timer("run", "--warmup-steps", "2", "--", sys.executable, "-m", "accelerate.commands.launch", "--cpu",
+                       "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+                       "no", str(SCRIPTS / "hf_train.py"), str(tmp_path / "out"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "script: done" in out.stdout
+    summary = _summary(tmp_path / "out" / "phase-timer-logs" / "version_0")
+    assert summary["door"] == "transformers" and summary["steps"]["timed"] == 30 - 2
+
+
 def test_run_options_are_the_doors_argument_names():
     cli_only = {"enabled", "owner", "window_arg"}  # not a choice of the command line (a timer it runs is on)
     assert set(OPTIONS) == {f.name for f in fields(Options)} - cli_only
