@@ -276,6 +276,19 @@ def test_under_accelerate_launch_the_training_process_gets_the_hook(tmp_path):
     assert summary["door"] == "transformers" and summary["steps"]["timed"] == 30 - 2
 
 
+def test_watch_shows_the_ranks_of_a_ddp_run_that_run_timed(tmp_path):
+    """Lightning's DDP on two CPU processes (gloo; its launcher runs the script again): run gives both the
+    callback, and watch shows the ranks' spread, the slowest rank and the job's throughput."""
+    out = _phase_timer("run", "--warmup-steps", "2", "--window", "10", "--", sys.executable,
+                       str(SCRIPTS / "lightning_train.py"), str(tmp_path), "--ddp", "--steps", "40", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert _summary(run_dir)["environment"]["world_size"] == 2
+    frame = _watch_once(run_dir)
+    assert "across 2 ranks" in frame and "slowest rank" in frame and "job (all ranks)" in frame, frame
+    assert "\nbackward.comm_wait " in frame
+
+
 def test_run_options_are_the_doors_argument_names():
     cli_only = {"enabled", "owner", "window_arg"}  # not a choice of the command line (a timer it runs is on)
     assert set(OPTIONS) == {f.name for f in fields(Options)} - cli_only

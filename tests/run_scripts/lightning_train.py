@@ -1,7 +1,7 @@
 """A small Lightning script with no phase-timer in it (``--by-hand`` passes the callback itself), for
 ``tests/test_watch_run.py``: ``phase-timer run`` on it must write what the callback passed by hand writes.
 
-    python tests/run_scripts/lightning_train.py ROOT [--steps N] [--by-hand] [--fail] [--sleep-ms MS] [--gpu]
+    python tests/run_scripts/lightning_train.py ROOT [--steps N] [--by-hand] [--fail] [--sleep-ms MS] [--gpu] [--ddp]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--by-hand", action="store_true")
     parser.add_argument("--fail", action="store_true")
     parser.add_argument("--gpu", action="store_true", help="one CUDA device (tests/test_gpu_watch.py)")
+    parser.add_argument("--ddp", action="store_true", help="two CPU processes (gloo), Lightning's own launcher")
     args = parser.parse_args()
     torch.manual_seed(0)
     callbacks = []
@@ -48,7 +49,8 @@ def main() -> None:
         callbacks.append(PhaseTimer(warmup_steps=2))
     trainer = pl.Trainer(max_steps=args.steps, log_every_n_steps=10, callbacks=callbacks, default_root_dir=args.root,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         accelerator="gpu" if args.gpu else "cpu", devices=1)
+                         accelerator="gpu" if args.gpu else "cpu", devices=2 if args.ddp else 1,
+                         **({"strategy": "ddp"} if args.ddp else {}))
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     trainer.fit(Regressor(args.sleep_ms), DataLoader(data, batch_size=8))
     print("script: done")
