@@ -233,6 +233,8 @@ def test_run_times_a_hand_written_loop_from_its_third_step(tmp_path):
     assert summary["steps"]["timed"] == 30 - 2 - 2  # two watched, two of warm-up
     for phase in ("forward", "backward", "optimizer", "step"):
         assert summary["phases"][phase]["count"] == 26, phase
+    frame = _watch_once(tmp_path / "run" / "version_0")  # the plain door's run, in watch too
+    assert "\nforward " in frame and "verdict: " in frame and "ended" in frame
 
 
 def test_run_times_a_loop_of_two_models_and_two_optimizers_as_one_step(tmp_path):
