@@ -77,3 +77,24 @@ def test_the_watch_attaches_nothing_where_a_timer_is_open():
         net(torch.ones(1, 2)).sum().backward()
         opt.step()
     assert not got and said == ["a timer was open already (the script's own attach(), or a Trainer's callback)"]
+
+
+def test_another_global_post_hook_after_the_watch_s_keeps_the_step_whole():
+    """torch goes through the global post-hooks while the watch's own takes its hooks off: an entry taken out
+    before the last fails that iteration, so there the watch's post-hook stays, a no-op."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    got: list = []
+    watch = LoopWatch(lambda models, opts: got.append(models), lambda why: None, lambda: False)
+    later: list = []
+    other = register_optimizer_step_post_hook(lambda opt, args, kwargs: later.append(1))
+    try:
+        net = nn.Linear(2, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(4):
+            net(torch.ones(1, 2)).sum().backward()
+            opt.step()  # no "mutated during iteration"
+        assert got == [[net]] and watch.done and len(later) == 4
+    finally:
+        other.remove()
+        watch._handles[1].remove()

@@ -10,9 +10,10 @@ Every Lightning ``Trainer`` and 🤗 ``Trainer`` the script builds gets the call
 OPTIONS are the doors' arguments, with the same names (``--log-dir``, ``--window``, ``--per-step``, ...;
 ``--window`` is Lightning's ``log_every_n_steps``), checked before the script starts.  How: a
 ``sitecustomize`` of phase-timer's leads the script's ``PYTHONPATH`` (:mod:`phase_timer.doors.autorun` says
-what it does, and which processes keep it in their environment).  The script's output and exit status are
-its own; ``phase-timer run`` adds at most a line on stderr at the end: that the script failed (its status),
-or that no Trainer was built, so nothing was timed (a hand-written loop needs ``phase_timer.attach``).
+what it does, and which processes keep it in their environment); a script that builds no Trainer has its
+hand-written loop timed from its third step (:mod:`phase_timer.doors.autoloop`).  The script's output and exit
+status are its own; ``phase-timer run`` adds at most a line on stderr at the end: that the script failed (its
+status), the loop it timed, or why a script with no Trainer was not timed.
 
 Exit status: the script's (a signal N: 128 + N); 2 for bad OPTIONS or no command; 127 for a command not found.
 """

@@ -22,12 +22,9 @@ between a step's end and the next forward.
 
 from __future__ import annotations
 
-import logging
 import sys
 import types
 from typing import Any, Callable
-
-log = logging.getLogger(__name__)
 
 #: The iterations watched before attaching: the first's optimizers are counted by the second.
 WATCHED = 2
@@ -47,17 +44,16 @@ def _reachable(frame: types.FrameType | None) -> list[Any]:
     def take(value: Any, depth: int) -> None:
         if isinstance(value, nn.Module):
             found.setdefault(id(value), value)
-        elif depth and isinstance(value, (list, tuple)):
-            for v in value[:64]:
-                take(v, 0)
-        elif depth and isinstance(value, dict):
-            for v in list(value.values())[:64]:
-                take(v, 0)
-        elif depth and not isinstance(value, (type, types.ModuleType, types.FunctionType)):
-            attrs = getattr(value, "__dict__", None)
-            if isinstance(attrs, dict):
-                for v in list(attrs.values())[:64]:
-                    take(v, 0)
+            return
+        if not depth or isinstance(value, (type, types.ModuleType, types.FunctionType)):
+            return
+        if isinstance(value, (list, tuple)):
+            inner = value
+        else:
+            held = value if isinstance(value, dict) else getattr(value, "__dict__", None)
+            inner = list(held.values()) if isinstance(held, dict) else []
+        for v in inner[:64]:
+            take(v, 0)
 
     last = None
     while frame is not None:
@@ -107,8 +103,6 @@ class LoopWatch:
         self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
 
     def _pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self.done:
-            return
         if self.first is None:
             self.first, self.seen, self.order = opt, 1, [opt]
         elif opt is self.first:
@@ -121,7 +115,7 @@ class LoopWatch:
     def _post(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self.done or self.last is None or opt is not self.last:
             return
-        self.remove()
+        self.remove(stepping=True)
         try:
             if self._is_timed():
                 self._said("a timer was open already (the script's own attach(), or a Trainer's callback)")
@@ -134,11 +128,15 @@ class LoopWatch:
         except Exception as err:  # noqa: BLE001 - the script's training goes on untimed
             self._said(f"attaching failed ({type(err).__name__}: {err})")
 
-    def remove(self) -> None:
+    def remove(self, stepping: bool = False) -> None:
+        """The hooks off.  ``stepping``: from the post-hook, while torch goes through the global post-hooks, where
+        taking an entry out fails the iteration unless it is the last: then the post-hook stays, a no-op (done)."""
         self.done = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        pre, post = self._handles
+        pre.remove()
+        hooks = post.hooks_dict_ref()
+        if not stepping or hooks is None or next(reversed(hooks), None) == post.id:
+            post.remove()
 
 
 def names(models: list[Any], opts: list[Any]) -> str:

@@ -30,7 +30,7 @@ import inspect
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 #: The options (JSON: the doors' argument names), the marker directory and the boot directory on PYTHONPATH.
 ENV_OPTIONS = "PHASE_TIMER_RUN_OPTIONS"
@@ -44,8 +44,9 @@ TRAINER_MODULES = {"lightning.pytorch.trainer.trainer": "lightning", "pytorch_li
 #: The module whose global step hooks watch a hand-written loop (:mod:`phase_timer.doors.autoloop`).
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 _saved: dict[str, str] = {}
-#: The hand-written loop's watch while it watches, and the timer it attached (kept for the process's life).
-_loop: dict[str, Any] = {}
+#: The hand-written loop's watch, and the timer it attached (kept for the process's life).
+_loop_watch: Any = None
+_loop_timer: Any = None
 
 
 def is_launcher(argv: list[str]) -> bool:
@@ -120,9 +121,10 @@ def _attach_loop(models: list[Any], opts: list[Any]) -> None:
     from phase_timer.doors.autoloop import names
     from phase_timer.doors.loop import attach
 
+    global _loop_timer
     restore_env()  # a training process: what it starts may train too
-    timer = _loop["timer"] = attach(models[0] if len(models) == 1 else models, opts[0] if len(opts) == 1 else opts,
-                                    **options())
+    timer = _loop_timer = attach(models[0] if len(models) == 1 else models, opts[0] if len(opts) == 1 else opts,
+                                 **options())
     atexit.register(timer.close)  # the script has no close of its own; before the never-closed handler (LIFO)
     _mark("loop", True, names(models, opts))
 
@@ -137,20 +139,22 @@ def _is_timed() -> bool:
     return bool(lifecycle._open)
 
 
-def watch_loop() -> None:
-    """The hand-written loop's watch (once per process; none once a Trainer is built)."""
-    if "watch" in _loop or _loop.get("trainer"):
+def watch_loop(_module: Any = None) -> None:
+    """The hand-written loop's watch, once ``torch.optim``'s optimizer module has run (once per process)."""
+    global _loop_watch
+    if _loop_watch is not None:
         return
-    from phase_timer.doors.autoloop import LoopWatch
+    try:
+        from phase_timer.doors.autoloop import LoopWatch
 
-    _loop["watch"] = LoopWatch(_attach_loop, _loop_untimed, _is_timed)
+        _loop_watch = LoopWatch(_attach_loop, _loop_untimed, _is_timed)
+    except Exception as err:  # noqa: BLE001 - the script runs untimed rather than not at all
+        _loop_untimed(f"the loop's watch failed ({type(err).__name__}: {err})")
 
 
 def _stop_loop_watch() -> None:
-    _loop["trainer"] = True
-    watch = _loop.get("watch")
-    if watch is not None:
-        watch.remove()
+    if _loop_watch is not None and not _loop_watch.done:
+        _loop_watch.remove()
 
 
 def wrap_init(cls: type, door: str) -> None:
@@ -178,37 +182,42 @@ def wrap_init(cls: type, door: str) -> None:
     cls.__init__ = __init__  # type: ignore[method-assign]
 
 
+def _wrap_trainer(door: str) -> Callable[[Any], None]:
+    def after(module: Any) -> None:
+        if isinstance(getattr(module, "Trainer", None), type):
+            wrap_init(module.Trainer, door)
+
+    return after
+
+
+#: What runs once each watched module has run: the trainer modules' ``Trainer`` wrapped; the loop's watch.
+AFTER: dict[str, Callable[[Any], None]] = {**{name: _wrap_trainer(door) for name, door in TRAINER_MODULES.items()},
+                                           OPTIMIZER_MODULE: watch_loop}
+
+
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, door: str) -> None:
-        self.inner, self.door = inner, door
+    def __init__(self, inner: Any, after: Callable[[Any], None]) -> None:
+        self.inner, self.after = inner, after
 
     def create_module(self, spec: Any) -> Any:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
-        if self.door == "loop":
-            try:
-                watch_loop()
-            except Exception as err:  # noqa: BLE001 - the script runs untimed rather than not at all
-                _loop_untimed(f"the loop's watch failed ({type(err).__name__}: {err})")
-            return
-        trainer = getattr(module, "Trainer", None)
-        if isinstance(trainer, type):
-            wrap_init(trainer, self.door)
+        self.after(module)
 
 
 class TrainerFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: hands the trainer modules' specs back with a loader that wraps ``Trainer``."""
+    """Finds nothing itself: hands the watched modules' specs back with a loader that runs their :data:`AFTER`."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        door = "loop" if name == OPTIMIZER_MODULE else TRAINER_MODULES.get(name)
-        if door is None:
+        after = AFTER.get(name)
+        if after is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _Loader(spec.loader, door)
+        spec.loader = _Loader(spec.loader, after)
         return spec
 
 
@@ -217,10 +226,8 @@ def install() -> None:
     if is_launcher(list(getattr(sys, "orig_argv", sys.argv))):
         return
     strip_env()
-    for name, door in TRAINER_MODULES.items():  # imported already (a sitecustomize before ours): wrap it now
+    for name, after in AFTER.items():  # imported already (a sitecustomize before ours): now
         module = sys.modules.get(name)
-        if module is not None and isinstance(getattr(module, "Trainer", None), type):
-            wrap_init(module.Trainer, door)
-    if OPTIMIZER_MODULE in sys.modules:
-        watch_loop()
+        if module is not None:
+            after(module)
     sys.meta_path.insert(0, TrainerFinder())
