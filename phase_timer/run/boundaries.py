@@ -40,11 +40,13 @@ from phase_timer._env import native_wanted, warn_once
 from phase_timer.run.core import TimingCore
 from phase_timer.timing.engine import POLL_EVERY
 from phase_timer.measures.flops import signature
+from phase_timer.measures.memory import tracker_of
 from phase_timer.measures.step_flops import FlopPlan
 from phase_timer.measures.throughput import BatchCounter, RunThroughput
 from phase_timer.phases import BACKWARD, BETWEEN, FETCH, FORWARD, H2D, IDLE, OPTIMIZER, PAUSED, after_end
 from phase_timer.run.own_cost import SAMPLE_KEY, PlainSample
 from phase_timer.measures.syncs import SyncCensus
+from phase_timer.outputs.tags import memory_scalars
 
 try:
     from phase_timer._native import Fast as _Fast
@@ -149,8 +151,9 @@ class Boundaries:
         self._samples = 0  # sampled steps started
         self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
         core.signals.sample_gap = sum(SAMPLE_GAP) / 2  # what a long run pays for them (the own-cost line)
-        # Memory (CUDA only): a sampled step reads the allocator's counters at each boundary (phase_timer/measures/memory.py).
-        self._mem = core.memory
+        # Memory (CUDA only): a memory step reads the allocator's counters at each boundary, through the Memory
+        # measure's tracker (phase_timer/measures/memory.py).
+        self._mem = tracker_of(core.measures)
         self._mem_on = False  # this step is a memory step
         self._mem_due = self._mem.next_due if self._mem is not None else 0
         self._step = 0  # the step index the door gave the last step begun
@@ -532,7 +535,7 @@ class Boundaries:
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
         if self._mem_on:
-            self._mem_end(self.core.add_memory, self._mem)
+            self._mem_end(self._mem_closed)
         self._auto = H2D
         if self.steps == self._census_at:
             self._census_step()
@@ -552,6 +555,12 @@ class Boundaries:
         self._mem_on = False
         if self._mem_call(fn, *args):
             self._mem_due = self._mem.next_due  # type: ignore[union-attr]
+
+    def _mem_closed(self) -> None:
+        """The memory step closed: its values (MB) go to the sinks at its step (``phase_memory/<what>_mb``)."""
+        tracker = self._mem
+        scalars = memory_scalars(tracker.end_step())
+        self.core.add_row(tracker.step, scalars)
 
     def _mem_mark(self, phase: str) -> None:
         """A read at a pause's begin or end or at the run's end; inside a memory step, one of its reads."""

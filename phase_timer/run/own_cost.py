@@ -154,13 +154,13 @@ def _median_ns(values: list[int]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
-def estimate(*, plain_ns: list[int], sampled_ns: list[int], window_ns: int, memory_ns: int | None,
-             memory_steps: int, steps: int, sample_gap: float | None, memory_gap: float) -> dict[str, Any] | None:
+def estimate(*, plain_ns: list[int], sampled_ns: list[int], window_ns: int, steps: int, sample_gap: float | None,
+             memory_ns: int | None = None, memory_steps: int = 0, memory_gap: float = 1.0) -> dict[str, Any] | None:
     """The own-cost figures (µs) from a run's samples; None before a verdict sample.
 
     ``plain_ns``: ordinary steps' own time; ``sampled_ns``: the verdict's sampled steps' (both less
     window ends); ``window_ns``: every window end's; ``memory_ns``: memory's (None: not read) over
-    ``memory_steps`` memory steps; ``steps``: steps begun; the gaps: the sparse schedules' means (the
+    ``memory_steps`` memory steps (the Memory measure's ``cost``); ``steps``: steps begun; the gaps: the sparse schedules' means (the
     long run's rates; no ``sample_gap``: no long-run figure).  With no ordinary step measured, the sampled steps stand for one: an upper bound.
     """
     if not sampled_ns or steps <= 0:
