@@ -160,8 +160,9 @@ def estimate(*, plain_ns: list[int], sampled_ns: list[int], window_ns: int, step
 
     ``plain_ns``: ordinary steps' own time; ``sampled_ns``: the verdict's sampled steps' (both less
     window ends); ``window_ns``: every window end's; ``memory_ns``: memory's (None: not read) over
-    ``memory_steps`` memory steps (the Memory measure's ``cost``); ``steps``: steps begun; the gaps: the sparse schedules' means (the
-    long run's rates; no ``sample_gap``: no long-run figure).  With no ordinary step measured, the sampled steps stand for one: an upper bound.
+    ``memory_steps`` memory steps (the Memory measure's ``cost``); ``steps``: steps begun; the gaps: the sparse
+    schedules' means (the long run's rates; no ``sample_gap``: no long-run figure).  With no ordinary step
+    measured, the sampled steps stand for one: an upper bound.
     """
     if not sampled_ns or steps <= 0:
         return None
