@@ -13,17 +13,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from phase_timer._env import warn
 from phase_timer.timing.clock import Clock
-from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
+from phase_timer.diagnosis import Diagnosis, Signals, diagnose
 from phase_timer.measures import oom as _oom
 from phase_timer.timing.engine import POLL_EVERY, make_engine
 from phase_timer.measure import Measure
 from phase_timer.measures.memory import Memory, MemoryTracker, tracker_of
 from phase_timer.outputs.table import files_line, format_own_cost, run_table
 from phase_timer.outputs.tags import (
-    DIAGNOSIS_TAG,
     IN_FLIGHT_TAG,
     SKIPPED_TAG,
     WINDOW_STEPS_TAG,
@@ -31,7 +31,8 @@ from phase_timer.outputs.tags import (
     step_scalars,
     window_scalars,
 )
-from phase_timer.run.own_cost import estimate as _own_estimate
+from phase_timer.run.conclude import conclude, finished_now, live_view, write_trace
+from phase_timer.run.own_cost import host_ahead, run_figures
 from phase_timer.distributed.ranks import RankExchange, RankWindow
 from phase_timer.outputs.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.timing.stats import RunTotals, WindowSeries
@@ -206,19 +207,6 @@ class TimingCore:
         if self.ranks is not None:
             self._rank_close()
 
-    def _finished_now(self) -> list[tuple] | None:
-        """What the device has finished, without waiting for it: a few polls (the resolver thread's share
-        included), at most ~0.1 s of host time, never a device wait."""
-        engine, out = self._engine, []
-        for _ in range(64):
-            # The newest step done (one query; always on the host clock), or none left: nothing to wait for.
-            if engine.newest_done() is not False:
-                out.extend(engine.drain() or ())
-                break
-            out.extend(engine.poll() or ())
-            time.sleep(0.002)
-        return out or None
-
     def _count_flight(self) -> None:
         """At a close that counts them, after its poll: the steps in flight (device clock only)."""
         if self._flight:
@@ -290,18 +278,7 @@ class TimingCore:
     def own_cost(self) -> dict | None:
         """The own-cost figures (µs; ``own_cost.estimate``), with the share of ``period`` and whether the host ran
         ahead; None before a sampled step."""
-        sig, spent = self.signals, {}
-        for measure in self.measures:  # what each spends of its own (memory's reads)
-            spent.update(measure.cost())
-        own = _own_estimate(plain_ns=sig.plain_ns, sampled_ns=sig.own_ns, window_ns=self.window_ns,
-                            steps=self.steps_begun, sample_gap=sig.sample_gap, **spent)
-        if own is None:
-            return None
-        period = self.totals.phases.get("period")
-        own["share_of_period"] = own["us_per_step"] / 1e3 / period.mean if period is not None and period.mean > 0 else None
-        own["samples"] = len(sig.own_ns)
-        own["host_ahead"] = self.host_ahead
-        return own
+        return run_figures(self)
 
     def _skip(self) -> None:
         self.skipped += 1
@@ -381,27 +358,16 @@ class TimingCore:
         self._sinks.extend(_guarded([sink]))
 
     def live_view(self) -> dict:
-        """What the live file adds to the scalars: the verdict so far (the run's, once it has one) and the own cost.
+        """What the live file adds to the scalars (``run/conclude.py``'s ``live_view``; the live file's thread)."""
+        return live_view(self)
 
-        Called on the live file's writer thread, never the training thread, while the run changes what it
-        reads: a value may be a window behind, and a read that meets a change in progress raises (the live
-        file then goes without these, that once).  The verdict so far leaves out MFU's tips (counting them is
-        the end's work)."""
-        out: dict = {"clock": self.clock.kind, "steps_timed": self.totals.steps, "skipped_steps": self.skipped}
-        diagnosis = self.diagnosis
-        if diagnosis is None and self.totals.steps:
-            diagnosis = diagnose(
-                self.totals, self.signals, clock=self.clock.kind, context=self.context,
-                rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup, **self._verdict_inputs(),
-            )
-        if diagnosis is not None:
-            out["verdict"] = {"kind": diagnosis.kind, "severity": diagnosis.severity, "why": diagnosis.why,
-                              "advice": list(diagnosis.next[:1]), "final": self.diagnosis is not None}
-        own = self.own_cost()
-        if own is not None:
-            out["own_cost"] = {"us_per_step": own["us_per_step"], "share_of_period": own.get("share_of_period")}
-        return out
+    def verdict(self, **extra: Any) -> Diagnosis:
+        """The verdict over the run's totals and signals so far, with what the measures hand the rules."""
+        for measure in self.measures:  # ``diagnose``'s keywords: memory's summary
+            extra.update(measure.verdict())
+        return diagnose(self.totals, self.signals, clock=self.clock.kind, context=self.context,
+                        rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
+                        warmup_steps=self._warmup, **extra)
 
     def listen(self, measure: Measure) -> None:
         """``measure`` hears the results from now on, after those already listening."""
@@ -411,12 +377,6 @@ class TimingCore:
         """The measure that fills the summary file's block ``key`` (None: none listens)."""
         return next((m for m in self.measures if m.key == key), None)
 
-    def _verdict_inputs(self) -> dict:
-        """What the measures hand the verdict's rules (``diagnose``'s keywords: memory's summary)."""
-        out: dict = {}
-        for measure in self.measures:
-            out.update(measure.verdict())
-        return out
 
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
@@ -459,7 +419,7 @@ class TimingCore:
         self._engine.discard()  # a step cut off mid-way has no honest total
         self._in_step = False
         try:
-            self._consume(self._engine.drain() if wait else self._finished_now())
+            self._consume(self._engine.drain() if wait else finished_now(self._engine))
         except Exception as err:  # noqa: BLE001 - e.g. the device died: keep what was resolved
             msg = f"phase-timer: could not resolve the last steps ({type(err).__name__}: {err})"
             warn(log, msg, 2)
@@ -471,51 +431,11 @@ class TimingCore:
         self._rows = []
         self.interrupted = interrupted
         _oom.at_end(self)  # the snapshot's end; rank zero hears of the other ranks' out-of-memory errors
-        self._conclude()
+        conclude(self, self._sinks, self._last_written_step)
         for sink in self._sinks:
             sink.close()
-        self._write_trace()
+        write_trace(self.trace)
         return self.totals
-
-    def _conclude(self) -> None:
-        """The verdict: once to TensorBoard as text, and (rank zero) the run summary file.  Never raises."""
-        advice: list[str] = []
-        for measure in self.measures:  # their last figures; what they tell the verdict (MFU's lines)
-            try:
-                advice += measure.end(self.totals)
-            except Exception as err:  # noqa: BLE001 - a measure is an extra: the verdict and the files go on
-                warn(log, f"phase-timer: {type(measure).__name__} failed at the run's end ({type(err).__name__}: {err})")
-        try:
-            self.diagnosis = diagnose(
-                self.totals, self.signals, clock=self.clock.kind, context=self.context,
-                rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup, mfu=advice, oom=self.oom, **self._verdict_inputs(),
-            )
-        except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
-            warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
-            return
-        if self.totals.steps or self.oom is not None:
-            text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
-            for sink in self._sinks:  # every one is guarded (finish): a sink without text is skipped there
-                sink.write_text(DIAGNOSIS_TAG, text, self._last_written_step)
-        # Rank zero's file; and a rank that ran out of memory writes its own (summary_dir set by oom.caught).
-        if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0 or _oom.own(self)):
-            from phase_timer.outputs.run_summary import write_summary
-
-            try:
-                self.summary_path = write_summary(self, self.summary_dir, name=self.summary_name)
-            except Exception as err:  # noqa: BLE001 - e.g. a full disk: the printed summary still says it all
-                warn(log, f"phase-timer: could not write the run summary file ({type(err).__name__}: {err})")
-
-    def _write_trace(self) -> None:
-        if self.trace is None or self.trace.ref is None:
-            return
-        try:
-            path = self.trace.write()
-            log.info("phase-timer: trace of steps %d..%d in %s", self.trace.first, self.trace.stop - 1, path)
-        except OSError as err:
-            msg = f"phase-timer: could not write the trace ({err})"
-            warn(log, msg, 3)
 
     @property
     def warmup_steps(self) -> int:
@@ -561,8 +481,4 @@ class TimingCore:
     @property
     def host_ahead(self) -> bool | None:
         """The host ran a step or more ahead of the device at most sampled closes (None: not known)."""
-        flight = self.signals.flight
-        n = sum(flight.values())
-        if not n:
-            return None
-        return n - flight[0] > n / 2
+        return host_ahead(self.signals.flight)

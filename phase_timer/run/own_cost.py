@@ -188,3 +188,29 @@ def estimate(*, plain_ns: list[int], sampled_ns: list[int], window_ns: int, step
         "long_run_us_per_step": long_run * us if long_run is not None else None,
         "steps": steps,
     }
+
+
+def run_figures(core: Any) -> dict[str, Any] | None:
+    """A run's own-cost figures (``TimingCore.own_cost``): :func:`estimate` over its samples and what its measures
+    spend of their own, with the share of ``period`` and whether the host ran ahead; None before a sampled step."""
+    sig, spent = core.signals, {}
+    for measure in core.measures:  # what each spends of its own (memory's reads)
+        spent.update(measure.cost())
+    own = estimate(plain_ns=sig.plain_ns, sampled_ns=sig.own_ns, window_ns=core.window_ns, steps=core.steps_begun,
+                   sample_gap=sig.sample_gap, **spent)
+    if own is None:
+        return None
+    period = core.totals.phases.get("period")
+    own["share_of_period"] = own["us_per_step"] / 1e3 / period.mean if period is not None and period.mean > 0 else None
+    own["samples"] = len(sig.own_ns)
+    own["host_ahead"] = host_ahead(sig.flight)
+    return own
+
+
+def host_ahead(flight: Any) -> bool | None:
+    """The host ran a step or more ahead of the device at most sampled closes (``flight``: the closes counted by
+    steps in flight; None: none counted)."""
+    n = sum(flight.values())
+    if not n:
+        return None
+    return n - flight[0] > n / 2
