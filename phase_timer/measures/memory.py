@@ -422,10 +422,10 @@ class Memory(Measure):
         """The measure for the clock's device (None off CUDA, where memory is absent, not zero)."""
         try:
             found = reader_for(clock)
+            return cls(MemoryTracker(*found), ranks) if found is not None else None
         except Exception as err:  # noqa: BLE001 - a torch without the allocator's counters: time only
             warn(log, f"phase-timer: memory is not read ({type(err).__name__}: {err}); the time phases go on")
             return None
-        return cls(MemoryTracker(*found), ranks) if found is not None else None
 
     def state(self) -> dict[str, float]:
         """What this rank's window report says of its memory (nothing before the first read)."""

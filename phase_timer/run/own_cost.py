@@ -1,6 +1,6 @@
 """phase-timer's own host time a step: what an ordinary step pays, plus the sampled work amortized.
 
-The verdict's sampled steps (``boundaries._SampledBoundaries``) time every boundary call, but they
+The verdict's sampled steps (``run/sampled.py``) time every boundary call, but they
 are no ordinary step: they go through the Python methods, not the C path an ordinary step takes
 (``_native.Fast``), under a swapped class that the interpreter's specialized attribute reads miss;
 they probe the device at each phase change (one event query each) and read the autocast state.
