@@ -14,6 +14,10 @@ order, at these points:
 - :meth:`Measure.job` on rank zero, for each window of the job's the exchange hands back: its scalars.
 - :meth:`Measure.end` once at the run's end, after the last window, before the verdict: the run's last figures,
   and the lines the verdict weighs (MFU's).
+- :meth:`Measure.verdict` when the verdict is made (at the end, and so far for the live file): what the rules read
+  of the measure (:func:`phase_timer.diagnosis.diagnose`'s keywords).
+- :meth:`Measure.cost` for the own-cost line: the host time the measure spends on steps of its own choosing
+  (:func:`phase_timer.run.own_cost.estimate`'s keywords).
 - :meth:`Measure.line` for the printed table: one line, or None.
 - :meth:`Measure.summary` for the summary file: the block at :attr:`Measure.key` (the file's layout and its
   schema are :mod:`phase_timer.outputs.run_summary`'s; a measure fills its block).
@@ -45,6 +49,10 @@ class Measure:
         """This rank's window report (after :meth:`window`): the values rank zero sums for this rank."""
         return {}
 
+    def state(self) -> dict[str, float]:
+        """This rank's window report: what rank zero keeps as this rank's newest (never summed)."""
+        return {}
+
     def job(self, window: Any) -> dict[str, float]:
         """Rank zero: a window of the job's (``distributed.ranks.RankWindow``) is written: its scalars."""
         return {}
@@ -53,6 +61,16 @@ class Measure:
         """The run's end, before the verdict, with the run's totals (``timing.stats.RunTotals``): the lines the
         verdict weighs (:func:`phase_timer.diagnosis.diagnose`'s ``mfu``)."""
         return []
+
+    def verdict(self) -> dict[str, Any]:
+        """What the verdict's rules read of this measure (``diagnose``'s keywords; called on the live file's thread
+        too, so a read of a value being changed may raise: the live file then goes without the verdict once)."""
+        return {}
+
+    def cost(self) -> dict[str, Any]:
+        """The host time this measure spends on the training thread beyond the boundaries' (``estimate``'s
+        keywords: memory's reads)."""
+        return {}
 
     def line(self) -> str | None:
         """The table's line (None: nothing to say)."""

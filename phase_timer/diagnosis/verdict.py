@@ -21,7 +21,7 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
              oom: dict[str, Any] | None = None) -> Diagnosis:
     """The primary finding (with the others as ``secondary``) for a run's totals and signals.
 
-    ``memory``: the memory summary (``TimingCore.memory_summary``); its findings come after the time ones,
+    ``memory``: the memory summary (``measures.memory.Memory.summary``); its findings come after the time ones,
     except a high one, which comes first.  ``mfu``: what MFU says (``mfu.mfu_advice``): a GPU-bound run's
     tips at low MFU, or that an MFU over 100% cannot be (``MFU_IMPOSSIBLE``).  ``oom``: what was known when an
     out-of-memory error ended the run (``TimingCore.oom``): ``OUT_OF_MEMORY`` then leads, whatever the number

@@ -31,6 +31,7 @@ from phase_timer.outputs.sinks import BackgroundSink, Outputs, Sink, SummaryWrit
 from phase_timer.measures.flops import check_flops_arg
 from phase_timer.measures.step_flops import FlopPlan, MfuNote
 from phase_timer.outputs.tags import custom_scalars_layout
+from phase_timer.measures.memory import Memory
 from phase_timer.measures.throughput import BatchCounter, RunThroughput
 from phase_timer.measure import Measure
 
@@ -102,7 +103,7 @@ def start_core(
         clock, out.sinks, window=window, warmup_steps=config.warmup_steps, max_pending=config.max_pending,
         per_step=config.per_step, nvtx=config.nvtx,
         trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
-        ranks=ranks, memory=config.memory,
+        ranks=ranks, memory=False,  # registered below, with the others
     )
     for measure in _measures(config, core, device):
         core.listen(measure)
@@ -125,10 +126,13 @@ def start_core(
 
 
 def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
-    """What listens to the run's results, in the order the core calls them: throughput (the boundaries count each
-    batch with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to
-    get MFU)."""
-    out: list[Measure] = [RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks)]
+    """What listens to the run's results, in the order the core calls them: memory per phase (where the device has
+    an allocator to read; the boundaries read it through its tracker), throughput (the boundaries count each batch
+    with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to get
+    MFU)."""
+    memory = Memory.start(core.clock, core.ranks) if config.memory else None
+    out: list[Measure] = [memory] if memory is not None else []
+    out.append(RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks))
     plan = _flop_plan(config, core.clock.kind, _device(device))
     if plan is not None:
         plan.context = core.context  # the door's precision names the peak

@@ -23,6 +23,11 @@ step to step) does not give it away.  A rise that no read pair holds is "between
 beats the tolerance too, and a named phase takes over from it (a read came close).  Each phase's
 highest reading of the counter after a rise in it is kept as well (``phase_peaks_mb``).
 
+:class:`Memory` is the measure (:class:`phase_timer.measure.Measure`): the summary file's ``memory`` block (with each
+rank's peaks on rank zero), this rank's peaks in its window report, what the verdict's memory rules read and
+memory's share of the own-cost line.  The boundaries read the counters through its :attr:`Memory.tracker` and hand
+each closed memory step's values to the core, which writes them at their step.
+
 Nothing here resets the allocator's peak: ``torch.cuda.max_memory_allocated()`` returns
 what it would without phase-timer (Lightning's ``DeviceStatsMonitor``, the 🤗 Trainer's memory
 metrics and users' own logging read it).
@@ -30,12 +35,17 @@ metrics and users' own logging read it).
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from phase_timer._env import warn
+from phase_timer.measure import Measure
 from phase_timer.phases import BETWEEN, H2D, PAUSED
+
+log = logging.getLogger(__name__)
 
 #: The first steps begun that are all sampled (warm-up steps included) ...
 DENSE = 8
@@ -385,3 +395,62 @@ class MemoryTracker:
             "device_error": self.device_error,
             "step_begin_points": [list(p) for p in self.points],
         }
+
+
+def tracker_of(measures: Any) -> MemoryTracker | None:
+    """The tracker of the :class:`Memory` measure among ``measures`` (a core's; None: memory is not read)."""
+    found = next((m for m in measures if isinstance(m, Memory)), None)
+    return found.tracker if found is not None else None
+
+
+class Memory(Measure):
+    """Memory per phase, the measure: a :class:`MemoryTracker` the boundaries read, and what the run says of it.
+
+    Args:
+        tracker: the run's samples (the boundaries call it).
+        ranks: the rank exchange (``distributed.ranks.RankExchange``; None: one process): rank zero's per-rank peaks.
+    """
+
+    key = "memory"
+
+    def __init__(self, tracker: MemoryTracker, ranks: Any = None) -> None:
+        self.tracker = tracker
+        self.ranks = ranks
+
+    @classmethod
+    def start(cls, clock: Any, ranks: Any = None) -> Memory | None:
+        """The measure for the clock's device (None off CUDA, where memory is absent, not zero)."""
+        try:
+            found = reader_for(clock)
+            return cls(MemoryTracker(*found), ranks) if found is not None else None
+        except Exception as err:  # noqa: BLE001 - a torch without the allocator's counters: time only
+            warn(log, f"phase-timer: memory is not read ({type(err).__name__}: {err}); the time phases go on")
+            return None
+
+    def state(self) -> dict[str, float]:
+        """What this rank's window report says of its memory (nothing before the first read)."""
+        t = self.tracker
+        if t.peak_allocated_mb is None:
+            return {}
+        return {"peak_allocated_mb": t.peak_allocated_mb, "peak_reserved_mb": t.peak_reserved_mb,
+                "device_total_mb": t.device_total_mb, "alloc_retries": t.retries}
+
+    def summary(self) -> dict[str, Any]:
+        """Memory per phase as the summary file and the rules read it (rank zero: each rank's peaks too)."""
+        out = self.tracker.as_dict()
+        totals = self.ranks.totals if self.ranks is not None else None
+        if totals is not None and totals.memory:
+            out["ranks"] = {str(r): dict(v) for r, v in sorted(totals.memory.items())}
+        return out
+
+    def verdict(self) -> dict[str, Any]:
+        return {"memory": self.summary()}
+
+    def cost(self) -> dict[str, Any]:
+        """All its host time (memory steps only), over its memory steps, and the sparse schedule's mean gap."""
+        return {"memory_ns": self.tracker.own_ns, "memory_steps": self.tracker.samples,
+                "memory_gap": sum(SPARSE_GAP) / 2}
+
+    def us_per_step(self, steps: int) -> float | None:
+        """Its host time over ``steps`` steps begun (µs; None: none begun)."""
+        return self.tracker.own_ns / steps / 1e3 if steps else None

@@ -149,7 +149,7 @@ def where(bounds: Any) -> tuple[str, int | None, bool]:
 def _allocator(core: Any) -> dict[str, Any] | None:
     """The allocator's counters and the device's memory now (None off CUDA): the tracker's reader, else one made
     for the clock's device (``memory=False``).  Host counters and ``cudaMemGetInfo``: no wait for the device."""
-    tracker = core.memory
+    tracker = _memory.tracker_of(core.measures)
     if tracker is not None:
         reading, info = tracker.now()
     else:
@@ -277,7 +277,7 @@ def _facts(exc: BaseException, error: BaseException, core: Any, bounds: Any, opt
         "requested_mb": reported.pop("requested_mb"),
         "reported": reported or None,
         "allocator": allocator,
-        "held": _held(core.memory),
+        "held": _held(_memory.tracker_of(core.measures)),
         "state_mb": _state_sizes(optimizers, core.context.get("device_type", "cpu")),
         "snapshot": None,
     }

@@ -46,7 +46,6 @@ class RunRecord(Protocol):
     untimed_reason: str | None
     measures: list[Measure]
 
-    def memory_summary(self) -> dict[str, Any] | None: ...
     def own_cost(self) -> dict[str, Any] | None: ...
     @property
     def warmup_steps(self) -> int: ...
@@ -112,7 +111,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "syncs": {"census": core.signals.census, "step": core.signals.census_step, "count": core.signals.sync_count,
                   "other_threads": core.signals.sync_other_threads, "paused": core.signals.sync_paused,
                   "sites": [site.as_dict() for site in core.signals.syncs]},
-        "memory": core.memory_summary(),
+        "memory": measured.get("memory"),
         "oom": getattr(core, "oom", None),
         "memory_snapshot": _snapshot(core),
         "throughput": measured.get("throughput"),

@@ -182,7 +182,8 @@ def run_table(core: Any, title: str = "phase-timer") -> str:
         table += "\n\n" + format_rank_table(ranks.totals, title=title)
     sig = core.signals
     lines = [measure.line() for measure in core.measures]
-    lines += [format_memory(core.memory_summary()), core.own_cost_line(),
+    memory = core.measure("memory")  # its block, under the measures' lines
+    lines += [format_memory(memory.summary() if memory is not None else None), core.own_cost_line(),
               format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)]
     if core.diagnosis is not None and (core.totals.steps or core.oom is not None):
         lines.append(format_verdict(core.diagnosis))

@@ -1,32 +1,13 @@
 """What each boundary of a training step means: the one definition of every phase, for both doors.
 
-The doors (``lightning.py``, ``loop.py``) only report what happened -- a batch was
-fetched, the forward started, ``backward()`` was called, an optimizer stepped --
-and :class:`Boundaries` turns that into marks on the core.  So a phase means the
-same whichever door measured it:
+The doors only report what happened -- a batch was fetched, the forward started, ``backward()`` was called, an
+optimizer stepped -- and :class:`Boundaries` turns that into marks on the core.  So a phase means the same whichever
+door measured it (the README's metric table says what each one holds).
 
-=================  =================================================================
-phase              from -> to
-=================  =================================================================
-``data_wait``      host: time inside the loop's fetch of the batch
-``h2d``            the batch handed over -> the copy done / the model's forward
-``forward``        -> the loop's ``backward()`` call (the loss is forward's)
-``backward``       the ``backward()`` call -> its return (DDP/FSDP's end-of-backward
-                   work included)
-``optimizer``      -> the end of the batch's last optimizer step (clipping, unscaling,
-                   ``optimizer.step()``, a GradScaler's ``update()``)
-``idle``           accumulation: a micro-batch's end -> the next micro-batch
-``step``           the sum of the above device phases
-``between_steps``  the step's end -> the next fetch: schedulers, EMA, callbacks,
-                   logging, checkpoints (their device work, or the device waiting
-                   for their host work)
-=================  =================================================================
-
-A step ends *provisionally* at each optimizer step's end: if the same batch goes
-on (a second optimizer, SAM's second pass, a GAN's generator) the step continues,
-and the code in between is ``forward`` (or ``optimizer`` when the next boundary is
-another optimizer step).  The record closes when the next batch is fetched.
-Evaluation and validation pause the record: paused spans are nobody's time.
+A step ends *provisionally* at each optimizer step's end: if the same batch goes on (a second optimizer, SAM's
+second pass, a GAN's generator) the step continues, and the code in between is ``forward`` (or ``optimizer`` when
+the next boundary is another optimizer step).  The record closes when the next batch is fetched.  Evaluation and
+validation pause the record: paused spans are nobody's time.
 """
 
 from __future__ import annotations
@@ -40,11 +21,14 @@ from phase_timer._env import native_wanted, warn_once
 from phase_timer.run.core import TimingCore
 from phase_timer.timing.engine import POLL_EVERY
 from phase_timer.measures.flops import signature
-from phase_timer.measures.step_flops import FlopPlan
-from phase_timer.measures.throughput import BatchCounter, RunThroughput
+from phase_timer.measures.memory import tracker_of
 from phase_timer.phases import BACKWARD, BETWEEN, FETCH, FORWARD, H2D, IDLE, OPTIMIZER, PAUSED, after_end
-from phase_timer.run.own_cost import SAMPLE_KEY, PlainSample
-from phase_timer.measures.syncs import SyncCensus
+from phase_timer.run.batch_counts import BatchCounts
+from phase_timer.run.census_steps import CensusSteps
+from phase_timer.run.memory_steps import MemorySteps
+from phase_timer.run.own_cost import SAMPLE_KEY
+from phase_timer.run.sampled import FLIGHT_DENSE_STEPS, FLIGHT_EVERY  # noqa: F401 - the tests read them here
+from phase_timer.run.sampled import counted_class, flight_gap, sampled_class
 
 try:
     from phase_timer._native import Fast as _Fast
@@ -64,16 +48,6 @@ log = logging.getLogger(__name__)
 DENSE_SAMPLES = 8
 DENSE_GAP = (2, 4)
 SAMPLE_GAP = (48, 144)
-#: Steps in flight are counted at a close (one query at most, never a wait): at every second close of
-#: the first FLIGHT_DENSE_STEPS timed steps (from the second: the first has no timed step before it),
-#: then at every FLIGHT_EVERY-th.
-FLIGHT_DENSE_STEPS = 32
-FLIGHT_EVERY = 16
-
-
-def flight_gap(timed: int) -> int:
-    """Closes from timed step ``timed``'s (counted) close to the next counted one."""
-    return 2 if timed < FLIGHT_DENSE_STEPS else FLIGHT_EVERY
 
 
 def sample_gap(rng: random.Random, samples: int) -> int:
@@ -95,8 +69,12 @@ def ending_at(update: Any, bounds_now: Any) -> Any:
     return scaler_update
 
 
-class Boundaries:
-    """One run's step state: the boundaries the doors report, turned into the core's marks."""
+class Boundaries(BatchCounts, MemorySteps, CensusSteps):
+    """One run's step state: the boundaries the doors report, turned into the core's marks.
+
+    What a batch holds (:class:`BatchCounts`), a memory step's reads (:class:`MemorySteps`) and the sync
+    census's starts and stops (:class:`CensusSteps`) are mixed in; the verdict's sampled step and the FLOP
+    count's step take another class for one step (:mod:`phase_timer.run.sampled`)."""
 
     # Slots: every boundary reads and writes several of these, a few µs a step in a real loop (and the
     # sampled class, swapped in and out, has the same layout).  ``__dict__``: a benchmark times a method by
@@ -104,16 +82,15 @@ class Boundaries:
     __slots__ = (
         "core", "no_end_hint", "begun", "open", "ended", "trailing", "paused", "in_backward", "steps", "_auto",
         "_explicit", "_after_backward", "_saw_forward", "_saw_backward", "_failed", "_fetched", "_warned",
-        "_flight_at", "_rng", "_samples", "_sample_in", "_mem", "_mem_on", "_mem_due", "_step", "_census",
-        "_census_at",
-        # a sampled step's (_SampledBoundaries)
-        "_depth", "_own_ns", "_calls", "_t_begin", "_t_end", "_host_ns", "_sample_state", "_restart",
-        "_window0",
+        "_flight_at", "_rng", "_samples", "_sample_in", "_step",
+        "_mem", "_mem_on", "_mem_due",  # a memory step's (MemorySteps)
+        "_census", "_census_at",  # the sync census's (CensusSteps)
+        "counter", "flops",  # what counts a batch (BatchCounts)
+        # a sampled step's (run/sampled.py)
+        "_depth", "_own_ns", "_calls", "_t_begin", "_t_end", "_host_ns", "_sample_state", "_restart", "_window0",
         # what the doors call inside a step (see `_hot`)
         "on_fetch", "on_batch", "on_forward", "on_copied", "on_backward_start", "on_backward_end",
         "on_optimizer_start", "on_step_end",
-        # what counts a batch (see `count_batch`)
-        "counter", "flops",
         "__dict__",
     )
 
@@ -149,24 +126,14 @@ class Boundaries:
         self._samples = 0  # sampled steps started
         self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
         core.signals.sample_gap = sum(SAMPLE_GAP) / 2  # what a long run pays for them (the own-cost line)
-        # Memory (CUDA only): a sampled step reads the allocator's counters at each boundary (phase_timer/measures/memory.py).
-        self._mem = core.memory
+        # Memory (CUDA only): a memory step reads the allocator's counters at each boundary, through the Memory
+        # measure's tracker (phase_timer/measures/memory.py).
+        self._mem = tracker_of(core.measures)
         self._mem_on = False  # this step is a memory step
         self._mem_due = self._mem.next_due if self._mem is not None else 0
         self._step = 0  # the step index the door gave the last step begun
-        # The sync census (device clock): on the last warm-up step, from the close before it to its own.
-        self._census: SyncCensus | None = None
-        self._census_at = -1  # the close (1-based) at which the census starts, then stops
-        if core.clock.kind == "host":
-            core.signals.census = "not run: no device (host clock)"
-        elif warmup < 2:
-            core.signals.census = f"not run: it needs a warm-up step after the first (warmup_steps={warmup} < 2)"
-        else:
-            self._census, self._census_at = SyncCensus(self.now), warmup - 1
-        #: What counts each batch (``count_batch``): throughput's counter and the FLOP plan, the core's measures
-        #: (``measures/throughput.py``, ``measures/step_flops.py``; None: not counted).
-        self.counter: BatchCounter | None = next((m.counter for m in core.measures if isinstance(m, RunThroughput)), None)
-        self.flops: FlopPlan | None = next((m for m in core.measures if isinstance(m, FlopPlan)), None)
+        self._plan_census(core, warmup)  # the sync census (device clock): on the last warm-up step
+        self._find_counts(core.measures)  # what counts each batch: throughput's counter and the FLOP plan
         self._hot(core._engine)
 
     def _hot(self, engine: Any, native: bool = True) -> None:
@@ -346,36 +313,6 @@ class Boundaries:
         self._after_backward = False
         self._auto = BETWEEN
 
-    # -- what a batch holds -------------------------------------------------------------
-    def count_batch(self, batch: Any, step_batch: Any = None, samples: bool = True) -> None:
-        """A batch was handed over (after :meth:`batch`): its samples and tokens, and at a step's first batch
-        its FLOPs (``step_flops.py``).  ``step_batch``: what the step's FLOPs depend on when the door has every
-        micro-batch at once (the 🤗 Trainer's), else ``batch``; ``samples=False``: its FLOPs only.  Shapes only,
-        never a value: no sync.
-        Every step pays this: one frame, the signature, a dict lookup and three host values (a few µs)."""
-        core = self.core
-        counter = self.counter
-        if counter is not None and samples:
-            counter.add(core.add_host, batch)
-        plan = self.flops
-        if plan is None or plan.begun == self.begun or not self.open:
-            return
-        plan.begun = self.begun
-        if step_batch is None:
-            step_batch = batch
-        try:
-            carried = plan.given_carried or plan.carried.get(signature(step_batch))
-        except TypeError as err:  # a batch item whose .shape is no shape (unhashable): no FLOPs, training goes on
-            self.flops, plan.dropped = None, True
-            self._warn_once("flops", f"phase-timer: the batch's shapes cannot be read ({err}); no FLOPs nor MFU")
-            return
-        if carried is None:
-            self._count_step(plan, step_batch)
-            return
-        add = core.add_host
-        for name, value in carried:
-            add(name, value)
-
     def _count_step(self, plan: Any, batch: Any) -> None:
         """A shape not yet counted: counted on this step, which goes untimed (``step_flops.py``)."""
         counter = plan.counter  # (given FLOPs never get here: every step carries them)
@@ -445,8 +382,7 @@ class Boundaries:
         (or that saw no batch) also warns once -- unless it was ``interrupted``: an exception
         ended it, and advice about a cause that was not the cause would only hide the real one.
         """
-        if self._census is not None and not self._census.running:
-            self._census_at = -1  # no step follows this close: the census has none to hear
+        self._census_unless_running()  # no step follows this close: a census not yet begun has none to hear
         if self.ended:
             self._close()
         self._end_census()
@@ -532,64 +468,13 @@ class Boundaries:
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
         if self._mem_on:
-            self._mem_end(self.core.add_memory, self._mem)
+            self._mem_end(self._mem_closed)
         self._auto = H2D
         if self.steps == self._census_at:
             self._census_step()
         self._sample_in -= 1
         if self._sample_in <= 0:
             self._start_sample()
-
-    def _mem_read(self, phase: str) -> None:
-        mem = self._mem
-        if mem.full:  # a step that never ends (no optimizer step heard): its reads stop here
-            self._mem_end(mem.drop)
-        elif not self._mem_call(mem.read, phase):
-            self._mem_on = False
-
-    def _mem_end(self, fn: Any, *args: Any) -> None:
-        """The memory step is over (closed, dropped, or read full): ``fn`` folds it in; the next one is due."""
-        self._mem_on = False
-        if self._mem_call(fn, *args):
-            self._mem_due = self._mem.next_due  # type: ignore[union-attr]
-
-    def _mem_mark(self, phase: str) -> None:
-        """A read at a pause's begin or end or at the run's end; inside a memory step, one of its reads."""
-        if self._mem_on:
-            self._mem_read(phase)
-        elif self._mem is not None:
-            self._mem_call(self._mem.mark, phase, self.begun, self._step)
-
-    def _mem_call(self, fn: Any, *args: Any) -> bool:
-        """A call on the memory tracker, its host time counted; a failure warns once and memory stops, the
-        training goes on."""
-        t0 = time.perf_counter_ns()
-        try:
-            fn(*args)
-            self._mem.own_ns += time.perf_counter_ns() - t0  # type: ignore[union-attr]
-            return True
-        except Exception as err:  # noqa: BLE001 - the timer must never break training
-            if self._mem is not None:  # what was read stays, with why it stopped
-                self._mem.failed = f"{type(err).__name__}: {err}"
-            self._mem, self._mem_on = None, False
-            self._warn_once("memory", f"phase-timer: memory is no longer read ({type(err).__name__}: {err}); "
-                                      "the time phases go on")
-            return False
-
-    def _census_step(self) -> None:
-        """The census starts here (the last warm-up step begins), or stops (that step has closed)."""
-        census = self._census
-        if census is not None and not census.running:
-            if census.start():
-                self._census_at += 1
-                return
-        self._end_census()
-
-    def _end_census(self) -> None:
-        census, self._census, self._census_at = self._census, None, -1
-        if census is not None:
-            census.stop()
-            self.core.signals.add_census(census, self.core.warmup_steps)
 
     def _start_sample(self) -> None:
         """The next step is sampled: from here to its close."""
@@ -600,166 +485,15 @@ class Boundaries:
     def _warn_once(self, key: str, msg: str) -> None:
         warn_once(log, self._warned, key, msg, 4)
 
-
-class _CountedBoundaries(Boundaries):
-    """The step whose FLOPs are being counted (untimed): each boundary also marks the FLOP count's phase.
-
-    Swapped in for that one step as a sampled step's class is (the same slots): the C boundaries take
-    the methods' path while it is on.  The count ends at the step's close (a batch that goes on after
-    its first optimizer step is counted whole), or is dropped with the step."""
-
-    __slots__ = ()
-
-    def _set(self, phase: str) -> None:
-        if phase != self._auto:
-            self.flops.counter.mark(phase)
-        super()._set(phase)
-
-    def pause(self) -> None:
-        if not self.paused:
-            self.flops.counter.mark(PAUSED)
-        super().pause()
-
-    def _wake(self) -> None:
-        super()._wake()
-        self.flops.counter.mark(self._auto)
-
-    def _end_count(self, keep: bool) -> None:
-        self.__class__ = Boundaries
-        plan = self.flops
-        flops = plan.counter.stop(drop=(PAUSED,)) if keep else plan.counter.close()
-        if flops is not None:
-            plan.carried[plan.counter.last_signature] = plan.carry(flops)
-
-    def _close(self) -> None:
-        self._end_count(keep=True)
-        Boundaries._close(self)  # plain from here: a sampled step may begin at this close
-
-    def _drop(self) -> None:
-        self._end_count(keep=False)
-        Boundaries._drop(self)
-
-    def finish(self, *, interrupted: bool = False) -> None:
-        self._end_count(keep=self.ended)  # a step cut off mid-way: no count
-        Boundaries.finish(self, interrupted=interrupted)
-
-
-def _pair_ns() -> int:
-    """What one timed call adds to its own reading: the cheapest of a few back-to-back clock reads."""
-    clock = time.perf_counter_ns
-    best = 1 << 62
-    for _ in range(50):
-        t = clock()
-        best = min(best, clock() - t)
-    return best
-
-
-class _SampledBoundaries(Boundaries):
-    """A sampled step's boundaries: the same calls, each timed (the instance's class is swapped in and out).
-
-    From the close of the step before to the sampled step's own close, every call a door makes
-    is timed from entry to return, outermost only: the host time phase-timer spends on the
-    training thread (boundaries, marks, poll and resolve, window statistics, writes queued,
-    the rank exchange).  The host time from the step's begin to its (last) end is kept too:
-    the device's step over it says whether the device keeps pace with the host.
-    """
-
-    __slots__ = ()
-    _PAIR_NS: int | None = None
-
-    @classmethod
-    def start(cls, bounds: Boundaries) -> None:
-        if cls._PAIR_NS is None:
-            cls._PAIR_NS = _pair_ns()
-        bounds.__class__ = cls
-        bounds._depth = 0
-        bounds._own_ns = 0
-        bounds._calls = 0
-        bounds._t_begin = bounds._t_end = bounds._host_ns = 0
-        bounds._sample_state = None  # "closed" or "dropped" once the sample is over
-        bounds._restart = False  # the gap ran out on this sample's own close: the next one starts at its end
-        bounds._window0 = bounds.core.window_ns  # window ends within the sample are no step's: taken out
-
-    def _begin(self, step: int, phase: str) -> None:
-        self._t_begin = time.perf_counter_ns()
-        super()._begin(step, phase)
-
-    def step_end(self) -> None:
-        if self.open:
-            self._t_end = time.perf_counter_ns()
-        super().step_end()
-        if self.open and not self.paused:
-            self.core.probe_behind()
-
-    def _set(self, phase: str) -> None:
-        marked = phase != self._auto and not self._explicit and self.open and not self.paused
-        super()._set(phase)
-        if marked:
-            self.core.probe_behind()
-
-    def forward(self, *, begins: bool = False) -> None:
-        super().forward(begins=begins)
+    def _note_autocast(self) -> None:
+        """A sampled step's forward: the loop's autocast, if any (a door that knows the precision has said it)."""
         ctx = self.core.context
-        # Inside the loop's autocast, if any; a door that knows the precision (Lightning) has said it.
-        if self.open and "autocast" not in ctx and "precision" not in ctx:
+        if "autocast" not in ctx and "precision" not in ctx:
             from phase_timer.runinfo import autocast_dtype
 
             ctx["autocast"] = autocast_dtype(ctx.get("device_type", "cuda"))
 
-    def _close(self) -> None:
-        recorded = self.core.recording
-        super()._close()
-        self._sample_state = "closed" if recorded else "dropped"
-        # Read now: with no loader the same call begins the next step (its forward), which moves _t_begin.
-        self._host_ns = self._t_end - self._t_begin if self._t_begin and self._t_end > self._t_begin else 0
 
-    def _start_sample(self) -> None:
-        self._restart = True
-
-    def _drop(self) -> None:
-        super()._drop()
-        self._sample_state = "dropped"
-
-    def finish(self, *, interrupted: bool = False) -> None:
-        super().finish(interrupted=interrupted)
-        self._sample_state = self._sample_state or "dropped"
-
-    def _end_sample(self) -> None:
-        """Back to the plain class; a closed, recorded step's sample goes to the core."""
-        state, self._sample_state = self._sample_state, None
-        pair = _SampledBoundaries._PAIR_NS or 0
-        own = max(0, self._own_ns - self._calls * pair - (self.core.window_ns - self._window0))
-        self.__class__ = Boundaries
-        if state == "closed" and self._host_ns:
-            self.core.add_sample(own, self._host_ns / 1e6)
-        if self._restart:
-            self._start_sample()
-        elif state == "closed":  # the next ordinary step is timed as it runs, for the own-cost line (own_cost.py)
-            PlainSample.start(self, pair)
-
-
-def _timed(name: str) -> Any:
-    inner = _SampledBoundaries.__dict__.get(name) or getattr(Boundaries, name)
-
-    def method(self: _SampledBoundaries, *args: Any, **kwargs: Any) -> Any:
-        if self._depth:  # called from another boundary: the outer call times it
-            return inner(self, *args, **kwargs)
-        self._depth = 1
-        t0 = time.perf_counter_ns()
-        try:
-            return inner(self, *args, **kwargs)
-        finally:
-            self._own_ns += time.perf_counter_ns() - t0
-            self._calls += 1
-            self._depth = 0
-            if self._sample_state is not None:
-                self._end_sample()
-
-    method.__name__ = name
-    method.__doc__ = inner.__doc__
-    return method
-
-
-for _name in ("fetch", "batch", "count_batch", "micro_batch_end", "copied", "forward", "backward_start", "backward_end",
-              "optimizer_start", "step_end", "pause", "resume", "epoch_end", "drop", "finish", "enter", "exit"):
-    setattr(_SampledBoundaries, _name, _timed(_name))
+#: The classes a step's boundaries take for one step, and give back (``run/sampled.py``).
+_SampledBoundaries = sampled_class(Boundaries)
+_CountedBoundaries = counted_class(Boundaries)

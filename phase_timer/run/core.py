@@ -13,27 +13,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from phase_timer._env import warn
 from phase_timer.timing.clock import Clock
-from phase_timer.diagnosis import Diagnosis, Signals, diagnose, format_verdict
-from phase_timer.measures import memory as _memory
+from phase_timer.diagnosis import Diagnosis, Signals, diagnose
 from phase_timer.measures import oom as _oom
 from phase_timer.timing.engine import POLL_EVERY, make_engine
 from phase_timer.measure import Measure
-from phase_timer.measures.memory import MemoryTracker
+from phase_timer.measures.memory import Memory, MemoryTracker, tracker_of
 from phase_timer.outputs.table import files_line, format_own_cost, run_table
 from phase_timer.outputs.tags import (
-    DIAGNOSIS_TAG,
     IN_FLIGHT_TAG,
     SKIPPED_TAG,
     WINDOW_STEPS_TAG,
-    memory_scalars,
     rank_scalars,
     step_scalars,
     window_scalars,
 )
-from phase_timer.run.own_cost import estimate as _own_estimate
+from phase_timer.run.conclude import conclude, finished_now, live_view, write_trace
+from phase_timer.run.own_cost import host_ahead, run_figures
 from phase_timer.distributed.ranks import RankExchange, RankWindow
 from phase_timer.outputs.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.timing.stats import RunTotals, WindowSeries
@@ -82,8 +81,13 @@ class TimingCore:
         self._window_size = window
         self._warmup = warmup_steps
         self.totals = RunTotals()
-        #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called.
-        self.measures: list[Measure] = list(measures)
+        #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called: ``measures``, after
+        #: memory per phase with ``memory=True`` (a core made by hand reads it, as the doors' do; their assembly
+        #: passes False and registers it with the others) where the device has an allocator to read.
+        found = Memory.start(clock, ranks) if memory else None
+        self.measures: list[Measure] = [found] if found is not None else []
+        self.measures += measures
+        self._rows: list[tuple[int, dict[str, float]]] = []  # values of steps the windows have not reached yet
         #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
         self.series = WindowSeries()
         self.steps_begun = 0
@@ -118,14 +122,6 @@ class TimingCore:
         self.interrupted = False
         #: Added to a step's index where it is logged (the 🤗 door: the Trainer logs step k at global_step k+1).
         self.log_step_offset = 0
-        #: Memory per phase (CUDA only; None: not read): sampled steps' allocator counters.
-        self.memory: MemoryTracker | None = None
-        self._memory_rows: list[tuple[int, dict[str, float]]] = []  # memory steps' values not yet written
-        try:
-            found = _memory.reader_for(clock) if memory else None
-            self.memory = MemoryTracker(*found) if found is not None else None
-        except Exception as err:  # noqa: BLE001 - a torch without the allocator's counters: time only
-            warn(log, f"phase-timer: memory is not read ({type(err).__name__}: {err}); the time phases go on")
         # Steps in flight are read on the device's clock only: on the host's, nothing is in flight.
         self._flight = clock.kind != "host"
         self._flight_sum = self._flight_n = 0
@@ -211,19 +207,6 @@ class TimingCore:
         if self.ranks is not None:
             self._rank_close()
 
-    def _finished_now(self) -> list[tuple] | None:
-        """What the device has finished, without waiting for it: a few polls (the resolver thread's share
-        included), at most ~0.1 s of host time, never a device wait."""
-        engine, out = self._engine, []
-        for _ in range(64):
-            # The newest step done (one query; always on the host clock), or none left: nothing to wait for.
-            if engine.newest_done() is not False:
-                out.extend(engine.drain() or ())
-                break
-            out.extend(engine.poll() or ())
-            time.sleep(0.002)
-        return out or None
-
     def _count_flight(self) -> None:
         """At a close that counts them, after its poll: the steps in flight (device clock only)."""
         if self._flight:
@@ -273,13 +256,12 @@ class TimingCore:
                 self.signals.behind_checked += 1
                 self.signals.behind += behind
 
-    def add_memory(self, tracker: MemoryTracker) -> None:
-        """A memory step closed: its values (MB) go to the sinks at its step (``phase_memory/<what>_mb``), just
-        before the first write at that step or later, so that every sink sees its steps in order (the windows
-        are resolved steps later; a logger such as W&B wants a step that never goes back)."""
-        scalars = memory_scalars(tracker.end_step())
+    def add_row(self, step: int, scalars: dict[str, float]) -> None:
+        """Values of step ``step``, known now (a memory step's, as it closes): they go to the sinks just before the
+        first write at that step or later, so that every sink sees its steps in order (the windows are resolved
+        steps later; a logger such as W&B wants a step that never goes back)."""
         if self._sinks:
-            self._memory_rows.append((tracker.step, scalars))
+            self._rows.append((step, scalars))
 
     def add_sample(self, own_ns: int, host_step_ms: float) -> None:
         """A sampled step: phase-timer's own host time on it, and the host's time from its begin to its end."""
@@ -293,27 +275,10 @@ class TimingCore:
         own = self.own_cost()
         return own["us_per_step"] if own is not None else None
 
-    @property
-    def memory_us_per_step(self) -> float | None:
-        """Memory's share of that: all its host time (on memory steps only), over the steps begun (None: not read)."""
-        mem = self.memory
-        return mem.own_ns / self.steps_begun / 1e3 if mem is not None and self.steps_begun else None
-
     def own_cost(self) -> dict | None:
         """The own-cost figures (µs; ``own_cost.estimate``), with the share of ``period`` and whether the host ran
         ahead; None before a sampled step."""
-        sig, mem = self.signals, self.memory
-        own = _own_estimate(plain_ns=sig.plain_ns, sampled_ns=sig.own_ns, window_ns=self.window_ns,
-                            memory_ns=mem.own_ns if mem is not None else None,
-                            memory_steps=mem.samples if mem is not None else 0, steps=self.steps_begun,
-                            sample_gap=sig.sample_gap, memory_gap=sum(_memory.SPARSE_GAP) / 2)
-        if own is None:
-            return None
-        period = self.totals.phases.get("period")
-        own["share_of_period"] = own["us_per_step"] / 1e3 / period.mean if period is not None and period.mean > 0 else None
-        own["samples"] = len(sig.own_ns)
-        own["host_ahead"] = self.host_ahead
-        return own
+        return run_figures(self)
 
     def _skip(self) -> None:
         self.skipped += 1
@@ -368,12 +333,14 @@ class TimingCore:
         summary = self.totals.add_sorted_window(steps, columns)
         if self.ranks is not None:
             sent: dict[str, float] = {}
+            state: dict[str, float] = {}
             for measure in self.measures:
                 sent.update(measure.report())
+                state.update(measure.state())
             if self._pauses:  # the pauses since the last window (rank zero's RANK_STRAGGLER reads them)
                 sent.update(paused_ms=self._paused_ms, pauses=float(self._pauses))
                 self._paused_ms, self._pauses = 0.0, 0
-            self.ranks.add(key, last_step, steps, columns, memory=self._rank_memory(), counts=sent or None)
+            self.ranks.add(key, last_step, steps, columns, memory=state or None, counts=sent or None)
         self.signals.add_window(steps, summary)
         self.series.add(last_step, steps, summary, columns)
         scalars = window_scalars(summary)
@@ -391,39 +358,25 @@ class TimingCore:
         self._sinks.extend(_guarded([sink]))
 
     def live_view(self) -> dict:
-        """What the live file adds to the scalars: the verdict so far (the run's, once it has one) and the own cost.
+        """What the live file adds to the scalars (``run/conclude.py``'s ``live_view``; the live file's thread)."""
+        return live_view(self)
 
-        Called on the live file's writer thread, never the training thread, while the run changes what it
-        reads: a value may be a window behind, and a read that meets a change in progress raises (the live
-        file then goes without these, that once).  The verdict so far leaves out MFU's tips (counting them is
-        the end's work)."""
-        out: dict = {"clock": self.clock.kind, "steps_timed": self.totals.steps, "skipped_steps": self.skipped}
-        diagnosis = self.diagnosis
-        if diagnosis is None and self.totals.steps:
-            diagnosis = diagnose(
-                self.totals, self.signals, clock=self.clock.kind, context=self.context,
-                rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup, memory=self.memory_summary(),
-            )
-        if diagnosis is not None:
-            out["verdict"] = {"kind": diagnosis.kind, "severity": diagnosis.severity, "why": diagnosis.why,
-                              "advice": list(diagnosis.next[:1]), "final": self.diagnosis is not None}
-        own = self.own_cost()
-        if own is not None:
-            out["own_cost"] = {"us_per_step": own["us_per_step"], "share_of_period": own.get("share_of_period")}
-        return out
+    def verdict(self, **extra: Any) -> Diagnosis:
+        """The verdict over the run's totals and signals so far, with what the measures hand the rules."""
+        for measure in self.measures:  # ``diagnose``'s keywords: memory's summary
+            extra.update(measure.verdict())
+        return diagnose(self.totals, self.signals, clock=self.clock.kind, context=self.context,
+                        rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
+                        warmup_steps=self._warmup, **extra)
 
     def listen(self, measure: Measure) -> None:
         """``measure`` hears the results from now on, after those already listening."""
         self.measures.append(measure)
 
-    def _rank_memory(self) -> dict[str, float] | None:
-        """What this rank's window report says of its memory (None: not read, or nothing read yet)."""
-        mem = self.memory
-        if mem is None or mem.peak_allocated_mb is None:
-            return None
-        return {"peak_allocated_mb": mem.peak_allocated_mb, "peak_reserved_mb": mem.peak_reserved_mb,
-                "device_total_mb": mem.device_total_mb, "alloc_retries": mem.retries}
+    def measure(self, key: str) -> Measure | None:
+        """The measure that fills the summary file's block ``key`` (None: none listens)."""
+        return next((m for m in self.measures if m.key == key), None)
+
 
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
@@ -434,7 +387,7 @@ class TimingCore:
             self._write(w.step, scalars)
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
-        rows = self._memory_rows
+        rows = self._rows
         while rows and rows[0][0] <= step:
             self._write_now(*rows.pop(0))
         self._write_now(step, scalars)
@@ -466,63 +419,23 @@ class TimingCore:
         self._engine.discard()  # a step cut off mid-way has no honest total
         self._in_step = False
         try:
-            self._consume(self._engine.drain() if wait else self._finished_now())
+            self._consume(self._engine.drain() if wait else finished_now(self._engine))
         except Exception as err:  # noqa: BLE001 - e.g. the device died: keep what was resolved
             msg = f"phase-timer: could not resolve the last steps ({type(err).__name__}: {err})"
             warn(log, msg, 2)
         self._consume(self._engine.flush())
         if self.ranks is not None:
             self._write_ranks(self.ranks.finish(rank_timeout_s, interrupted=interrupted))
-        for row in self._memory_rows:  # the last memory steps, after every resolved step
+        for row in self._rows:  # the last rows (memory steps'), after every resolved step
             self._write_now(*row)
-        self._memory_rows = []
+        self._rows = []
         self.interrupted = interrupted
         _oom.at_end(self)  # the snapshot's end; rank zero hears of the other ranks' out-of-memory errors
-        self._conclude()
+        conclude(self, self._sinks, self._last_written_step)
         for sink in self._sinks:
             sink.close()
-        self._write_trace()
+        write_trace(self.trace)
         return self.totals
-
-    def _conclude(self) -> None:
-        """The verdict: once to TensorBoard as text, and (rank zero) the run summary file.  Never raises."""
-        advice: list[str] = []
-        for measure in self.measures:  # their last figures; what they tell the verdict (MFU's lines)
-            try:
-                advice += measure.end(self.totals)
-            except Exception as err:  # noqa: BLE001 - a measure is an extra: the verdict and the files go on
-                warn(log, f"phase-timer: {type(measure).__name__} failed at the run's end ({type(err).__name__}: {err})")
-        try:
-            self.diagnosis = diagnose(
-                self.totals, self.signals, clock=self.clock.kind, context=self.context,
-                rank_totals=self.ranks.totals if self.ranks is not None else None, skipped=self.skipped,
-                warmup_steps=self._warmup, memory=self.memory_summary(), mfu=advice, oom=self.oom,
-            )
-        except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
-            warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
-            return
-        if self.totals.steps or self.oom is not None:
-            text = format_verdict(self.diagnosis).replace("\n", "  \n")  # markdown line breaks
-            for sink in self._sinks:  # every one is guarded (finish): a sink without text is skipped there
-                sink.write_text(DIAGNOSIS_TAG, text, self._last_written_step)
-        # Rank zero's file; and a rank that ran out of memory writes its own (summary_dir set by oom.caught).
-        if self.summary_dir is not None and (self.ranks is None or self.ranks.rank == 0 or _oom.own(self)):
-            from phase_timer.outputs.run_summary import write_summary
-
-            try:
-                self.summary_path = write_summary(self, self.summary_dir, name=self.summary_name)
-            except Exception as err:  # noqa: BLE001 - e.g. a full disk: the printed summary still says it all
-                warn(log, f"phase-timer: could not write the run summary file ({type(err).__name__}: {err})")
-
-    def _write_trace(self) -> None:
-        if self.trace is None or self.trace.ref is None:
-            return
-        try:
-            path = self.trace.write()
-            log.info("phase-timer: trace of steps %d..%d in %s", self.trace.first, self.trace.stop - 1, path)
-        except OSError as err:
-            msg = f"phase-timer: could not write the trace ({err})"
-            warn(log, msg, 3)
 
     @property
     def warmup_steps(self) -> int:
@@ -543,15 +456,22 @@ class TimingCore:
             return None
         return files_line(self.log_dir, self.outputs_missing, self.summary_path)
 
+    # -- memory per phase, as a caller holding the core reads it (the Memory measure's) ---------------------
+    @property
+    def memory(self) -> MemoryTracker | None:
+        """The memory measure's tracker (None: memory not read, as on the host clock or with ``memory=False``)."""
+        return tracker_of(self.measures)
+
     def memory_summary(self) -> dict | None:
-        """Memory per phase as the summary file and the rules read it (None: not read, as on the host clock)."""
-        if self.memory is None:
-            return None
-        out = self.memory.as_dict()
-        ranks = self.ranks
-        if ranks is not None and ranks.totals is not None and ranks.totals.memory:
-            out["ranks"] = {str(r): dict(v) for r, v in sorted(ranks.totals.memory.items())}
-        return out
+        """Memory per phase as the summary file and the rules read it (None: not read)."""
+        found = self.measure(Memory.key)
+        return found.summary() if found is not None else None
+
+    @property
+    def memory_us_per_step(self) -> float | None:
+        """Memory's share of the own cost: all its host time, over the steps begun (None: not read)."""
+        found = self.measure(Memory.key)
+        return found.us_per_step(self.steps_begun) if isinstance(found, Memory) else None
 
     def own_cost_line(self) -> str | None:
         """"phase-timer's own host time: X µs/step (Y% of period): ordinary steps ...", or None before a sampled step."""
@@ -561,8 +481,4 @@ class TimingCore:
     @property
     def host_ahead(self) -> bool | None:
         """The host ran a step or more ahead of the device at most sampled closes (None: not known)."""
-        flight = self.signals.flight
-        n = sum(flight.values())
-        if not n:
-            return None
-        return n - flight[0] > n / 2
+        return host_ahead(self.signals.flight)

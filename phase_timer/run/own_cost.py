@@ -1,6 +1,6 @@
 """phase-timer's own host time a step: what an ordinary step pays, plus the sampled work amortized.
 
-The verdict's sampled steps (``boundaries._SampledBoundaries``) time every boundary call, but they
+The verdict's sampled steps (``run/sampled.py``) time every boundary call, but they
 are no ordinary step: they go through the Python methods, not the C path an ordinary step takes
 (``_native.Fast``), under a swapped class that the interpreter's specialized attribute reads miss;
 they probe the device at each phase change (one event query each) and read the autocast state.
@@ -154,14 +154,15 @@ def _median_ns(values: list[int]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
-def estimate(*, plain_ns: list[int], sampled_ns: list[int], window_ns: int, memory_ns: int | None,
-             memory_steps: int, steps: int, sample_gap: float | None, memory_gap: float) -> dict[str, Any] | None:
+def estimate(*, plain_ns: list[int], sampled_ns: list[int], window_ns: int, steps: int, sample_gap: float | None,
+             memory_ns: int | None = None, memory_steps: int = 0, memory_gap: float = 1.0) -> dict[str, Any] | None:
     """The own-cost figures (µs) from a run's samples; None before a verdict sample.
 
     ``plain_ns``: ordinary steps' own time; ``sampled_ns``: the verdict's sampled steps' (both less
     window ends); ``window_ns``: every window end's; ``memory_ns``: memory's (None: not read) over
-    ``memory_steps`` memory steps; ``steps``: steps begun; the gaps: the sparse schedules' means (the
-    long run's rates; no ``sample_gap``: no long-run figure).  With no ordinary step measured, the sampled steps stand for one: an upper bound.
+    ``memory_steps`` memory steps (the Memory measure's ``cost``); ``steps``: steps begun; the gaps: the sparse
+    schedules' means (the long run's rates; no ``sample_gap``: no long-run figure).  With no ordinary step
+    measured, the sampled steps stand for one: an upper bound.
     """
     if not sampled_ns or steps <= 0:
         return None
@@ -187,3 +188,29 @@ def estimate(*, plain_ns: list[int], sampled_ns: list[int], window_ns: int, memo
         "long_run_us_per_step": long_run * us if long_run is not None else None,
         "steps": steps,
     }
+
+
+def run_figures(core: Any) -> dict[str, Any] | None:
+    """A run's own-cost figures (``TimingCore.own_cost``): :func:`estimate` over its samples and what its measures
+    spend of their own, with the share of ``period`` and whether the host ran ahead; None before a sampled step."""
+    sig, spent = core.signals, {}
+    for measure in core.measures:  # what each spends of its own (memory's reads)
+        spent.update(measure.cost())
+    own = estimate(plain_ns=sig.plain_ns, sampled_ns=sig.own_ns, window_ns=core.window_ns, steps=core.steps_begun,
+                   sample_gap=sig.sample_gap, **spent)
+    if own is None:
+        return None
+    period = core.totals.phases.get("period")
+    own["share_of_period"] = own["us_per_step"] / 1e3 / period.mean if period is not None and period.mean > 0 else None
+    own["samples"] = len(sig.own_ns)
+    own["host_ahead"] = host_ahead(sig.flight)
+    return own
+
+
+def host_ahead(flight: Any) -> bool | None:
+    """The host ran a step or more ahead of the device at most sampled closes (``flight``: the closes counted by
+    steps in flight; None: none counted)."""
+    n = sum(flight.values())
+    if not n:
+        return None
+    return n - flight[0] > n / 2
