@@ -257,3 +257,27 @@ def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_lau
     run.add_copies(object(), [paced, queued], clock)
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.8 + 4.25)
+
+
+def test_a_bucket_caught_up_by_the_device_takes_its_queued_samples() -> None:
+    """Each bucket's estimate is its own: where the device caught up with the host among a bucket's copies on one
+    sample (the mode's pace, read at best as the copies' own calls' host time), the same bucket's samples whose
+    copies were all queued (their time back to back) stand for it; a bucket with none keeps its caught ones."""
+    from phase_timer.timing.clock import HostClock
+
+    clock, ms = HostClock(), 1_000_000
+    queued = Copies(0, int(0.1 * ms), int(0.55 * ms), int(0.3 * ms), False)  # 22 copies queued: 0.1 ms on the device
+    paced = Copies(0, int(0.52 * ms), int(0.52 * ms), int(0.29 * ms), True)  # caught up: read as 0.29 at best
+    run, probe = comm.RunComm(), object()
+    run.add_copies(probe, [queued, paced], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.1 + 0.29)  # bucket 2 has no queued sample yet
+    run.add_copies(probe, [paced, queued], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.1 + 0.1) and run.copy_samples == 2  # each bucket's queued sample
+    run.add_copies(probe, [queued, queued, queued], clock)  # DDP rebuilt its buckets: three now
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.3)
+    run.add_copies(object(), [paced], clock)  # a second module: its own buckets, summed with the first's
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.3 + 0.29)

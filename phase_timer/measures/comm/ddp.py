@@ -30,11 +30,13 @@ its last (by that count), so the copies are timed where and as they run, with no
 timed event there costs the stream microseconds, a copy as little) and none across a wait.  A backward whose
 copies do not fall as counted (a rebuild of the buckets) is counted anew and timed on the next.  Under
 ``find_unused_parameters=True`` the copies are not timed: DDP waits for its used-parameter map's all-reduce among
-a bucket's copies, and which parameters copy changes from step to step.  The copies' time (each bucket's, summed; the median of the last samples) is taken off each
-step's ``backward.comm_wait`` (never below zero) when its window is made, and stays in ``backward``.  (On a
-sampled backward the mode's own host time, a few µs a copy, paces the copies where the device has caught up with
-the host: there the mode's Python is taken off the marks' time, ``copies.Copies.ms``.)  (A static graph's first-iteration all-reduce is queued at
-backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
+a bucket's copies, and which parameters copy changes from step to step.  The copies' time is each bucket's
+median over its last samples (those whose copies were all queued before the device reached them, where it has
+any), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
+stays in ``backward``.  (On a sampled backward the mode's own host time, a few µs a copy, paces the copies where
+the device has caught up with the host: there the mode's Python is taken off the marks' time,
+``copies.Copies.ms``, an estimate a bucket's queued samples replace.)  (A static graph's first-iteration
+all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
 backward and the span would start at that backward's end (so the parameter heard is the shallowest, see
@@ -81,8 +83,8 @@ DENSE, EVERY = 8, 16
 SYNCED = "require_forward_param_sync"
 #: DDP's copies into ``.grad``: on the synced backward COPY_LEARN (counted from 1) the buckets' copies are counted
 #: (no mark); then timed on the next COPY_DENSE synced backwards, then one in COPY_EVERY or more: as many as keep a
-#: sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate is the median of the last
-#: samples (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is counted again (not timed).
+#: sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate is each bucket's median over
+#: its last samples, its queued ones first (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is counted again (not timed).
 COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS = 2, 3, 1024, 1000
 
 

@@ -17,7 +17,8 @@ WAIT = comm_label(BACKWARD)
 COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"
 CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
 PREFIX = "comm"
-#: DDP's copies' estimate: the median of a module's last COPY_KEEP samples.
+#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP samples (its queued ones where it has any),
+#: summed over the buckets.
 COPY_KEEP = 3
 
 
@@ -91,7 +92,10 @@ class RunComm(Measure):
         #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
         self.copy = False
         self._copy_pending: deque[tuple[int, list[Copies], Any]] = deque()
-        self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
+        #: A module's split (its id) -> each bucket's last samples (ms, DDP's order): those whose copies were all
+        #: queued before the device reached them (the copies' own time, back to back), and the others (the device
+        #: caught up with the host among them: an estimate, ``Copies.ms``).
+        self._copy_buckets: dict[int, list[tuple[deque[float], deque[float]]]] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (the modules' medians, summed),
         #: or None.
@@ -116,12 +120,17 @@ class RunComm(Measure):
             if not clock.done(pairs[-1].end):
                 return
             pending.popleft()
-            kept = self._copy_samples.setdefault(key, [])
-            kept.append(sum(pair.ms(clock) for pair in pairs))
+            buckets = self._copy_buckets.get(key)
+            if buckets is None or len(buckets) != len(pairs):  # DDP rebuilt its buckets: their samples start anew
+                buckets = self._copy_buckets[key] = [(deque(maxlen=COPY_KEEP), deque(maxlen=COPY_KEEP)) for _ in pairs]
+            for pair, (queued, caught) in zip(pairs, buckets):
+                (caught if pair.caught else queued).append(pair.ms(clock))
             clock.release([m for pair in pairs for m in (pair.start, pair.end)])
-            del kept[:-COPY_KEEP]
             self.copy_samples += 1
-            self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())
+            # A bucket's copies move the same bytes every step: its queued samples where it has any (a caught-up
+            # device runs them at the host's pace, which the estimate can only bound), else its others.
+            self.copy_ms = sum(statistics.median(queued or caught) for module in self._copy_buckets.values()
+                               for queued, caught in module)
 
     def take_copies(self, columns: dict[str, list[float]], comm: dict[str, float]) -> None:
         """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero; sorted stays
