@@ -1,8 +1,8 @@
-"""Distributed proof on 2 GPUs (NCCL): overhead, added syncs, and the slowed rank named.
+"""Distributed proof on 2 GPUs or more (NCCL): overhead, added syncs, and the slowed rank named.
 
-    PYTHONPATH=. python benchmarks/distributed.py [--out results.txt] [--pairs 3]
+    PYTHONPATH=. python benchmarks/distributed.py [--out results.txt] [--pairs 3] [--nproc 2]
 
-Every run is ``torchrun --nproc_per_node 2 tests/dist_scripts/plain_ddp.py``:
+Every run is ``torchrun --nproc_per_node NPROC tests/dist_scripts/plain_ddp.py``:
 
 1. Overhead: a GPU-bound DDP model with and without phase-timer, runs interleaved
    (off, on, off, on, ...), ms per step from step 20 to the last step (the steady state),
@@ -25,12 +25,20 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.provenance import code_line  # noqa: E402
+
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "plain_ddp.py")
 GPU_BOUND = ["--width", "4096", "--depth", "16", "--batch", "512"]
 
 
+#: Processes (GPUs) a run starts: ``--nproc``.
+NPROC = [2]
+
+
 def torchrun(*args: str) -> tuple[dict, dict[str, int] | None]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NPROC[0]), SCRIPT,
+           *args]
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -51,7 +59,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs of this host)")
     args = p.parse_args()
+    NPROC[0] = args.nproc
     import torch
 
     lines: list[str] = []
@@ -60,7 +70,9 @@ def main() -> None:
         print(text, flush=True)
         lines.append(text)
 
-    say(f"device: {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    say(code_line())
+    say(f"device: {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+        f"{args.nproc} ranks")
     tmp = tempfile.mkdtemp()
     # 1. overhead, interleaved pairs
     ratios, offs, ons = [], [], []
