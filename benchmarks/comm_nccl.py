@@ -326,14 +326,15 @@ def copies_text(r: dict) -> str:
     """The copies' estimate against the profiler's copies (medians over the profiled steps): their own time, back to
     back on the steps where they all ran queued (what the wait's span holds on such a step: their own time and a
     queued stream's launch gaps, which the queued rule counts as work), and back to back over every step."""
-    def median(key: str, keep=lambda row: True) -> float | None:
-        vals = sorted(row[key] for row in r["rows"] if row.get(key) and keep(row))
+    def median(rows: list[dict], key: str) -> float | None:
+        vals = sorted(row[key] for row in rows if row.get(key))
         return vals[len(vals) // 2] if vals else None
 
-    queued = [row for row in r["rows"] if (row.get("prof_copies_queued") or 0) >= 0.95]
-    return (f"copies estimate {fmt(r['copy_ms'])} vs profiler's own {fmt(median('prof_copies'))}, back to back "
-            f"{fmt(median('prof_copies_run', lambda row: row in queued))} on the {len(queued)} steps they ran queued, "
-            f"{fmt(median('prof_copies_run'))} over all (ms, medians)")
+    rows = r["rows"]
+    queued = [row for row in rows if (row.get("prof_copies_queued") or 0) >= 0.95]
+    return (f"copies estimate {fmt(r['copy_ms'])} vs profiler's own {fmt(median(rows, 'prof_copies'))}, back to back "
+            f"{fmt(median(queued, 'prof_copies_run'))} on the {len(queued)} steps they ran queued, "
+            f"{fmt(median(rows, 'prof_copies_run'))} over all (ms, medians)")
 
 
 def main() -> None:

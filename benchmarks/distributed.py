@@ -32,13 +32,8 @@ SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "plain_ddp.py")
 GPU_BOUND = ["--width", "4096", "--depth", "16", "--batch", "512"]
 
 
-#: Processes (GPUs) a run starts: ``--nproc``.
-NPROC = [2]
-
-
-def torchrun(*args: str) -> tuple[dict, dict[str, int] | None]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(NPROC[0]), SCRIPT,
-           *args]
+def torchrun(*args: str, nproc: int) -> tuple[dict, dict[str, int] | None]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), SCRIPT, *args]
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -61,7 +56,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs of this host)")
     args = p.parse_args()
-    NPROC[0] = args.nproc
     import torch
 
     lines: list[str] = []
@@ -77,8 +71,9 @@ def main() -> None:
     # 1. overhead, interleaved pairs
     ratios, offs, ons = [], [], []
     for i in range(args.pairs):
-        off, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", "--no-timer", *GPU_BOUND)
-        on, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", *GPU_BOUND)
+        off, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", "--no-timer", *GPU_BOUND,
+                          nproc=args.nproc)
+        on, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", *GPU_BOUND, nproc=args.nproc)
         offs.append(off["step_ms"])
         ons.append(on["step_ms"])
         ratios.append(on["step_ms"] / off["step_ms"])
@@ -88,11 +83,12 @@ def main() -> None:
     # 2. syncs over steady-state steps, both ranks
     syncs = {}
     for label, extra in (("no timer", ["--no-timer"]), ("phase-timer", [])):
-        r0, r1 = torchrun("--log-dir", tmp, "--steps", "40", "--profile-syncs", *extra, *GPU_BOUND)
+        r0, r1 = torchrun("--log-dir", tmp, "--steps", "40", "--profile-syncs", *extra, *GPU_BOUND, nproc=args.nproc)
         syncs[label] = (r0["syncs"], r1)
         say(f"syncs, {label}: rank 0 {r0['syncs']}, rank 1 {r1}")
     # 3. the slowed rank
-    slow, _ = torchrun("--log-dir", tmp, "--steps", "43", "--window", "10", "--slow-forward", "0.02", "--width", "1024")
+    slow, _ = torchrun("--log-dir", tmp, "--steps", "43", "--window", "10", "--slow-forward", "0.02", "--width", "1024",
+                       nproc=args.nproc)
     say("slowed rank (rank 1 sleeps 20 ms in forward), 1024-wide MLP:")
     say(slow["summary"].split("\n\n")[-1])
     say()
