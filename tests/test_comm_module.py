@@ -232,6 +232,14 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
     owner.flag, engine.current, queued = True, "backward", None  # queue raises: no split, and no error in backward
     arm2 = comm_ddp.Arm(engine, "backward", owner, "missing", queued, "go")
     assert arm2(torch.zeros(1)) is None and comm_ddp.Arm(engine, "backward", owner, "flag", None, "go")(1) is None
+    queued = []
+    arm3 = comm_ddp.Arm(engine, "backward", owner, "flag", queued.append, "go")
+    assert arm3.callback == "go"
+    arm3.callback = "paced"  # set anew between backwards (a host-paced module's start)
+    arm3(1)
+    assert queued == ["paced"]
+    with pytest.raises(AttributeError):
+        del arm3.callback
 
 
 def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_launches() -> None:
