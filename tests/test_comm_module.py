@@ -289,3 +289,50 @@ def test_a_bucket_caught_up_by_the_device_takes_its_queued_samples() -> None:
     run.add_copies(object(), [paced], clock)  # a second module: its own buckets, summed with the first's
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.3 + 0.29)
+
+
+def test_both_engines_take_a_negative_host_value_off_the_wait_alone() -> None:
+    """``add_host(WAIT, -ms)`` on the open record: summed into the wait's own row by both engines, not into
+    ``backward``'s (its parent sums spans only), so the phases still add up."""
+    from phase_timer.timing.clock import HostClock
+    from phase_timer.timing.engine import PyEngine, Steps, native_steps
+
+    def ticks():
+        t = iter(range(0, 10**12, 1_000_000))  # 1 ms a mark
+        return lambda: next(t)
+
+    class Ticking(HostClock):
+        def __init__(self) -> None:
+            self._next = ticks()
+
+        def mark(self) -> int:
+            return self._next()
+
+    engines = [PyEngine(Ticking(), window=1, max_pending=8, lag=0, per_step=True)]
+    if Steps is not None:
+        engines.append(native_steps(ticks(), 1, 8, 0, per_step=True))
+    for engine in engines:
+        engine.open(0, "forward")
+        for phase in ("backward", WAIT, "backward", "optimizer"):
+            engine.switch(phase)
+            if phase == WAIT:
+                engine.add_host(WAIT, -0.4)
+        engine.close(-1.0)
+        (step,) = [r[2] for r in engine.drain() if r[0] == "step"]
+        assert step[WAIT] == pytest.approx(0.6) and step["backward"] == pytest.approx(3.0)
+        assert step["forward"] + step["backward"] + step["optimizer"] == pytest.approx(step["step"])
+
+
+def test_a_wait_below_zero_never_reaches_a_window_or_a_step_line() -> None:
+    """A host-paced step's correction may take more than its span (the device still behind at the span's start):
+    the window's and the step's wait stop at zero with or without a copies' estimate; sorted stays sorted."""
+    run = comm.RunComm()
+    columns = {WAIT: [-0.3, 0.0, 0.2], "backward": [5.0, 6.0, 7.0]}
+    run.take_copies(columns, {})
+    assert columns == {WAIT: [0.0, 0.0, 0.2], "backward": [5.0, 6.0, 7.0]}
+    step = {WAIT: -0.1, "backward": 5.0}
+    run.take_copy(step)
+    assert step == {WAIT: 0.0, "backward": 5.0}
+    step = {WAIT: 0.3}
+    run.take_copy(step)
+    assert step == {WAIT: 0.3}
