@@ -335,7 +335,22 @@ class HostNs:
         return int(self.at * 1_000_000)
 
 
-def paced_probe(monkeypatch, native: bool, kind: str = "cuda", copies_ms: float | None = None) -> tuple:
+class SampledCopies:
+    """What the dispatch mode hands over after a sampled end-of-backward: two buckets' copies, timed; whether the
+    device had caught up with the host at the last bucket's is the test's."""
+
+    def __init__(self, kept_up: bool) -> None:
+        from phase_timer.timing.clock import HostClock
+
+        self._pairs = [Copies(0, 1000, 1000, 1000, True), Copies(0, 1000, 1000, 1000, kept_up)]
+        self.marks, self.clock, self.counts, self.passthrough = [], HostClock(), [1, 1], False
+
+    def pairs(self) -> list:
+        return self._pairs
+
+
+def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms: float | None = None,
+                **ddp_kw) -> tuple:
     """A split bound to a fake engine and clock; the parameter's hook and autograd's final callbacks run by hand."""
     from types import SimpleNamespace
 
@@ -347,33 +362,37 @@ def paced_probe(monkeypatch, native: bool, kind: str = "cuda", copies_ms: float 
     monkeypatch.setattr(comm_ddp, "time", ns)
     engine = PacedEngine()
     core = PacedCore(engine, kind)
-    module = SimpleNamespace(gradient_as_bucket_view=False, find_unused_parameters=False,
-                             require_forward_param_sync=True)
+    module = SimpleNamespace(**{"gradient_as_bucket_view": False, "find_unused_parameters": False, **ddp_kw,
+                                comm_ddp.SYNCED: True})
     param = torch.zeros(1, requires_grad=True)
     probe = comm_ddp.DdpComm(module, param)
     queued: list = []
     probe._queue_callback = queued.append
     probe.bind(core)
-    probe._schedule(0)  # no copies sampled: the split's own path only
+    probe._schedule(0)  # the copies sampled where the test says
     if copies_ms is not None:
         ms = int(copies_ms * 1_000_000)
         core.run.add_copies(probe, [Copies(0, ms, ms, ms, False)], HostClock())
         core.run.resolve_copies()
 
-    def backward(host_ms: float, hook: bool = True) -> list[tuple]:
-        """One synced backward whose span the host spends ``host_ms`` in: the hook, then the final callbacks in
-        autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end)."""
+    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None) -> list[tuple]:
+        """One synced backward whose span the host spends ``host_ms`` in: the parameter's hook (``python``: a span
+        begun in Python, a composed hook's; ``kept_up``: a sampled one, its copies timed), then the final callbacks
+        in autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end)."""
         engine.calls.clear()
         engine.current = "backward"
-        if hook:
-            probe._armed(param)
+        if python or kept_up is not None:
+            queued.append(probe._split)
         else:
-            queued.append(probe._split)  # a sampled or composed backward's start
+            probe._armed(param)
         while queued:
             callback = queued.pop(0)
             callback()
+            if callback == probe._split and kept_up is not None:
+                probe._copies = SampledCopies(kept_up)  # the mode pushed for DDP's end-of-backward
             ns.at += host_ms  # DDP's end-of-backward: its waits and copies, launched
         engine.switch("optimizer")  # the door: backward() returned
+        probe._schedule(0)  # the next sample where the test says
         return [c for c in engine.calls if c[0] != "behind"]
 
     return probe, engine, backward
@@ -384,37 +403,48 @@ def start_queued(probe) -> Any:
     return probe._armed.callback if native else probe._start
 
 
+PACED = [("switch", WAIT), ("switch", "backward")]  # a span ended in Python, after DDP's end-of-backward
+
+
 @pytest.mark.parametrize("native", [True, False])
-def test_the_usual_path_stays_the_engine_s_own_switch_until_a_device_catches_up(monkeypatch, native) -> None:
+def test_the_usual_path_stays_the_engine_s_own_switch_until_a_sample_shows_a_host_paced_device(monkeypatch,
+                                                                                                native) -> None:
     probe, engine, backward = paced_probe(monkeypatch, native)
     assert start_queued(probe) is probe._to_wait and not probe._paced  # off: no Python frame
     # the usual path, off: the engine's switch; the span ends at the door's switch (nothing asked, nothing taken)
     assert backward(2.5) == [("switch", WAIT), ("switch", "optimizer")]
-    # a sampled backward ends its span in Python: the device had reached its start (caught up): 2.5 ms taken off
-    assert backward(2.5, hook=False) == [("switch", WAIT), ("switch", "backward"), ("add_host", WAIT, -2.5),
-                                         ("switch", "optimizer")]
+    # a span ended in Python whose copies were not timed: the device reached its start, but no sample says more
+    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    # a sampled backward: the device had caught up with the host at its last bucket's copies: 2.5 ms taken off
+    assert backward(2.5, kept_up=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
     assert probe._paced and start_queued(probe) == probe._paced_start
     # now the usual path notes the span's host time at both ends, and ends it after DDP's end-of-backward
-    assert backward(1.25) == [("switch", WAIT), ("switch", "backward"), ("add_host", WAIT, -1.25),
-                              ("switch", "optimizer")]
+    assert backward(1.25) == [*PACED, ("add_host", WAIT, -1.25), ("switch", "optimizer")]
     assert (probe.paced_steps, probe.paced_ms) == (2, 3.75)
     # a device behind the host (it had not begun the span): nothing taken; PACED_OFF such backwards in a row: off
     engine.behind_is = True
     for _ in range(comm_ddp.PACED_OFF - 1):
-        assert backward(2.0) == [("switch", WAIT), ("switch", "backward"), ("switch", "optimizer")]
+        assert backward(2.0) == [*PACED, ("switch", "optimizer")]
     assert probe._paced
     engine.behind_is = False
-    backward(2.0)  # one caught up again: the count starts anew
+    backward(2.0)  # caught up again: the count starts anew
     engine.behind_is = True
     for _ in range(comm_ddp.PACED_OFF):
         backward(2.0)
     assert not probe._paced and start_queued(probe) is probe._to_wait
     assert backward(2.0) == [("switch", WAIT), ("switch", "optimizer")]
+    # on again; a sample whose last bucket's copies the device had not caught up with (a rank whose device still
+    # waits for its peers when the host has launched them all): off at once, nothing taken
+    engine.behind_is = False
+    backward(2.0, kept_up=True)
+    assert probe._paced
+    assert backward(2.0, kept_up=False) == [*PACED, ("switch", "optimizer")]
+    assert not probe._paced and start_queued(probe) is probe._to_wait
     probe.bind(None)
 
 
 def test_the_span_loses_the_host_s_time_in_it_less_ddp_s_copies(monkeypatch) -> None:
-    probe, engine, backward = paced_probe(monkeypatch, native=True, copies_ms=0.5)
+    probe, engine, backward = paced_probe(monkeypatch, copies_ms=0.5)
     probe._pace(True)
     # caught up: 2.5 ms of the host's in the span, 0.5 of them DDP's copies (taken off every step later): 2.0 here
     assert ("add_host", WAIT, -2.0) in backward(2.5)
@@ -424,23 +454,47 @@ def test_the_span_loses_the_host_s_time_in_it_less_ddp_s_copies(monkeypatch) -> 
     assert probe.paced_steps == 1
 
 
+def test_with_bucket_views_the_answer_itself_turns_the_module_on(monkeypatch) -> None:
+    """No copies to time (``gradient_as_bucket_view=True``): a span that ends in Python anyway (a sampled or composed
+    backward's) and finds the device at its start turns the module on."""
+    probe, engine, backward = paced_probe(monkeypatch, gradient_as_bucket_view=True)
+    engine.behind_is = True
+    assert backward(0.25, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    engine.behind_is = False
+    assert backward(0.25, python=True) == [*PACED, ("add_host", WAIT, -0.25), ("switch", "optimizer")]
+    assert probe._paced and start_queued(probe) == probe._paced_start
+
+
+def test_under_find_unused_parameters_nothing_is_asked(monkeypatch) -> None:
+    """DDP reads its used-parameter map on the host inside the span: the host's time there holds the device's
+    wait, so no step loses it."""
+    probe, engine, backward = paced_probe(monkeypatch, find_unused_parameters=True)
+    engine.calls.clear()
+    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")]
+    probe._pace(True)
+    engine.calls.clear()
+    backward(2.5)
+    assert ("behind",) not in engine.calls and probe.paced_steps == 0
+
+
 def test_on_the_host_clock_nothing_is_known_and_nothing_taken(monkeypatch) -> None:
-    probe, engine, backward = paced_probe(monkeypatch, native=True, kind="host")
+    probe, engine, backward = paced_probe(monkeypatch, kind="host")
     engine.behind_is = None  # the host clock's answer
-    assert backward(2.5, hook=False) == [("switch", WAIT), ("switch", "backward"), ("switch", "optimizer")]
+    assert backward(2.5, kept_up=True) == [*PACED, ("switch", "optimizer")]
     assert not probe._paced and start_queued(probe) is probe._to_wait
 
 
 def test_a_composed_hook_s_sample_loses_what_its_step_loses(monkeypatch) -> None:
-    """The composed path's wait ends in Python every backward: the same rule there, and the sampled exposed wait
+    """A composed hook's wait ends in Python every backward: the same rule there, and the sampled exposed wait
     (``comm_wait_ms``, for the hidden share) loses what the step's wait lost, never below zero."""
-    probe, engine, backward = paced_probe(monkeypatch, native=True, kind="host")
+    probe, engine, backward = paced_probe(monkeypatch, kind="host")
     probe._device = False  # the samples on the host clock (perf_counter_ns, the test's), ...
     engine.behind_is = False  # ... the answer a device's
-    for host_ms, taken in ((3.0, 3.0), (1.0, 1.0)):
+    probe._pace(True)
+    for host_ms in (3.0, 1.0):
         probe._spans = [[0, 0]]  # one bucket's collective, done at once
-        calls = backward(host_ms, hook=False)
-        assert ("add_host", WAIT, -taken) in calls
+        calls = backward(host_ms, python=True)
+        assert ("add_host", WAIT, -host_ms) in calls
         # the sample's span (its start to its end, the host's time here) less what was taken: 0, never below
         assert ("add_host", comm_run.COMM_WAIT_MS, 0.0) in calls
 

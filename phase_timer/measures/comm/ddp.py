@@ -45,20 +45,25 @@ backward and the span would start at that backward's end (so the parameter heard
 
 Where the device catches up with the host inside the span (a host-paced backward: the device has run out of work
 while the host still launches DDP's copies, ~13 µs each on an H200 host), the span also holds the device's idle
-between those launches, which no collective causes and no mark separates from a wait.  One question a step bounds
-it: had the device reached the span's start when the host left the span?  Where it had, the device ran what the
-span holds as the host launched it, so the wait is at most the span less the host's time in it; the step's wait
-loses that host time less DDP's copies (which come off every step later), where positive, on its own row (an
-``add_host`` on the open record: ``backward`` keeps it, the phases still add up; a window and a step line stop at
-zero).  A device still behind the host at the span's start, caught up inside it, reads as much low.  The host's
-time is noted at both ends of the span (``perf_counter_ns``), the span ends in a callback after DDP's
-end-of-backward, and the question is ``engine.behind()`` asked right after that switch (one query of the span's
-start mark, never a wait; on the host clock no answer, nothing taken): :meth:`DdpComm._settle`.  That costs a
-Python frame at each end, a mark and a query a backward (~2 µs of Python on a CPU core), so the usual path keeps the
-engine's own switch until a backward whose span ends in Python anyway (a sampled one; every one with a composed
-hook) finds the device caught up; then the module's start is the Python one, until ``PACED_OFF`` backwards in a row
-find the device behind.  A device-bound loop, whose host is further ahead at the span's start than its own time in
-the span, never answers caught up: its wait is the span, as without the question.
+between those launches, which no collective causes and no mark separates from a wait.  One question a step takes
+it off: had the device reached the span's start when the host left the span?  Where it had, on a module seen to be
+host-paced, the device ran what the span holds as the host launched it, and the wait is taken as the span less
+the host's time in it: the step's wait loses that host time less DDP's copies (which come off every step later),
+where positive, on its own row (an ``add_host`` on the open record: ``backward`` keeps it, the phases still add
+up; a window and a step line stop at zero).  A device still behind the host at the span's start, caught up inside
+it, reads as much low; so does one that, past the span's start, waits for a collective that outlasts the host's
+launches.  The host's time is noted at both ends of the span (``perf_counter_ns``), the span ends in a callback
+after DDP's end-of-backward, and the question is ``engine.behind()`` asked right after that switch (one query of
+the span's start mark, never a wait; on the host clock no answer, nothing taken): :meth:`DdpComm._settle`.  That
+costs a Python frame at each end, a mark and a query a backward (~2 µs of Python on a CPU core), so the usual path
+keeps the engine's own switch until the module is seen host-paced: by a sampled backward's copies whose last
+bucket the device had caught up with (every wait was over before the host had launched the copies; a rank whose
+device waits for its peers is still in a wait there), or, with no copies to time (bucket views), by the answer
+itself on a span that ends in Python anyway (a sampled backward's, a composed hook's).  Then the module's start is
+the Python one, until a sample says otherwise or ``PACED_OFF`` backwards in a row find the device behind.  Never
+under ``find_unused_parameters``: DDP reads its used-parameter map on the host inside the span.  A device-bound
+loop, whose host is further ahead at the span's start than its own time in the span, never answers caught up: its
+wait is the span, as without the question.
 
 The collectives' own time (for the hidden share, ``1 - exposed / communication``) needs the buckets' futures,
 which only a comm hook sees: where the user registers one after phase-timer saw the module (through the
@@ -122,6 +127,7 @@ class DdpComm:
         self._to_wait: Any = None  # its switch to the wait: a final callback with no Python frame
         self._start: Any = None  # what the hook queues on a usual synced backward: _to_wait, or _paced_start
         self._paced = False  # the device caught up with the host inside the span: its host time is noted
+        self._copying = False  # DDP copies into .grad (timed on sampled backwards, which say whether it is paced)
         self._cold = 0  # synced backwards in a row since the paced path last saw the device caught up
         self._h0: int | None = None  # perf_counter_ns at the open span's start, where noted
         self.paced_steps = 0  # backwards whose host time in the span was taken off the wait, while bound
@@ -219,6 +225,7 @@ class DdpComm:
         self._engine = core._engine if core is not None else None
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
         self._start, self._paced, self._cold, self._h0 = self._to_wait, False, 0, None
+        self._copying = not getattr(self.ddp, "gradient_as_bucket_view", True)
         self.paced_steps, self.paced_ms = 0, 0.0
         run = self._run
         if run is not None:
@@ -366,11 +373,12 @@ class DdpComm:
         """After DDP's end-of-backward: the wait is over (and, on a sampled backward, its copies were counted or
         timed)."""
         copies, self._copies = self._copies, None
+        kept_up = None
         if copies is not None:
             _pop_mode(copies)
             if _ACTIVE[0] is copies:
                 _ACTIVE[0] = None
-            self._took(copies)
+            kept_up = self._took(copies)
         engine = self._engine
         opened, self._open = self._open, None
         if engine is None or engine.current != WAIT:
@@ -378,7 +386,7 @@ class DdpComm:
         w1 = self._now() if opened is not None else None  # a composed hook's sample ends here too (copies in)
         h1 = time.perf_counter_ns()
         engine.switch(BACKWARD)
-        paced = self._settle(engine, h1)
+        paced = self._settle(engine, h1, kept_up)
         if opened is not None:
             self._pending.append((*opened, w1, paced))
         if self._pending:
@@ -404,31 +412,46 @@ class DdpComm:
         engine.switch(BACKWARD)
         self._settle(engine, h1)
 
-    def _settle(self, engine: Any, h1: int) -> float:
+    def _settle(self, engine: Any, h1: int, kept_up: bool | None = None) -> float:
         """The span has just ended (the engine switched out of it; the host entered it at ``_h0`` and left it at
         ``h1``): had the device reached its start by then?  ``engine.behind()`` right after the switch asks exactly
         that (one query of the span's start mark, never a wait; None on the host clock: nothing taken).
 
-        Where it had, the device ran the span's work as the host launched it, idle between DDP's launches (its
-        copies, ~13 µs each), which no collective causes: the wait is at most the span less the host's time in it.
-        So the step's wait loses the host's time less the module's copies (taken off every step later,
-        ``run.take_copies``), where that is positive: ``engine.add_host(WAIT, -ms)`` on the open record, summed
-        into the wait's own row by both engines, not into ``backward``'s.  A device still behind at the span's start
-        reads as much low (a window and a step line stop at zero).  Each answer also turns the usual path's Python
-        start on (caught up), or off after ``PACED_OFF`` in a row (behind).  Returns the ms taken (0.0: none)."""
+        Where it had, on a module seen to be host-paced, the device ran the span's work as the host launched it,
+        idle between DDP's launches (its copies, ~13 µs each), which no collective causes: the wait is taken as the
+        span less the host's time in it.  So the step's wait loses the host's time less the module's copies (taken
+        off every step later, ``run.take_copies``), where that is positive: ``engine.add_host(WAIT, -ms)`` on the
+        open record, summed into the wait's own row by both engines, not into ``backward``'s.  A device still
+        behind at the span's start reads as much low, and so does one that waits, after reaching it, for a
+        collective that outlasts the host's launches (a window and a step line stop at zero).
+
+        A module is seen host-paced (the usual path's start turns Python, :meth:`_pace`) by a sampled backward's
+        copies whose last bucket the device had caught up with (``kept_up``: every wait was over before the host
+        had launched the copies, where a rank that waits for its peers has its device still in a wait); a module
+        whose copies are never timed (bucket views), by the answer itself on a span that ends in Python anyway (a
+        sampled backward's, a composed hook's).  ``kept_up`` False turns it off at once, and so do ``PACED_OFF``
+        answers "behind" in a row.  Never under ``find_unused_parameters``: DDP reads its used-parameter map on the
+        host inside the span, whose host time then holds the device's wait.  Returns the ms taken (0.0: none)."""
         h0, self._h0 = self._h0, None
-        behind = engine.behind() if h0 is not None else None
+        behind = engine.behind() if h0 is not None and not self._untimeable() else None
         if behind is None:
             return 0.0
-        if behind:
+        if kept_up is not None:  # a timed sample of the copies decides, on or off
+            if kept_up != self._paced:
+                self._pace(kept_up)
+            if not kept_up:
+                return 0.0
+        elif behind:
             if self._paced:
                 self._cold += 1
                 if self._cold >= PACED_OFF:
                     self._pace(False)
             return 0.0
-        self._cold = 0
-        if not self._paced:
+        elif not self._paced:
+            if self._copying:  # its copies are timed: a sample of them decides
+                return 0.0
             self._pace(True)
+        self._cold = 0
         run = self._run
         ms = (h1 - h0) / 1e6 - (run.module_copy_ms(self) if run is not None else 0.0)
         if ms <= 0:
@@ -446,9 +469,10 @@ class DdpComm:
         if Arm is not None and isinstance(self._armed, Arm):
             self._armed.callback = self._start
 
-    def _took(self, copies: Any) -> None:
+    def _took(self, copies: Any) -> bool | None:
         """A sampled end-of-backward's copies: timed (their marks to the run's estimate) if they were made as
-        counted, else counted anew and timed on the next synced backward."""
+        counted, else counted anew and timed on the next synced backward.  Timed: whether the device had caught up
+        with the host at the last bucket's copies (``Copies.caught``); else None."""
         pairs = copies.pairs()
         run = self._run
         if pairs is None or run is None:
@@ -456,13 +480,14 @@ class DdpComm:
                 copies.clock.release(copies.marks)
             self._counts = copies.counts or None
             self._schedule(1 if self._counts else COPY_EVERY)  # nothing copied: DDP copies nothing here
-            return
+            return None
         self._copy_taken += 1
         spent = time.perf_counter_ns() - self._copy_t0  # the sampled end-of-backward's host time, DDP's own in
         self.copy_host_ns.append(spent)
         del self.copy_host_ns[:-16]
         self._schedule(1 if self._copy_taken < COPY_DENSE else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
         run.add_copies(self, pairs, copies.clock)
+        return pairs[-1].caught
 
     def _resolve(self, engine: Any) -> None:
         """Sampled backwards whose events are all done (never waits), carried on the open record."""
