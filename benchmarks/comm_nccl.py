@@ -31,7 +31,8 @@ steps turn host-bound, and the union rule then counts the NCCL kernels that run 
 gaps (the host's, not the network's) as exposed, and DDP's copies as launched at the profiler's pace.  DDP's
 copies are the device-to-device memcpy of the step.  Rank zero prints one
 row per case, rank and step, then a summary per case and rank (the largest per-step gap, and how many steps are
-within 0.1 ms or 2%), and the verdicts.  ``--cpu``: gloo, a tiny model, no profiler: that the script runs,
+within 0.1 ms or 2%, and how many backwards lost how much to the host-paced spans' correction,
+``ddp.DdpComm._settle``), and the verdicts.  ``--cpu``: gloo, a tiny model, no profiler: that the script runs,
 splits and adds up (``tests/test_comm.py`` runs it).
 
 ``--launches`` adds the blocked rule (``nccl_truth.per_step_blocked``): the queued rule's exposed time only where
