@@ -107,7 +107,8 @@ SYNCED = "require_forward_param_sync"
 #: DDP's copies into ``.grad``: on the synced backward COPY_LEARN (counted from 1) the buckets' copies are counted
 #: (no mark); then timed on the next COPY_DENSE synced backwards, then one in COPY_EVERY or more: as many as keep a
 #: sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate is each bucket's median over
-#: its last samples, its queued ones first (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is counted again (not timed).
+#: its last samples, its queued ones first (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is
+#: counted again (not timed).
 COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS = 2, 3, 1024, 1000
 #: A host-paced module's wait start is a Python callback (the span's host time noted at both ends) until this many
 #: synced backwards in a row on which the device had not reached the span's start when the host left it.

@@ -99,8 +99,8 @@ class RunComm(Measure):
         #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed).
         self._copy_module: dict[int, float] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
-        #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (the modules' medians, summed),
-        #: or None.
+        #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
+        #: buckets' medians, summed, over the modules), or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
         #: A module whose copies are never timed (``find_unused_parameters=True``): they stay in the wait.
