@@ -14,7 +14,7 @@ A door's docstring takes the shared words from here and from :mod:`phase_timer.d
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from phase_timer.doors import lifecycle
 
@@ -71,6 +71,7 @@ class Door:
     syncs: tuple[SyncSite, ...] = ()
     sync_census: str | None = None
     _open_key: int | None = None  # registered with lifecycle while the run is open
+    _comm: list[Any] | tuple[()] = ()  # DDP's and FSDP2's probes on the run's model (phase_timer/measures/comm)
 
     def _opened(self, core: TimingCore) -> None:
         """The run is open: if nobody ends it, :mod:`phase_timer.doors.lifecycle` calls ``_close_unclosed`` (under
@@ -85,6 +86,12 @@ class Door:
         """The run ends here: no longer one for :mod:`phase_timer.doors.lifecycle` to write."""
         lifecycle.unregister(self._open_key)
         self._open_key = None
+
+    def _drop_comm(self, core: TimingCore | None) -> None:
+        """The communication probes come off the run's model (their split is the run's, ``core``'s)."""
+        comm, self._comm = self._comm, []
+        for probe in comm:
+            probe.remove(core)
 
     def _ended(self, core: TimingCore, *, interrupted: bool, wait: bool = True, table: bool = True) -> RunTotals:
         """Resolve what is pending and write (``wait=False``: no wait for the device, on SIGTERM), keep the results,
