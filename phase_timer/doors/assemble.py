@@ -33,6 +33,7 @@ from phase_timer.measures.flops import check_flops_arg
 from phase_timer.measures.step_flops import FlopPlan, MfuNote
 from phase_timer.outputs.tags import custom_scalars_layout
 from phase_timer.measures.memory import Memory
+from phase_timer.measures.syncs import Syncs
 from phase_timer.measures.throughput import BatchCounter, RunThroughput
 from phase_timer.measure import Measure
 
@@ -145,7 +146,7 @@ def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
     """What listens to the run's results, in the order the core calls them: memory per phase (where the device has
     an allocator to read; the boundaries read it through its tracker), throughput (the boundaries count each batch
     with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to get
-    MFU)."""
+    MFU), then the sync census (the boundaries run it on a warm-up step)."""
     memory = Memory.start(core.clock, core.ranks) if config.memory else None
     out: list[Measure] = [memory] if memory is not None else []
     out.append(RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks))
@@ -156,6 +157,7 @@ def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
     elif config.mfu:  # the host clock with no peak: said once, with how to get it
         out.append(MfuNote("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
                            "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well"))
+    out.append(Syncs())
     return out
 
 

@@ -100,7 +100,9 @@ class Door:
         # awaited, briefly when the run failed: a rank may be gone).
         self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted, wait=wait)
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
-        self.syncs, self.sync_census = tuple(core.signals.syncs), core.signals.census
+        census = core.measure("syncs")
+        if census is not None:
+            self.syncs, self.sync_census = tuple(census.sites), census.status
         if table:
             self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
             if self.config.summary and (core.ranks is None or core.ranks.rank == 0 or oom.own(core)):
