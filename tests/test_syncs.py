@@ -191,11 +191,12 @@ class DeviceClock(FakeClock):
     kind = "cuda"  # a device's clock, as far as the census and the summary file can tell
 
 
-def _run(monkeypatch, *, warmup: int, steps: int, read_in: str = "between_steps", micro: int = 1):
+def _run(monkeypatch, *, warmup: int, steps: int, read_in: str = "between_steps", micro: int = 1,
+         census: bool = True):
     switch = Switch()
     monkeypatch.setattr(syncs, "_torch_mode", switch.pair)
     core = TimingCore(DeviceClock(), [], window=10, warmup_steps=warmup, max_pending=64,
-                      measures=[syncs.Syncs()])  # as a door's assembly registers it
+                      measures=[syncs.Syncs()] if census else [])  # as a door's assembly registers it
     bounds = Boundaries(core)
     modes = []
     for _ in range(steps):
@@ -276,19 +277,7 @@ def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
 
 def test_a_core_no_census_listens_to_runs_none(monkeypatch):
     """The census runs for the measure that listens: a core made without one never turns torch's check on."""
-    switch = Switch()
-    monkeypatch.setattr(syncs, "_torch_mode", switch.pair)
-    core = TimingCore(DeviceClock(), [], window=10, warmup_steps=2, max_pending=64)
-    bounds = Boundaries(core)
-    for _ in range(4):
-        bounds.fetch()
-        bounds.batch(first=FORWARD)
-        bounds.backward_start()
-        bounds.backward_end()
-        bounds.optimizer_start()
-        bounds.step_end()
-    bounds.finish()
-    core.finish()
+    core, switch, _ = _run(monkeypatch, warmup=2, steps=4, census=False)
     assert switch.sets == [] and core.measure("syncs") is None and core.totals.steps == 2
 
 
