@@ -18,7 +18,8 @@ order, at these points:
   of the measure (:func:`phase_timer.diagnosis.diagnose`'s keywords).
 - :meth:`Measure.cost` for the own-cost line: the host time the measure spends on steps of its own choosing
   (:func:`phase_timer.run.own_cost.estimate`'s keywords).
-- :meth:`Measure.line` for the printed table: one line, or None.
+- :meth:`Measure.line` for the printed table: one line, or None (among the measures' lines, in order; under
+  the run's own lines where :attr:`Measure.foot` is set).
 - :meth:`Measure.summary` for the summary file: the block at :attr:`Measure.key` (the file's layout and its
   schema are :mod:`phase_timer.outputs.run_summary`'s; a measure fills its block).
 
@@ -36,6 +37,9 @@ class Measure:
 
     #: The summary file's block this measure fills (None: none).
     key: str | None = None
+    #: Where the table puts :meth:`line`: among the measures' lines (False), or under the run's own (memory's
+    #: block, the own-cost line: True).
+    foot = False
 
     def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
         """A window is resolved: take this measure's carried values out of ``columns`` (each phase's values,

@@ -22,9 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 import phase_timer
 from phase_timer.run import boundaries as boundaries_mod
-from phase_timer.doors import loop as loop_mod
+from phase_timer.doors import plain_hooks as hooks_mod
 
-pytestmark = pytest.mark.skipif(loop_mod._LoopHooks is None, reason="the C extension is not built")
+pytestmark = pytest.mark.skipif(hooks_mod._LoopHooks is None, reason="the C extension is not built")
 
 KINDS = ("usual", "accumulate", "eval", "phase", "copy", "no_loader", "manual", "checkpoint", "loader_thread",
          "no_grad_step")
@@ -42,7 +42,7 @@ def _train(kind: str, log_dir: str) -> tuple:
     if kind == "manual":
         kw.update(end_step="manual")
     timer = phase_timer.attach(model, opt, loader, **kw)
-    assert type(timer._fetch).__name__ == ("builtin_function_or_method" if loop_mod._LoopHooks else "method")
+    assert type(timer._fetch).__name__ == ("builtin_function_or_method" if hooks_mod._LoopHooks else "method")
 
     def source():
         if kind == "no_loader":
@@ -110,7 +110,7 @@ def test_the_hooks_in_c_do_what_the_python_methods_do(kind, tmp_path, monkeypatc
             # the verdict's samples at the same steps
             m.setattr(boundaries_mod, "random", SimpleNamespace(Random=lambda: random.Random(0)))
             if not native:
-                m.setattr(loop_mod, "_LoopHooks", None)
+                m.setattr(hooks_mod, "_LoopHooks", None)
             # A loader iterated on another thread is said, on that thread, by both (the warning is the thread's)
             said = (pytest.warns(RuntimeWarning, match="timer.loader is iterated on a thread other than the training")
                     if kind == "loader_thread" else contextlib.nullcontext())
@@ -138,7 +138,7 @@ def test_a_closed_timer_lets_go_of_its_run(tmp_path):
         opt.step()
     timer.close()
     assert timer.totals is not None and timer.totals.steps > 0
-    assert not set(loop_mod._HOOK_BODIES) & set(timer.__dict__)
+    assert not set(hooks_mod._HOOK_BODIES) & set(timer.__dict__)
     ref = weakref.ref(timer)
     gc.disable()
     try:

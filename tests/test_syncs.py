@@ -191,10 +191,12 @@ class DeviceClock(FakeClock):
     kind = "cuda"  # a device's clock, as far as the census and the summary file can tell
 
 
-def _run(monkeypatch, *, warmup: int, steps: int, read_in: str = "between_steps", micro: int = 1):
+def _run(monkeypatch, *, warmup: int, steps: int, read_in: str = "between_steps", micro: int = 1,
+         census: bool = True):
     switch = Switch()
     monkeypatch.setattr(syncs, "_torch_mode", switch.pair)
-    core = TimingCore(DeviceClock(), [], window=10, warmup_steps=warmup, max_pending=64)
+    core = TimingCore(DeviceClock(), [], window=10, warmup_steps=warmup, max_pending=64,
+                      measures=[syncs.Syncs()] if census else [])  # as a door's assembly registers it
     bounds = Boundaries(core)
     modes = []
     for _ in range(steps):
@@ -223,33 +225,33 @@ def _run(monkeypatch, *, warmup: int, steps: int, read_in: str = "between_steps"
 def test_the_census_runs_on_the_last_warm_up_step_only(monkeypatch):
     core, switch, modes = _run(monkeypatch, warmup=5, steps=12)
     assert modes == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0] and switch.sets == [1, 0]
-    sig = core.signals
-    assert sig.census == "done" and sig.census_step == 5 and sig.sync_count == 1
-    (site,) = sig.syncs
+    census = core.measure("syncs")
+    assert census.status == "done" and census.warmup_step == 5 and census.count == 1
+    (site,) = census.sites
     assert site.phase == "between_steps" and site.frames[0].endswith("in read_loss")
     assert core.totals.steps == 7  # the census step is a warm-up step: nothing timed is touched
 
 
 def test_the_census_places_a_sync_inside_the_step_in_its_phase(monkeypatch):
     core, _, _ = _run(monkeypatch, warmup=3, steps=6, read_in="forward")
-    assert [(s.phase, s.count) for s in core.signals.syncs] == [("forward", 1)]
+    assert [(s.phase, s.count) for s in core.measure("syncs").sites] == [("forward", 1)]
 
 
 def test_every_micro_batchs_fetch_is_data_wait(monkeypatch):
     core, _, _ = _run(monkeypatch, warmup=3, steps=6, read_in="fetch", micro=2)
-    assert [(s.phase, s.count) for s in core.signals.syncs] == [("data_wait", 2)]
+    assert [(s.phase, s.count) for s in core.measure("syncs").sites] == [("data_wait", 2)]
 
 
 @pytest.mark.parametrize(("warmup", "steps", "why"), [(1, 10, "warmup_steps=1 < 2"), (5, 3, "ended before"),
                                                       (5, 4, "ended before")])
 def test_when_the_census_cannot_run_the_summary_says_why(monkeypatch, warmup, steps, why):
     core, switch, _ = _run(monkeypatch, warmup=warmup, steps=steps)
-    assert switch.sets == [] and why in core.signals.census
+    assert switch.sets == [] and why in core.measure("syncs").status
 
 
 def test_a_run_that_ends_during_the_census_turns_the_check_off(monkeypatch):
     core, switch, _ = _run(monkeypatch, warmup=5, steps=5)  # the 5th step is the census's, and the last
-    assert switch.sets == [1, 0] and switch.mode == 0 and core.signals.census == "done"
+    assert switch.sets == [1, 0] and switch.mode == 0 and core.measure("syncs").status == "done"
 
 
 def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
@@ -268,17 +270,27 @@ def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
     assert data["syncs"]["other_threads"] == data["syncs"]["paused"] == 0
     assert "host-device syncs (torch's check, on warm-up step 2): 1 a step: 1x between_steps at tests/" in \
         core.summary_table()
+    lines = core.summary_table().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("host-device syncs"))
+    assert lines[at - 1].startswith("phase-timer's own host time")  # under the run's own lines, not the measures'
+
+
+def test_a_core_no_census_listens_to_runs_none(monkeypatch):
+    """The census runs for the measure that listens: a core made without one never turns torch's check on."""
+    core, switch, _ = _run(monkeypatch, warmup=2, steps=4, census=False)
+    assert switch.sets == [] and core.measure("syncs") is None and core.totals.steps == 2
 
 
 # -- what the verdict says with it ----------------------------------------------------------------
-def _signals(*sites: tuple[str, str, str | None], census: str = "done") -> Signals:
+def _signals(*sites: tuple[str, str, str | None], census: str = "done") -> tuple[Signals, syncs.Syncs]:
     s = Signals()
     s.flight.update({0: 10})
     s.tail_checked, s.tail_busy = 10, 0
-    s.census, s.census_step = census, 4
-    s.syncs = [syncs.SyncSite(phase, (where,), "x.item()", 2, cause) for phase, where, cause in sites]
-    s.sync_count = 2 * len(sites)
-    return s
+    c = syncs.Syncs()
+    c.status, c.warmup_step = census, 4
+    c.sites = [syncs.SyncSite(phase, (where,), "x.item()", 2, cause) for phase, where, cause in sites]
+    c.count = 2 * len(sites)
+    return s, c
 
 
 def _totals():
@@ -288,10 +300,10 @@ def _totals():
 
 
 def test_a_host_bound_verdict_names_the_syncs_and_what_turns_them_off():
-    s = _signals(("optimizer", "transformers/trainer.py:1847 in _run_epoch", "logging_nan_inf_filter=False turns it off"),
+    s, c = _signals(("optimizer", "transformers/trainer.py:1847 in _run_epoch", "logging_nan_inf_filter=False turns it off"),
                  ("forward", "train.py:40 in step", None))
     s.host_step_ms = [31.0] * 10
-    d = diagnose(_totals(), s, clock="cuda")
+    d = diagnose(_totals(), s, clock="cuda", syncs=c)
     assert d.kind == "HOST_BOUND"
     assert "waits for the device 4 time(s) inside each step (census of warm-up step 4" in d.why
     assert d.next[0] == "logging_nan_inf_filter=False turns it off"
@@ -300,26 +312,26 @@ def test_a_host_bound_verdict_names_the_syncs_and_what_turns_them_off():
 
 
 def test_a_gpu_bound_verdict_says_the_host_is_held_between_steps():
-    s = _signals(("between_steps", "train.py:88 in main", None))
+    s, c = _signals(("between_steps", "train.py:88 in main", None))
     s.host_step_ms = [10.0] * 10  # the device's step (32.5 ms) far longer: GPU-bound
-    d = diagnose(_totals(), s, clock="cuda")
+    d = diagnose(_totals(), s, clock="cuda", syncs=c)
     assert d.kind == "GPU_BOUND"
     assert "never got a step ahead" in d.why and "2 time(s) outside it" in d.why and "train.py:88" in d.why
     assert "set_sync_debug_mode" not in " ".join(d.next)
 
 
 def test_with_no_sync_flagged_the_verdict_says_so():
-    s = _signals()
+    s, c = _signals()
     s.host_step_ms = [31.0] * 10
-    d = diagnose(_totals(), s, clock="cuda")
+    d = diagnose(_totals(), s, clock="cuda", syncs=c)
     assert d.kind == "HOST_BOUND" and "torch flags no host-device sync in a whole step" in d.why
     assert not any("set_sync_debug_mode" in tip for tip in d.next)
 
 
 def test_without_a_census_the_advice_is_to_look_for_syncs():
-    s = _signals(census="not run: no device (host clock)")
+    s, c = _signals(census="not run: no device (host clock)")
     s.host_step_ms = [31.0] * 10
-    d = diagnose(_totals(), s, clock="cuda")
+    d = diagnose(_totals(), s, clock="cuda", syncs=c)
     assert d.kind == "HOST_BOUND" and "set_sync_debug_mode" in d.next[0]
 
 

@@ -9,7 +9,6 @@ from typing import Any
 from phase_timer.measures.cpu_use import CpuUse
 from phase_timer.diagnosis.finding import SPIKE_MAX, SPIKE_P90, STRAGGLER_MARGIN, WAIT_PHASES
 from phase_timer.diagnosis.run_change import RankShifts
-from phase_timer.measures.syncs import SyncCensus, SyncSite
 
 
 class Signals:
@@ -39,16 +38,8 @@ class Signals:
         self.slowest: Counter[tuple[str, int]] = Counter()
         self.margins: dict[tuple[str, int], float] = {}
         self.rank_period_ms: list[float] = []
-        #: The sync census of one warm-up step: its status ("done" or why not), the step, the syncs heard.
-        self.census = "not run"
-        self.census_step: int | None = None
-        self.syncs: list[SyncSite] = []
         #: The model is sharded with FSDP2 (``fully_shard``): COMM_BOUND gives its advice (set by comm/fsdp.py).
         self.fsdp2 = False
-        self.sync_count = 0
-        #: Syncs on that step that were no step's: other threads outside backward, pauses (evaluation, saves).
-        self.sync_other_threads = 0
-        self.sync_paused = 0
         #: The CPU time of the training process, its training thread and the loader's workers, read at a few
         #: window ends (``phase_timer.measures.cpu_use``): what the INPUT_BOUND advice is made of.
         self.cpu = CpuUse()
@@ -56,16 +47,6 @@ class Signals:
         #: of a distributed run, each window's slowest rank a phase: what RUN_CHANGED reads.
         self.series: Any = None
         self.rank_shifts = RankShifts()
-
-    def add_census(self, census: SyncCensus, step: int) -> None:
-        """What the census heard on warm-up step ``step``."""
-        if census.status == "not run":
-            self.census = "not run: the run ended before its last warm-up step"
-            return
-        self.census = census.status
-        if census.status == "done":
-            self.census_step, self.syncs, self.sync_count = step, list(census.sites), census.count
-            self.sync_other_threads, self.sync_paused = census.other_threads, census.paused
 
     def add_window(self, steps: int, summary: dict[str, dict[str, float]]) -> None:
         """One window's statistics: is it spiky?"""

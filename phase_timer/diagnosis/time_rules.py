@@ -14,7 +14,7 @@ from phase_timer.diagnosis.finding import (
 from phase_timer.diagnosis.signals import Signals
 from phase_timer.measures.input_advice import Run, advise
 from phase_timer.phases import share_base
-from phase_timer.measures.syncs import SyncSite
+from phase_timer.measures.syncs import Syncs, SyncSite
 
 
 def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any]) -> Diagnosis | None:
@@ -101,7 +101,7 @@ def _behind(signals: Signals) -> float | None:
     return signals.behind / signals.behind_checked
 
 
-def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
+def _host_bound(totals: Any, signals: Signals, clock: str, syncs: Syncs | None) -> Diagnosis | None:
     flight = _flight(signals) if clock != "host" else None
     ratio = _paced_ratio(totals, signals)
     if flight is None or ratio is None:
@@ -119,7 +119,7 @@ def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
            "host's time to issue it; the device phases then include the GPU's wait for launches")
     tips = ["do more per launch: a bigger batch, torch.compile (mode='reduce-overhead' adds CUDA graphs)",
             "a fused or foreach optimizer (e.g. AdamW(fused=True)); fewer small ops on the host"]
-    said = _syncs_said(signals)
+    said = _syncs_said(syncs)
     if said is None:
         tips.insert(0, "find host-device syncs inside the step: torch.cuda.set_sync_debug_mode('warn')")
     else:
@@ -128,7 +128,7 @@ def _host_bound(totals: Any, signals: Signals, clock: str) -> Diagnosis | None:
     ev = {"samples": n, "share_at_zero_in_flight": idle, "device_over_host_step": ratio,
           "host_step_ms": statistics.median(signals.host_step_ms), "tail_busy": signals.tail_busy,
           "tail_checked": signals.tail_checked, "behind": signals.behind, "behind_checked": signals.behind_checked,
-          **_census_evidence(signals)}
+          **_census_evidence(syncs)}
     return Diagnosis("HOST_BOUND", "high" if idle >= 0.9 and ratio < 1.1 else "medium", why, tuple(tips), ev)
 
 
@@ -154,7 +154,7 @@ def _run_changed(totals: Any, signals: Signals) -> Diagnosis | None:
     return Diagnosis("RUN_CHANGED", *found) if found is not None else None
 
 
-def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -> Diagnosis | None:
+def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any], syncs: Syncs | None) -> Diagnosis | None:
     flight = _flight(signals) if clock != "host" else None
     ratio = _paced_ratio(totals, signals)
     if flight is None:
@@ -193,16 +193,16 @@ def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any]) -
           "behind": signals.behind, "behind_checked": signals.behind_checked}
     if ratio is not None:
         ev["device_over_host_step"] = ratio
-    ev.update(_census_evidence(signals))
+    ev.update(_census_evidence(syncs))
     if idle >= HOST_IDLE_SHARE:
-        said = _syncs_said(signals)
+        said = _syncs_said(syncs)
         why += f"; but the host never got a step ahead in {_pct(idle)} of sampled steps: "
         if said is None:
             why += ("something waits for the GPU inside each step (.item(), .cpu(), printing a tensor), or the host "
                     "issues a step about as fast as the device runs it, so the host cannot queue ahead")
             tips.append("find a per-step sync with torch.cuda.set_sync_debug_mode('warn'); read values every N steps")
         else:
-            why += said[0] + ("" if signals.syncs else ", so the host issues a step about as fast as the device "
+            why += said[0] + ("" if syncs is not None and syncs.sites else ", so the host issues a step about as fast as the device "
                               "runs it (a full launch queue)")
             tips[:0] = said[1]
     return Diagnosis("GPU_BOUND", "info", why, tuple(tips), ev)
@@ -221,13 +221,13 @@ def _stepping(site: SyncSite) -> bool:
     return share_base(site.phase) == "step"
 
 
-def _syncs_said(signals: Signals) -> tuple[str, list[str]] | None:
+def _syncs_said(census: Syncs | None) -> tuple[str, list[str]] | None:
     """What the census heard, for a verdict about a host that never gets ahead: a clause for ``why``, and
     what to try (each site's known cause first, then what is left when those are off).  None: no census."""
-    if signals.census != "done":
+    if census is None or census.status != "done":
         return None
-    syncs = sorted(signals.syncs, key=lambda s: (not _stepping(s), -s.count))
-    step = signals.census_step
+    syncs = sorted(census.sites, key=lambda s: (not _stepping(s), -s.count))
+    step = census.warmup_step
     if not syncs:
         return f"torch flags no host-device sync in a whole step (census of warm-up step {step})", []
     inside = sum(s.count for s in syncs if _stepping(s))
@@ -247,5 +247,8 @@ def _syncs_said(signals: Signals) -> tuple[str, list[str]] | None:
     return clause, tips
 
 
-def _census_evidence(signals: Signals) -> dict[str, Any]:
-    return {"sync_census": signals.census, "syncs": [s.as_dict() for s in signals.syncs]}
+def _census_evidence(census: Syncs | None) -> dict[str, Any]:
+    """The census in a finding's evidence (a run without one: not run)."""
+    if census is None:
+        return {"sync_census": "not run", "syncs": []}
+    return {"sync_census": census.status, "syncs": [s.as_dict() for s in census.sites]}

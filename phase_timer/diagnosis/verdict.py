@@ -18,16 +18,17 @@ from phase_timer.diagnosis.time_rules import (
 def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None = None,
              rank_totals: Any = None, skipped: int = 0, warmup_steps: int | None = None,
              memory: dict[str, Any] | None = None, mfu: list[str] | None = None,
-             oom: dict[str, Any] | None = None) -> Diagnosis:
+             oom: dict[str, Any] | None = None, syncs: Any = None) -> Diagnosis:
     """The primary finding (with the others as ``secondary``) for a run's totals and signals.
 
     ``memory``: the memory summary (``measures.memory.Memory.summary``); its findings come after the time ones,
     except a high one, which comes first.  ``mfu``: what MFU says (``mfu.mfu_advice``): a GPU-bound run's
     tips at low MFU, or that an MFU over 100% cannot be (``MFU_IMPOSSIBLE``).  ``oom``: what was known when an
     out-of-memory error ended the run (``TimingCore.oom``): ``OUT_OF_MEMORY`` then leads, whatever the number
-    of steps, and the rest follows it."""
+    of steps, and the rest follows it.  ``syncs``: what the sync census heard (``measures.syncs.Syncs``; None:
+    no census), which the host- and GPU-bound findings name."""
     found = _findings(totals, signals, clock=clock, context=context, rank_totals=rank_totals, skipped=skipped,
-                      warmup_steps=warmup_steps, memory=memory, mfu=mfu)
+                      warmup_steps=warmup_steps, memory=memory, mfu=mfu, syncs=syncs)
     if not oom:
         return found
     rest = () if found.kind in ("NO_FINDING", "TOO_FEW_STEPS") else (replace(found, secondary=()),)
@@ -36,7 +37,7 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
 
 def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None,
               rank_totals: Any, skipped: int, warmup_steps: int | None, memory: dict[str, Any] | None,
-              mfu: list[str] | None = None) -> Diagnosis:
+              mfu: list[str] | None = None, syncs: Any = None) -> Diagnosis:
     """The time and memory rules' verdict."""
     ctx = dict(context or {})
     mfu = list(mfu or ())
@@ -55,7 +56,7 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
         _straggler(signals, rank_totals), _comm_bound(totals, rank_totals, signals.fsdp2),
     ) if f is not None]
     found.sort(key=lambda f: -f.evidence["share_of_period"])
-    host = _host_bound(totals, signals, clock)
+    host = _host_bound(totals, signals, clock, syncs)
     if host is not None:
         found.append(host)
     unstable = _unstable(signals)
@@ -67,7 +68,7 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
     if impossible is not None:
         found.append(impossible)
     if not any(f.kind in ("INPUT_BOUND", "H2D_BOUND", "SYNC_WAIT", "HOST_BOUND") for f in found):
-        gpu = _gpu_bound(totals, signals, clock, ctx)
+        gpu = _gpu_bound(totals, signals, clock, ctx, syncs)
         if gpu is not None:
             found.append(gpu)
     if changed is not None and changed.severity == "info":  # a smaller one: said, after what holds the run back

@@ -15,23 +15,25 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from phase_timer.measures import oom
 from phase_timer._env import warn
 from phase_timer.timing.clock import make_clock
-from phase_timer.config import _fail
+from phase_timer.config import DEFAULT_LOG_DIR, _fail
 from phase_timer.run.core import TimingCore
 from phase_timer.doors.options import Options
 from phase_timer.distributed.ranks import RankExchange
 from phase_timer.runinfo import config_dict, cpu_count, device_name
 from phase_timer.outputs.live import LiveFile
-from phase_timer.outputs.sinks import BackgroundSink, Outputs, Sink, SummaryWriterSink, open_event_file
+from phase_timer.outputs.sinks import BackgroundSink, Outputs, Sink, SummaryWriterSink, next_version_dir, open_event_file
+from phase_timer.outputs.user_sinks import with_user_sinks
 from phase_timer.measures.flops import check_flops_arg
 from phase_timer.measures.step_flops import FlopPlan, MfuNote
 from phase_timer.outputs.tags import custom_scalars_layout
 from phase_timer.measures.memory import Memory
+from phase_timer.measures.syncs import Syncs
 from phase_timer.measures.throughput import BatchCounter, RunThroughput
 from phase_timer.measure import Measure
 
@@ -77,6 +79,21 @@ def writer_sink(writer: Any, config: Options, *, ranks: bool, name: str) -> Sink
     scalars' layout; closing the run leaves it open."""
     layout = custom_scalars_layout(config.per_step, ranks)
     return BackgroundSink(SummaryWriterSink(writer, owned=False, layout=layout), name)
+
+
+def door_outputs(writer: Any, config: Options, user_sinks: Sequence[Any]) -> Callable[[bool], Outputs]:
+    """Where the plain door's rank zero values go: the user's SummaryWriter, or an event file of our own in
+    ``log_dir`` (default ``phase-timer-logs/version_N``; a directory that cannot be written fails here); and the
+    user's sinks beside it."""
+
+    def outputs(ranks: bool) -> Outputs:
+        if writer is not None:
+            sink = writer_sink(writer, config, ranks=ranks, name="SummaryWriter")
+            return Outputs([sink], writer.log_dir, writer.log_dir)
+        log_dir = next_version_dir(config.log_dir or DEFAULT_LOG_DIR)
+        return own_event_file(log_dir, config=config, ranks=ranks, fail_fast=True)
+
+    return with_user_sinks(outputs, user_sinks, config.owner)
 
 
 def start_core(
@@ -129,7 +146,7 @@ def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
     """What listens to the run's results, in the order the core calls them: memory per phase (where the device has
     an allocator to read; the boundaries read it through its tracker), throughput (the boundaries count each batch
     with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to get
-    MFU)."""
+    MFU), then the sync census (the boundaries run it on a warm-up step)."""
     memory = Memory.start(core.clock, core.ranks) if config.memory else None
     out: list[Measure] = [memory] if memory is not None else []
     out.append(RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks))
@@ -140,6 +157,7 @@ def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
     elif config.mfu:  # the host clock with no peak: said once, with how to get it
         out.append(MfuNote("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
                            "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well"))
+    out.append(Syncs())
     return out
 
 

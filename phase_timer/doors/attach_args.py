@@ -18,6 +18,14 @@ from phase_timer.config import _fail, check_bool
 END_STEP = ("optimizer", "manual")
 
 
+def no_end_hint(end_step: str) -> str:
+    """What the table says where no step ended, by how a step ends."""
+    if end_step == "manual":
+        return "call timer.end_step() where each step ends (end_step='manual')"
+    return ("the attached optimizers' step() never ran; attach the optimizer the loop steps (an optimizer that steps "
+            "another is followed through its `base_optimizer`), or use end_step='manual'")
+
+
 def models_and_optimizers(models: Any, optimizers: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
     """The models and the optimizers, each one or a list of them (no optimizer: ``end_step="manual"``)."""
     if isinstance(models, torch.optim.Optimizer) and isinstance(optimizers, nn.Module):

@@ -103,3 +103,25 @@ def unlisten(listener: Listener) -> None:
         _in_chain = False
     # If another tool wrapped ours since, its wrapper stays and ours, under it, passes
     # straight through; a later listen() finds ours still in the chain.
+
+
+class RawBackward:
+    """The backward calls a framework's own hooks do not bracket (Lightning's manual optimization: a raw
+    ``loss.backward()`` in the step, not ``self.manual_backward``), told to ``timer``'s boundaries
+    (``timer._bounds``): taken only where they are not in a backward already (the framework's hooks have it),
+    on the training loop's thread (``thread``)."""
+
+    def __init__(self, timer: Any, thread: int) -> None:
+        self._timer, self._thread = timer, thread
+
+    def _backward_began(self) -> bool:
+        bounds = self._timer._bounds
+        if bounds is None or bounds.in_backward or threading.get_ident() != self._thread:
+            return False  # the framework's own hooks have it (Lightning's manual_backward)
+        bounds.on_backward_start()
+        return bounds.in_backward
+
+    def _backward_ended(self, failed: bool) -> None:
+        bounds = self._timer._bounds
+        if bounds is not None:
+            bounds.on_backward_end(failed)

@@ -14,7 +14,7 @@ A door's docstring takes the shared words from here and from :mod:`phase_timer.d
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from phase_timer.doors import lifecycle
 
@@ -71,6 +71,7 @@ class Door:
     syncs: tuple[SyncSite, ...] = ()
     sync_census: str | None = None
     _open_key: int | None = None  # registered with lifecycle while the run is open
+    _comm: list[Any] | tuple[()] = ()  # DDP's and FSDP2's probes on the run's model (phase_timer/measures/comm)
 
     def _opened(self, core: TimingCore) -> None:
         """The run is open: if nobody ends it, :mod:`phase_timer.doors.lifecycle` calls ``_close_unclosed`` (under
@@ -86,6 +87,12 @@ class Door:
         lifecycle.unregister(self._open_key)
         self._open_key = None
 
+    def _drop_comm(self, core: TimingCore | None) -> None:
+        """The communication probes come off the run's model (their split is the run's, ``core``'s)."""
+        comm, self._comm = self._comm, []
+        for probe in comm:
+            probe.remove(core)
+
     def _ended(self, core: TimingCore, *, interrupted: bool, wait: bool = True, table: bool = True) -> RunTotals:
         """Resolve what is pending and write (``wait=False``: no wait for the device, on SIGTERM), keep the results,
         and print the table on rank zero (``table=False``: no table made)."""
@@ -93,7 +100,9 @@ class Door:
         # awaited, briefly when the run failed: a rank may be gone).
         self.totals = core.finish(rank_timeout_s=self.config.rank_timeout_s, interrupted=interrupted, wait=wait)
         self.diagnosis, self.summary_path = core.diagnosis, core.summary_path
-        self.syncs, self.sync_census = tuple(core.signals.syncs), core.signals.census
+        census = core.measure("syncs")
+        if census is not None:
+            self.syncs, self.sync_census = tuple(census.sites), census.status
         if table:
             self.last_summary = core.summary_table("phase-timer" + (" (interrupted)" if interrupted else ""))
             if self.config.summary and (core.ranks is None or core.ranks.rank == 0 or oom.own(core)):

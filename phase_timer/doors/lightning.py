@@ -33,7 +33,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phase_timer.doors import backward_calls
-
 from phase_timer.measures import oom
 from phase_timer.doors.assemble import start_core
 from phase_timer.run.boundaries import Boundaries, ending_at
@@ -41,40 +40,15 @@ from phase_timer.measures.comm import attach_comm
 from phase_timer.config import disabled_by_env, reject_unknown
 from phase_timer.run.core import TimingCore
 from phase_timer.doors.door import Door, documented
-from phase_timer.doors.lightning_trainer import (remade, steps_count, timer_class, train_loader_info, trainer_outputs,
-                                           wrap_internals)
-from phase_timer.doors.optim_hooks import StepHooks
+from phase_timer.doors.lightning_trainer import (let_go_of_module, remade, steps_count, timer_class, train_loader_info,
+                                                 trainer_outputs, wrap_internals)
+from phase_timer.doors.optim_hooks import StepHooks, optimizer_info
 from phase_timer.doors.options import Options
 from phase_timer.patches import Patches
-from phase_timer.doors.optim_hooks import optimizer_info
 from phase_timer.timing.stats import RunTotals
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-
-class _RawBackward:
-    """Manual optimization: a ``loss.backward()`` the step calls itself, not ``self.manual_backward``.
-
-    Lightning's ``on_before_backward``/``on_after_backward`` bracket only ``manual_backward``; a raw call
-    goes through ``torch.autograd.backward`` alone (:mod:`phase_timer.doors.backward_calls`).  Taken only where
-    Lightning's hooks have not begun the backward already, on the training loop's thread.
-    """
-
-    def __init__(self, timer: PhaseTimer, thread: int) -> None:
-        self._timer, self._thread = timer, thread
-
-    def _backward_began(self) -> bool:
-        bounds = self._timer._bounds
-        if bounds is None or bounds.in_backward or threading.get_ident() != self._thread:
-            return False  # manual_backward: Lightning's own hooks have it
-        bounds.on_backward_start()
-        return bounds.in_backward
-
-    def _backward_ended(self, failed: bool) -> None:
-        bounds = self._timer._bounds
-        if bounds is not None:
-            bounds.on_backward_end(failed)
 
 
 @documented(run="each ``fit``", end="the end of ``fit``")
@@ -136,7 +110,6 @@ class PhaseTimer(Door):
         if not self.enabled:
             self.totals = RunTotals()  # a disabled timer's results exist, and are empty
         self.core: TimingCore | None = None
-        self._comm: list[Any] = []
         self._bounds: Boundaries | None = None
         self._patches = Patches()
         self._hooks: list[Any] = []
@@ -149,7 +122,7 @@ class PhaseTimer(Door):
         self._global_step_at_batch = 0
         self._steps_total: Any = None  # Lightning's own count of optimizer steps (None: read global_step)
         self._trainer_ref: Any = None  # the fit's Trainer, weakly, while it runs (to write it if never ended)
-        self._raw_backward: _RawBackward | None = None
+        self._raw_backward: backward_calls.RawBackward | None = None
 
     # -- install / uninstall ------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -200,7 +173,7 @@ class PhaseTimer(Door):
         manual = not pl_module.automatic_optimization
         self._steps_total = steps_count(trainer, manual)
         if manual:  # a raw `loss.backward()` fires no Lightning hook: heard at torch.autograd.backward
-            self._raw_backward = _RawBackward(self, threading.get_ident())
+            self._raw_backward = backward_calls.RawBackward(self, threading.get_ident())
             backward_calls.listen(self._raw_backward)
         self._hooks.append(
             StepHooks(trainer.optimizers, bounds.on_optimizer_start if manual else None, lambda opt: bounds.on_step_end(),
@@ -286,17 +259,11 @@ class PhaseTimer(Door):
     def _finish(self, trainer: pl.Trainer | None, *, interrupted: bool, wait: bool = True) -> None:
         self._closing()
         self._restore()
-        comm, self._comm = self._comm, []
-        for probe in comm:
-            probe.remove(self.core)
+        self._drop_comm(self.core)
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
         self._steps_total = self._trainer_ref = None  # the fit's own: nothing of it kept (or pickled) past its end
-        # Lightning binds every callback's `log` and `log_dict` to the module's at each fit; kept past it, they would
-        # keep the model, its gradients and its optimizer's state alive as long as the timer (a sweep keeps one a run).
-        for name in ("log", "log_dict"):
-            if getattr(self.__dict__.get(name), "__self__", self) is not self:
-                del self.__dict__[name]
+        let_go_of_module(self)
         if core is None or bounds is None:
             return
         bounds.finish(interrupted=interrupted)

@@ -174,6 +174,15 @@ def wrap_internals(timer: Any, trainer: pl.Trainer) -> None:
         timer._patch(epoch_loop, "_broadcast_sigterm_tensor", timed_broadcast)
 
 
+def let_go_of_module(timer: Any) -> None:
+    """The fit's end: Lightning binds every callback's ``log`` and ``log_dict`` to the module's at each fit; kept past
+    it, they would keep the model, its gradients and its optimizer's state alive as long as the timer (a sweep keeps
+    one a run)."""
+    for name in ("log", "log_dict"):
+        if getattr(timer.__dict__.get(name), "__self__", timer) is not timer:
+            del timer.__dict__[name]
+
+
 # -- where the values go -----------------------------------------------------------------
 class _LoggerSink:
     """Any Lightning logger: ``log_metrics`` at the step the values belong to."""

@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,40 +20,28 @@ import torch
 from torch import nn
 
 from phase_timer.doors import backward_calls
-
 from phase_timer.measures import oom
-from phase_timer._env import native_wanted, warn
-from phase_timer.doors.assemble import own_event_file, start_core, writer_sink
-from phase_timer.outputs.sinks import Outputs
-from phase_timer.doors.attach_args import check_attach, models_and_optimizers
+from phase_timer._env import warn
+from phase_timer.doors.assemble import door_outputs, start_core
+from phase_timer.doors.attach_args import check_attach, models_and_optimizers, no_end_hint
 from phase_timer.run.boundaries import Boundaries, ending_at
 from phase_timer.measures.comm import attach_comm
-from phase_timer.config import DEFAULT_LOG_DIR, disabled_by_env, reject_unknown
+from phase_timer.config import disabled_by_env, reject_unknown
 from phase_timer.run.core import TimingCore
 from phase_timer.doors.door import Door, documented
-from phase_timer.doors.optim_hooks import StepHooks
+from phase_timer.doors.optim_hooks import StepHooks, optimizer_info
 from phase_timer.doors.options import Options
 from phase_timer.patches import Patches
-from phase_timer.doors.plain_hooks import PlainHooks, _grad_enabled
-from phase_timer.doors.optim_hooks import optimizer_info
+from phase_timer.doors.plain_hooks import PlainHooks
 from phase_timer.runinfo import loader_info, precision_name
-from phase_timer.outputs.sinks import next_version_dir
 from phase_timer.timing.stats import RunTotals
 from phase_timer.doors.timed_loader import TimedLoader
-from phase_timer.outputs.user_sinks import check_sinks, with_user_sinks
+from phase_timer.outputs.user_sinks import check_sinks
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
-
-try:
-    from phase_timer._native import LoopHooks as _LoopHooks
-except ImportError:  # not built: the hooks are the methods themselves
-    _LoopHooks = None
-
-#: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
-_HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
 _NONE: Callable[[], None] = lambda: None  # noqa: E731 - a dead weak reference's answer
 
@@ -117,17 +104,12 @@ class LoopTimer(Door, PlainHooks):
         self.loader = TimedLoader(self, loader) if loader is not None and (self.enabled or copy_to_device) else loader
         if self.enabled:
             self.core = start_core(
-                config, self.device, door="loop", window=config.window or 50, outputs=self._outputs(writer),
+                config, self.device, door="loop", window=config.window or 50, outputs=door_outputs(writer, config, self._user_sinks),
                 context=dict(loader=loader_info(loader), optimizers=optimizer_info(self.optimizers)),
             )
             self.log_dir = self.core.log_dir
             self.is_rank_zero = self.core.ranks is None or self.core.ranks.rank == 0
-            hint = (
-                "call timer.end_step() where each step ends (end_step='manual')" if end_step == "manual" else
-                "the attached optimizers' step() never ran; attach the optimizer the loop steps (an optimizer "
-                "that steps another is followed through its `base_optimizer`), or use end_step='manual'"
-            )
-            self._bounds = Boundaries(self.core, no_end_hint=hint)
+            self._bounds = Boundaries(self.core, no_end_hint=no_end_hint(end_step))
             if self._bounds.flops is not None:  # a FLOP count starts on the loop's thread only, once it is known
                 me = weakref.ref(self)
                 self._bounds.flops.may_count = lambda: (t := me()) is not None and t._thread == threading.get_ident()
@@ -142,19 +124,6 @@ class LoopTimer(Door, PlainHooks):
     def _first_param(self) -> torch.nn.Parameter | None:
         """The models' first parameter: its device is the default device, its dtype the weights' precision."""
         return next((p for model in self.models for p in model.parameters()), None)
-
-    def _outputs(self, writer: SummaryWriter | None) -> Any:
-        """Where rank zero's values go: the user's SummaryWriter, or an event file of our own in
-        ``log_dir`` (default ``phase-timer-logs/version_N``); a directory that cannot be written fails here."""
-
-        def outputs(ranks: bool) -> Outputs:
-            if writer is not None:
-                sink = writer_sink(writer, self.config, ranks=ranks, name="SummaryWriter")
-                return Outputs([sink], writer.log_dir, writer.log_dir)
-            log_dir = next_version_dir(self.config.log_dir or DEFAULT_LOG_DIR)
-            return own_event_file(log_dir, config=self.config, ranks=ranks, fail_fast=True)
-
-        return with_user_sinks(outputs, self._user_sinks, self.config.owner)
 
     # -- hooks ----------------------------------------------------------------------
     def _install(self) -> None:
@@ -172,26 +141,12 @@ class LoopTimer(Door, PlainHooks):
             self._patches.replace(self._scaler, "update", ending_at(
                 self._scaler.update, lambda: self._bounds if self._end_on_optimizer else None))
 
-    def _hooks_in_c(self) -> None:
-        """Each hook body's usual case in one C call (``_native.LoopHooks``), where it is built: the methods of
-        :class:`PlainHooks` stay the one definition, and the C ones call them for anything else.  An instance attribute each, so
-        that the hooks installed and the loader wrapper take them (in a real loop a Python body costs ~1-2 µs
-        of frames and attribute lookups: ``docs/benchmarks.md``)."""
-        if _LoopHooks is None or not native_wanted():
-            return
-        own = tuple(getattr(type(self), name).__get__(self) for name in _HOOK_BODIES)
-        hooks = _LoopHooks(self, self._bounds, _grad_enabled, time, own)
-        for name, fn in zip(_HOOK_BODIES, (hooks.fetch, hooks.on_batch, hooks.forward, hooks.backward_began,
-                                           hooks.backward_ended, hooks.optimizer_end)):
-            setattr(self, name, fn)
-
     def detach(self) -> None:
         """Remove every hook: the model, optimizers, scaler and ``torch.autograd.backward`` are left as they were."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for probe in self.__dict__.pop("_comm", ()):
-            probe.remove(self.__dict__.get("core"))
+        self._drop_comm(self.__dict__.get("core"))
         if self._listening:
             backward_calls.unlisten(self)
             self._listening = False
@@ -214,8 +169,7 @@ class LoopTimer(Door, PlainHooks):
         interrupted = interrupted or (self.core is not None and self.core.oom is not None)
         self._closing()
         self.detach()
-        for name in _HOOK_BODIES:  # the C hooks hold the boundaries (and this timer: a cycle): gone with them
-            self.__dict__.pop(name, None)
+        self._hooks_in_python()
         core, self.core = self.core, None
         bounds, self._bounds = self._bounds, None
         if core is None or bounds is None:

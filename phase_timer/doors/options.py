@@ -7,6 +7,11 @@ which Python and its tools read, and hands its arguments here as they came
 The door's docstring takes each argument's entry from here (:func:`entries`); what is the door's
 own -- its window's name and default, where its files go -- the door says itself.
 ``tests/test_options.py`` holds each door's signature to these fields.
+
+The names are spelled in each signature, not generated from here: a ``__signature__`` made from these fields
+over ``**kwargs`` would show the same in ``inspect.signature`` and ``help()``, but type checkers and editors read
+the source, and would see ``**kwargs`` with no name, type or default (``Unpack`` of a TypedDict gives names and
+types, not defaults, and would be a second copy of them).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ pause               a forward with grad disabled in eval mode (or between steps)
 The bodies test the usual case first (the loop's thread, known), then the full rule: a few µs a
 step in a real loop, where every attribute and call costs several times its price in a hot loop.
 Where C is built, ``_native.LoopHooks`` does the usual case of six of them in one call
-(``LoopTimer._hooks_in_c``) and calls these for anything else: they stay the one definition.
+(:meth:`PlainHooks._hooks_in_c`) and calls these for anything else: they stay the one definition.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from phase_timer.measures import oom
-from phase_timer._env import warn_once
+from phase_timer._env import native_wanted, warn_once
 from phase_timer.measures.comm.run import CARRIED as COMM_CARRIED
 from phase_timer.phases import BETWEEN, HOST_PHASES, PAUSED, STEP_PHASES, TOTALS
 from phase_timer.measures.step_flops import CARRIED as FLOP_VALUES
@@ -53,6 +53,14 @@ if TYPE_CHECKING:
     from phase_timer.run.core import TimingCore
 
 log = logging.getLogger(__name__)
+
+try:
+    from phase_timer._native import LoopHooks as _LoopHooks
+except ImportError:  # not built: the hooks are the methods themselves
+    _LoopHooks = None
+
+#: The hook bodies that LoopHooks does in C in the usual case (each calls its method for any other).
+_HOOK_BODIES = ("_fetch", "_on_batch", "_on_forward", "_backward_began", "_backward_ended", "_on_optimizer_end")
 
 _grad_enabled = torch.is_grad_enabled
 #: A built-in's name would merge into it; a carried value's (throughput's, FLOPs', communication's) would be taken out of it.
@@ -89,6 +97,24 @@ class PlainHooks:
     core: TimingCore | None
     device: torch.device
     optimizers: list[torch.optim.Optimizer]
+
+    def _hooks_in_c(self) -> None:
+        """Each hook body's usual case in one C call (``_native.LoopHooks``), where it is built: these methods stay
+        the one definition, and the C ones call them for anything else.  An instance attribute each, so that the
+        hooks installed and the loader wrapper take them (in a real loop a Python body costs ~1-2 µs of frames and
+        attribute lookups: ``docs/benchmarks.md``)."""
+        if _LoopHooks is None or not native_wanted():
+            return
+        own = tuple(getattr(type(self), name).__get__(self) for name in _HOOK_BODIES)
+        hooks = _LoopHooks(self, self._bounds, _grad_enabled, time, own)
+        for name, fn in zip(_HOOK_BODIES, (hooks.fetch, hooks.on_batch, hooks.forward, hooks.backward_began,
+                                           hooks.backward_ended, hooks.optimizer_end)):
+            setattr(self, name, fn)
+
+    def _hooks_in_python(self) -> None:
+        """The run's end: the C hooks hold the boundaries (and the timer: a cycle), so they go with it."""
+        for name in _HOOK_BODIES:
+            self.__dict__.pop(name, None)  # type: ignore[attr-defined] - the timer's (LoopTimer has one)
 
     def _loader_here(self) -> bool:
         """The loader is iterated on the training loop's thread (else its fetches are not the loop's)."""

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from phase_timer.measure import Measure
 from phase_timer.phases import PAUSED
 
 #: The warning torch raises for each synchronizing operation while the check is on.
@@ -278,6 +279,51 @@ def _cause(short: str, function: str, text: str) -> str | None:
         if short.endswith(path) and (fn is None or fn == function) and (snippet is None or snippet in text):
             return cause
     return None
+
+
+class Syncs(Measure):
+    """The census as a measure: what it heard on its warm-up step, for the summary file (``syncs``), the table, the
+    verdict's rules (``diagnose(syncs=...)``) and the doors' ``syncs`` and ``sync_census``.
+
+    The boundaries run the census (:class:`phase_timer.run.census_steps.CensusSteps`, on the measure that listens
+    to their core): they set :attr:`status` where it cannot run, and hand it the census when it has (:meth:`add`).
+    Nothing here runs on a step: a run without its census (a core made without this measure) has no block.
+    """
+
+    key = "syncs"
+    #: The table puts this line under the run's own (memory, own cost), not among the measures' lines.
+    foot = True
+
+    def __init__(self) -> None:
+        #: "done", or why the census did not run.
+        self.status = "not run"
+        #: The warm-up step it ran on (the name ``step`` is the protocol's hook).
+        self.warmup_step: int | None = None
+        self.sites: list[SyncSite] = []
+        self.count = 0
+        #: Syncs on that step that were no step's: other threads outside backward, pauses (evaluation, saves).
+        self.other_threads = 0
+        self.paused = 0
+
+    def add(self, census: SyncCensus, step: int) -> None:
+        """What the census heard on warm-up step ``step``."""
+        if census.status == "not run":
+            self.status = "not run: the run ended before its last warm-up step"
+            return
+        self.status = census.status
+        if census.status == "done":
+            self.warmup_step, self.sites, self.count = step, list(census.sites), census.count
+            self.other_threads, self.paused = census.other_threads, census.paused
+
+    def summary(self) -> dict[str, Any]:
+        return {"census": self.status, "step": self.warmup_step, "count": self.count, "other_threads": self.other_threads,
+                "paused": self.paused, "sites": [site.as_dict() for site in self.sites]}
+
+    def line(self) -> str | None:
+        return format_census(self.status, self.warmup_step, self.sites, self.count, self.paused)
+
+    def verdict(self) -> dict[str, Any]:
+        return {"syncs": self}
 
 
 def format_census(status: str, step: int | None, sites: list[SyncSite], count: int, paused: int = 0) -> str | None:

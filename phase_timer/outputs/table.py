@@ -8,7 +8,6 @@ from typing import Any
 
 from phase_timer.diagnosis import format_verdict
 from phase_timer.distributed.rank_view import format_rank_table
-from phase_timer.measures.syncs import format_census
 
 from phase_timer.measures.memory import BEFORE, BEFORE_NOTE
 from phase_timer.phases import BETWEEN, BETWEEN_PREFIX, COMM_PARTS, HOST_PHASES, ordered, share_base
@@ -180,11 +179,10 @@ def run_table(core: Any, title: str = "phase-timer") -> str:
                            title=title if ranks is None else f"{title} (rank {ranks.rank})")
     if ranks is not None and ranks.totals is not None:
         table += "\n\n" + format_rank_table(ranks.totals, title=title)
-    sig = core.signals
-    lines = [measure.line() for measure in core.measures]
+    lines = [measure.line() for measure in core.measures if not measure.foot]
     memory = core.measure("memory")  # its block, under the measures' lines
-    lines += [format_memory(memory.summary() if memory is not None else None), core.own_cost_line(),
-              format_census(sig.census, sig.census_step, sig.syncs, sig.sync_count, sig.sync_paused)]
+    lines += [format_memory(memory.summary() if memory is not None else None), core.own_cost_line()]
+    lines += [measure.line() for measure in core.measures if measure.foot]  # the sync census's
     if core.diagnosis is not None and (core.totals.steps or core.oom is not None):
         lines.append(format_verdict(core.diagnosis))
     lines.append(core.files_line())

@@ -1,8 +1,9 @@
 """The boundaries' side of the sync census: on the last warm-up step, from the close before it to its own.
 
 The census itself (:class:`phase_timer.measures.syncs.SyncCensus`) turns torch's sync debug mode on and hears
-each host-device sync in the phase the boundaries say runs; :class:`CensusSteps` starts and stops it at the
-closes, on the boundaries' slots (``_census``; ``_census_at``: the close, 1-based, at which it starts, then stops,
+each host-device sync in the phase the boundaries say runs, and what it heard goes to the measure that listens to
+the core (:class:`phase_timer.measures.syncs.Syncs`; a core without one runs no census); :class:`CensusSteps`
+starts and stops it at the closes, on the boundaries' slots (``_census``; ``_census_at``: the close, 1-based, at which it starts, then stops,
 which the C boundaries read to leave that close to the methods).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phase_timer.measures.syncs import SyncCensus
+from phase_timer.measures.syncs import SyncCensus, Syncs
 
 
 class CensusSteps:
@@ -22,10 +23,13 @@ class CensusSteps:
         """Where the census runs (device clock, two warm-up steps at least), or why it does not."""
         self._census: SyncCensus | None = None
         self._census_at = -1
+        syncs = core.measure(Syncs.key)
+        if syncs is None:  # no measure listens for it
+            return
         if core.clock.kind == "host":
-            core.signals.census = "not run: no device (host clock)"
+            syncs.status = "not run: no device (host clock)"
         elif warmup < 2:
-            core.signals.census = f"not run: it needs a warm-up step after the first (warmup_steps={warmup} < 2)"
+            syncs.status = f"not run: it needs a warm-up step after the first (warmup_steps={warmup} < 2)"
         else:
             self._census, self._census_at = SyncCensus(self.now), warmup - 1
 
@@ -47,4 +51,4 @@ class CensusSteps:
         census, self._census, self._census_at = self._census, None, -1
         if census is not None:
             census.stop()
-            self.core.signals.add_census(census, self.core.warmup_steps)
+            self.core.measure(Syncs.key).add(census, self.core.warmup_steps)
