@@ -1,0 +1,774 @@
+"""Which module: each module's forward and backward time and the activation memory it keeps, on sampled steps.
+
+The phases say *that* backward is 65% of the step; this measure says *which part of the model* it is.  On a
+sampled step (:data:`DENSE` of them early, then one in about :data:`GAP_MEAN`) hooks are put on the model's
+modules at the step's begin and taken off at its close; the ordinary step has no hook at all.  The step is due
+the way a memory step is (``Boundaries._mod_due``: the C boundaries hand a step that is due to Python, one
+comparison a step), so an ordinary step pays nothing in Python.
+
+What a hook does, on the run's clock (CUDA events on the current stream; the host's perf counter on a CPU):
+
+- **forward**: a module's forward pre-hook and forward hook each take a mark; the time between is its forward (on
+  the device: between its first and last kernel's enqueue points on the stream).  A module called twice in a step
+  (shared weights, recurrence) sums its calls.
+- **backward**, with no hook that wraps a tensor: the forward hook walks the autograd nodes the module's forward made
+  (from its outputs' ``grad_fn`` back to nodes made before it began, or to a parameter's ``AccumulateGrad``) and
+  puts a pre-hook (``Node.register_prehook``) on its outputs' nodes and a post-hook (``Node.register_hook``) on the
+  nodes at its edge.  The backward is from the first output node about to run to the last edge node done: the
+  gradients for its outputs, then those for its inputs and parameters.  Full backward hooks
+  (``register_full_backward_hook``) are not used: they wrap inputs and outputs in a ``BackwardHookFunction`` that
+  makes an in-place op on an output fail.  A node is recognised as the module's by its sequence number, which
+  autograd gives in creation order: greater than every input's node.  Tensors the module uses without taking them
+  as inputs (a cache made earlier) are outside it, as they should be.
+- **activations** (CUDA): the caching allocator's ``allocated`` after the forward less before it (one read of its
+  counters, no sync): what the forward left allocated, its output and what autograd saved for backward.  On a CPU
+  there is no allocator to read: not measured (absent, never zero).
+- **activation checkpointing**: a forward that runs while autograd runs a backward is a *recompute*: reported as
+  ``recompute_ms``, never added to forward.  Non-reentrant checkpointing (``use_reentrant=False``) keeps the graph,
+  so a checkpointed module's backward is measured and includes its recompute; with reentrant checkpointing the
+  first forward runs without grad, and a module inside the region has no backward of its own (its enclosing
+  module's has it).
+- **torch.compile and CUDA graphs**: no hook fires inside a compiled region or a graph replay.  A compiled model
+  (``torch.compile(model)``, ``model.compile()``) is not measured, and the table and the summary file say so; a
+  compiled submodule is left out with everything under it, named.  Never a wrong number.
+
+Marks are resolved lazily: a sample is read at a window's end once its every mark is done (``clock.done``, a
+query),
+and at the run's end after the engine's drain; nothing here waits for the device.
+
+Cost: on a sampled step, registering ~100 hooks, the graph walk and two marks a module call (a 12-layer GPT-2 with
+the default tree: ~40 modules); ``benchmarks/modules_cost.py`` measures a sampled step's host time and the
+amortized cost a step.  ``docs/modules.md`` says what is measured and what is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from phase_timer._env import warn
+from phase_timer.measure import Measure
+
+log = logging.getLogger(__name__)
+
+#: The first DENSE steps after the warm-up sampled come DENSE_GAP steps apart (a short run gets a figure) ...
+DENSE = 4
+DENSE_GAP = 8
+#: ... on the device's clock.  On the host clock a sampled step's phases hold its hooks' host time (the host clock
+#: is the work), which would make every window of a cheap step read spiky (UNSTABLE): there, HOST_DENSE of them.
+HOST_DENSE = 0
+#: ... then one in GAP (at random in it, so that no periodic work aliases with the samples): a mean of 256 steps.
+GAP = (160, 352)
+GAP_MEAN = sum(GAP) // 2
+#: The generator's seed: the same steps sampled in every run (a recorded run stays the same).
+SEED = 50
+#: Samples kept per module for the summary file's raw values (the most recent).
+RAW_KEPT = 32
+#: A Linear head with at least this many outputs is a vocabulary head (the advice differs).
+VOCAB_OUTPUTS = 8192
+#: How deep the default tree looks for repeated blocks under a top-level child.
+DEFAULT_SEARCH = 4
+#: The table names this many modules of each of forward and backward.
+TABLE_TOP = 3
+PREFIX = "phase_module"
+MB = float(1 << 20)
+#: Said when no sample could be resolved (the summary's note; the table's line).
+NOT_COMPILED_NOTE = ("hooks do not fire inside a compiled region (torch.compile) or a CUDA graph's replay, so its "
+                     "modules' times are not known here; a run without compile measures them")
+
+
+def tag_key(key: str) -> str:
+    """A row's name as every sink takes it (MLflow allows no brackets): ``h[0-11]`` -> ``h.0-11``, ``[*]`` -> ``.all``."""
+    return re.sub(r"\[(\d+)-(\d+)\]", r".\1-\2", key).replace("[*]", ".all")
+
+
+def check_modules(owner: str, name: str, value: Any) -> None:
+    """``modules``: True (the default tree), False (off), an int depth >= 1, or a list of module names."""
+    from phase_timer.config import _fail
+
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if value < 1:
+            _fail(owner, name, value, "True, False, a depth (an int >= 1) or a list of module names")
+        return
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return
+    _fail(owner, name, value, "True, False, a depth (an int >= 1) or a list of module names (non-empty strings)")
+
+
+# -- the tree ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One row of the tree: a module, or repeated blocks (``h[0-11]``) or their like children summed."""
+
+    key: str
+    parent: str | None
+    kind: str  # what the advice is for: attention, vocab_head, embedding, conv, norm, mlp, block, other
+    modules: int = 0  # module objects summed in this row
+
+
+@dataclass
+class Tree:
+    """What a sampled step hooks: each module object (weakly: the run never keeps a model alive, nor through it the
+    door that hooks it) and the row it adds to, and the rows in display order."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    targets: list[tuple[weakref.ref[nn.Module], str]] = field(default_factory=list)
+    #: Modules left out because they are compiled (their names), and whether the whole model is.
+    compiled: list[str] = field(default_factory=list)
+    whole_compiled: bool = False
+
+    def add(self, module: nn.Module, key: str, parent: str | None, name: str) -> None:
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = Entry(key, parent, module_kind(module, name))
+        entry.modules += 1
+        self.targets.append((weakref.ref(module), key))
+
+    def modules(self) -> list[tuple[nn.Module, str]]:
+        """The hooked modules still alive, with their rows."""
+        return [(m, key) for ref, key in self.targets if (m := ref()) is not None]
+
+
+def module_kind(module: nn.Module, name: str) -> str:
+    """What kind of module this is, for the advice: from its class and its name."""
+    cls = type(module).__name__.lower()
+    low = name.lower().rsplit(".", 1)[-1]
+    if isinstance(module, nn.Embedding) or isinstance(module, nn.EmbeddingBag):
+        return "embedding"
+    if isinstance(module, nn.Linear) and module.out_features >= VOCAB_OUTPUTS:
+        return "vocab_head"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if "attn" in cls or "attention" in cls or "attn" in low or "attention" in low:
+        return "attention"
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)) or "norm" in cls:
+        return "norm"
+    if "mlp" in cls or "mlp" in low or "feedforward" in cls or low in ("ffn", "ff", "feed_forward"):
+        return "mlp"
+    if "embed" in cls or low in ("wte", "wpe"):
+        return "embedding"
+    return "other"
+
+
+def compiled_module(module: nn.Module) -> bool:
+    """The module runs compiled: ``torch.compile(module)`` (an ``OptimizedModule``) or ``module.compile()``."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def _repeated(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """A container's children when they are two or more blocks of one class (a ModuleList of layers), else None."""
+    if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        return None
+    kids = list(module.named_children())
+    if len(kids) < 2 or len({type(m) for _, m in kids}) != 1 or not any(True for _ in kids[0][1].children()):
+        return None
+    return kids
+
+
+def _span(names: Sequence[str]) -> str:
+    """``[0-11]`` for indices in a row, else ``[*]``."""
+    if all(n.isdigit() for n in names):
+        idx = [int(n) for n in names]
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            return f"[{idx[0]}-{idx[-1]}]"
+    return "[*]"
+
+
+def _holds_blocks(module: nn.Module, depth: int) -> bool:
+    if depth <= 0:
+        return False
+    return any(_repeated(c) is not None or _holds_blocks(c, depth - 1) for c in module.children())
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's model under DDP's or DataParallel's wrapper."""
+    for _ in range(4):
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+            model = inner
+        else:
+            break
+    return model
+
+
+def build_tree(models: Sequence[nn.Module], spec: Any, owner: str = "attach") -> Tree:
+    """The rows a sampled step measures, for ``modules=spec`` (True, an int depth, or names).
+
+    Default (True): each model's top-level children; a child that holds repeated blocks is opened (``transformer``
+    -> ``transformer.wte``, ``transformer.h[0-11]``...), and repeated blocks are one row with each of their children
+    summed over the blocks (``transformer.h[0-11].attn``).  Several models: each one's rows under ``<i>.``."""
+    tree = Tree()
+    roots = [_unwrap(m) for m in models]
+    for i, root in enumerate(roots):
+        prefix = f"{i}." if len(roots) > 1 else ""
+        if compiled_module(root):
+            tree.whole_compiled = True
+            tree.compiled.append(prefix.rstrip(".") or type(root).__name__)
+            continue
+        if isinstance(spec, (list, tuple)):
+            _named(tree, root, list(spec), prefix, owner)
+        elif spec is True:
+            _default(tree, root, prefix.rstrip("."), None, DEFAULT_SEARCH)
+        else:
+            _depth(tree, root, prefix.rstrip("."), None, int(spec))
+    return tree
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _children(tree: Tree, module: nn.Module, prefix: str) -> Iterable[tuple[str, nn.Module]]:
+    """A module's children with their paths; a compiled one is left out, named in ``tree.compiled``."""
+    for name, child in module.named_children():
+        path = _join(prefix, name)
+        if compiled_module(child):
+            tree.compiled.append(path)
+        else:
+            yield path, child
+
+
+def _default(tree: Tree, module: nn.Module, prefix: str, parent: str | None, search: int) -> None:
+    for path, child in _children(tree, module, prefix):
+        blocks = _repeated(child)
+        if blocks is not None:
+            _blocks(tree, path, blocks, parent, sub=1)
+        elif _holds_blocks(child, search):
+            tree.add(child, path, parent, path)
+            _default(tree, child, path, path, search - 1)
+        else:
+            tree.add(child, path, parent, path)
+
+
+def _blocks(tree: Tree, path: str, blocks: list[tuple[str, nn.Module]], parent: str | None, sub: int) -> None:
+    """Repeated blocks as one row, and ``sub`` levels of their children summed across them."""
+    key = path + _span([n for n, _ in blocks])
+    for _, block in blocks:
+        if compiled_module(block):
+            tree.compiled.append(key)
+            return
+    for _, block in blocks:
+        tree.add(block, key, parent, key)
+    if sub > 0:
+        for _, block in blocks:
+            for cname, child in block.named_children():
+                if compiled_module(child):
+                    if _join(key, cname) not in tree.compiled:
+                        tree.compiled.append(_join(key, cname))
+                    continue
+                tree.add(child, _join(key, cname), key, _join(key, cname))
+
+
+def _depth(tree: Tree, module: nn.Module, prefix: str, parent: str | None, depth: int) -> None:
+    if depth <= 0:
+        return
+    for path, child in _children(tree, module, prefix):
+        blocks = _repeated(child)
+        if blocks is not None:
+            key = path + _span([n for n, _ in blocks])
+            _blocks(tree, path, blocks, parent, sub=0)
+            for _, block in blocks if depth > 1 else ():  # each block's children under the blocks' row, summed
+                _depth(tree, block, key, key, depth - 1)
+        else:
+            tree.add(child, path, parent, path)
+            _depth(tree, child, path, path, depth - 1)
+
+
+def _named(tree: Tree, root: nn.Module, names: list[str], prefix: str, owner: str) -> None:
+    from phase_timer.config import _fail
+
+    known = dict(root.named_modules())
+    for name in names:
+        module = known.get(name)
+        if module is None or name == "":
+            import difflib
+
+            close = difflib.get_close_matches(name, [n for n in known if n], n=3)
+            hint = f"; close: {', '.join(close)}" if close else f"; e.g. {', '.join(list(known)[1:4])}"
+            _fail(owner, "modules", names, f"names of the model's modules (model.named_modules()){hint}",
+                  f": {name!r} is not one")
+        if compiled_module(module):
+            tree.compiled.append(prefix + name)
+            continue
+        parent = next((p for p in sorted(names, key=len, reverse=True) if p != name and name.startswith(p + ".")), None)
+        tree.add(module, prefix + name, prefix + parent if parent else None, name)
+
+
+# -- one sampled step ------------------------------------------------------------------------------
+
+
+def _graph_task() -> int:
+    """-1 outside autograd's backward; else the running backward's id (a forward then is a recompute)."""
+    return torch._C._current_graph_task_id()
+
+
+def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """The tensors in a module's inputs or outputs: a tensor, or inside tuples, lists and dicts (two levels)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for v in obj:
+            _tensors(v, out, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out, depth + 1)
+    return out
+
+
+class _Call:
+    """One call's backward: the first output node about to run, the last edge node done."""
+
+    __slots__ = ("key", "begin", "end")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.begin: Any = None
+        self.end: Any = None
+
+
+class Sample:
+    """One sampled step's hooks and marks, until its marks are read."""
+
+    def __init__(self, measure: ModuleTimes, step: int) -> None:
+        self.m = measure
+        self.step = step
+        self.handles: list[Any] = []
+        self.stack: list[tuple[str, Any, int | None, int, int]] = []  # key, mark, allocated, input seq, task
+        self.forward: list[tuple[str, Any, Any]] = []
+        self.recompute: list[tuple[str, Any, Any]] = []
+        self.calls: list[_Call] = []
+        self.activation: dict[str, float] = {}
+        self.marks: list[Any] = []  # every mark taken, in order: all done -> the sample can be read
+        self.host_ns = 0
+        self.failed: str | None = None
+
+    # hooks -------------------------------------------------------------------------------------
+    def install(self, tree: Tree) -> None:
+        for module, key in tree.modules():
+            self.handles.append(module.register_forward_pre_hook(self._pre(key), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post(key), with_kwargs=True, always_call=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.stack = []
+
+    def _mark(self) -> Any:
+        mark = self.m.clock.mark()
+        self.marks.append(mark)
+        return mark
+
+    def _pre(self, key: str) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            t0 = time.perf_counter_ns()
+            try:
+                seq = -1
+                if torch.is_grad_enabled():
+                    for t in _tensors(args, _tensors(kwargs, [])):
+                        fn = t.grad_fn
+                        if fn is not None:
+                            seq = max(seq, fn._sequence_nr())
+                read = self.m.allocated
+                self.stack.append((key, self._mark(), read() if read is not None else None, seq, _graph_task()))
+            except Exception as err:  # noqa: BLE001 - the timer must never break training
+                self.fail(err)
+            self.host_ns += time.perf_counter_ns() - t0
+
+        return pre
+
+    def _post(self, key: str) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            t0 = time.perf_counter_ns()
+            try:
+                self._after(key, output)
+            except Exception as err:  # noqa: BLE001 - the timer must never break training
+                self.fail(err)
+            self.host_ns += time.perf_counter_ns() - t0
+
+        return post
+
+    def _after(self, key: str, output: Any) -> None:
+        if not self.stack or self.stack[-1][0] != key:  # a call whose pre-hook failed, or an odd nesting: skip it
+            return
+        _, begin, before, seq, task = self.stack.pop()
+        end = self._mark()
+        if task != -1:  # inside a backward: checkpointing's recompute, never forward's
+            self.recompute.append((key, begin, end))
+            return
+        self.forward.append((key, begin, end))
+        read = self.m.allocated
+        if before is not None and read is not None:
+            self.activation[key] = self.activation.get(key, 0.0) + (read() - before) / MB
+        if torch.is_grad_enabled():
+            self._backward_hooks(key, output, seq)
+
+    def _backward_hooks(self, key: str, output: Any, seq: int) -> None:
+        """Pre-hooks on the outputs' nodes (backward begins), post-hooks on the module's edge nodes (it ends)."""
+        outs = []
+        for t in _tensors(output, []):
+            fn = t.grad_fn
+            if fn is not None and type(fn).__name__ != "AccumulateGrad" and fn._sequence_nr() > seq and fn not in outs:
+                outs.append(fn)
+        if not outs:
+            return
+        call = _Call(key)
+        edge = []
+        seen = set()
+        todo = list(outs)
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            at_edge = False
+            for nxt, _ in node.next_functions:
+                if nxt is None:
+                    continue
+                if type(nxt).__name__ == "AccumulateGrad" or nxt._sequence_nr() <= seq:
+                    at_edge = True
+                elif nxt not in seen:
+                    todo.append(nxt)
+            if at_edge:
+                edge.append(node)
+        if not edge:  # nothing reaches a parameter or an input: the outputs' nodes end it
+            edge = outs
+
+        def begins(grad_outputs: Any) -> None:
+            if call.begin is None:
+                call.begin = self._mark()
+
+        def ends(grad_inputs: Any, grad_outputs: Any) -> None:
+            call.end = self._mark()
+
+        for fn in outs:
+            self.handles.append(fn.register_prehook(begins))
+        for fn in edge:
+            self.handles.append(fn.register_hook(ends))
+        self.calls.append(call)
+
+    def fail(self, err: Exception) -> None:
+        if self.failed is None:
+            self.failed = f"{type(err).__name__}: {err}"
+
+    # results -----------------------------------------------------------------------------------
+    def done(self) -> bool:
+        clock = self.m.clock
+        return all(clock.done(m) for m in self.marks)
+
+    def values(self) -> dict[str, dict[str, float]]:
+        """Per row: forward_ms, backward_ms (when its backward ran), recompute_ms, activation_mb, calls."""
+        ms = self.m.clock.elapsed_ms
+        out: dict[str, dict[str, float]] = {}
+        for key, a, b in self.forward:
+            row = out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})
+            row["forward_ms"] += ms(a, b)
+            row["calls"] += 1
+        for call in self.calls:
+            if call.begin is not None and call.end is not None:
+                row = out.setdefault(call.key, {"forward_ms": 0.0, "calls": 0.0})
+                row["backward_ms"] = row.get("backward_ms", 0.0) + max(0.0, ms(call.begin, call.end))
+        for key, a, b in self.recompute:
+            row = out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})
+            row["recompute_ms"] = row.get("recompute_ms", 0.0) + ms(a, b)
+        for key, mb in self.activation.items():
+            out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})["activation_mb"] = mb
+        return out
+
+    def release(self) -> None:
+        self.m.clock.release(self.marks)
+        self.marks = []
+
+
+# -- the measure ------------------------------------------------------------------------------------
+
+
+class _Stat:
+    __slots__ = ("n", "total", "raw")
+
+    def __init__(self) -> None:
+        self.n, self.total = 0, 0.0
+        self.raw: list[float] = []
+
+    def add(self, v: float) -> None:
+        self.n += 1
+        self.total += v
+        self.raw.append(v)
+        if len(self.raw) > RAW_KEPT:
+            del self.raw[0]
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+
+class ModuleTimes(Measure):
+    """Per module of the model: forward and backward time and activations, on sampled steps (see the module).
+
+    The boundaries call :meth:`begin` when a step at or after :attr:`next_due` begins (a plain step, past the
+    warm-up), and :meth:`close` (or :meth:`drop`) when it closes; the core hears the results as any measure."""
+
+    key = "modules"
+
+    def __init__(self, models: Iterable[nn.Module], spec: Any = True, *, clock: Any,
+                 allocated: Callable[[], int] | None = None, warmup_steps: int = 0, owner: str = "attach",
+                 dense: int = DENSE) -> None:
+        self.spec = spec
+        self.clock = clock
+        #: The allocator's allocated bytes now (no sync); None: activations are not measured (the CPU).
+        self.allocated = allocated
+        self.tree = build_tree(list(models), spec, owner)  # the models are not kept: the tree holds its modules weakly
+        self._rng = random.Random(SEED)
+        self._next = warmup_steps + 2  # steps begun, 1-based: past the warm-up and its first timed step
+        self._dense = 0
+        self._dense_n = dense  # steps sampled DENSE_GAP apart before the sparse gap
+        self.sample: Sample | None = None
+        self._pending: list[Sample] = []
+        self.samples = 0  # read
+        self.dropped = 0
+        self.stats: dict[str, dict[str, _Stat]] = {}
+        self._window: dict[str, dict[str, float]] = {}  # the last sample read since the last window
+        #: Host time spent on samples (hooks, walk, marks, registration) and the steps begun, for the cost.
+        self.own_ns = 0
+        self.steps_begun = 0
+        self.failed: str | None = None
+        self.ended = False  # the run's end was heard (`end`): the verdict reads the block from then on
+        self.shares: dict[str, dict[str, float]] = {}
+        self._phase_ms: dict[str, float] = {}
+
+    @property
+    def active(self) -> bool:
+        """Anything to hook (not turned off, not a compiled model)."""
+        return bool(self.tree.targets) and self.failed is None
+
+    @property
+    def next_due(self) -> int:
+        """The step (begun, 1-based) to sample next (a very large number: never)."""
+        return self._next if self.active else 1 << 62
+
+    # -- the boundaries ---------------------------------------------------------------------------
+    def begin(self, begun: int, step: int) -> bool:
+        """A sampled step begins: hooks on.  False: not sampled (failed)."""
+        t0 = time.perf_counter_ns()
+        self._schedule(begun)
+        sample = Sample(self, step)
+        try:
+            sample.install(self.tree)
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            sample.remove()
+            self._fail(err)
+            return False
+        self.sample = sample
+        self.own_ns += time.perf_counter_ns() - t0
+        return True
+
+    def _schedule(self, begun: int) -> None:
+        if self._dense < self._dense_n:
+            self._dense += 1
+            self._next = begun + DENSE_GAP
+        else:
+            self._next = begun + self._rng.randint(*GAP)
+
+    def close(self, recorded: bool) -> None:
+        """The sampled step closed (``recorded``: its phases were timed): hooks off, its marks wait to be read."""
+        t0 = time.perf_counter_ns()
+        sample, self.sample = self.sample, None
+        if sample is None:
+            return
+        sample.remove()
+        if sample.failed is not None:
+            self._fail(RuntimeError(sample.failed))
+        if recorded and sample.failed is None and sample.forward:
+            self._pending.append(sample)
+        else:
+            self.dropped += 1
+            sample.release()
+        self.own_ns += time.perf_counter_ns() - t0 + sample.host_ns
+
+    def drop(self) -> None:
+        """The step was dropped or paused: what its hooks measured is not a training step's."""
+        self.close(False)
+
+    def _fail(self, err: Exception) -> None:
+        self.failed = f"{type(err).__name__}: {err}"
+        warn(log, f"phase-timer: modules are no longer measured ({self.failed}); the time phases go on", 4)
+
+    def _read(self, final: bool = False) -> dict[str, dict[str, float]]:
+        """The pending samples whose marks are all done (a query each; never a wait): folded in."""
+        last: dict[str, dict[str, float]] = {}
+        keep = []
+        for sample in self._pending:
+            if not sample.done():
+                if not final:
+                    keep.append(sample)
+                else:
+                    sample.release()
+                continue
+            vals = sample.values()
+            sample.release()
+            self.samples += 1
+            for key, row in vals.items():
+                stats = self.stats.setdefault(key, {})
+                for name, v in row.items():
+                    stats.setdefault(name, _Stat()).add(v)
+            last = vals
+        self._pending = keep
+        return last
+
+    # -- Measure -----------------------------------------------------------------------------------
+    def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
+        t0 = time.perf_counter_ns()
+        last = self._read() if self._pending else {}
+        out: dict[str, float] = {}
+        for key, row in last.items():
+            for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_mb"):
+                if name in row:
+                    out[f"{PREFIX}/{tag_key(key)}/{name}"] = row[name]
+        self.own_ns += time.perf_counter_ns() - t0
+        return out
+
+    def end(self, totals: Any) -> list[str]:
+        self._read(final=True)
+        phases = getattr(totals, "phases", {}) or {}
+        for phase in ("forward", "backward"):
+            t = phases.get(phase)
+            if t is not None and t.mean:
+                self._phase_ms[phase] = t.mean
+        self.steps_begun = getattr(totals, "steps", 0) or self.steps_begun
+        self.ended = True
+        return []
+
+    def verdict(self) -> dict[str, Any]:
+        """What the verdict's rules read (``diagnose``'s ``modules``): the summary block, at the run's end only.
+        Before it the shares of the run's phases are not known, and the live file's thread would walk the
+        statistics the training thread fills: the verdict so far goes without it."""
+        return {"modules": self.summary()} if self.ended else {}
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """Per row, in the tree's order: means over the samples, shares of the run's phases, kind and parent."""
+        out: dict[str, dict[str, Any]] = {}
+        for key, entry in self.tree.entries.items():
+            stats = self.stats.get(key)
+            if not stats:
+                continue
+            row: dict[str, Any] = {"kind": entry.kind, "parent": entry.parent, "modules": entry.modules}
+            for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_mb", "calls"):
+                s = stats.get(name)
+                row[name] = s.mean if s is not None else None
+            for phase in ("forward", "backward"):
+                v, base = row[f"{phase}_ms"], self._phase_ms.get(phase)
+                row[f"share_of_{phase}"] = v / base if v is not None and base else None
+            row["samples"] = stats["calls"].n if "calls" in stats else 0
+            row["raw"] = {n: list(s.raw) for n, s in stats.items() if n != "calls"}
+            out[key] = row
+        return out
+
+    def leaves(self, rows: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+        """The rows no other row is under: the most specific ones (their sum never counts a time twice)."""
+        rows = self.rows() if rows is None else rows
+        parents = {r["parent"] for r in rows.values()}
+        return {k: r for k, r in rows.items() if k not in parents}
+
+    def host_cost(self) -> dict[str, float] | None:
+        """Host time: a sampled step's (ms), and a step's amortized (µs); None before a sample.  (The summary
+        block's ``cost``; not :meth:`Measure.cost`, whose keywords are the own-cost line's.)"""
+        n = self.samples + self.dropped
+        if not n:
+            return None
+        per = self.own_ns / n / 1e6
+        return {"sampled_step_ms": per, "us_per_step": per * 1e3 / (GAP_MEAN if n > self._dense_n else max(1, DENSE_GAP))}
+
+    def note(self) -> str | None:
+        """Why some or all modules are not measured (None: nothing to say)."""
+        t = self.tree
+        if t.whole_compiled and not t.targets:
+            return f"not measured: the model is compiled (torch.compile); {NOT_COMPILED_NOTE}"
+        if t.compiled:
+            return f"not measured: {', '.join(t.compiled[:4])}{' ...' if len(t.compiled) > 4 else ''} (compiled); " + \
+                NOT_COMPILED_NOTE
+        if self.failed is not None:
+            return f"stopped: {self.failed}"
+        return None
+
+    def line(self) -> str | None:
+        note = self.note()
+        rows = self.leaves()
+        if not rows:
+            if note is not None:
+                return f"modules: {note}"
+            return None if self.spec is False else "modules: no sampled step was read (too few steps)"
+        parts = []
+        for phase in ("forward", "backward"):
+            top = sorted(((r[f"{phase}_ms"], k) for k, r in rows.items() if r[f"{phase}_ms"] is not None),
+                         reverse=True)[:TABLE_TOP]
+            shown = ", ".join(f"{k} {v:.2f} ms" + (f" ({_pct(rows[k][f'share_of_{phase}'])})"
+                                                   if rows[k][f"share_of_{phase}"] is not None else "")
+                              for v, k in top)
+            if shown:
+                parts.append(f"{phase}: {shown}")
+        text = f"modules ({self.samples} sampled steps, inclusive): " + "; ".join(parts)
+        act = sorted(((r["activation_mb"], k) for k, r in rows.items() if r["activation_mb"] is not None), reverse=True)
+        if act:
+            text += "; activations: " + ", ".join(f"{k} {v:.0f} MB" for v, k in act[:TABLE_TOP])
+        if note is not None:
+            text += f"; {note}"
+        return text
+
+    def summary(self) -> dict[str, Any] | None:
+        if self.spec is False:
+            return None
+        rows = self.rows()
+        cost = self.host_cost()
+        return {
+            "spec": self.spec if not isinstance(self.spec, tuple) else list(self.spec),
+            "clock": getattr(self.clock, "kind", None),
+            "samples": self.samples,
+            "dropped": self.dropped,
+            "activations": "measured" if self.allocated is not None else "not measured: no allocator counters on the host clock",
+            "inclusive": True,
+            "rows": rows,
+            "leaves": sorted(self.leaves(rows)),
+            "compiled": list(self.tree.compiled),
+            "note": self.note(),
+            "cost": cost,
+        }
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.0f}%"
+
+
+def make(models: Sequence[nn.Module], spec: Any, clock: Any, *, warmup_steps: int, owner: str) -> ModuleTimes | None:
+    """The measure for a run (None: ``modules=False`` or no model).  On CUDA, activations from the allocator's
+    counters (``torch._C._cuda_memoryStats``: no sync); a separate instance of the run's clock, so that the core's
+    stream bookkeeping never sees a module's mark."""
+    if spec is False or not models:
+        return None
+    allocated = None
+    own_clock = clock
+    if getattr(clock, "kind", None) == "cuda":
+        from phase_timer.measures.memory import cuda_reader
+
+        index = clock.device.index
+        reader = cuda_reader(index)
+        allocated = lambda: reader().allocated  # noqa: E731
+        own_clock = type(clock)(clock.device)
+    dense = DENSE if getattr(clock, "kind", None) != "host" else HOST_DENSE
+    return ModuleTimes(models, spec, clock=own_clock, allocated=allocated, warmup_steps=warmup_steps, owner=owner,
+                       dense=dense)
+
+
+__all__ = ["ModuleTimes", "Tree", "build_tree", "check_modules", "make"]

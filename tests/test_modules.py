@@ -1,0 +1,671 @@
+"""Which module (``phase_timer/measures/modules.py``), on the CPU: planted modules named and measured on the host
+clock, the tree (repeated blocks, nesting, shared weights), checkpointing, a compiled model, the sampled steps (the
+ordinary step carries no hook), and every door writing the module rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import phase_timer
+from phase_timer.measures import modules as mod
+from phase_timer.measures.modules import ModuleTimes, build_tree
+from phase_timer.timing.clock import HostClock
+from tests import helpers
+from tests.helpers import hours, read_scalars
+
+SLEEP_S = 0.005
+
+
+@pytest.fixture(autouse=True)
+def _dense_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These short CPU runs sample densely, as a device run does (the host clock's default is sparse only: a sampled
+    step's hooks are in its host-clock phases)."""
+    monkeypatch.setattr(mod, "HOST_DENSE", mod.DENSE)
+
+
+class Planted:
+    """What a planted module measured of itself: its sleep, from just before to just after (ms), per step."""
+
+    def __init__(self) -> None:
+        self.forward_ms: list[float] = []
+        self.backward_ms: list[float] = []
+
+
+class SleepyForward(nn.Module):
+    """A forward that sleeps 5 ms (and times its own sleep)."""
+
+    def __init__(self, planted: Planted) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.planted = planted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter_ns()
+        helpers.pause(SLEEP_S)
+        self.planted.forward_ms.append((time.perf_counter_ns() - t0) / 1e6)
+        return self.lin(x)
+
+
+class _SleepyBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, planted: Planted) -> torch.Tensor:
+        ctx.planted = planted
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        t0 = time.perf_counter_ns()
+        helpers.pause(SLEEP_S)
+        ctx.planted.backward_ms.append((time.perf_counter_ns() - t0) / 1e6)
+        return grad * 1.0, None
+
+
+class SleepyBackward(nn.Module):
+    """A module whose custom autograd Function sleeps 5 ms in backward."""
+
+    def __init__(self, planted: Planted) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.planted = planted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SleepyBackward.apply(self.lin(x), self.planted)
+
+
+class Net(nn.Module):
+    def __init__(self, planted: Planted) -> None:
+        super().__init__()
+        self.slow_fwd = SleepyForward(planted)
+        self.slow_bwd = SleepyBackward(planted)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.slow_bwd(self.slow_fwd(x)))
+
+
+def batches(n: int, width: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, width, generator=g) for _ in range(n)]
+
+
+def train(model: nn.Module, n: int = 30, width: int = 8, tmp: Any = None, **kwargs: Any) -> Any:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kwargs.setdefault("warmup_steps", 2)
+    kwargs.setdefault("window", 5)
+    timer = phase_timer.attach(model, opt, batches(n, width), summary=False,
+                               log_dir=str(tmp) if tmp is not None else None, **kwargs)
+    with timer:
+        for x in timer.loader:
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return timer
+
+
+def summary(timer: Any) -> dict:
+    with open(os.path.join(timer.log_dir, "phase_timer_summary.json")) as f:
+        return json.load(f)
+
+
+def sampled_mean(values: list[float], steps: list[int]) -> float:
+    return sum(values[s] for s in steps) / len(steps)
+
+
+def test_planted_modules_are_named_and_measured_within_5_percent(tmp_path):
+    planted = Planted()
+    timer = train(Net(planted), n=30, tmp=tmp_path)
+    block = summary(timer)["modules"]
+    rows = block["rows"]
+    assert block["samples"] >= 3 and block["clock"] == "host"
+    # The sleepers are the largest of their phase, by far.
+    fwd = max(rows, key=lambda k: rows[k]["forward_ms"] or 0)
+    bwd = max(rows, key=lambda k: rows[k]["backward_ms"] or 0)
+    assert (fwd, bwd) == ("slow_fwd", "slow_bwd")
+    # Each sampled value against the planted module's own measure of its sleep: within 5%.
+    raw_f, raw_b = rows["slow_fwd"]["raw"]["forward_ms"], rows["slow_bwd"]["raw"]["backward_ms"]
+    assert len(raw_f) == block["samples"] == len(raw_b)
+    for raw, own in ((raw_f, planted.forward_ms), (raw_b, planted.backward_ms)):
+        assert min(raw) >= min(own)  # the sleep is inside what was measured
+        # the module's own ops and the hooks are in it too, and a busy 2-core host's hiccups: the least sample
+        assert min(raw) == pytest.approx(statistics.median(own), rel=0.05), (raw, own)
+    # ... and each is only its own: the other sleeper is not in it.
+    assert rows["slow_fwd"]["backward_ms"] < 0.05 * SLEEP_S * 1e3
+    assert rows["slow_bwd"]["forward_ms"] < 0.05 * SLEEP_S * 1e3
+    assert rows["head"]["forward_ms"] < 1.0 and rows["head"]["backward_ms"] < 1.0
+    # Shares of the run's mean phases: the sleeper is most of its phase (a sampled step's sleep may outlast the mean).
+    assert 0.8 < rows["slow_fwd"]["share_of_forward"] < 1.1
+    assert 0.8 < rows["slow_bwd"]["share_of_backward"] < 1.1
+    # The CPU has no allocator's counters: activations are not measured, never zero.
+    assert rows["slow_fwd"]["activation_mb"] is None and block["activations"].startswith("not measured")
+    scalars = read_scalars(timer.log_dir)
+    assert "phase_module/slow_fwd/forward_ms" in scalars and "phase_module/slow_bwd/backward_ms" in scalars
+    assert not any(k.endswith("activation_mb") for k in scalars)
+    line = timer.core.summary_table() if timer.core is not None else None
+    assert line is None or "modules" in line
+
+
+def test_planted_hours_land_exactly_in_their_module_and_nowhere_else(tmp_path, host_hours):
+    """On the host clock moved an hour per planted ms: 5 hours in slow_fwd's forward and slow_bwd's backward, and
+    none anywhere else, whatever the machine's load."""
+    planted = Planted()
+    timer = train(Net(planted), n=20, tmp=tmp_path)
+    rows = summary(timer)["modules"]["rows"]
+    got = {k: (hours(r["forward_ms"]), hours(r["backward_ms"])) for k, r in rows.items()}
+    assert got == {"slow_fwd": (5, 0), "slow_bwd": (0, 5), "head": (0, 0)}
+    for key, phase in (("slow_fwd", "forward_ms"), ("slow_bwd", "backward_ms")):
+        assert rows[key][phase] == pytest.approx(5 * helpers.HOUR_MS, rel=0.05)
+
+
+def test_the_table_names_the_top_modules_of_forward_and_backward():
+    planted = Planted()
+    model = Net(planted)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = phase_timer.attach(model, opt, batches(16), summary=False, warmup_steps=2, window=5)
+    measure = next(m for m in timer.core.measures if isinstance(m, ModuleTimes))
+    with timer:
+        for x in timer.loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    line = measure.line()
+    assert line.startswith("modules (")
+    fwd, bwd = line.split("forward: ")[1].split(";")[0], line.split("backward: ")[1].split(";")[0]
+    assert fwd.startswith("slow_fwd ") and bwd.startswith("slow_bwd ")
+
+
+class FakeAllocator:
+    """The allocator's ``allocated`` counter, moved by the modules that say they allocate: the arithmetic of
+    activation_mb (a CPU has no caching allocator to read: on CUDA the counter is torch's)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __call__(self) -> int:
+        return self.bytes
+
+
+class Keeps64MB(nn.Module):
+    def __init__(self, alloc: FakeAllocator) -> None:
+        super().__init__()
+        self.alloc = alloc
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.alloc.bytes += 64 << 20  # what it keeps until backward (freed there)
+        return self.lin(x)
+
+
+class _Free(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, alloc: FakeAllocator) -> torch.Tensor:
+        ctx.alloc = alloc
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.alloc.bytes -= 64 << 20
+        return grad, None
+
+
+def test_activation_arithmetic_with_a_fake_allocator_names_the_module_that_keeps_64_mb():
+    alloc = FakeAllocator()
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.keeps = Keeps64MB(alloc)
+            self.small = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _Free.apply(self.small(self.keeps(x)), alloc)
+
+    model = M()
+    measure = ModuleTimes([model], True, clock=HostClock(), allocated=alloc, warmup_steps=0)
+    core, bounds = _core(measure)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(12):
+        _step(bounds, model, opt)
+    bounds.finish()
+    core.finish()
+    rows = measure.rows()
+    assert measure.samples >= 2
+    assert rows["keeps"]["activation_mb"] == pytest.approx(64.0)
+    assert rows["small"]["activation_mb"] == pytest.approx(0.0)
+    assert "activations: keeps 64 MB" in measure.line()
+
+
+def _core(measure: ModuleTimes) -> tuple[Any, Any]:
+    """A core and its boundaries on the host clock, with ``measure`` listening (what the assembly does)."""
+    from phase_timer.run.boundaries import Boundaries
+    from phase_timer.run.core import TimingCore
+
+    core = TimingCore(HostClock(), window=4, warmup_steps=0, max_pending=64, measures=[measure])
+    return core, Boundaries(core)
+
+
+def _step(bounds: Any, model: nn.Module, opt: Any, x: torch.Tensor | None = None) -> None:
+    bounds.on_fetch()
+    bounds.on_batch(None, 0.0)
+    bounds.on_copied()
+    loss = model(torch.randn(4, 8) if x is None else x).sum()
+    bounds.on_backward_start()
+    loss.backward()
+    bounds.on_backward_end(False)
+    bounds.on_optimizer_start()
+    opt.step()
+    opt.zero_grad()
+    bounds.on_step_end()
+
+
+def test_the_ordinary_step_carries_no_hook_and_sampled_steps_come_as_scheduled():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    core, bounds = _core(measure)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked = []
+    for i in range(60):
+        bounds.on_fetch()
+        bounds.on_batch(None, 0.0)
+        hooked.append(bool(model[0]._forward_hooks) or bool(model[0]._forward_pre_hooks))
+        bounds.on_copied()
+        loss = model(torch.randn(4, 8)).sum()
+        bounds.on_backward_start()
+        loss.backward()
+        bounds.on_backward_end(False)
+        bounds.on_optimizer_start()
+        opt.step()
+        bounds.on_step_end()
+    bounds.finish()
+    core.finish()
+    sampled = [i + 1 for i, h in enumerate(hooked) if h]  # steps begun, 1-based
+    # the first after the warm-up's first timed step, then DENSE_GAP apart, then one in GAP; a step the verdict
+    # samples (it times the host) is left for the next one
+    assert sampled[0] in (2, 3, 4)
+    gaps = [b - a for a, b in zip(sampled, sampled[1:])]
+    assert len(sampled) == mod.DENSE + 1 and all(mod.DENSE_GAP <= g <= mod.DENSE_GAP + 2 for g in gaps), sampled
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks  # all taken off at the end
+    assert measure.samples == len(sampled)
+    cost = measure.summary()["cost"]
+    assert cost["sampled_step_ms"] > 0 and cost["us_per_step"] < cost["sampled_step_ms"] * 1e3
+
+
+def test_the_native_boundaries_hand_a_due_step_to_python():
+    from phase_timer.run import boundaries
+
+    if boundaries._Fast is None:
+        pytest.skip("the C extension is not built")
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    core, bounds = _core(measure)
+    assert type(bounds.on_batch).__name__ == "builtin_function_or_method"  # the C path is in use
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(24):
+        _step(bounds, model, opt)
+    bounds.finish()
+    core.finish()
+    assert measure.samples == 3  # steps 2, 10, 18 (or a step or two later, where the verdict samples that one)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(vocab, width),
+                                              h=nn.ModuleList(Block(width) for _ in range(layers)),
+                                              ln_f=nn.LayerNorm(width)))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # shared weights
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+
+
+def test_the_default_tree_opens_what_holds_repeated_blocks_and_sums_the_blocks():
+    tree = build_tree([TinyGPT()], True)
+    assert list(tree.entries) == ["transformer", "transformer.wte", "transformer.h[0-3]", "transformer.h[0-3].ln",
+                                  "transformer.h[0-3].attn", "transformer.h[0-3].mlp", "transformer.ln_f", "lm_head"]
+    e = tree.entries
+    assert e["transformer.h[0-3]"].modules == 4 and e["transformer.h[0-3].attn"].modules == 4
+    assert e["transformer.h[0-3].attn"].parent == "transformer.h[0-3]"
+    assert (e["transformer.h[0-3].attn"].kind, e["transformer.wte"].kind) == ("attention", "embedding")
+    deep = build_tree([TinyGPT()], 1)
+    assert list(deep.entries) == ["transformer", "lm_head"]
+    named = build_tree([TinyGPT()], ["transformer.h.0.mlp", "lm_head"])
+    assert list(named.entries) == ["transformer.h.0.mlp", "lm_head"]
+
+
+def test_nested_blocks_shared_weights_and_children_never_exceed_the_parent(tmp_path):
+    model = TinyGPT()
+    timer = _train_lm(model, tmp_path)
+    block = summary(timer)["modules"]
+    rows = block["rows"]
+    for key, row in rows.items():
+        assert row["forward_ms"] >= 0 and row["backward_ms"] is not None, key
+        kids = [r for r in rows.values() if r["parent"] == key]
+        if kids:  # inclusive times: the children's sum never exceeds the parent's (each sample's)
+            for i in range(len(row["raw"]["forward_ms"])):
+                assert sum(k["raw"]["forward_ms"][i] for k in kids) <= row["raw"]["forward_ms"][i] + 1e-6, key
+                assert sum(k["raw"]["backward_ms"][i] for k in kids) <= row["raw"]["backward_ms"][i] + 1e-6, key
+    assert rows["transformer.h[0-3]"]["calls"] == 4  # four blocks, one row
+    assert rows["lm_head"]["calls"] == 1 and rows["transformer.wte"]["calls"] == 1
+    assert set(block["leaves"]) >= {"transformer.h[0-3].attn", "transformer.h[0-3].mlp", "lm_head"}
+    assert "transformer" not in block["leaves"]
+    # every sink takes the row's name without brackets (MLflow refuses them)
+    assert "phase_module/transformer.h.0-3.attn/backward_ms" in read_scalars(timer.log_dir)
+
+
+def _train_lm(model: nn.Module, tmp: Any, n: int = 24, **kwargs: Any) -> Any:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(n)]
+    timer = phase_timer.attach(model, opt, data, summary=False, warmup_steps=2, window=4, log_dir=str(tmp), **kwargs)
+    with timer:
+        for idx in timer.loader:
+            model(idx).backward()
+            opt.step()
+            opt.zero_grad()
+    return timer
+
+
+class Twice(nn.Module):
+    def __init__(self, planted: Planted) -> None:
+        super().__init__()
+        self.shared = SleepyForward(planted)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(self.shared(x)))
+
+
+def test_a_module_called_twice_sums_its_calls(tmp_path):
+    planted = Planted()
+    timer = train(Twice(planted), n=14, tmp=tmp_path)
+    row = summary(timer)["modules"]["rows"]["shared"]
+    assert row["calls"] == 2
+    assert 2 * min(planted.forward_ms) <= row["forward_ms"] <= 2 * max(planted.forward_ms) + 1.0
+    assert row["backward_ms"] is not None
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, planted: Planted, reentrant: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.slow = SleepyForward(planted)
+        self.head = nn.Linear(8, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.slow, self.pre(x), use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recompute_is_reported_as_such_and_never_in_forward(tmp_path, reentrant):
+    planted = Planted()
+    timer = train(Checkpointed(planted, reentrant), n=14, tmp=tmp_path)
+    row = summary(timer)["modules"]["rows"]["slow"]
+    assert min(planted.forward_ms) <= row["forward_ms"] <= max(planted.forward_ms) + 1.0  # once, not twice
+    # the recompute holds the sleep and checkpoint's own bookkeeping around the module's ops (a fraction of a ms)
+    assert min(planted.forward_ms) <= row["recompute_ms"] <= max(planted.forward_ms) + 1.0
+    if reentrant:  # the first forward ran without grad: no backward of its own
+        assert row["backward_ms"] is None
+    else:  # the graph is kept: its backward holds its recompute
+        assert row["backward_ms"] >= row["recompute_ms"]
+
+
+def test_an_in_place_op_on_a_module_output_still_works_on_a_sampled_step(tmp_path):
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            y.add_(1.0)  # fails under full backward hooks ("a view ... modified inplace")
+            torch.relu_(y)
+            return self.head(y)
+
+    timer = train(InPlace(), n=12, tmp=tmp_path)
+    rows = summary(timer)["modules"]["rows"]
+    assert rows["lin"]["backward_ms"] is not None and rows["head"]["backward_ms"] is not None
+
+
+def test_a_compiled_model_says_so_plainly_and_gives_no_number(tmp_path):
+    model = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)), backend="eager")
+    timer = train(model, n=10, tmp=tmp_path)
+    block = summary(timer)["modules"]
+    assert block["rows"] == {} and block["samples"] == 0
+    assert "compiled" in block["note"] and "hooks do not fire inside a compiled region" in block["note"]
+    inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    inner[1].compile(backend="eager")
+    tree = build_tree([inner], True)
+    assert [k for k in tree.entries] == ["0"] and tree.compiled == ["1"]
+
+
+@pytest.mark.parametrize("value, words", [
+    (0, "a depth (an int >= 1)"),
+    ("all", "True, False, a depth"),
+    ([], "a list of module names"),
+])
+def test_a_wrong_modules_argument_fails_at_construction_naming_it(value, words):
+    model = nn.Linear(8, 1)
+    with pytest.raises(ValueError, match=r"attach\(modules=.*`modules` must be") as err:
+        phase_timer.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), [], modules=value)
+    assert words in str(err.value)
+
+
+def test_an_unknown_module_name_fails_naming_the_argument_and_the_close_names():
+    model = TinyGPT()
+    with pytest.raises(ValueError, match=r"`modules` must be names of the model's modules.*close: lm_head"):
+        phase_timer.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), [], modules=["lm_heads"])
+
+
+def test_modules_false_hooks_nothing_and_writes_no_block(tmp_path):
+    timer = train(Net(Planted()), n=12, tmp=tmp_path, modules=False)
+    assert summary(timer)["modules"] is None
+    assert not any(k.startswith("phase_module/") for k in read_scalars(timer.log_dir))
+
+
+# -- every door ------------------------------------------------------------------------------------------
+
+
+def test_the_lightning_door_measures_the_lightning_module_children(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from tests.helpers import loader, module_class, trainer
+
+    model = module_class("lightning.pytorch")(forward=0.0)
+    cb = phase_timer.PhaseTimer(warmup_steps=2, log_every_n_steps=4, summary=False)
+    trainer(pl.__name__, str(tmp_path), [cb], max_steps=14).fit(model, loader(n=14 * 8))
+    path = os.path.join(cb.log_dir, "phase_timer_summary.json")
+    with open(path) as f:
+        block = json.load(f)["modules"]
+    assert block["samples"] >= 2 and "net" in block["rows"]
+    assert block["rows"]["net"]["forward_ms"] > 0 and block["rows"]["net"]["backward_ms"] > 0
+    assert "phase_module/net/forward_ms" in read_scalars(cb.log_dir)
+
+
+def test_the_transformers_door_measures_a_tiny_gpt2(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.data import Dataset
+
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+
+    class Tokens(Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=14, per_device_train_batch_size=2,
+                                          logging_steps=4, report_to=[], save_strategy="no", use_cpu=True,
+                                          disable_tqdm=True)
+    cb = phase_timer.PhaseTimerCallback(warmup_steps=2, summary=False, log_dir=str(tmp_path / "pt"))
+    transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
+    with open(os.path.join(cb.timer.log_dir, "phase_timer_summary.json")) as f:
+        block = json.load(f)["modules"]
+    rows = block["rows"]
+    assert block["samples"] >= 2
+    assert {"transformer.wte", "transformer.h[0-1]", "transformer.h[0-1].attn", "transformer.h[0-1].mlp",
+            "lm_head"} <= set(rows)
+    assert rows["transformer.h[0-1].attn"]["kind"] == "attention" and rows["transformer.h[0-1]"]["calls"] == 2
+    assert rows["transformer.h[0-1].attn"]["backward_ms"] > 0 and rows["lm_head"]["backward_ms"] > 0
+
+
+# -- report, compare, the verdict ---------------------------------------------------------------------------
+
+
+def _planted_run(tmp: Any, forward_s: float) -> str:
+    planted = Planted()
+    model = Net(planted)
+    model.slow_fwd.forward = _sleeping(model.slow_fwd, forward_s)  # type: ignore[method-assign]
+    return train(model, n=20, tmp=tmp).log_dir
+
+
+def _sleeping(module: nn.Module, seconds: float) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        helpers.pause(seconds)
+        return module.lin(x)
+
+    return forward
+
+
+def test_report_and_compare_name_the_module_that_got_slower(tmp_path, host_hours, capsys):
+    from phase_timer.cli import main
+
+    base = _planted_run(tmp_path / "base", 0.005)
+    cand = _planted_run(tmp_path / "cand", 0.007)
+    assert main(["report", cand]) == 0
+    text = capsys.readouterr().out
+    assert "modules: " in text and "slow_fwd" in text and "slow_bwd" in text
+    assert main(["report", "--json", cand]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert hours(doc["runs"][0]["modules"]["rows"]["slow_fwd"]["forward_ms"]) == 7
+    main(["compare", base, cand])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("modules: "))
+    assert line.startswith("modules: slow_fwd got slower") and "+40.0%" in line
+    main(["compare", "--json", base, cand])
+    doc = json.loads(capsys.readouterr().out)
+    assert hours(doc["modules"]["slow_fwd"]["delta_ms"]) == 2 and hours(doc["modules"]["slow_bwd"]["delta_ms"]) == 0
+
+
+def test_the_verdict_names_the_module_holding_the_slow_phase_and_the_activation_holders():
+    from phase_timer.diagnosis.finding import Diagnosis
+    from phase_timer.diagnosis.module_rules import with_modules
+
+    def row(kind: str, parent: str | None, fwd: float, bwd: float, act: float | None, share: float) -> dict:
+        return {"kind": kind, "parent": parent, "forward_ms": fwd, "backward_ms": bwd, "activation_mb": act,
+                "share_of_forward": share, "share_of_backward": share}
+
+    block = {"rows": {"h[0-11]": row("other", None, 9, 18, 900, 0.7),
+                      "h[0-11].attn": row("attention", "h[0-11]", 3, 6, 300, 0.25),
+                      "h[0-11].mlp": row("mlp", "h[0-11]", 4, 8, 500, 0.3),
+                      "lm_head": row("vocab_head", None, 3, 9, 1200, 0.35)},
+             "leaves": ["h[0-11].attn", "h[0-11].mlp", "lm_head"]}
+    gpu = Diagnosis("GPU_BOUND", "info", "the GPU is the bottleneck", ("make backward cheaper",),
+                    {"largest_phase": "backward"})
+    named = with_modules(gpu, block)
+    assert "in backward, lm_head (vocab_head) takes 9.00 ms (35% of backward)" in named.why
+    assert named.next[1].startswith("lm_head: a fused or chunked cross-entropy")
+    assert named.evidence["module"] == "lm_head"
+    head = Diagnosis("MEMORY_HEADROOM", "info", "room to spare", ("a larger batch",), {})
+    oom = Diagnosis("OUT_OF_MEMORY", "high", "ran out", (), {}, (head,))
+    said = with_modules(oom, block)
+    assert "held most by lm_head 1200 MB, h[0-11].mlp 500 MB, h[0-11].attn 300 MB" in said.why
+    assert said.next[-1] == "activation checkpointing on lm_head trades its recompute for its activations"
+    assert "held most by lm_head" in said.secondary[0].why
+    assert with_modules(gpu, None) is gpu
+
+
+def test_the_verdict_reads_the_modules_block_at_the_run_end_and_the_own_cost_line_is_unchanged(monkeypatch):
+    """The measure hands the verdict its block through ``Measure.verdict`` once the run's end was heard (the live
+    file's verdict so far goes without it); its host cost is the block's, never the own-cost line's keywords."""
+    import phase_timer.run.core as core_mod
+
+    heard: list[Any] = []
+    real = core_mod.diagnose
+
+    def diagnose(*args: Any, **kwargs: Any) -> Any:
+        heard.append(kwargs.get("modules"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core_mod, "diagnose", diagnose)
+    model = Net(Planted())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    timer = phase_timer.attach(model, opt, batches(20), summary=False, warmup_steps=2, window=5)
+    core = timer.core
+    measure = next(m for m in core.measures if isinstance(m, ModuleTimes))
+    with timer:
+        for x in timer.loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert measure.cost() == {} and measure.host_cost() is not None
+    assert heard and heard[-1] is not None and heard[-1]["samples"] == measure.samples >= 1
+    assert "slow_fwd" in heard[-1]["rows"] and heard[-1]["cost"] == measure.host_cost()
+    assert core.own_cost() is not None  # estimate() took every measure's cost keywords
+    measure.ended = False  # as before the end: the verdict so far reads nothing of it
+    assert measure.verdict() == {}
+
+
+def test_the_cost_benchmark_runs_on_the_cpu():
+    import argparse
+
+    from benchmarks.modules_cost import sampled_step_cost
+
+    args = argparse.Namespace(cpu=True, layers=2, width=32, seq=16, batch=2, vocab=256, reps=3)
+    cost = sampled_step_cost(args)
+    # transformer, its wte, wpe, h[0-1] with ln_1, attn, ln_2, mlp, ln_f; lm_head
+    assert cost["samples_read"] == 3 and cost["rows"] == 10
+    assert cost["sampled_step_us"] > 0
+
+
+def test_a_timer_never_closed_is_collected_with_its_model():
+    """The measure holds the model's modules weakly: a loop that drops its timer and model unclosed still has its
+    timer collected (and written), as without modules."""
+    import gc
+    import weakref
+
+    def train() -> tuple[Any, Any]:
+        model = TinyGPT()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        timer = phase_timer.attach(model, opt, [torch.randint(0, 64, (2, 8)) for _ in range(12)], summary=False,
+                                   warmup_steps=1)
+        for idx in timer.loader:
+            model(idx).backward()
+            opt.step()
+        return weakref.ref(timer), weakref.ref(model)
+
+    with pytest.warns(RuntimeWarning, match="never closed"):
+        timer, model = train()
+        gc.collect()
+    assert timer() is None and model() is None
