@@ -448,11 +448,17 @@ class Sample:
             edge = outs
 
         def begins(grad_outputs: Any) -> None:
-            if call.begin is None:
-                call.begin = self._mark()
+            try:
+                if call.begin is None:
+                    call.begin = self._mark()
+            except Exception as err:  # noqa: BLE001 - autograd's hook: the timer must never break backward
+                self.fail(err)
 
         def ends(grad_inputs: Any, grad_outputs: Any) -> None:
-            call.end = self._mark()
+            try:
+                call.end = self._mark()
+            except Exception as err:  # noqa: BLE001 - as above
+                self.fail(err)
 
         for fn in outs:
             self.handles.append(fn.register_prehook(begins))
