@@ -10,6 +10,12 @@ The truth (torch.profiler, its Chrome trace): a module's forward is from the fir
 launched inside autograd's ``evaluate_function`` of a node whose ``Sequence number`` one of the module's forward
 ops made.  phase-timer's values are from events on the stream: the first begins where the stream reaches the mark,
 at the end of the kernel before it, so each is within 2% or 0.05 ms of the truth.
+
+The sampled step is measured as a training run meets it: the device idle when it begins (a synchronize before it),
+so that without the gate the device would catch up with the host's hooks and each span would hold the device's wait
+for the host's launches (``transformer.wte``'s forward read 0.495 ms against 0.006 ms before the gate).  The gate
+(``modules._Gate``) holds the step's kernels until they are queued: every top-level row must be read (covered) and
+agree.
 """
 
 from __future__ import annotations
@@ -112,6 +118,9 @@ def test_each_top_level_module_agrees_with_the_profilers_kernels(tmp_path):
     rows = measure.rows()
     with open(path) as f:
         truth = _truth(json.load(f))
+    print("MODULES gate", {"ms": round(measure.gate.ms, 3), "cycles_per_ms": round(measure.gate.cycles_per_ms),
+                           "uncovered": measure.uncovered})
+    assert measure.uncovered == 0
     for key in TOP:
         got, want = rows[key], truth[key]
         print("MODULES", key, {k: round(got[k], 4) for k in ("forward_ms", "backward_ms")},
@@ -126,7 +135,7 @@ def test_activations_are_read_on_cuda_and_the_vocab_head_is_named():
 
     model, opt, idx = _model()
     measure = modules.make([model], True, make_clock(torch.device("cuda")), warmup_steps=0, owner="test")
-    for i in range(3):
+    for i in range(3):  # the second sample is the memory sample
         measure.begin(i + 1, i)
         _step(model, opt, idx)
         measure.close(True)
@@ -167,3 +176,27 @@ def test_no_sync_on_a_sampled_step():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert os.environ.get("PHASE_TIMER_DISABLE") is None
+
+
+def test_a_sampled_step_is_untimed_on_the_device_and_a_later_gate_is_sized_from_the_host(tmp_path):
+    """The sampled steps are the measure's: the phases' statistics leave them out (steps timed = steps past the
+    warm-up less the samples), and every gated sample was covered."""
+    import phase_timer
+
+    model, opt, idx = _model()
+    steps = 40
+    with phase_timer.attach(model, opt, [idx] * steps, summary=False, warmup_steps=3, window=10,
+                            log_dir=str(tmp_path)) as timer:
+        for batch in timer.loader:
+            _step(model, opt, batch)
+    mods = next(m for m in timer.core.measures if m.key == "modules")
+    print("MODULES untimed", timer.totals.steps, mods.samples, mods.uncovered, round(mods.gate.ms, 3), mods.cost())
+    assert mods.samples == 4  # steps 5, 13, 21, 29 (begun, 1-based)
+    assert timer.totals.steps == steps - 3 - mods.samples
+    assert mods.uncovered == 0 and mods.gate.ms <= modules_max_ms()
+
+
+def modules_max_ms() -> float:
+    from phase_timer.measures import modules
+
+    return modules.GATE_MAX_MS

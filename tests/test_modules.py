@@ -669,3 +669,74 @@ def test_a_timer_never_closed_is_collected_with_its_model():
         timer, model = train()
         gc.collect()
     assert timer() is None and model() is None
+
+
+def test_a_sampled_step_hooks_only_the_nodes_that_can_begin_or_end_a_backward_once_each(tmp_path):
+    """A node shared by nested calls carries one hook; a node that feeds another of the call's nodes is never its
+    last, so it carries none: a 4-block TinyGPT's sample hooks far fewer nodes than its calls' edges, and the backward
+    of every row is still read (its children's never more than it)."""
+    model = TinyGPT()
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    idx = torch.randint(0, 64, (2, 8))
+    measure.begin(1, 0)
+    model(idx).backward()
+    sample = measure.sample
+    measure.close(True)
+    measure.window({})
+    rows = measure.rows()
+    calls = len(sample.calls)
+    assert calls == 4 * 4 + 3  # each block, its ln, attn and mlp; wte, ln_f, lm_head
+    assert sample.nodes <= 4 * calls, (sample.nodes, calls)
+    for key, row in rows.items():
+        assert row["backward_ms"] is not None and row["backward_ms"] >= 0, key
+    block = rows["transformer.h[0-3]"]["backward_ms"]
+    assert sum(rows[f"transformer.h[0-3].{c}"]["backward_ms"] for c in ("ln", "attn", "mlp")) <= block
+
+
+def test_one_sample_in_act_every_reads_the_allocator_and_the_others_never_do():
+    reads = []
+
+    def alloc() -> int:
+        reads.append(1)
+        return 0
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), allocated=alloc, warmup_steps=0)
+    per_sample = []
+    for i in range(2 * mod.ACT_EVERY):
+        before = len(reads)
+        measure.begin(i + 1, i)
+        model(torch.randn(4, 8)).sum().backward()
+        memory = measure.sample.memory
+        assert not (memory and measure.sample.marks)  # a memory sample takes no mark
+        measure.close(True)
+        per_sample.append((memory, len(reads) - before))
+    assert [m for m, _ in per_sample] == [i % mod.ACT_EVERY == 1 for i in range(2 * mod.ACT_EVERY)]
+    assert all(n == (4 if m else 0) for m, n in per_sample)  # two modules, a read at each end of each
+    measure.window({})
+    rows = measure.rows()
+    assert rows["0"]["activation_mb"] == 0.0 and rows["0"]["forward_ms"] is not None
+
+
+def test_the_gates_check_reads_only_spans_whose_marks_were_queued_before_the_device_reached_the_one_before():
+    """The gate's check, on planted times: marks (device ns) and the host's ns at each; a span with a mark queued
+    after the device reached the mark before it (the device waited for the host there) is not read."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    sample = mod.Sample(measure, 0)
+    ms = 1_000_000
+    # the gate: queued at host 0, its sleep from device 0 to 5 ms
+    sample.gate = (0, 0, 5 * ms, 1)
+    # "a": marks 0 -> 1, both queued before the gate's end (host 1 and 2 ms): covered, 1 ms on the device
+    # "b": marks 2 -> 3, mark 3 queued at host 9 ms, after the device reached mark 2 (at 7 ms): not read
+    sample.marks = [5 * ms, 6 * ms, 7 * ms, 7 * ms + ms // 10]
+    sample.host = [1 * ms, 2 * ms, 3 * ms, 9 * ms]
+    sample.forward = [("0", 0, 1), ("1", 2, 3)]
+    vals = sample.values()
+    assert vals["0"]["forward_ms"] == pytest.approx(1.0)
+    assert "1" not in vals and sample.uncovered == 1
+    # the same, with mark 3 queued at host 6.9 ms (before the device reached mark 2): read
+    sample.uncovered = 0
+    sample.host[3] = 6_900_000
+    vals = sample.values()
+    assert vals["1"]["forward_ms"] == pytest.approx(0.1) and sample.uncovered == 0

@@ -11,18 +11,23 @@ What a hook does, on the run's clock (CUDA events on the current stream; the hos
 - **forward**: a module's forward pre-hook and forward hook each take a mark; the time between is its forward (on
   the device: between its first and last kernel's enqueue points on the stream).  A module called twice in a step
   (shared weights, recurrence) sums its calls.
-- **backward**, with no hook that wraps a tensor: the forward hook walks the autograd nodes the module's forward made
-  (from its outputs' ``grad_fn`` back to nodes made before it began, or to a parameter's ``AccumulateGrad``) and
-  puts a pre-hook (``Node.register_prehook``) on its outputs' nodes and a post-hook (``Node.register_hook``) on the
-  nodes at its edge.  The backward is from the first output node about to run to the last edge node done: the
-  gradients for its outputs, then those for its inputs and parameters.  Full backward hooks
+- **backward**, with no hook that wraps a tensor: a call's nodes are those numbered (autograd's creation order) from
+  its pre-hook's next sequence number to its forward hook's.  When the outermost hooked call ends, one walk finds each
+  call's output nodes and its last-possible nodes (they feed none of the call's own), and puts a pre-hook
+  (``Node.register_prehook``) on each output node and a post-hook (``Node.register_hook``) on each last-possible
+  node, one a node for all the nested calls that share it.  The backward is from the first output node about to run
+  to the last of those done: the gradients for its outputs, then those for its inputs and parameters.  Full backward hooks
   (``register_full_backward_hook``) are not used: they wrap inputs and outputs in a ``BackwardHookFunction`` that
-  makes an in-place op on an output fail.  A node is recognised as the module's by its sequence number, which
-  autograd gives in creation order: greater than every input's node.  Tensors the module uses without taking them
-  as inputs (a cache made earlier) are outside it, as they should be.
-- **activations** (CUDA): the caching allocator's ``allocated`` after the forward less before it (one read of its
-  counters, no sync): what the forward left allocated, its output and what autograd saved for backward.  On a CPU
-  there is no allocator to read: not measured (absent, never zero).
+  makes an in-place op on an output fail.  Tensors the module uses without making them (a cache made earlier) are
+  outside it, as they should be.
+- **activations** (CUDA), on a *memory* sample (one in :data:`ACT_EVERY`; it takes no mark): the caching allocator's
+  ``allocated`` after the forward less before it (one read of its counters, no sync): what the forward left
+  allocated, its output and what autograd saved for backward.  On a CPU there is no allocator to read: not measured
+  (absent, never zero).
+- **the gate** (CUDA), on a timing sample: the compute stream waits on a side stream's sleep sized to outlast the
+  step's host time, so that its kernels are queued before the device runs them and the marks hold device time only;
+  a span whose marks were not all queued before the device reached the mark before each is not read
+  (:meth:`Sample.values`).  On the device a sampled step is untimed: the phases' statistics leave it out.
 - **activation checkpointing**: a forward that runs while autograd runs a backward is a *recompute*: reported as
   ``recompute_ms``, never added to forward.  Non-reentrant checkpointing (``use_reentrant=False``) keeps the graph,
   so a checkpointed module's backward is measured and includes its recompute; with reentrant checkpointing the
@@ -36,9 +41,9 @@ Marks are resolved lazily: a sample is read at a window's end once its every mar
 query),
 and at the run's end after the engine's drain; nothing here waits for the device.
 
-Cost: on a sampled step, registering ~100 hooks, the graph walk and two marks a module call (a 12-layer GPT-2 with
-the default tree: ~40 modules); ``benchmarks/modules_cost.py`` measures a sampled step's host time and the
-amortized cost a step.  ``docs/modules.md`` says what is measured and what is not.
+Cost: on a timing sample, two hooks a module put into its hook dicts, one graph walk an outermost call, two marks a
+module call and one a hooked node in backward (a 12-layer GPT-2 with the default tree: 65 modules, 165 node hooks);
+``benchmarks/modules_cost.py`` measures a sampled step's host time and the amortized cost a step.  ``docs/modules.md`` says what is measured and what is not.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from phase_timer._env import warn
 from phase_timer.measure import Measure
@@ -71,6 +77,19 @@ GAP = (160, 352)
 GAP_MEAN = sum(GAP) // 2
 #: The generator's seed: the same steps sampled in every run (a recorded run stays the same).
 SEED = 50
+#: One sample in ACT_EVERY (the second, then every ACT_EVERY-th) reads the allocator around each forward (activations,
+#: CUDA) and takes no mark; the others mark and never read it (a read is 10-24 µs of host time on CUDA).
+ACT_EVERY = 4
+#: CUDA: a timing sample's gate (``_Gate``): the first one's length, then the last sample's host span (from the gate
+#: to its last mark) times GATE_MARGIN plus GATE_PAD_MS, within [GATE_MIN_MS, GATE_MAX_MS]; the SM clock's rate
+#: assumed until a sleep is measured (cycles a ms).
+GATE = True
+GATE_FIRST_MS = 10.0
+GATE_MARGIN = 1.25
+GATE_PAD_MS = 0.25
+GATE_MIN_MS = 0.5
+GATE_MAX_MS = 25.0
+GATE_CYCLES_PER_MS = 1.5e6
 #: Samples kept per module for the summary file's raw values (the most recent).
 RAW_KEPT = 32
 #: A Linear head with at least this many outputs is a vocabulary head (the advice differs).
@@ -315,6 +334,22 @@ def _graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+_peek = getattr(getattr(torch._C, "_autograd", None), "_get_sequence_nr", None)
+
+
+def _seq_now() -> int:
+    """The sequence number autograd gives the next node it makes (thread-local, in creation order): a module's
+    nodes are those numbered from its pre-hook's value to its forward hook's.  (An older torch without the peek: a
+    throwaway node's number, the same counter.)"""
+    if _peek is not None:
+        return _peek()
+    with torch.enable_grad():
+        return _LEAF.view(-1).grad_fn._sequence_nr() + 1  # type: ignore[union-attr]
+
+
+_LEAF = torch.zeros(0, requires_grad=True)
+
+
 def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
     """The tensors in a module's inputs or outputs: a tensor, or inside tuples, lists and dicts (two levels)."""
     if isinstance(obj, torch.Tensor):
@@ -329,174 +364,343 @@ def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Te
 
 
 class _Call:
-    """One call's backward: the first output node about to run, the last edge node done."""
+    """One call's backward: the nodes its forward made (``lo <= seq < hi``), its outputs' nodes; the first output
+    node about to run (``begin``) and the last node done (``end``), as indices into the sample's marks."""
 
-    __slots__ = ("key", "begin", "end")
+    __slots__ = ("key", "lo", "hi", "outs", "begin", "end")
 
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.begin: Any = None
-        self.end: Any = None
+    def __init__(self, key: str, lo: int, hi: int, outs: list[Any]) -> None:
+        self.key, self.lo, self.hi, self.outs = key, lo, hi, outs
+        self.begin: int | None = None
+        self.end: int | None = None
+
+
+class _Gate:
+    """CUDA: at a timing sample's begin the compute stream waits on a sleep on a side stream (``torch.cuda._sleep``,
+    one thread), sized to outlast the sampled step's host time, so that its kernels are queued before the device
+    runs them and its marks hold device time only (see :meth:`Sample.values` for the check that it did)."""
+
+    def __init__(self, clock: Any) -> None:
+        self.clock = clock
+        self.device = clock.device
+        self.side = torch.cuda.Stream(self.device, priority=-1)  # high priority: its one-thread sleep starts at once
+        rate = getattr(torch.cuda.get_device_properties(self.device), "clock_rate", 0)  # kHz: cycles a ms
+        self.cycles_per_ms = float(rate) if rate else GATE_CYCLES_PER_MS
+        self.ms = GATE_FIRST_MS
+
+    def hold(self) -> tuple[int, Any, Any, int]:
+        """Queue the gate: (host ns, the sleep's first mark, its last, cycles).  No sync: a launch and a stream wait."""
+        cycles = max(1, int(self.ms * self.cycles_per_ms))
+        compute = torch.cuda.current_stream(self.device)
+        host = time.perf_counter_ns()
+        with torch.cuda.stream(self.side):
+            first = self.clock.mark()
+            torch.cuda._sleep(cycles)
+            last = self.clock.mark()
+            release = self.side.record_event()
+        compute.wait_event(release)
+        return host, first, last, cycles
+
+    def size(self, host_ms: float) -> None:
+        """The next gate, at a sample's close: its host span from the gate to its last mark, with a margin, within
+        [GATE_MIN_MS, GATE_MAX_MS] (host time only: the next sample may begin before this one is read)."""
+        self.ms = min(GATE_MAX_MS, max(GATE_MIN_MS, host_ms * GATE_MARGIN + GATE_PAD_MS))
+
+    def calibrate(self, slept_ms: float, cycles: int) -> None:
+        """The SM clock's rate from a sleep's measured length (the device's clock moves with its boost)."""
+        if slept_ms > 0.05:
+            self.cycles_per_ms = cycles / slept_ms
 
 
 class Sample:
-    """One sampled step's hooks and marks, until its marks are read."""
+    """One sampled step's hooks and marks, until its marks are read.
 
-    def __init__(self, measure: ModuleTimes, step: int) -> None:
+    A *timing* sample marks each hooked module's forward and backward; a *memory* sample (one in ``ACT_EVERY``, on a
+    clock with an allocator) reads the allocator around each forward instead, and takes no mark."""
+
+    def __init__(self, measure: ModuleTimes, step: int, memory: bool = False) -> None:
         self.m = measure
         self.step = step
+        self.memory = memory
+        self.read = measure.allocated if memory else None
         self.handles: list[Any] = []
-        self.stack: list[tuple[str, Any, int | None, int, int]] = []  # key, mark, allocated, input seq, task
-        self.forward: list[tuple[str, Any, Any]] = []
-        self.recompute: list[tuple[str, Any, Any]] = []
+        self.direct: list[tuple[dict, dict, dict, int]] = []  # the hooks put straight into modules' dicts
+        self.keys: dict[int, str] = {}  # id(module) -> its row, while the hooks are on
+        self.stack: list[tuple[int, int, int, int]] = []  # id(module), mark or allocated, seq at its begin, task
+        self.forward: list[tuple[str, int, int]] = []  # row, first mark, last mark (indices into marks)
+        self.recompute: list[tuple[str, int, int]] = []
         self.calls: list[_Call] = []
+        self.group: list[_Call] = []  # the calls under the outermost hooked call running now
         self.activation: dict[str, float] = {}
-        self.marks: list[Any] = []  # every mark taken, in order: all done -> the sample can be read
+        self.marks: list[Any] = []  # every mark taken, in order
+        self.host: list[int] = []  # the host's ns at each mark
+        self.gate: tuple[int, Any, Any, int] | None = None
+        self.epoch: int | None = None  # the clock's stream epoch at the first mark; None: not yet
+        self.moved = False  # marks went to another stream mid-sample: the gate's check cannot be made
         self.host_ns = 0
+        self.nodes = 0  # autograd node hooks put on
         self.failed: str | None = None
+        self.uncovered = 0  # spans the gate did not cover (not read)
 
     # hooks -------------------------------------------------------------------------------------
     def install(self, tree: Tree) -> None:
+        """Two hooks a module, one pair of functions for all (no closure a module).  They go straight into the
+        module's hook dicts, as ``register_forward_pre_hook`` / ``register_forward_hook(always_call=True)`` put them,
+        without a handle each (a handle's making and removal are most of a registration's ~2 µs); a module without
+        those dicts (another torch) gets the public registration."""
+        pre, post = (self._pre_memory, self._post_memory) if self.memory else (self._pre, self._post)
         for module, key in tree.modules():
-            self.handles.append(module.register_forward_pre_hook(self._pre(key), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post(key), with_kwargs=True, always_call=True))
+            self.keys[id(module)] = key
+            pres, posts = getattr(module, "_forward_pre_hooks", None), getattr(module, "_forward_hooks", None)
+            always = getattr(module, "_forward_hooks_always_called", None)
+            if isinstance(pres, dict) and isinstance(posts, dict) and isinstance(always, dict):
+                first = RemovableHandle.next_id
+                RemovableHandle.next_id += 2
+                pres[first] = pre
+                posts[first + 1] = post
+                always[first + 1] = True
+                self.direct.append((pres, posts, always, first))
+            else:
+                self.handles.append(module.register_forward_pre_hook(pre))
+                self.handles.append(module.register_forward_hook(post, always_call=True))
 
     def remove(self) -> None:
+        for pres, posts, always, first in self.direct:
+            pres.pop(first, None)
+            posts.pop(first + 1, None)
+            always.pop(first + 1, None)
+        self.direct = []
         for h in self.handles:
             h.remove()
         self.handles = []
         self.stack = []
+        self.group = []
+        self.keys = {}
 
-    def _mark(self) -> Any:
-        mark = self.m.clock.mark()
-        self.marks.append(mark)
-        return mark
+    def _mark(self) -> int:
+        clock = self.m.clock
+        self.marks.append(clock.mark())
+        self.host.append(time.perf_counter_ns())
+        epoch = clock.stream_epoch
+        if self.epoch is None:
+            self.epoch = epoch
+        elif epoch != self.epoch:
+            self.moved = True
+        return len(self.marks) - 1
 
-    def _pre(self, key: str) -> Callable[..., None]:
-        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-            t0 = time.perf_counter_ns()
-            try:
-                seq = -1
-                if torch.is_grad_enabled():
-                    for t in _tensors(args, _tensors(kwargs, [])):
-                        fn = t.grad_fn
-                        if fn is not None:
-                            seq = max(seq, fn._sequence_nr())
-                read = self.m.allocated
-                self.stack.append((key, self._mark(), read() if read is not None else None, seq, _graph_task()))
-            except Exception as err:  # noqa: BLE001 - the timer must never break training
-                self.fail(err)
-            self.host_ns += time.perf_counter_ns() - t0
+    # a timing sample's forward: a mark at each end, the seq counter; the node hooks at the outermost call's end
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            self.stack.append((id(module), self._mark(), _seq_now(), _graph_task()))
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            self.fail(err)
+        self.host_ns += time.perf_counter_ns() - t0
 
-        return pre
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            self._after(module, output)
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            self.fail(err)
+        self.host_ns += time.perf_counter_ns() - t0
 
-    def _post(self, key: str) -> Callable[..., None]:
-        def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            t0 = time.perf_counter_ns()
-            try:
-                self._after(key, output)
-            except Exception as err:  # noqa: BLE001 - the timer must never break training
-                self.fail(err)
-            self.host_ns += time.perf_counter_ns() - t0
-
-        return post
-
-    def _after(self, key: str, output: Any) -> None:
-        if not self.stack or self.stack[-1][0] != key:  # a call whose pre-hook failed, or an odd nesting: skip it
+    def _after(self, module: nn.Module, output: Any) -> None:
+        stack = self.stack
+        if not stack or stack[-1][0] != id(module):  # a call whose pre-hook failed, or an odd nesting: skip it
             return
-        _, begin, before, seq, task = self.stack.pop()
+        _, begin, lo, task = stack.pop()
         end = self._mark()
+        key = self.keys[id(module)]
         if task != -1:  # inside a backward: checkpointing's recompute, never forward's
             self.recompute.append((key, begin, end))
             return
         self.forward.append((key, begin, end))
-        read = self.m.allocated
-        if before is not None and read is not None:
-            self.activation[key] = self.activation.get(key, 0.0) + (read() - before) / MB
         if torch.is_grad_enabled():
-            self._backward_hooks(key, output, seq)
+            hi = _seq_now()
+            outs: list[Any] = []
+            for t in _tensors(output, []):
+                fn = t.grad_fn
+                if fn is not None and lo <= fn._sequence_nr() < hi and fn not in outs:
+                    outs.append(fn)
+            if outs:
+                self.group.append(_Call(key, lo, hi, outs))
+        if not stack and self.group:  # the outermost hooked call ended: one walk for it and every call under it
+            group, self.group = self.group, []
+            self._backward_hooks(group)
 
-    def _backward_hooks(self, key: str, output: Any, seq: int) -> None:
-        """Pre-hooks on the outputs' nodes (backward begins), post-hooks on the module's edge nodes (it ends)."""
-        outs = []
-        for t in _tensors(output, []):
-            fn = t.grad_fn
-            if fn is not None and type(fn).__name__ != "AccumulateGrad" and fn._sequence_nr() > seq and fn not in outs:
-                outs.append(fn)
-        if not outs:
-            return
-        call = _Call(key)
-        edge = []
+    def _backward_hooks(self, group: list[_Call]) -> None:
+        """One walk of the nodes the outermost call made; a pre-hook on each call's output nodes (its backward
+        begins) and a post-hook on each of its *last-possible* nodes: those with no next node of its own (a node
+        that feeds another of the call's nodes is done before that one begins, so it is never the last).  A node
+        shared by nested calls carries one hook and one mark for all of them."""
+        lo_all, hi_all = min(c.lo for c in group), max(c.hi for c in group)
+        starts: dict[Any, list[_Call]] = {}
+        lasts: dict[Any, list[_Call]] = {}
+        todo: list[Any] = []
+        for call in group:
+            for fn in call.outs:
+                starts.setdefault(fn, []).append(call)
+                todo.append(fn)
         seen = set()
-        todo = list(outs)
         while todo:
             node = todo.pop()
             if node in seen:
                 continue
             seen.add(node)
-            at_edge = False
+            seq, inner = node._sequence_nr(), -1  # inner: the newest next node the walk's calls made
             for nxt, _ in node.next_functions:
-                if nxt is None:
-                    continue
-                if type(nxt).__name__ == "AccumulateGrad" or nxt._sequence_nr() <= seq:
-                    at_edge = True
-                elif nxt not in seen:
-                    todo.append(nxt)
-            if at_edge:
-                edge.append(node)
-        if not edge:  # nothing reaches a parameter or an input: the outputs' nodes end it
-            edge = outs
+                if nxt is not None:
+                    s = nxt._sequence_nr()  # a parameter's AccumulateGrad: the largest number there is, outside
+                    if lo_all <= s < hi_all:
+                        if s > inner:
+                            inner = s
+                        if nxt not in seen:
+                            todo.append(nxt)
+            for call in group:
+                if call.lo <= seq < call.hi and call.lo > inner:  # the node is the call's and feeds none of its own
+                    lasts.setdefault(node, []).append(call)
+        for node, calls in starts.items():
+            self.handles.append(node.register_prehook(self._begins(calls)))
+        for node, calls in lasts.items():
+            self.handles.append(node.register_hook(self._ends(calls)))
+        self.nodes += len(starts) + len(lasts)
+        self.calls.extend(group)
 
+    def _begins(self, calls: list[_Call]) -> Callable[[Any], None]:
         def begins(grad_outputs: Any) -> None:
             try:
-                if call.begin is None:
-                    call.begin = self._mark()
+                todo = [c for c in calls if c.begin is None]
+                if todo:
+                    mark = self._mark()
+                    for c in todo:
+                        c.begin = mark
             except Exception as err:  # noqa: BLE001 - autograd's hook: the timer must never break backward
                 self.fail(err)
 
+        return begins
+
+    def _ends(self, calls: list[_Call]) -> Callable[[Any, Any], None]:
         def ends(grad_inputs: Any, grad_outputs: Any) -> None:
             try:
-                call.end = self._mark()
+                mark = self._mark()
+                for c in calls:
+                    c.end = mark
             except Exception as err:  # noqa: BLE001 - as above
                 self.fail(err)
 
-        for fn in outs:
-            self.handles.append(fn.register_prehook(begins))
-        for fn in edge:
-            self.handles.append(fn.register_hook(ends))
-        self.calls.append(call)
+        return ends
+
+    # a memory sample's forward: the allocator before and after, nothing else
+    def _pre_memory(self, module: nn.Module, args: Any) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            self.stack.append((id(module), self.read(), 0, _graph_task()))  # type: ignore[misc]
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            self.fail(err)
+        self.host_ns += time.perf_counter_ns() - t0
+
+    def _post_memory(self, module: nn.Module, args: Any, output: Any) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            stack = self.stack
+            if stack and stack[-1][0] == id(module):
+                _, before, _, task = stack.pop()
+                if task == -1:  # a recompute's allocations are backward's
+                    key = self.keys[id(module)]
+                    self.activation[key] = self.activation.get(key, 0.0) + (self.read() - before) / MB  # type: ignore[misc]
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            self.fail(err)
+        self.host_ns += time.perf_counter_ns() - t0
 
     def fail(self, err: Exception) -> None:
         if self.failed is None:
             self.failed = f"{type(err).__name__}: {err}"
 
     # results -----------------------------------------------------------------------------------
+    def _all(self) -> list[Any]:
+        return ([self.gate[1], self.gate[2]] if self.gate is not None else []) + self.marks
+
     def done(self) -> bool:
-        clock = self.m.clock
-        return all(clock.done(m) for m in self.marks)
+        """Every mark done: on one stream they complete in order, so the last one's query says; else each."""
+        marks = self._all()
+        if not marks:
+            return True
+        done = self.m.clock.done
+        return done(marks[-1]) if not self.moved else all(done(m) for m in marks)
+
+    def host_span_ms(self) -> float:
+        """The host's time from the gate to the sample's last mark."""
+        if self.gate is None or not self.host:
+            return 0.0
+        return (self.host[-1] - self.gate[0]) / 1e6
 
     def values(self) -> dict[str, dict[str, float]]:
-        """Per row: forward_ms, backward_ms (when its backward ran), recompute_ms, activation_mb, calls."""
-        ms = self.m.clock.elapsed_ms
+        """Per row: forward_ms, backward_ms (when its backward ran), recompute_ms, activation_mb, calls.
+
+        With a gate, a span is read only where the device never waited for the host inside it: each of its marks
+        was queued before the device reached the mark before it.  The device reached mark ``i-1`` at ``t[i-1]``
+        after the gate's sleep began, and the sleep began after the host queued it (``host[gate]``), so a mark
+        queued at ``host[i] - host[gate] <= t[i-1]`` (host ms) was queued before: everything between the two marks
+        was waiting for the device, which ran it back to back (a sufficient condition, whatever the launch
+        latency).  A span that fails it is not read (``uncovered``)."""
         out: dict[str, dict[str, float]] = {}
+        marks = self._all()
+        if marks:
+            spans = self.m.clock.spans(marks)
+            t = [0.0]
+            for s in spans:
+                t.append(t[-1] + s)
+            gated = self.gate is not None and not self.moved
+            if self.gate is not None:
+                base = 2
+                host0 = self.gate[0]
+                bad = [0]  # bad[i]: spans into marks 0..i-1 the gate did not cover, summed
+                for i, h in enumerate(self.host):
+                    ok = not gated or (h - host0) / 1e6 <= t[base + i - 1]
+                    bad.append(bad[-1] + (not ok))
+                slept = t[1] - t[0]
+            else:
+                base, bad, slept = 0, None, None
+        else:
+            return self._activations(out)
+
+        def ms(a: int, b: int) -> float | None:
+            if bad is not None and bad[b + 1] - bad[a + 1]:
+                self.uncovered += 1
+                return None
+            return t[base + b] - t[base + a]
+
         for key, a, b in self.forward:
-            row = out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})
-            row["forward_ms"] += ms(a, b)
-            row["calls"] += 1
+            v = ms(a, b)
+            if v is not None:
+                row = out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})
+                row["forward_ms"] += v
+                row["calls"] += 1
         for call in self.calls:
             if call.begin is not None and call.end is not None:
-                row = out.setdefault(call.key, {"forward_ms": 0.0, "calls": 0.0})
-                row["backward_ms"] = row.get("backward_ms", 0.0) + max(0.0, ms(call.begin, call.end))
+                v = ms(call.begin, call.end)
+                if v is not None:
+                    row = out.setdefault(call.key, {})
+                    row["backward_ms"] = row.get("backward_ms", 0.0) + max(0.0, v)
         for key, a, b in self.recompute:
-            row = out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})
-            row["recompute_ms"] = row.get("recompute_ms", 0.0) + ms(a, b)
+            v = ms(a, b)
+            if v is not None:
+                row = out.setdefault(key, {})
+                row["recompute_ms"] = row.get("recompute_ms", 0.0) + v
+        if slept is not None and self.m.gate is not None:
+            self.m.gate.calibrate(slept, self.gate[3])  # type: ignore[index]
+        return self._activations(out)
+
+    def _activations(self, out: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         for key, mb in self.activation.items():
-            out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})["activation_mb"] = mb
+            out.setdefault(key, {})["activation_mb"] = mb
         return out
 
     def release(self) -> None:
-        self.m.clock.release(self.marks)
+        self.m.clock.release(self._all())
         self.marks = []
+        self.gate = None
 
 
 # -- the measure ------------------------------------------------------------------------------------
@@ -531,11 +735,16 @@ class ModuleTimes(Measure):
 
     def __init__(self, models: Iterable[nn.Module], spec: Any = True, *, clock: Any,
                  allocated: Callable[[], int] | None = None, warmup_steps: int = 0, owner: str = "attach",
-                 dense: int = DENSE) -> None:
+                 dense: int = DENSE, gate: bool = False) -> None:
         self.spec = spec
         self.clock = clock
         #: The allocator's allocated bytes now (no sync); None: activations are not measured (the CPU).
         self.allocated = allocated
+        #: CUDA: the gate that holds a timing sample's kernels until the host has queued them (None: the host clock).
+        self.gate: _Gate | None = _Gate(clock) if gate else None
+        self._begun = 0  # samples begun: one in ACT_EVERY (the second first) reads the allocator, the rest mark
+        self.uncovered = 0  # spans a gate did not cover (not read)
+        self.nodes = 0  # autograd node hooks put on, over the samples
         self.tree = build_tree(list(models), spec, owner)  # the models are not kept: the tree holds its modules weakly
         self._rng = random.Random(SEED)
         self._next = warmup_steps + 2  # steps begun, 1-based: past the warm-up and its first timed step
@@ -561,6 +770,12 @@ class ModuleTimes(Measure):
         return bool(self.tree.targets) and self.failed is None
 
     @property
+    def untimed(self) -> bool:
+        """A sampled step is left out of the phases' statistics (the device's clock: a timing sample holds the
+        gate, a memory sample reads the allocator in the step).  On the host clock it stays timed."""
+        return getattr(self.clock, "kind", None) == "cuda"
+
+    @property
     def next_due(self) -> int:
         """The step (begun, 1-based) to sample next (a very large number: never)."""
         return self._next if self.active else 1 << 62
@@ -570,9 +785,13 @@ class ModuleTimes(Measure):
         """A sampled step begins: hooks on.  False: not sampled (failed)."""
         t0 = time.perf_counter_ns()
         self._schedule(begun)
-        sample = Sample(self, step)
+        memory = self.allocated is not None and self._begun % ACT_EVERY == 1
+        self._begun += 1
+        sample = Sample(self, step, memory)
         try:
             sample.install(self.tree)
+            if self.gate is not None and not memory:
+                sample.gate = self.gate.hold()
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             sample.remove()
             self._fail(err)
@@ -595,9 +814,12 @@ class ModuleTimes(Measure):
         if sample is None:
             return
         sample.remove()
+        self.nodes += sample.nodes
         if sample.failed is not None:
             self._fail(RuntimeError(sample.failed))
-        if recorded and sample.failed is None and sample.forward:
+        if self.gate is not None and sample.gate is not None:
+            self.gate.size(sample.host_span_ms())
+        if recorded and sample.failed is None and (sample.forward or sample.activation):
             self._pending.append(sample)
         else:
             self.dropped += 1
@@ -624,6 +846,7 @@ class ModuleTimes(Measure):
                     sample.release()
                 continue
             vals = sample.values()
+            self.uncovered += sample.uncovered
             sample.release()
             self.samples += 1
             for key, row in vals.items():
@@ -695,7 +918,10 @@ class ModuleTimes(Measure):
         if not n:
             return None
         per = self.own_ns / n / 1e6
-        return {"sampled_step_ms": per, "us_per_step": per * 1e3 / (GAP_MEAN if n > self._dense_n else max(1, DENSE_GAP))}
+        out = {"sampled_step_ms": per, "us_per_step": per * 1e3 / (GAP_MEAN if n > self._dense_n else max(1, DENSE_GAP))}
+        if self.gate is not None:  # spans the gate did not cover, not read
+            out["uncovered"] = float(self.uncovered)
+        return out
 
     def note(self) -> str | None:
         """Why some or all modules are not measured (None: nothing to say)."""
@@ -765,7 +991,8 @@ def make(models: Sequence[nn.Module], spec: Any, clock: Any, *, warmup_steps: in
         return None
     allocated = None
     own_clock = clock
-    if getattr(clock, "kind", None) == "cuda":
+    cuda = getattr(clock, "kind", None) == "cuda"
+    if cuda:
         from phase_timer.measures.memory import cuda_reader
 
         index = clock.device.index
@@ -774,7 +1001,7 @@ def make(models: Sequence[nn.Module], spec: Any, clock: Any, *, warmup_steps: in
         own_clock = type(clock)(clock.device)
     dense = DENSE if getattr(clock, "kind", None) != "host" else HOST_DENSE
     return ModuleTimes(models, spec, clock=own_clock, allocated=allocated, warmup_steps=warmup_steps, owner=owner,
-                       dense=dense)
+                       dense=dense, gate=cuda and GATE)
 
 
 __all__ = ["ModuleTimes", "Tree", "build_tree", "check_modules", "make"]

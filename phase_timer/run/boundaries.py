@@ -316,6 +316,7 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
         counter = plan.counter  # (given FLOPs never get here: every step carries them)
         if plan.may_count is not None and not plan.may_count():
             return
+        self._mod_drop()  # a step that counts FLOPs is no training step's to time modules on
         if type(self) is _SampledBoundaries:  # a sampled step's host time is the verdict's: this one is not sampled
             self._sample_state = "dropped"
             self._end_sample()
@@ -468,8 +469,8 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
         flight = self.steps == self._flight_at
         if flight:
             self._flight_at += flight_gap(self.steps - self.core.warmup_steps)
-        if self._mod_on:
-            self._mod_end(self.core.recording)
+        if self._mod_on:  # a step it untimed itself is still a training step's
+            self._mod_end(self.core.recording or self._mods.untimed)  # type: ignore[union-attr]
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
         if self._mem_on:

@@ -31,12 +31,17 @@ class ModuleSteps:
 
     def _mod_begin(self, step: int) -> None:
         """A plain step at or past ``_mod_due`` has begun: a sample if the core records it (past the warm-up),
-        else the next recorded one.  (The verdict's sampled step times the host: the boundaries pass it by.)"""
+        else the next recorded one.  (The verdict's sampled step times the host: the boundaries pass it by.)
+
+        On the device's clock the sampled step is the measure's: left out of the phases' statistics (untimed, as a
+        FLOPs-counting step is), since a timing sample holds the gate and a memory sample reads the allocator."""
         if not self.core.recording:
             return
         mods = self._mods
         self._mod_on = mods.begin(self.begun, step)  # type: ignore[union-attr]
         self._mod_due = mods.next_due  # type: ignore[union-attr]
+        if self._mod_on and mods.untimed:  # type: ignore[union-attr]
+            self.core.untime()
 
     def _mod_drop(self) -> None:
         """The step is no training step's (a pause's evaluation, a drop, the run cut off): its sample is dropped."""
