@@ -187,11 +187,14 @@ def test_a_sampled_step_is_untimed_on_the_device_and_a_later_gate_is_sized_from_
     steps = 40
     with phase_timer.attach(model, opt, [idx] * steps, summary=False, warmup_steps=3, window=10,
                             log_dir=str(tmp_path)) as timer:
+        mods = next(m for m in timer.core.measures if m.key == "modules")  # the timer lets go of its core at close
         for batch in timer.loader:
             _step(model, opt, batch)
-    mods = next(m for m in timer.core.measures if m.key == "modules")
-    print("MODULES untimed", timer.totals.steps, mods.samples, mods.uncovered, round(mods.gate.ms, 3), mods.cost())
-    assert mods.samples == 4  # steps 5, 13, 21, 29 (begun, 1-based)
+    print("MODULES untimed", timer.totals.steps, mods.samples, mods.uncovered, round(mods.gate.ms, 3),
+          mods.host_cost())
+    # Steps begun 5, 13, 21, 29 and 37 (1-based: DENSE of them DENSE_GAP apart, and the one the last of them
+    # scheduled); a due step the verdict samples defers it by one, so the fifth falls past step 40 only when four were.
+    assert mods.dropped == 0 and mods.samples in (4, 5)
     assert timer.totals.steps == steps - 3 - mods.samples
     assert mods.uncovered == 0 and mods.gate.ms <= modules_max_ms()
 
