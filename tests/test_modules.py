@@ -49,23 +49,28 @@ class SleepyForward(nn.Module):
         self.planted = planted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter_ns()
-        helpers.pause(SLEEP_S)
-        self.planted.forward_ms.append((time.perf_counter_ns() - t0) / 1e6)
+        _sleep(self.planted.forward_ms)
         return self.lin(x)
 
 
-class _SleepyBackward(torch.autograd.Function):
+def _sleep(into: list[float]) -> None:
+    """Sleep 5 ms, and keep how long it took (ms) in ``into``."""
+    t0 = time.perf_counter_ns()
+    helpers.pause(SLEEP_S)
+    into.append((time.perf_counter_ns() - t0) / 1e6)
+
+
+class _OnBackward(torch.autograd.Function):
+    """The identity, which calls ``then()`` in its backward: a module's planted backward work."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, planted: Planted) -> torch.Tensor:
-        ctx.planted = planted
+    def forward(ctx: Any, x: torch.Tensor, then: Any) -> torch.Tensor:
+        ctx.then = then
         return x * 1.0
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        t0 = time.perf_counter_ns()
-        helpers.pause(SLEEP_S)
-        ctx.planted.backward_ms.append((time.perf_counter_ns() - t0) / 1e6)
+        ctx.then()
         return grad * 1.0, None
 
 
@@ -78,7 +83,7 @@ class SleepyBackward(nn.Module):
         self.planted = planted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepyBackward.apply(self.lin(x), self.planted)
+        return _OnBackward.apply(self.lin(x), lambda: _sleep(self.planted.backward_ms))
 
 
 class Net(nn.Module):
@@ -205,18 +210,6 @@ class Keeps64MB(nn.Module):
         return self.lin(x)
 
 
-class _Free(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, alloc: FakeAllocator) -> torch.Tensor:
-        ctx.alloc = alloc
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.alloc.bytes -= 64 << 20
-        return grad, None
-
-
 def test_activation_arithmetic_with_a_fake_allocator_names_the_module_that_keeps_64_mb():
     alloc = FakeAllocator()
 
@@ -227,7 +220,10 @@ def test_activation_arithmetic_with_a_fake_allocator_names_the_module_that_keeps
             self.small = nn.Linear(8, 8)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return _Free.apply(self.small(self.keeps(x)), alloc)
+            return _OnBackward.apply(self.small(self.keeps(x)), self.free)
+
+        def free(self) -> None:  # backward frees what `keeps` kept
+            alloc.bytes -= 64 << 20
 
     model = M()
     measure = ModuleTimes([model], True, clock=HostClock(), allocated=alloc, warmup_steps=0)

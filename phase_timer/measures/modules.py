@@ -412,6 +412,22 @@ class _Gate:
             self.cycles_per_ms = cycles / slept_ms
 
 
+def _guarded(body: Callable[..., None]) -> Callable[..., None]:
+    """A sample's forward hook (``body``): its host time counted in the sample's (``host_ns``), and a failure kept
+    (``Sample.fail``: the measure stops at the step's close), never raised into the model's forward."""
+
+    def hook(self: Sample, module: nn.Module, *args: Any) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            body(self, module, *args)
+        except Exception as err:  # noqa: BLE001 - the timer must never break training
+            self.fail(err)
+        self.host_ns += time.perf_counter_ns() - t0
+
+    hook.__name__, hook.__doc__ = body.__name__, body.__doc__
+    return hook
+
+
 class Sample:
     """One sampled step's hooks and marks, until its marks are read.
 
@@ -489,23 +505,12 @@ class Sample:
         return len(self.marks) - 1
 
     # a timing sample's forward: a mark at each end, the seq counter; the node hooks at the outermost call's end
+    @_guarded
     def _pre(self, module: nn.Module, args: Any) -> None:
-        t0 = time.perf_counter_ns()
-        try:
-            self.stack.append((id(module), self._mark(), _seq_now(), _graph_task()))
-        except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self.fail(err)
-        self.host_ns += time.perf_counter_ns() - t0
+        self.stack.append((id(module), self._mark(), _seq_now(), _graph_task()))
 
+    @_guarded
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        t0 = time.perf_counter_ns()
-        try:
-            self._after(module, output)
-        except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self.fail(err)
-        self.host_ns += time.perf_counter_ns() - t0
-
-    def _after(self, module: nn.Module, output: Any) -> None:
         stack = self.stack
         if not stack or stack[-1][0] != id(module):  # a call whose pre-hook failed, or an odd nesting: skip it
             return
@@ -592,26 +597,18 @@ class Sample:
         return ends
 
     # a memory sample's forward: the allocator before and after, nothing else
+    @_guarded
     def _pre_memory(self, module: nn.Module, args: Any) -> None:
-        t0 = time.perf_counter_ns()
-        try:
-            self.stack.append((id(module), self.read(), 0, _graph_task()))  # type: ignore[misc]
-        except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self.fail(err)
-        self.host_ns += time.perf_counter_ns() - t0
+        self.stack.append((id(module), self.read(), 0, _graph_task()))  # type: ignore[misc]
 
+    @_guarded
     def _post_memory(self, module: nn.Module, args: Any, output: Any) -> None:
-        t0 = time.perf_counter_ns()
-        try:
-            stack = self.stack
-            if stack and stack[-1][0] == id(module):
-                _, before, _, task = stack.pop()
-                if task == -1:  # a recompute's allocations are backward's
-                    key = self.keys[id(module)]
-                    self.activation[key] = self.activation.get(key, 0.0) + (self.read() - before) / MB  # type: ignore[misc]
-        except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self.fail(err)
-        self.host_ns += time.perf_counter_ns() - t0
+        stack = self.stack
+        if stack and stack[-1][0] == id(module):
+            _, before, _, task = stack.pop()
+            if task == -1:  # a recompute's allocations are backward's
+                key = self.keys[id(module)]
+                self.activation[key] = self.activation.get(key, 0.0) + (self.read() - before) / MB  # type: ignore[misc]
 
     def fail(self, err: Exception) -> None:
         if self.failed is None:
