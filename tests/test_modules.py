@@ -295,6 +295,37 @@ def test_the_ordinary_step_carries_no_hook_and_sampled_steps_come_as_scheduled()
     assert cost["sampled_step_ms"] > 0 and cost["us_per_step"] < cost["sampled_step_ms"] * 1e3
 
 
+def test_a_model_deep_copied_on_a_sampled_step_copies_and_its_copy_is_no_row():
+    """An EMA copy taken mid-step (``copy.deepcopy`` after the forward, the sample's autograd nodes held): the hooks
+    the copy carries are the sample's functions, shared, not copied with the sample; the copy's calls add no row."""
+    import copy
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    core, bounds = _core(measure)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    copies = 0
+    for _ in range(12):
+        bounds.on_fetch()
+        bounds.on_batch(None, 0.0)
+        bounds.on_copied()
+        loss = model(torch.randn(4, 8)).sum()
+        if bounds._mod_on:
+            ema = copy.deepcopy(model)
+            ema(torch.randn(4, 8))
+            copies += 1
+        bounds.on_backward_start()
+        loss.backward()
+        bounds.on_backward_end(False)
+        bounds.on_optimizer_start()
+        opt.step()
+        bounds.on_step_end()
+    bounds.finish()
+    core.finish()
+    assert copies >= 2 and measure.failed is None and measure.samples == copies
+    assert all(row["calls"] == 1 for row in measure.rows().values())  # the copy's forward counted nowhere
+
+
 def test_the_native_boundaries_hand_a_due_step_to_python():
     from phase_timer.run import boundaries
 

@@ -412,19 +412,21 @@ class _Gate:
             self.cycles_per_ms = cycles / slept_ms
 
 
-def _guarded(body: Callable[..., None]) -> Callable[..., None]:
-    """A sample's forward hook (``body``): its host time counted in the sample's (``host_ns``), and a failure kept
-    (``Sample.fail``: the measure stops at the step's close), never raised into the model's forward."""
+def _hook(sample: Sample, body: Callable[..., None]) -> Callable[..., None]:
+    """One of ``sample``'s two forward hooks, over ``body`` (a :class:`Sample` method, unbound): its host time
+    counted in the sample's (``host_ns``), and a failure kept (``Sample.fail``: the measure stops at the step's
+    close), never raised into the model's forward.  A plain function, not a bound method: a deepcopy of a hooked
+    module taken on a sampled step (an EMA copy) shares it, where a bound method would be copied with its sample and
+    the sample's autograd nodes, which cannot be copied; the copy's calls are no row's (``Sample.keys``)."""
 
-    def hook(self: Sample, module: nn.Module, *args: Any) -> None:
+    def hook(module: nn.Module, *args: Any) -> None:
         t0 = time.perf_counter_ns()
         try:
-            body(self, module, *args)
+            body(sample, module, *args)
         except Exception as err:  # noqa: BLE001 - the timer must never break training
-            self.fail(err)
-        self.host_ns += time.perf_counter_ns() - t0
+            sample.fail(err)
+        sample.host_ns += time.perf_counter_ns() - t0
 
-    hook.__name__, hook.__doc__ = body.__name__, body.__doc__
     return hook
 
 
@@ -464,7 +466,9 @@ class Sample:
         module's hook dicts, as ``register_forward_pre_hook`` / ``register_forward_hook(always_call=True)`` put them,
         without a handle each (a handle's making and removal are most of a registration's ~2 µs); a module without
         those dicts (another torch) gets the public registration."""
-        pre, post = (self._pre_memory, self._post_memory) if self.memory else (self._pre, self._post)
+        cls = type(self)
+        bodies = (cls._pre_memory, cls._post_memory) if self.memory else (cls._pre, cls._post)
+        pre, post = _hook(self, bodies[0]), _hook(self, bodies[1])
         for module, key in tree.modules():
             self.keys[id(module)] = key
             pres, posts = getattr(module, "_forward_pre_hooks", None), getattr(module, "_forward_hooks", None)
@@ -505,11 +509,10 @@ class Sample:
         return len(self.marks) - 1
 
     # a timing sample's forward: a mark at each end, the seq counter; the node hooks at the outermost call's end
-    @_guarded
     def _pre(self, module: nn.Module, args: Any) -> None:
-        self.stack.append((id(module), self._mark(), _seq_now(), _graph_task()))
+        if id(module) in self.keys:  # a hooked module's call (a copy of one carries the hook, not the row)
+            self.stack.append((id(module), self._mark(), _seq_now(), _graph_task()))
 
-    @_guarded
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self.stack
         if not stack or stack[-1][0] != id(module):  # a call whose pre-hook failed, or an odd nesting: skip it
@@ -597,11 +600,10 @@ class Sample:
         return ends
 
     # a memory sample's forward: the allocator before and after, nothing else
-    @_guarded
     def _pre_memory(self, module: nn.Module, args: Any) -> None:
-        self.stack.append((id(module), self.read(), 0, _graph_task()))  # type: ignore[misc]
+        if id(module) in self.keys:  # as in _pre
+            self.stack.append((id(module), self.read(), 0, _graph_task()))  # type: ignore[misc]
 
-    @_guarded
     def _post_memory(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self.stack
         if stack and stack[-1][0] == id(module):
