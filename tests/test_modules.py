@@ -74,13 +74,8 @@ class _OnBackward(torch.autograd.Function):
         return grad * 1.0, None
 
 
-class SleepyBackward(nn.Module):
-    """A module whose custom autograd Function sleeps 5 ms in backward."""
-
-    def __init__(self, planted: Planted) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.planted = planted
+class SleepyBackward(SleepyForward):
+    """A module whose custom autograd Function sleeps 5 ms in backward (and its forward does not)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _OnBackward.apply(self.lin(x), lambda: _sleep(self.planted.backward_ms))
@@ -249,11 +244,14 @@ def _core(measure: ModuleTimes) -> tuple[Any, Any]:
     return core, Boundaries(core)
 
 
-def _step(bounds: Any, model: nn.Module, opt: Any, x: torch.Tensor | None = None) -> None:
+def _step(bounds: Any, model: nn.Module, opt: Any, x: torch.Tensor | None = None, then: Any = None) -> None:
+    """One training step through the boundaries; ``then()`` after its forward."""
     bounds.on_fetch()
     bounds.on_batch(None, 0.0)
     bounds.on_copied()
     loss = model(torch.randn(4, 8) if x is None else x).sum()
+    if then is not None:
+        then()
     bounds.on_backward_start()
     loss.backward()
     bounds.on_backward_end(False)
@@ -268,19 +266,10 @@ def test_the_ordinary_step_carries_no_hook_and_sampled_steps_come_as_scheduled()
     measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
     core, bounds = _core(measure)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    hooked = []
-    for i in range(60):
-        bounds.on_fetch()
-        bounds.on_batch(None, 0.0)
-        hooked.append(bool(model[0]._forward_hooks) or bool(model[0]._forward_pre_hooks))
-        bounds.on_copied()
-        loss = model(torch.randn(4, 8)).sum()
-        bounds.on_backward_start()
-        loss.backward()
-        bounds.on_backward_end(False)
-        bounds.on_optimizer_start()
-        opt.step()
-        bounds.on_step_end()
+    hooked: list[bool] = []
+    first = model[0]
+    for _ in range(60):
+        _step(bounds, model, opt, then=lambda: hooked.append(bool(first._forward_hooks or first._forward_pre_hooks)))
     bounds.finish()
     core.finish()
     sampled = [i + 1 for i, h in enumerate(hooked) if h]  # steps begun, 1-based
@@ -304,25 +293,18 @@ def test_a_model_deep_copied_on_a_sampled_step_copies_and_its_copy_is_no_row():
     measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
     core, bounds = _core(measure)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    copies = 0
-    for _ in range(12):
-        bounds.on_fetch()
-        bounds.on_batch(None, 0.0)
-        bounds.on_copied()
-        loss = model(torch.randn(4, 8)).sum()
+    copies: list[nn.Module] = []
+
+    def ema() -> None:  # on a sampled step, after its forward
         if bounds._mod_on:
-            ema = copy.deepcopy(model)
-            ema(torch.randn(4, 8))
-            copies += 1
-        bounds.on_backward_start()
-        loss.backward()
-        bounds.on_backward_end(False)
-        bounds.on_optimizer_start()
-        opt.step()
-        bounds.on_step_end()
+            copies.append(copy.deepcopy(model))
+            copies[-1](torch.randn(4, 8))
+
+    for _ in range(12):
+        _step(bounds, model, opt, then=ema)
     bounds.finish()
     core.finish()
-    assert copies >= 2 and measure.failed is None and measure.samples == copies
+    assert len(copies) >= 2 and measure.failed is None and measure.samples == len(copies)
     assert all(row["calls"] == 1 for row in measure.rows().values())  # the copy's forward counted nowhere
 
 
