@@ -1,17 +1,27 @@
 """What which-module costs: a sampled step's host time, the amortized cost a step, and a GPU-bound run's overhead.
 
     PYTHONPATH=. python benchmarks/modules_cost.py [--layers 12] [--width 768] [--seq 1024] [--batch 8]
-                                                   [--steps 300] [--reps 30] [--out FILE]
-    PYTHONPATH=. python benchmarks/modules_cost.py --cpu --layers 2 --width 64 --seq 32 --batch 2   # a smoke run
+                                                   [--steps 300] [--reps 30] [--out FILE] [--cost-only]
+    PYTHONPATH=. python benchmarks/modules_cost.py --cpu --layers 12 --width 64 --seq 32 --batch 2 --vocab 1024 \
+        --cost-only   # the CPU proxy (host clock)
 
 A GPT-2-124M-class model (``--layers 12 --width 768``, vocabulary 50,257, tied head; the default tree: 12 blocks
-as one row with their ``ln_1``/``attn``/``ln_2``/``mlp``, ``wte``, ``wpe``, ``ln_f``, ``lm_head``), bf16 autocast.
+as one row with their ``ln_1``/``attn``/``ln_2``/``mlp``, ``wte``, ``wpe``, ``ln_f``, ``lm_head``: 65 modules in 5
+groups), bf16 autocast on either device.
 
-1. **A sampled step's host time**: the host's time to issue one training step (forward, backward, optimizer; no
-   wait for the device in it) with the sample's hooks on, less the same without, medians over ``--reps`` pairs;
-   the hooks' own registration and removal included (``ModuleTimes.begin``/``close``).  Amortized: that over the
-   mean gap between samples (``modules.GAP_MEAN`` steps).
-2. **A GPU-bound run's overhead**: ``attach()`` runs of ``--steps`` steps with ``modules=True`` and
+1. **A sample's host time** (``sampled_step_cost``): the host's time to issue one training step (forward, backward,
+   optimizer; no wait for the device in it) with a sample's hooks on less the same without, the median of
+   interleaved pairs' differences, per group of rows (a sample hooks one group; whole cycles of them); on the CPU
+   the thread's CPU time with one intra-op thread (a shared host's other processes do not count), on a GPU host the
+   wall clock.  The hooks' registration and removal and the marks' read are in it (``ModuleTimes.begin``/``close``/
+   ``window``).  A sample's figure is the mean over the groups, with (CUDA) one in ``ACT_EVERY`` of a group's samples
+   reading the allocator.  Amortized: over a run of ``RUN_STEPS`` (10,000) steps, its dense samples and its sparse
+   ones by the measure's own schedule (``amortized_us_per_step``), and over the mean gap alone
+   (``amortized_long_us``).  On the CPU, ``gpu_estimate_*`` adds what a GPU host pays and the CPU does not: each
+   mark's event record (``GPU_MARK_US``) and the allocator's reads (``GPU_READ_US``).
+2. **Where it goes** (``breakdown``): each part of a step (begin, forward, backward, optimizer, close, the read)
+   with a sample's hooks less without, the mean over the groups.
+3. **A GPU-bound run's overhead**: ``attach()`` runs of ``--steps`` steps with ``modules=True`` and
    ``modules=False``, interleaved three times each; each run's mean ``period`` on the device's clock.
    The cost target: an ordinary step unchanged, ≤ 5 µs a step amortized, ≤ 0.3% of a GPU-bound step.
 """
@@ -98,15 +108,49 @@ def setup(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, t
 
 
 def issue(model: nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor, device: torch.device) -> None:
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    """One training step, bf16 autocast on either device (the CPU's graph then holds the casts' nodes a GPU's does)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         loss = model(idx)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 
 
+#: The run the amortized figure assumes: its dense samples and its sparse ones over this many steps.
+RUN_STEPS = 10_000
+#: A GPU host's extra time per mark (a CUDA event's record) and per allocator read, which a CPU run does not pay:
+#: the CPU figure's GPU estimate (the marks and reads each sample takes, times these).
+GPU_MARK_US = 2.5
+GPU_READ_US = 15.0
+
+
+def samples_in(steps: int, dense: int, warmup: int = 0) -> int:
+    """The steps of a ``steps``-step run a measure with ``dense`` dense samples samples (its own schedule)."""
+    import random
+
+    from phase_timer.measures import modules
+
+    rng, due, n = random.Random(modules.SEED), warmup + 2, 0
+    while due <= steps:
+        n += 1
+        due += modules.DENSE_GAP if n <= dense else rng.randint(*modules.GAP)
+    return n
+
+
+def _now(device: torch.device):
+    """The benchmark's clock: on the CPU this thread's CPU time (one intra-op thread: the work is this thread's, and
+    another process on a shared host's cores does not count), on a GPU host the wall clock."""
+    if device.type == "cuda":
+        return time.perf_counter_ns
+    torch.set_num_threads(1)
+    return time.thread_time_ns
+
+
 def sampled_step_cost(args: argparse.Namespace) -> dict[str, float]:
-    """Host µs to issue a step with the sample's hooks, and without (medians over pairs)."""
+    """Host µs to issue a step with a sample's hooks less without (the median of interleaved pairs' differences),
+    per group of rows; a sample's figure is the mean over the groups (each sampled once a cycle) with, on CUDA, one in ACT_EVERY
+    of a group's samples reading the allocator.  Amortized: that over the mean gap, and over a RUN_STEPS-step run
+    with its dense samples."""
     from phase_timer.measures import modules
     from phase_timer.timing.clock import make_clock
 
@@ -114,28 +158,118 @@ def sampled_step_cost(args: argparse.Namespace) -> dict[str, float]:
     clock = make_clock(device)
     measure = modules.make([model], True, clock, warmup_steps=0, owner="benchmark")
     assert measure is not None
+    groups = len(getattr(measure, "groups", ())) or 1
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = _now(device)
     for _ in range(3):
         issue(model, opt, idx, device)
-    plain, sampled = [], []
-    for i in range(args.reps):
+    reps = -(-max(args.reps, groups) // groups) * groups  # whole cycles
+    plain: list[int] = []
+    by: dict[tuple[int, bool], list[int]] = {}
+    own, marks, reads, nodes, calls = [], [], [], [], []
+    for i in range(reps):
         sync()  # HOST-DEVICE SYNC: the benchmark's, between timed steps, so that each issues onto an idle queue
-        t0 = time.perf_counter_ns()
+        t0 = now()
         issue(model, opt, idx, device)
-        plain.append(time.perf_counter_ns() - t0)
+        plain.append(now() - t0)
+        base = plain[-1]
         sync()
-        t0 = time.perf_counter_ns()
+        own0 = measure.own_ns
+        t0 = now()
         measure.begin(i + 1, i)
+        sample = measure.sample
         issue(model, opt, idx, device)
         measure.close(True)
-        sampled.append(time.perf_counter_ns() - t0)
+        dt = now() - t0
         sync()
+        n_marks, n_reads = len(sample.marks), getattr(sample, "reads", 0)
         measure.window({})  # read the marks (done after the sync): the resolution's host time is the sample's too
-    extra_us = (statistics.median(sampled) - statistics.median(plain)) / 1e3
-    return {"plain_step_us": statistics.median(plain) / 1e3, "sampled_step_us": statistics.median(sampled) / 1e3,
-            "sampled_extra_us": extra_us, "amortized_us_per_step": extra_us / modules.GAP_MEAN,
-            "rows": float(len(measure.tree.entries)), "hooked_modules": float(len(measure.tree.targets)),
-            "samples_read": float(measure.samples)}
+        by.setdefault((getattr(sample, "part", 0), sample.read is not None), []).append(dt - base)  # a pair's
+        own.append(measure.own_ns - own0)
+        marks.append(n_marks)
+        reads.append(n_reads)
+        nodes.append(sample.nodes)
+        calls.append(len(sample.forward))
+    act = getattr(modules, "ACT_EVERY", 4)
+    parts = []
+    for part in range(groups):
+        bare, read = by.get((part, False)), by.get((part, True))
+        cost = [statistics.median(v) / 1e3 for v in (bare, read) if v]
+        # one in ACT_EVERY of a group's samples reads (CUDA); on the CPU none does
+        parts.append(cost[0] if len(cost) == 1 else (cost[0] * (act - 1) + cost[1]) / act)
+    extra_us = statistics.mean(parts)
+    dense = measure._dense_n
+    run_samples = samples_in(RUN_STEPS, dense)
+    out = {"plain_step_us": statistics.median(plain) / 1e3, "sampled_extra_us": extra_us,
+           "amortized_us_per_step": extra_us * run_samples / RUN_STEPS, "amortized_long_us": extra_us / modules.GAP_MEAN,
+           "run_steps": float(RUN_STEPS), "run_samples": float(run_samples), "groups": float(groups),
+           "gap_mean": float(modules.GAP_MEAN), "own_us": statistics.mean(own) / 1e3,
+           "marks": statistics.mean(marks), "reads": statistics.mean(reads), "node_hooks": statistics.mean(nodes),
+           "rows": float(len(measure.tree.entries)), "hooked_modules": float(len(measure.tree.targets)),
+           "samples_read": float(measure.samples)}
+    for part, v in enumerate(parts):
+        out[f"extra_us_group{part}"] = v
+    if device.type != "cuda":  # a GPU host pays each mark's record and (CUDA) the reads the CPU does not
+        # CUDA reads the allocator at each end of a module call on one in ACT_EVERY of a group's samples
+        gpu = extra_us + out["marks"] * GPU_MARK_US + statistics.mean(calls) * 2 / act * GPU_READ_US
+        out["gpu_estimate_extra_us"] = gpu
+        out["gpu_estimate_us_per_step"] = gpu * run_samples / RUN_STEPS
+    return out
+
+
+def breakdown(args: argparse.Namespace, reps: int = 40) -> dict[str, float]:
+    """Where a sample's extra host time goes: each part of a step (begin, forward, backward, optimizer, close, the
+    window's read) with a sample's hooks less without, medians over interleaved pairs, the mean over the groups."""
+    from phase_timer.measures import modules
+    from phase_timer.timing.clock import make_clock
+
+    model, opt, idx, device = setup(args)
+    measure = modules.make([model], True, make_clock(device), warmup_steps=0, owner="benchmark")
+    assert measure is not None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = _now(device)
+    names = ("begin", "forward", "backward", "optimizer", "close", "read")
+
+    def step(i: int | None) -> tuple[int, list[int]]:
+        sync()
+        t = [now()]
+        part = 0
+        if i is not None:
+            measure.begin(i + 1, i)
+            part = getattr(measure.sample, "part", 0)
+        t.append(now())
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(idx)
+        t.append(now())
+        loss.backward()
+        t.append(now())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t.append(now())
+        if i is not None:
+            measure.close(True)
+        t.append(now())
+        sync()
+        t0 = now()
+        if i is not None:
+            measure.window({})
+        t.append(t[-1] + now() - t0)
+        return part, [b - a for a, b in zip(t, t[1:])]
+
+    for i in range(3):
+        step(None)
+    plain: list[list[int]] = []
+    sampled: dict[int, list[list[int]]] = {}
+    for i in range(reps):
+        plain.append(step(None)[1])
+        part, times = step(i)
+        sampled.setdefault(part, []).append(times)
+    out = {}
+    for j, name in enumerate(names):
+        base = statistics.median(p[j] for p in plain)
+        out[name] = statistics.mean(statistics.median(s[j] for s in v) - base for v in sampled.values()) / 1e3
+    out["total"] = sum(out[n] for n in names)
+    return out
 
 
 def run_period(args: argparse.Namespace, on: bool) -> float:
@@ -162,6 +296,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--log-dir", default="/tmp/phase-timer-modules-cost")
     p.add_argument("--out")
+    p.add_argument("--cost-only", action="store_true", help="the sampled step's cost and breakdown, no period runs")
     args = p.parse_args()
     from benchmarks.provenance import code_line
 
@@ -169,6 +304,11 @@ def main() -> None:
                           f"vocab {args.vocab}, {'cpu' if args.cpu else torch.cuda.get_device_name()}"]
     cost = sampled_step_cost(args)
     lines.append("sampled step: " + ", ".join(f"{k} {v:.1f}" for k, v in cost.items()))
+    lines.append("breakdown (extra host us a sample, the mean over the groups): " +
+                 ", ".join(f"{k} {v:.1f}" for k, v in breakdown(args).items()))
+    if args.cost_only:
+        print_and_save("\n".join(lines), args.out)
+        return
     periods: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(3):
         for on in (False, True):

@@ -653,9 +653,10 @@ def test_the_cost_benchmark_runs_on_the_cpu():
 
     args = argparse.Namespace(cpu=True, layers=2, width=32, seq=16, batch=2, vocab=256, reps=3)
     cost = sampled_step_cost(args)
-    # transformer, its wte, wpe, h[0-1] with ln_1, attn, ln_2, mlp, ln_f; lm_head
-    assert cost["samples_read"] == 3 and cost["rows"] == 10
-    assert cost["sampled_step_us"] > 0
+    # transformer, its wte, wpe, h[0-1] with ln_1, attn, ln_2, mlp, ln_f; lm_head: 15 modules, one group
+    assert cost["samples_read"] == 3 and cost["rows"] == 10 and cost["groups"] == 1
+    assert cost["own_us"] > 0 and cost["marks"] > 0 and cost["run_samples"] >= mod.DENSE + 1
+    assert cost["gpu_estimate_extra_us"] > cost["sampled_extra_us"]
 
 
 def test_a_timer_never_closed_is_collected_with_its_model():
