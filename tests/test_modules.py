@@ -369,7 +369,8 @@ def test_the_default_tree_opens_what_holds_repeated_blocks_and_sums_the_blocks()
     assert list(named.entries) == ["transformer.h.0.mlp", "lm_head"]
 
 
-def test_nested_blocks_shared_weights_and_children_never_exceed_the_parent(tmp_path):
+def test_nested_blocks_shared_weights_and_children_never_exceed_the_parent(tmp_path, monkeypatch):
+    monkeypatch.setattr(mod, "GROUP_MODULES", 1000)  # one group: a parent and its children on the same steps
     model = TinyGPT()
     timer = _train_lm(model, tmp_path)
     block = summary(timer)["modules"]
@@ -681,10 +682,11 @@ def test_a_timer_never_closed_is_collected_with_its_model():
     assert timer() is None and model() is None
 
 
-def test_a_sampled_step_hooks_only_the_nodes_that_can_begin_or_end_a_backward_once_each(tmp_path):
+def test_a_sampled_step_hooks_only_the_nodes_that_can_begin_or_end_a_backward_once_each(tmp_path, monkeypatch):
     """A node shared by nested calls carries one hook; a node that feeds another of the call's nodes is never its
     last, so it carries none: a 4-block TinyGPT's sample hooks far fewer nodes than its calls' edges, and the backward
     of every row is still read (its children's never more than it)."""
+    monkeypatch.setattr(mod, "GROUP_MODULES", 1000)  # every row on the one sample
     model = TinyGPT()
     measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
     idx = torch.randint(0, 64, (2, 8))
@@ -703,7 +705,7 @@ def test_a_sampled_step_hooks_only_the_nodes_that_can_begin_or_end_a_backward_on
     assert sum(rows[f"transformer.h[0-3].{c}"]["backward_ms"] for c in ("ln", "attn", "mlp")) <= block
 
 
-def test_one_sample_in_act_every_reads_the_allocator_and_the_others_never_do():
+def test_a_groups_first_sample_and_one_in_act_every_read_the_allocator_and_mark_too():
     reads = []
 
     def alloc() -> int:
@@ -712,20 +714,120 @@ def test_one_sample_in_act_every_reads_the_allocator_and_the_others_never_do():
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
     measure = ModuleTimes([model], True, clock=HostClock(), allocated=alloc, warmup_steps=0)
+    assert len(measure.groups) == 1
     per_sample = []
     for i in range(2 * mod.ACT_EVERY):
         before = len(reads)
         measure.begin(i + 1, i)
         model(torch.randn(4, 8)).sum().backward()
-        memory = measure.sample.memory
-        assert not (memory and measure.sample.marks)  # a memory sample takes no mark
+        sample = measure.sample
+        assert len(sample.marks) >= 4  # a sample that reads marks too
         measure.close(True)
-        per_sample.append((memory, len(reads) - before))
-    assert [m for m, _ in per_sample] == [i % mod.ACT_EVERY == 1 for i in range(2 * mod.ACT_EVERY)]
-    assert all(n == (4 if m else 0) for m, n in per_sample)  # two modules, a read at each end of each
+        per_sample.append(len(reads) - before)
+    # the group's first sample, then one in ACT_EVERY: two modules, a read at each end of each
+    assert per_sample == [4 if i % mod.ACT_EVERY == 0 else 0 for i in range(2 * mod.ACT_EVERY)]
     measure.window({})
     rows = measure.rows()
     assert rows["0"]["activation_mb"] == 0.0 and rows["0"]["forward_ms"] is not None
+    assert rows["0"]["samples"] == 2 * mod.ACT_EVERY
+
+
+def test_a_sample_hooks_one_group_of_rows_in_turn_and_the_table_is_full_after_one_of_each(tmp_path):
+    """The rows packed in the tree's order into groups of at most GROUP_MODULES modules (a row never split); each
+    sample hooks one group, the least sampled first; until every group is read the table says how many were and the
+    verdict names no module (the largest of a part is not the largest)."""
+    from phase_timer.diagnosis.finding import Diagnosis
+    from phase_timer.diagnosis.module_rules import with_modules
+
+    model = TinyGPT()  # 20 modules: [transformer, wte, h[0-3], its ln and attn] (14) and [its mlp, ln_f, lm_head] (6)
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    groups = [sorted(g) for g in measure.groups]
+    assert groups == [sorted(["transformer", "transformer.wte", "transformer.h[0-3]", "transformer.h[0-3].ln",
+                              "transformer.h[0-3].attn"]),
+                      sorted(["transformer.h[0-3].mlp", "transformer.ln_f", "lm_head"])]
+    assert all(sum(measure.tree.entries[k].modules for k in g) <= mod.GROUP_MODULES for g in groups)
+    idx = torch.randint(0, 64, (2, 8))
+    hooked = []
+    for i in range(4):
+        measure.begin(i + 1, i)
+        hooked.append({k for m, k in measure.tree.modules() if m._forward_hooks})
+        model(idx).backward()
+        measure.close(True)
+        measure.window({})
+        if i == 0:
+            assert not measure.complete and measure.groups_read() == 1
+            assert ", 1 of 2 groups of rows read," in measure.line()
+            block = measure.summary()
+            assert block["complete"] is False and block["groups"] == 2 and block["groups_read"] == 1
+            d = Diagnosis("GPU_BOUND", "info", "the device is busy", ("a",), {"largest_phase": "backward"})
+            assert with_modules(d, block) == d  # a part of the table names nothing
+            assert "lm_head" not in measure.rows()
+    assert [sorted(h) for h in hooked] == groups * 2
+    assert measure.complete and "groups of rows read" not in measure.line()
+    rows = measure.rows()
+    assert all(rows[k]["samples"] == 2 for k in rows)  # transformer (a ModuleDict) is never called: no row
+    assert set(rows) == {k for g in groups for k in g} - {"transformer"}
+
+
+def test_a_dropped_sample_leaves_its_group_to_the_next():
+    model = TinyGPT()
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    idx = torch.randint(0, 64, (2, 8))
+    parts = []
+    for i, keep in enumerate((True, False, True, True)):
+        measure.begin(i + 1, i)
+        parts.append(measure.sample.part)
+        model(idx).backward()
+        measure.close(keep)
+    assert parts == [0, 1, 1, 0] and measure.dropped == 1
+
+
+class Partly(nn.Module):
+    """A model whose spare blocks never run in training (20 of them: two groups of their own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 1)
+        self.spare = nn.ModuleList(nn.Sequential(nn.Linear(8, 8)) for _ in range(20))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_group_whose_modules_never_run_is_taken_in_its_turn_and_counts_as_read():
+    measure = ModuleTimes([model := Partly()], True, clock=HostClock(), warmup_steps=0)
+    assert [sorted(g) for g in measure.groups] == [["body"], ["spare[0-19]"], ["spare[0-19].0"]]
+    parts = []
+    for i in range(4):
+        measure.begin(i + 1, i)
+        parts.append(measure.sample.part)
+        model(torch.randn(4, 8)).sum().backward()
+        measure.close(True)
+    measure.window({})
+    assert parts == [0, 1, 2, 0] and measure.complete and measure.samples == 2 and measure.dropped == 2
+    assert set(measure.rows()) == {"body"}
+
+
+def test_a_gpt2_sized_tree_is_five_groups_and_the_dense_samples_read_each_once():
+    """The 12-layer GPT-2 of benchmarks/modules_cost.py (the budget's model): 65 modules in 5 groups of at most 16;
+    on the device's clock the dense samples are at least as many as the groups (DENSE and the one they schedule)."""
+    from benchmarks.modules_cost import GPT
+
+    model = GPT(layers=12, width=64, heads=2, vocab=128, seq=16)
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0, dense=mod.DENSE)
+    sizes = [sum(measure.tree.entries[k].modules for k in g) for g in measure.groups]
+    # [transformer, wte, wpe, h[0-11]], [h.ln_1], [h.attn], [h.ln_2], [h.mlp, ln_f, lm_head]
+    assert len(measure.tree.targets) == 65 and sizes == [15, 12, 12, 12, 14]
+    assert measure._dense_n + 1 == len(measure.groups) == mod.DENSE + 1
+    assert ModuleTimes([model], True, clock=HostClock(), warmup_steps=0, dense=0)._dense_n == 0  # the host clock's
+    idx = torch.randint(0, 128, (2, 16))
+    for i in range(5):
+        measure.begin(i + 1, i)
+        model(idx).backward()
+        measure.close(True)
+    measure.window({})
+    assert measure.complete and measure.samples == 5
+    assert {k for k, r in measure.rows().items() if r["forward_ms"] is not None} == set(measure.tree.entries) - {"transformer"}
 
 
 def test_the_gates_check_reads_only_spans_whose_marks_were_queued_before_the_device_reached_the_one_before():
@@ -750,3 +852,68 @@ def test_the_gates_check_reads_only_spans_whose_marks_were_queued_before_the_dev
     sample.host[3] = 6_900_000
     vals = sample.values()
     assert vals["1"]["forward_ms"] == pytest.approx(0.1) and sample.uncovered == 0
+
+
+def _planted_gate_sample(host_last_ms: float) -> tuple[Any, Any]:
+    """A sample on planted times: the gate queued at host 0 ms, its sleep from device 0 to 5 ms; row "0" (marks 0 ->
+    1) and row "1" (two calls: marks 0 -> 1 and 2 -> 3); marks at device 5, 6, 7, 7.1 ms, queued by the host at 1, 2,
+    3 and ``host_last_ms`` ms.  Its measure carries a gate (the sizing alone: no CUDA)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    measure.gate = mod._Gate(HostClock(), cuda=False)
+    sample = mod.Sample(measure, 0, part=0)
+    ms = 1_000_000
+    sample.gate = (0, 0, 5 * ms, 1)
+    sample.marks = [5 * ms, 6 * ms, 7 * ms, 7 * ms + ms // 10]
+    sample.host = [1 * ms, 2 * ms, 3 * ms, int(host_last_ms * ms)]
+    sample.forward = [("0", 0, 1), ("1", 0, 1), ("1", 2, 3)]
+    return measure, sample
+
+
+def test_a_row_with_an_uncovered_span_is_not_read_from_that_sample_not_even_its_other_calls():
+    measure, sample = _planted_gate_sample(9.0)  # the last mark queued after the device reached the one before
+    vals = sample.values()
+    assert vals["0"]["forward_ms"] == pytest.approx(1.0) and vals["0"]["calls"] == 1
+    assert "1" not in vals and sample.uncovered == 1  # its first call's 1 ms alone would read short
+    measure, sample = _planted_gate_sample(6.9)
+    vals = sample.values()
+    assert vals["1"]["forward_ms"] == pytest.approx(1.1) and vals["1"]["calls"] == 2 and sample.uncovered == 0
+
+
+def test_a_group_is_read_only_once_a_sample_of_it_had_every_span_covered():
+    measure, sample = _planted_gate_sample(9.0)
+    measure._pending.append(sample)
+    measure._read()
+    assert measure.samples == 1 and measure.uncovered == 1 and not measure.complete
+    assert measure.summary()["cost"]["uncovered"] == 1.0  # the gate's figures are the summary's
+    _, sample = _planted_gate_sample(6.9)
+    sample.m = measure
+    measure._pending.append(sample)
+    measure._read()
+    assert measure.complete and measure.rows()["1"]["samples"] == 1
+
+
+def test_the_gate_is_sized_per_group_from_the_least_slack_and_bounded_by_the_step_period():
+    """The next gate of a group: the sleep that would have left its worst mark queued just in time (its sleep less
+    the least slack), with the margin; a device far ahead of the host (a GPU-bound run) shrinks it to the least; a
+    mark queued late grows it; never past the run's step period with the margin; a group not yet read takes the
+    last length sized."""
+    G = mod._Gate
+    measure, sample = _planted_gate_sample(6.9)  # slacks 4, 3, 3 and 0.1 ms
+    sample.values()
+    gate = measure.gate
+    want = (5.0 - 0.1) * mod.GATE_MARGIN + mod.GATE_PAD_MS
+    assert gate.by_group == {0: pytest.approx(want)} and gate.length(0) == pytest.approx(want)
+    assert gate.length(3) == pytest.approx(want)  # a group not read yet: the last sized
+    measure, sample = _planted_gate_sample(9.0)  # the last mark 2 ms late: uncovered, so longer
+    sample.values()
+    assert measure.gate.length(0) == pytest.approx((5.0 + 2.0) * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    gate = G(HostClock(), cuda=False)
+    gate.size(1, 5.0, 40.0)  # the device was 40 ms behind the host at the worst mark: no gate needed
+    assert gate.length(1) == mod.GATE_MIN_MS and gate.length(0) == mod.GATE_MIN_MS
+    assert gate.length(2) == mod.GATE_MIN_MS and gate.capped == 0
+    gate.size(2, 60.0, -30.0)  # 30 ms late after a 60 ms sleep: over the cap
+    assert gate.length(2) == mod.GATE_MAX_MS and gate.capped == 1
+    gate.bound(4.0)  # a 4 ms step: no gate past 4 x the margin + the pad
+    assert gate.length(2) == pytest.approx(4.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and gate.length(1) == mod.GATE_MIN_MS
+

@@ -52,8 +52,9 @@ def holders(modules: dict[str, Any] | None) -> list[tuple[str, float]]:
 
 
 def with_modules(d: Diagnosis, modules: dict[str, Any] | None) -> Diagnosis:
-    """``d`` (and its other findings) with the modules named where they say something."""
-    if not modules or not modules.get("rows"):
+    """``d`` (and its other findings) with the modules named where they say something: only from a full table (every
+    group of rows read, ``complete``), since a part of it would name the largest of what was read."""
+    if not modules or not modules.get("rows") or modules.get("complete") is False:
         return d
     return replace(_one(d, modules), secondary=tuple(_one(s, modules) for s in d.secondary))
 

@@ -1,8 +1,10 @@
 """Which module: each module's forward and backward time and the activation memory it keeps, on sampled steps.
 
 The phases say *that* backward is 65% of the step; this measure says *which part of the model* it is.  On a
-sampled step (:data:`DENSE` of them early, then one in about :data:`GAP_MEAN`) hooks are put on the model's
-modules at the step's begin and taken off at its close; the ordinary step has no hook at all.  The step is due
+sampled step (:data:`DENSE` of them early, or one a group where there are more, then one in about
+:data:`GAP_MEAN`) hooks are put on one *group* of the tree's rows (:meth:`Tree.groups`: at most
+:data:`GROUP_MODULES` modules, the groups in turn) at the step's begin and taken off at its close; the ordinary step
+has no hook at all, and the table is full once each group has had a sample read.  The step is due
 the way a memory step is (``Boundaries._mod_due``: the C boundaries hand a step that is due to Python, one
 comparison a step), so an ordinary step pays nothing in Python.
 
@@ -20,14 +22,16 @@ What a hook does, on the run's clock (CUDA events on the current stream; the hos
   (``register_full_backward_hook``) are not used: they wrap inputs and outputs in a ``BackwardHookFunction`` that
   makes an in-place op on an output fail.  Tensors the module uses without making them (a cache made earlier) are
   outside it, as they should be.
-- **activations** (CUDA), on a *memory* sample (one in :data:`ACT_EVERY`; it takes no mark): the caching allocator's
-  ``allocated`` after the forward less before it (one read of its counters, no sync): what the forward left
-  allocated, its output and what autograd saved for backward.  On a CPU there is no allocator to read: not measured
-  (absent, never zero).
-- **the gate** (CUDA), on a timing sample: the compute stream waits on a side stream's sleep sized to outlast the
-  step's host time, so that its kernels are queued before the device runs them and the marks hold device time only;
-  a span whose marks were not all queued before the device reached the mark before each is not read
-  (:meth:`Sample.values`).  On the device a sampled step is untimed: the phases' statistics leave it out.
+- **activations** (CUDA), on a group's first sample and one of its samples in :data:`ACT_EVERY`: the caching
+  allocator's ``allocated`` after the forward less before it (one read of its counters, no sync, before the first
+  mark and after the last): what the forward left allocated, its output and what autograd saved for backward.  On a
+  CPU there is no allocator to read: not measured (absent, never zero).
+- **the gate** (CUDA): the compute stream waits on a side stream's sleep, so that the sample's kernels are queued
+  before the device runs them and the marks hold device time only; a span whose marks were not all queued before
+  the device reached the mark before each is not read, nor the rest of its row's phase in that sample
+  (:meth:`Sample.values`).  Its length, per group, is what the group's last sample read needed (its sleep less its
+  least slack), with a margin, never past the run's step period (:class:`_Gate`).  On the device a sampled step is
+  untimed: the phases' statistics leave it out.
 - **activation checkpointing**: a forward that runs while autograd runs a backward is a *recompute*: reported as
   ``recompute_ms``, never added to forward.  Non-reentrant checkpointing (``use_reentrant=False``) keeps the graph,
   so a checkpointed module's backward is measured and includes its recompute; with reentrant checkpointing the
@@ -41,9 +45,11 @@ Marks are resolved lazily: a sample is read at a window's end once its every mar
 query),
 and at the run's end after the engine's drain; nothing here waits for the device.
 
-Cost: on a timing sample, two hooks a module put into its hook dicts, one graph walk an outermost call, two marks a
-module call and one a hooked node in backward (a 12-layer GPT-2 with the default tree: 65 modules, 165 node hooks);
-``benchmarks/modules_cost.py`` measures a sampled step's host time and the amortized cost a step.  ``docs/modules.md`` says what is measured and what is not.
+Cost: on a sample, for its group's modules, two hooks a module put into its hook dicts, one graph walk an outermost
+call, two marks a module call and one a hooked node in backward (a 12-layer GPT-2's default tree, bf16 autocast: 65
+modules, 213 node hooks and 341 marks when all are hooked; a group's sample 64 node hooks and 90 marks on average);
+``benchmarks/modules_cost.py`` measures a sample's host time per group and the amortized cost a step.
+``docs/modules.md`` says what is measured and what is not.
 """
 
 from __future__ import annotations
@@ -66,29 +72,39 @@ from phase_timer.measure import Measure
 
 log = logging.getLogger(__name__)
 
-#: The first DENSE steps after the warm-up sampled come DENSE_GAP steps apart (a short run gets a figure) ...
+#: A sample hooks one *group* of the tree's rows, the groups in turn: the rows, in the tree's order, packed into groups
+#: of at most GROUP_MODULES module objects (a row is never split, since its modules are summed on one step; a row of
+#: more is a group alone).  A sample costs about its group's share of hooking them all, and the table is full after
+#: one sample of each group (a 12-layer GPT-2's default tree: 5 groups).
+GROUP_MODULES = 16
+#: The first samples after the warm-up come DENSE_GAP steps apart, DENSE of them (and the one the last schedules), or
+#: as many as the groups where there are more (a short run gets every row) ...
 DENSE = 4
 DENSE_GAP = 8
 #: ... on the device's clock.  On the host clock a sampled step's phases hold its hooks' host time (the host clock
 #: is the work), which would make every window of a cheap step read spiky (UNSTABLE): there, HOST_DENSE of them.
 HOST_DENSE = 0
-#: ... then one in GAP (at random in it, so that no periodic work aliases with the samples): a mean of 256 steps.
-GAP = (160, 352)
+#: ... then one in GAP (at random in it, so that no periodic work aliases with the samples): a mean of 1,024 steps,
+#: so that a row is read again about every 5,000 steps of a long run (a 12-layer GPT-2's 5 groups).
+GAP = (640, 1408)
 GAP_MEAN = sum(GAP) // 2
 #: The generator's seed: the same steps sampled in every run (a recorded run stays the same).
 SEED = 50
-#: One sample in ACT_EVERY (the second, then every ACT_EVERY-th) reads the allocator around each forward (activations,
-#: CUDA) and takes no mark; the others mark and never read it (a read is 10-24 µs of host time on CUDA).
+#: CUDA: a group's first sample, then one of its samples in ACT_EVERY, also reads the allocator around each forward
+#: (activations): a read is 10-24 µs of host time, taken outside the module's own marks, inside its parent's (the gate
+#: keeps the device's spans clear of the host's time).
 ACT_EVERY = 4
-#: CUDA: a timing sample's gate (``_Gate``): the first one's length, then the last sample's host span (from the gate
-#: to its last mark) times GATE_MARGIN plus GATE_PAD_MS, within [GATE_MIN_MS, GATE_MAX_MS]; the SM clock's rate
-#: assumed until a sleep is measured (cycles a ms).
+#: CUDA: a sample's gate (``_Gate``), per group: the first one's length; then, from the group's last sample
+#: read, the sleep that would have left its worst mark queued just in time (its sleep less the least slack: the
+#: device's time to the mark before less the host's to the mark) times GATE_MARGIN plus GATE_PAD_MS, within
+#: [GATE_MIN_MS, GATE_MAX_MS] and never past the run's median step period (times the margin, plus the pad) once a
+#: window has been read; the SM clock's rate assumed until a sleep is measured (cycles a ms).
 GATE = True
 GATE_FIRST_MS = 10.0
 GATE_MARGIN = 1.25
 GATE_PAD_MS = 0.25
 GATE_MIN_MS = 0.5
-GATE_MAX_MS = 25.0
+GATE_MAX_MS = 100.0
 GATE_CYCLES_PER_MS = 1.5e6
 #: Samples kept per module for the summary file's raw values (the most recent).
 RAW_KEPT = 32
@@ -156,9 +172,26 @@ class Tree:
         entry.modules += 1
         self.targets.append((weakref.ref(module), key))
 
-    def modules(self) -> list[tuple[nn.Module, str]]:
-        """The hooked modules still alive, with their rows."""
-        return [(m, key) for ref, key in self.targets if (m := ref()) is not None]
+    def modules(self, keys: Iterable[str] | None = None) -> list[tuple[nn.Module, str]]:
+        """The hooked modules still alive, with their rows (those of ``keys``' rows only, when given)."""
+        if keys is not None and not isinstance(keys, (set, frozenset)):
+            keys = set(keys)
+        return [(m, key) for ref, key in self.targets if (keys is None or key in keys) and (m := ref()) is not None]
+
+    def groups(self, budget: int | None = None) -> list[frozenset[str]]:
+        """The rows, in the tree's order, packed into groups of at most ``budget`` module objects
+        (:data:`GROUP_MODULES`); a row is never split, and a row of more modules is a group alone."""
+        budget = GROUP_MODULES if budget is None else budget
+        out: list[list[str]] = []
+        n = 0
+        for key, entry in self.entries.items():
+            if out and n + entry.modules <= budget:
+                out[-1].append(key)
+                n += entry.modules
+            else:
+                out.append([key])
+                n = entry.modules
+        return [frozenset(g) for g in out]
 
 
 def module_kind(module: nn.Module, name: str) -> str:
@@ -376,21 +409,29 @@ class _Call:
 
 
 class _Gate:
-    """CUDA: at a timing sample's begin the compute stream waits on a sleep on a side stream (``torch.cuda._sleep``,
-    one thread), sized to outlast the sampled step's host time, so that its kernels are queued before the device
-    runs them and its marks hold device time only (see :meth:`Sample.values` for the check that it did)."""
+    """CUDA: at a sample's begin the compute stream waits on a sleep on a side stream (``torch.cuda._sleep``,
+    one thread), sized per group from its last sample read (:meth:`size`), so that the kernels between its marks are
+    queued before the device runs them and its marks hold device time only (see :meth:`Sample.values` for the check
+    that it did)."""
 
-    def __init__(self, clock: Any) -> None:
+    def __init__(self, clock: Any, cuda: bool = True) -> None:
         self.clock = clock
-        self.device = clock.device
-        self.side = torch.cuda.Stream(self.device, priority=-1)  # high priority: its one-thread sleep starts at once
-        rate = getattr(torch.cuda.get_device_properties(self.device), "clock_rate", 0)  # kHz: cycles a ms
+        self.device = getattr(clock, "device", None)
+        # high priority: its one-thread sleep starts at once (cuda=False: the sizing alone, as the CPU tests use it)
+        self.side = torch.cuda.Stream(self.device, priority=-1) if cuda else None
+        rate = getattr(torch.cuda.get_device_properties(self.device), "clock_rate", 0) if cuda else 0  # kHz: cycles a ms
         self.cycles_per_ms = float(rate) if rate else GATE_CYCLES_PER_MS
-        self.ms = GATE_FIRST_MS
+        self.ms = GATE_FIRST_MS  # the last length sized (a group not yet read takes it)
+        self.by_group: dict[int, float] = {}
+        self.cap = GATE_MAX_MS  # lowered to the run's step period (with the margin) once a window is read
+        self.capped = 0  # gates sized at the cap
 
-    def hold(self) -> tuple[int, Any, Any, int]:
+    def length(self, group: int) -> float:
+        return min(self.cap, self.by_group.get(group, self.ms))
+
+    def hold(self, group: int) -> tuple[int, Any, Any, int]:
         """Queue the gate: (host ns, the sleep's first mark, its last, cycles).  No sync: a launch and a stream wait."""
-        cycles = max(1, int(self.ms * self.cycles_per_ms))
+        cycles = max(1, int(self.length(group) * self.cycles_per_ms))
         compute = torch.cuda.current_stream(self.device)
         host = time.perf_counter_ns()
         with torch.cuda.stream(self.side):
@@ -401,10 +442,22 @@ class _Gate:
         compute.wait_event(release)
         return host, first, last, cycles
 
-    def size(self, host_ms: float) -> None:
-        """The next gate, at a sample's close: its host span from the gate to its last mark, with a margin, within
-        [GATE_MIN_MS, GATE_MAX_MS] (host time only: the next sample may begin before this one is read)."""
-        self.ms = min(GATE_MAX_MS, max(GATE_MIN_MS, host_ms * GATE_MARGIN + GATE_PAD_MS))
+    def size(self, group: int, slept_ms: float, slack_ms: float) -> None:
+        """The group's next gate, from a sample read: it slept ``slept_ms`` and its worst mark was queued
+        ``slack_ms`` before the device reached the mark before it (negative: after, uncovered).  A sleep of
+        ``slept_ms - slack_ms`` would have left that mark just in time, were the device running back to back after
+        it; with the margin, within [GATE_MIN_MS, the cap].  A device still busy with earlier steps (a GPU-bound
+        run) leaves a large slack: the gate shrinks to GATE_MIN_MS."""
+        want = (slept_ms - slack_ms) * GATE_MARGIN + GATE_PAD_MS
+        self.ms = self.by_group[group] = min(self.cap, max(GATE_MIN_MS, want))
+        self.capped += want > self.cap
+
+    def bound(self, period_ms: float) -> None:
+        """No gate longer than the run's step period with the margin: within a step the host cannot fall further
+        behind the device than the step's own time (the margin is for the hooks' host time), and a longer sleep would
+        only be waited for (a sync inside the step waits for it, whatever its length)."""
+        if period_ms > 0:
+            self.cap = min(GATE_MAX_MS, max(GATE_MIN_MS, period_ms * GATE_MARGIN + GATE_PAD_MS))
 
     def calibrate(self, slept_ms: float, cycles: int) -> None:
         """The SM clock's rate from a sleep's measured length (the device's clock moves with its boost)."""
@@ -433,22 +486,26 @@ def _hook(sample: Sample, body: Callable[..., None]) -> Callable[..., None]:
 class Sample:
     """One sampled step's hooks and marks, until its marks are read.
 
-    A *timing* sample marks each hooked module's forward and backward; a *memory* sample (one in ``ACT_EVERY``, on a
-    clock with an allocator) reads the allocator around each forward instead, and takes no mark."""
+    It hooks one group of the tree's rows (``keys``; :meth:`Tree.groups`) and marks each hooked module's forward and
+    backward; with ``read`` (CUDA: the allocator's counters, on a group's first sample and one in ``ACT_EVERY``) it
+    also reads the allocator before each forward's first mark and after its last (activations)."""
 
-    def __init__(self, measure: ModuleTimes, step: int, memory: bool = False) -> None:
+    def __init__(self, measure: ModuleTimes, step: int, part: int = 0, keys: Iterable[str] | None = None,
+                 read: Callable[[], int] | None = None) -> None:
         self.m = measure
         self.step = step
-        self.memory = memory
-        self.read = measure.allocated if memory else None
+        self.part = part  # the group of rows hooked (an index into the measure's groups)
+        self.rows = None if keys is None else frozenset(keys)  # None: every row
+        self.read = read
+        self.reads = 0  # allocator reads taken
         self.handles: list[Any] = []
         self.direct: list[tuple[dict, dict, dict, int]] = []  # the hooks put straight into modules' dicts
         self.keys: dict[int, str] = {}  # id(module) -> its row, while the hooks are on
-        self.stack: list[tuple[int, int, int, int]] = []  # id(module), mark or allocated, seq at its begin, task
+        self.stack: list[tuple[int, int, int, int, int]] = []  # id(module), mark, seq at its begin, task, allocated
         self.forward: list[tuple[str, int, int]] = []  # row, first mark, last mark (indices into marks)
         self.recompute: list[tuple[str, int, int]] = []
         self.calls: list[_Call] = []
-        self.group: list[_Call] = []  # the calls under the outermost hooked call running now
+        self.nest: list[_Call] = []  # the calls under the outermost hooked call running now
         self.activation: dict[str, float] = {}
         self.marks: list[Any] = []  # every mark taken, in order
         self.host: list[int] = []  # the host's ns at each mark
@@ -462,14 +519,14 @@ class Sample:
 
     # hooks -------------------------------------------------------------------------------------
     def install(self, tree: Tree) -> None:
-        """Two hooks a module, one pair of functions for all (no closure a module).  They go straight into the
-        module's hook dicts, as ``register_forward_pre_hook`` / ``register_forward_hook(always_call=True)`` put them,
-        without a handle each (a handle's making and removal are most of a registration's ~2 µs); a module without
-        those dicts (another torch) gets the public registration."""
+        """Two hooks a module of the sample's rows, one pair of functions for all (no closure a module).  They go
+        straight into the module's hook dicts, as ``register_forward_pre_hook`` /
+        ``register_forward_hook(always_call=True)`` put them, without a handle each (a handle's making and removal
+        are most of a registration's ~2 µs); a module without those dicts (another torch) gets the public
+        registration."""
         cls = type(self)
-        bodies = (cls._pre_memory, cls._post_memory) if self.memory else (cls._pre, cls._post)
-        pre, post = _hook(self, bodies[0]), _hook(self, bodies[1])
-        for module, key in tree.modules():
+        pre, post = _hook(self, cls._pre), _hook(self, cls._post)
+        for module, key in tree.modules(self.rows):
             self.keys[id(module)] = key
             pres, posts = getattr(module, "_forward_pre_hooks", None), getattr(module, "_forward_hooks", None)
             always = getattr(module, "_forward_hooks_always_called", None)
@@ -494,7 +551,7 @@ class Sample:
             h.remove()
         self.handles = []
         self.stack = []
-        self.group = []
+        self.nest = []
         self.keys = {}
 
     def _mark(self) -> int:
@@ -508,21 +565,31 @@ class Sample:
             self.moved = True
         return len(self.marks) - 1
 
-    # a timing sample's forward: a mark at each end, the seq counter; the node hooks at the outermost call's end
+    # forward: the allocator read (when the sample reads it), a mark at each end, the seq counter; the node hooks at
+    # the outermost call's end
     def _pre(self, module: nn.Module, args: Any) -> None:
         if id(module) in self.keys:  # a hooked module's call (a copy of one carries the hook, not the row)
-            self.stack.append((id(module), self._mark(), _seq_now(), _graph_task()))
+            read = self.read
+            before = 0
+            if read is not None:
+                before = read()
+                self.reads += 1
+            self.stack.append((id(module), self._mark(), _seq_now(), _graph_task(), before))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self.stack
         if not stack or stack[-1][0] != id(module):  # a call whose pre-hook failed, or an odd nesting: skip it
             return
-        _, begin, lo, task = stack.pop()
+        _, begin, lo, task, before = stack.pop()
         end = self._mark()
         key = self.keys[id(module)]
-        if task != -1:  # inside a backward: checkpointing's recompute, never forward's
+        if task != -1:  # inside a backward: checkpointing's recompute, never forward's (nor its allocations)
             self.recompute.append((key, begin, end))
             return
+        read = self.read
+        if read is not None:
+            self.activation[key] = self.activation.get(key, 0.0) + (read() - before) / MB
+            self.reads += 1
         self.forward.append((key, begin, end))
         if torch.is_grad_enabled():
             hi = _seq_now()
@@ -532,21 +599,21 @@ class Sample:
                 if fn is not None and lo <= fn._sequence_nr() < hi and fn not in outs:
                     outs.append(fn)
             if outs:
-                self.group.append(_Call(key, lo, hi, outs))
-        if not stack and self.group:  # the outermost hooked call ended: one walk for it and every call under it
-            group, self.group = self.group, []
-            self._backward_hooks(group)
+                self.nest.append(_Call(key, lo, hi, outs))
+        if not stack and self.nest:  # the outermost hooked call ended: one walk for it and every call under it
+            nest, self.nest = self.nest, []
+            self._backward_hooks(nest)
 
-    def _backward_hooks(self, group: list[_Call]) -> None:
+    def _backward_hooks(self, nest: list[_Call]) -> None:
         """One walk of the nodes the outermost call made; a pre-hook on each call's output nodes (its backward
         begins) and a post-hook on each of its *last-possible* nodes: those with no next node of its own (a node
         that feeds another of the call's nodes is done before that one begins, so it is never the last).  A node
         shared by nested calls carries one hook and one mark for all of them."""
-        lo_all, hi_all = min(c.lo for c in group), max(c.hi for c in group)
+        lo_all, hi_all = min(c.lo for c in nest), max(c.hi for c in nest)
         starts: dict[Any, list[_Call]] = {}
         lasts: dict[Any, list[_Call]] = {}
         todo: list[Any] = []
-        for call in group:
+        for call in nest:
             for fn in call.outs:
                 starts.setdefault(fn, []).append(call)
                 todo.append(fn)
@@ -565,7 +632,7 @@ class Sample:
                             inner = s
                         if nxt not in seen:
                             todo.append(nxt)
-            for call in group:
+            for call in nest:
                 if call.lo <= seq < call.hi and call.lo > inner:  # the node is the call's and feeds none of its own
                     lasts.setdefault(node, []).append(call)
         for node, calls in starts.items():
@@ -573,7 +640,7 @@ class Sample:
         for node, calls in lasts.items():
             self.handles.append(node.register_hook(self._ends(calls)))
         self.nodes += len(starts) + len(lasts)
-        self.calls.extend(group)
+        self.calls.extend(nest)
 
     def _begins(self, calls: list[_Call]) -> Callable[[Any], None]:
         def begins(grad_outputs: Any) -> None:
@@ -599,19 +666,6 @@ class Sample:
 
         return ends
 
-    # a memory sample's forward: the allocator before and after, nothing else
-    def _pre_memory(self, module: nn.Module, args: Any) -> None:
-        if id(module) in self.keys:  # as in _pre
-            self.stack.append((id(module), self.read(), 0, _graph_task()))  # type: ignore[misc]
-
-    def _post_memory(self, module: nn.Module, args: Any, output: Any) -> None:
-        stack = self.stack
-        if stack and stack[-1][0] == id(module):
-            _, before, _, task = stack.pop()
-            if task == -1:  # a recompute's allocations are backward's
-                key = self.keys[id(module)]
-                self.activation[key] = self.activation.get(key, 0.0) + (self.read() - before) / MB  # type: ignore[misc]
-
     def fail(self, err: Exception) -> None:
         if self.failed is None:
             self.failed = f"{type(err).__name__}: {err}"
@@ -628,12 +682,6 @@ class Sample:
         done = self.m.clock.done
         return done(marks[-1]) if not self.moved else all(done(m) for m in marks)
 
-    def host_span_ms(self) -> float:
-        """The host's time from the gate to the sample's last mark."""
-        if self.gate is None or not self.host:
-            return 0.0
-        return (self.host[-1] - self.gate[0]) / 1e6
-
     def values(self) -> dict[str, dict[str, float]]:
         """Per row: forward_ms, backward_ms (when its backward ran), recompute_ms, activation_mb, calls.
 
@@ -642,27 +690,35 @@ class Sample:
         after the gate's sleep began, and the sleep began after the host queued it (``host[gate]``), so a mark
         queued at ``host[i] - host[gate] <= t[i-1]`` (host ms) was queued before: everything between the two marks
         was waiting for the device, which ran it back to back (a sufficient condition, whatever the launch
-        latency).  A span that fails it is not read (``uncovered``)."""
+        latency).  A span that fails it is not read (``uncovered``), and neither is the rest of its row's phase in
+        this sample: a row's value is a step's, all of its calls or none (a part would read short).  The least
+        slack, ``t[i-1]`` less the host's ms, sizes the group's next gate (:meth:`_Gate.size`)."""
         out: dict[str, dict[str, float]] = {}
         marks = self._all()
-        if marks:
-            spans = self.m.clock.spans(marks)
-            t = [0.0]
-            for s in spans:
-                t.append(t[-1] + s)
-            gated = self.gate is not None and not self.moved
-            if self.gate is not None:
-                base = 2
-                host0 = self.gate[0]
-                bad = [0]  # bad[i]: spans into marks 0..i-1 the gate did not cover, summed
-                for i, h in enumerate(self.host):
-                    ok = not gated or (h - host0) / 1e6 <= t[base + i - 1]
-                    bad.append(bad[-1] + (not ok))
-                slept = t[1] - t[0]
-            else:
-                base, bad, slept = 0, None, None
-        else:
+        if not marks:
             return self._activations(out)
+        spans = self.m.clock.spans(marks)
+        t = [0.0]
+        for s in spans:
+            t.append(t[-1] + s)
+        base, bad, slept = 0, None, None
+        if self.gate is not None:
+            base = 2
+            gated = not self.moved
+            host0 = self.gate[0]
+            bad = [0]  # bad[i]: spans into marks 0..i-1 the gate did not cover, summed
+            slack = float("inf")
+            for i, h in enumerate(self.host):
+                room = t[base + i - 1] - (h - host0) / 1e6
+                if room < slack:
+                    slack = room
+                bad.append(bad[-1] + (gated and room < 0))
+            slept = t[1] - t[0]
+            gate = self.m.gate
+            if gate is not None:
+                gate.calibrate(slept, self.gate[3])
+                if gated and self.host:
+                    gate.size(self.part, slept, slack)
 
         def ms(a: int, b: int) -> float | None:
             if bad is not None and bad[b + 1] - bad[a + 1]:
@@ -670,25 +726,28 @@ class Sample:
                 return None
             return t[base + b] - t[base + a]
 
+        got: dict[tuple[str, str], float | None] = {}  # (row, phase) -> the sum of its calls; None: one uncovered
+        calls: dict[str, float] = {}
+
+        def add(key: str, phase: str, v: float | None) -> None:
+            had = got.get((key, phase), 0.0)
+            got[key, phase] = None if had is None or v is None else had + v
+
         for key, a, b in self.forward:
-            v = ms(a, b)
-            if v is not None:
-                row = out.setdefault(key, {"forward_ms": 0.0, "calls": 0.0})
-                row["forward_ms"] += v
-                row["calls"] += 1
+            add(key, "forward_ms", ms(a, b))
+            calls[key] = calls.get(key, 0.0) + 1
         for call in self.calls:
             if call.begin is not None and call.end is not None:
                 v = ms(call.begin, call.end)
-                if v is not None:
-                    row = out.setdefault(call.key, {})
-                    row["backward_ms"] = row.get("backward_ms", 0.0) + max(0.0, v)
+                add(call.key, "backward_ms", None if v is None else max(0.0, v))
         for key, a, b in self.recompute:
-            v = ms(a, b)
+            add(key, "recompute_ms", ms(a, b))
+        for (key, phase), v in got.items():
             if v is not None:
                 row = out.setdefault(key, {})
-                row["recompute_ms"] = row.get("recompute_ms", 0.0) + v
-        if slept is not None and self.m.gate is not None:
-            self.m.gate.calibrate(slept, self.gate[3])  # type: ignore[index]
+                row[phase] = v
+                if phase == "forward_ms":
+                    row["calls"] = calls[key]
         return self._activations(out)
 
     def _activations(self, out: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -739,22 +798,30 @@ class ModuleTimes(Measure):
         self.clock = clock
         #: The allocator's allocated bytes now (no sync); None: activations are not measured (the CPU).
         self.allocated = allocated
-        #: CUDA: the gate that holds a timing sample's kernels until the host has queued them (None: the host clock).
+        #: CUDA: the gate that holds a sample's kernels until the host has queued them (None: the host clock).
         self.gate: _Gate | None = _Gate(clock) if gate else None
-        self._begun = 0  # samples begun: one in ACT_EVERY (the second first) reads the allocator, the rest mark
         self.uncovered = 0  # spans a gate did not cover (not read)
         self.nodes = 0  # autograd node hooks put on, over the samples
         self.tree = build_tree(list(models), spec, owner)  # the models are not kept: the tree holds its modules weakly
+        #: The groups of rows a sample hooks, in turn (:meth:`Tree.groups`); per group, its samples taken (a dropped
+        #: step's is taken again next), those read with every span covered (or on a step where none of its modules
+        #: ran), and those read that read the allocator.
+        self.groups = self.tree.groups()
+        self._visits = [0] * len(self.groups)
+        self._clean = [0] * len(self.groups)
+        self._acts = [0] * len(self.groups)
         self._rng = random.Random(SEED)
         self._next = warmup_steps + 2  # steps begun, 1-based: past the warm-up and its first timed step
         self._dense = 0
-        self._dense_n = dense  # steps sampled DENSE_GAP apart before the sparse gap
+        # steps sampled DENSE_GAP apart before the sparse gap: enough for every group once
+        self._dense_n = max(dense, len(self.groups) - 1) if dense > 0 else 0
         self.sample: Sample | None = None
         self._pending: list[Sample] = []
         self.samples = 0  # read
         self.dropped = 0
         self.stats: dict[str, dict[str, _Stat]] = {}
-        self._window: dict[str, dict[str, float]] = {}  # the last sample read since the last window
+        self._window: dict[str, dict[str, float]] = {}  # the rows read since the last window (the latest of each)
+        self._tags: dict[str, str] = {}  # a row's scalars' prefix
         #: Host time spent on samples (hooks, walk, marks, registration) and the steps begun, for the cost.
         self.own_ns = 0
         self.steps_begun = 0
@@ -770,8 +837,8 @@ class ModuleTimes(Measure):
 
     @property
     def untimed(self) -> bool:
-        """A sampled step is left out of the phases' statistics (the device's clock: a timing sample holds the
-        gate, a memory sample reads the allocator in the step).  On the host clock it stays timed."""
+        """A sampled step is left out of the phases' statistics (the device's clock: a sample holds the gate, and
+        may read the allocator in the step).  On the host clock it stays timed."""
         return getattr(self.clock, "kind", None) == "cuda"
 
     @property
@@ -781,16 +848,21 @@ class ModuleTimes(Measure):
 
     # -- the boundaries ---------------------------------------------------------------------------
     def begin(self, begun: int, step: int) -> bool:
-        """A sampled step begins: hooks on.  False: not sampled (failed)."""
+        """A sampled step begins: the next group's hooks on (the group with the fewest samples kept, the first
+        such).  False: not sampled (failed)."""
         t0 = time.perf_counter_ns()
         self._schedule(begun)
-        memory = self.allocated is not None and self._begun % ACT_EVERY == 1
-        self._begun += 1
-        sample = Sample(self, step, memory)
+        if self._pending:  # what is done is read now (a query each): the gate is sized from the freshest
+            self._read()
+        visits = self._visits
+        part = visits.index(min(visits))
+        read = self.allocated if self.allocated is not None and visits[part] % ACT_EVERY == 0 else None
+        visits[part] += 1
+        sample = Sample(self, step, part, self.groups[part], read)
         try:
             sample.install(self.tree)
-            if self.gate is not None and not memory:
-                sample.gate = self.gate.hold()
+            if self.gate is not None:
+                sample.gate = self.gate.hold(part)
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             sample.remove()
             self._fail(err)
@@ -816,12 +888,15 @@ class ModuleTimes(Measure):
         self.nodes += sample.nodes
         if sample.failed is not None:
             self._fail(RuntimeError(sample.failed))
-        if self.gate is not None and sample.gate is not None:
-            self.gate.size(sample.host_span_ms())
         if recorded and sample.failed is None and (sample.forward or sample.activation):
             self._pending.append(sample)
         else:
             self.dropped += 1
+            if recorded and sample.failed is None:  # none of its modules ran on this step: nothing to read
+                self._clean[sample.part] += 1
+                self._acts[sample.part] += 1
+            else:
+                self._visits[sample.part] -= 1  # not a training step's: its group is taken again next
             sample.release()
         self.own_ns += time.perf_counter_ns() - t0 + sample.host_ns
 
@@ -833,9 +908,9 @@ class ModuleTimes(Measure):
         self.failed = f"{type(err).__name__}: {err}"
         warn(log, f"phase-timer: modules are no longer measured ({self.failed}); the time phases go on", 4)
 
-    def _read(self, final: bool = False) -> dict[str, dict[str, float]]:
-        """The pending samples whose marks are all done (a query each; never a wait): folded in."""
-        last: dict[str, dict[str, float]] = {}
+    def _read(self, final: bool = False) -> None:
+        """The pending samples whose marks are all done (a query each; never a wait): folded in, and their rows kept
+        for the next window's scalars."""
         keep = []
         for sample in self._pending:
             if not sample.done():
@@ -848,23 +923,33 @@ class ModuleTimes(Measure):
             self.uncovered += sample.uncovered
             sample.release()
             self.samples += 1
+            self._clean[sample.part] += not sample.uncovered
+            self._acts[sample.part] += sample.read is not None
             for key, row in vals.items():
                 stats = self.stats.setdefault(key, {})
                 for name, v in row.items():
                     stats.setdefault(name, _Stat()).add(v)
-            last = vals
+            self._window.update(vals)
         self._pending = keep
-        return last
 
     # -- Measure -----------------------------------------------------------------------------------
     def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
         t0 = time.perf_counter_ns()
-        last = self._read() if self._pending else {}
+        if self.gate is not None and columns.get("period"):
+            period = columns["period"]  # sorted
+            self.gate.bound(period[len(period) // 2])
+        if self._pending:
+            self._read()
         out: dict[str, float] = {}
-        for key, row in last.items():
+        tags = self._tags
+        for key, row in self._window.items():
+            tag = tags.get(key)
+            if tag is None:
+                tag = tags[key] = f"{PREFIX}/{tag_key(key)}/"
             for name in ("forward_ms", "backward_ms", "recompute_ms", "activation_mb"):
                 if name in row:
-                    out[f"{PREFIX}/{tag_key(key)}/{name}"] = row[name]
+                    out[tag + name] = row[name]
+        self._window = {}
         self.own_ns += time.perf_counter_ns() - t0
         return out
 
@@ -918,9 +1003,22 @@ class ModuleTimes(Measure):
             return None
         per = self.own_ns / n / 1e6
         out = {"sampled_step_ms": per, "us_per_step": per * 1e3 / (GAP_MEAN if n > self._dense_n else max(1, DENSE_GAP))}
-        if self.gate is not None:  # spans the gate did not cover, not read
+        if self.gate is not None:  # spans the gate did not cover (not read), and the gate's last length
             out["uncovered"] = float(self.uncovered)
+            out["gate_ms"] = self.gate.ms
+            out["gates_capped"] = float(self.gate.capped)
         return out
+
+    def groups_read(self) -> int:
+        """Groups of rows with a sample read whole (every span covered; on CUDA one that read the allocator too)."""
+        acts = self._acts if self.allocated is not None else self._clean
+        return sum(1 for n, a in zip(self._clean, acts) if n and a)
+
+    @property
+    def complete(self) -> bool:
+        """Every group of rows has a sample read whole: every row that ran has its figures (the verdict names a
+        module only then: a part of the table could name the largest of what was read, not the largest)."""
+        return self.groups_read() == len(self.groups)
 
     def note(self) -> str | None:
         """Why some or all modules are not measured (None: nothing to say)."""
@@ -950,7 +1048,8 @@ class ModuleTimes(Measure):
                               for v, k in top)
             if shown:
                 parts.append(f"{phase}: {shown}")
-        text = f"modules ({self.samples} sampled steps, inclusive): " + "; ".join(parts)
+        read = "" if self.complete else f", {self.groups_read()} of {len(self.groups)} groups of rows read"
+        text = f"modules ({self.samples} sampled steps{read}, inclusive): " + "; ".join(parts)
         act = sorted(((r["activation_mb"], k) for k, r in rows.items() if r["activation_mb"] is not None), reverse=True)
         if act:
             text += "; activations: " + ", ".join(f"{k} {v:.0f} MB" for v, k in act[:TABLE_TOP])
@@ -968,6 +1067,9 @@ class ModuleTimes(Measure):
             "clock": getattr(self.clock, "kind", None),
             "samples": self.samples,
             "dropped": self.dropped,
+            "groups": len(self.groups),
+            "groups_read": self.groups_read(),
+            "complete": self.complete,
             "activations": "measured" if self.allocated is not None else "not measured: no allocator counters on the host clock",
             "inclusive": True,
             "rows": rows,

@@ -34,7 +34,7 @@ class ModuleSteps:
         else the next recorded one.  (The verdict's sampled step times the host: the boundaries pass it by.)
 
         On the device's clock the sampled step is the measure's: left out of the phases' statistics (untimed, as a
-        FLOPs-counting step is), since a timing sample holds the gate and a memory sample reads the allocator."""
+        FLOPs-counting step is), since a sample holds the gate (and may read the allocator)."""
         if not self.core.recording:
             return
         mods = self._mods
