@@ -705,6 +705,47 @@ def test_a_sampled_step_hooks_only_the_nodes_that_can_begin_or_end_a_backward_on
     assert sum(rows[f"transformer.h[0-3].{c}"]["backward_ms"] for c in ("ln", "attn", "mlp")) <= block
 
 
+class GainFirst(nn.Module):
+    """A module whose oldest node feeds only a parameter, and sleeps 5 ms in backward: it runs last."""
+
+    def __init__(self, planted: Planted) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(8))
+        self.lin = nn.Linear(8, 8)
+        self.planted = planted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = _OnBackward.apply(self.gain, lambda: _sleep(self.planted.backward_ms))
+        return self.lin(x) * g
+
+
+def test_a_parameter_only_node_is_hooked_when_it_is_the_calls_oldest_and_left_when_newer():
+    """Autograd runs a device's ready nodes newest first: a call's last node is its oldest.  A parameter's gradient
+    node made first (a gain used before the input) is that node and is hooked, its 5 ms inside the backward; under
+    autocast a Linear's weight and bias casts are newer than its input's cast and are left unhooked."""
+    planted = Planted()
+    model = nn.Sequential(nn.Linear(8, 8), GainFirst(planted))
+    measure = ModuleTimes([model], ["1"], clock=HostClock(), warmup_steps=0)
+    measure.begin(1, 0)
+    model(torch.randn(4, 8)).sum().backward()
+    measure.close(True)
+    measure.window({})
+    assert measure.rows()["1"]["backward_ms"] >= min(planted.backward_ms)
+    measure = ModuleTimes([model], ["0", "1.lin"], clock=HostClock(), warmup_steps=0)
+    measure.begin(1, 0)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    sample = measure.sample
+    out.float().sum().backward()
+    measure.close(True)
+    measure.window({})
+    # each Linear: its output's node (begins) and its input's cast (ends); the weight's and bias's casts not hooked
+    assert sample.nodes == 4
+    rows = measure.rows()
+    assert rows["0"]["backward_ms"] is not None and rows["1.lin"]["backward_ms"] is not None
+
+
 def test_a_groups_first_sample_and_one_in_act_every_read_the_allocator_and_mark_too():
     reads = []
 

@@ -381,6 +381,12 @@ def _seq_now() -> int:
 
 
 _LEAF = torch.zeros(0, requires_grad=True)
+#: A parameter's ``AccumulateGrad`` node's sequence number: the largest there is (UINT64_MAX).
+_ACCUMULATE = (1 << 64) - 1
+
+
+def _first(item: tuple) -> Any:
+    return item[0]
 
 
 def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
@@ -606,12 +612,19 @@ class Sample:
 
     def _backward_hooks(self, nest: list[_Call]) -> None:
         """One walk of the nodes the outermost call made; a pre-hook on each call's output nodes (its backward
-        begins) and a post-hook on each of its *last-possible* nodes: those with no next node of its own (a node
-        that feeds another of the call's nodes is done before that one begins, so it is never the last).  A node
-        shared by nested calls carries one hook and one mark for all of them."""
-        lo_all, hi_all = min(c.lo for c in nest), max(c.hi for c in nest)
+        begins) and a post-hook on its *last-possible* nodes: those with no next node of its own (a node that feeds
+        another of the call's nodes is done before that one begins, so it is never the last).  Of those, a node that
+        feeds only parameters' ``AccumulateGrad`` (a weight's gradient, its cast under autocast) is hooked only when it
+        is the call's oldest: autograd runs a device's ready nodes newest first (its ready queue is ordered by the
+        sequence number), so on one device the call's last node is its oldest, and a newer parameter-only node is
+        done before it; the input gradients' nodes are all hooked.  A node shared by nested calls carries one hook and
+        one mark for all of them."""
+        if len(nest) == 1:
+            lo_all, hi_all = nest[0].lo, nest[0].hi
+        else:
+            lo_all, hi_all = min(c.lo for c in nest), max(c.hi for c in nest)
         starts: dict[Any, list[_Call]] = {}
-        lasts: dict[Any, list[_Call]] = {}
+        found: list[list[tuple[int, bool, Any]]] = [[] for _ in nest]  # per call: its last-possible nodes
         todo: list[Any] = []
         for call in nest:
             for fn in call.outs:
@@ -623,18 +636,29 @@ class Sample:
             if node in seen:
                 continue
             seen.add(node)
-            seq, inner = node._sequence_nr(), -1  # inner: the newest next node the walk's calls made
+            seq, inner, params = node._sequence_nr(), -1, True  # inner: the newest next node the walk's calls made
             for nxt, _ in node.next_functions:
                 if nxt is not None:
-                    s = nxt._sequence_nr()  # a parameter's AccumulateGrad: the largest number there is, outside
+                    s = nxt._sequence_nr()
+                    if s != _ACCUMULATE:
+                        params = False
                     if lo_all <= s < hi_all:
                         if s > inner:
                             inner = s
                         if nxt not in seen:
                             todo.append(nxt)
-            for call in nest:
+            for i, call in enumerate(nest):
                 if call.lo <= seq < call.hi and call.lo > inner:  # the node is the call's and feeds none of its own
-                    lasts.setdefault(node, []).append(call)
+                    found[i].append((seq, params, node))
+        lasts: dict[Any, list[_Call]] = {}
+        for call, nodes in zip(nest, found):
+            if len(nodes) == 1:
+                lasts.setdefault(nodes[0][2], []).append(call)
+            elif nodes:
+                oldest = min(nodes, key=_first)[2]
+                for _, params, node in nodes:
+                    if not params or node is oldest:
+                        lasts.setdefault(node, []).append(call)
         for node, calls in starts.items():
             self.handles.append(node.register_prehook(self._begins(calls)))
         for node, calls in lasts.items():
