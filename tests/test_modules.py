@@ -957,4 +957,13 @@ def test_the_gate_is_sized_per_group_from_the_least_slack_and_bounded_by_the_ste
     assert gate.length(2) == mod.GATE_MAX_MS and gate.capped == 1
     gate.bound(4.0)  # a 4 ms step: no gate past 4 x the margin + the pad
     assert gate.length(2) == pytest.approx(4.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and gate.length(1) == mod.GATE_MIN_MS
+    # a step that waits for the device inside it (a sync): a sleep 10 ms longer left the worst mark as late
+    gate = G(HostClock(), cuda=False)
+    gate.size(0, 10.0, -3.0)  # uncovered: the next sleep longer
+    assert gate.length(0) == pytest.approx(13.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and not gate.futile
+    gate.size(0, 20.0, -2.5)
+    assert gate.futile == {0} and gate.length(0) == mod.GATE_MIN_MS
+    gate.size(1, 10.0, -3.0)
+    gate.size(1, 20.0, 4.0)  # a longer sleep that helped: covered, and no futile group
+    assert gate.futile == {0} and gate.length(1) == pytest.approx(16.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
 

@@ -431,8 +431,14 @@ class _Gate:
         self.by_group: dict[int, float] = {}
         self.cap = GATE_MAX_MS  # lowered to the run's step period (with the margin) once a window is read
         self.capped = 0  # gates sized at the cap
+        self.last: dict[int, tuple[float, float]] = {}  # per group: its last sample's sleep and least slack (ms)
+        #: Groups whose step waits for the device inside it (a sync): a longer sleep left their worst mark as late,
+        #: so no gate covers them; theirs is GATE_MIN_MS from then on (their late spans are not read).
+        self.futile: set[int] = set()
 
     def length(self, group: int) -> float:
+        if group in self.futile:
+            return GATE_MIN_MS
         return min(self.cap, self.by_group.get(group, self.ms))
 
     def hold(self, group: int) -> tuple[int, Any, Any, int]:
@@ -453,7 +459,14 @@ class _Gate:
         ``slack_ms`` before the device reached the mark before it (negative: after, uncovered).  A sleep of
         ``slept_ms - slack_ms`` would have left that mark just in time, were the device running back to back after
         it; with the margin, within [GATE_MIN_MS, the cap].  A device still busy with earlier steps (a GPU-bound
-        run) leaves a large slack: the gate shrinks to GATE_MIN_MS."""
+        run) leaves a large slack: the gate shrinks to GATE_MIN_MS.  Where a sleep longer by a ms or more than the
+        group's last left its worst mark as late or later (less than half the difference gained), the step waits for
+        the device inside it (a sync: the host waits out any sleep there) and the group is :attr:`futile`."""
+        last = self.last.get(group)
+        self.last[group] = (slept_ms, slack_ms)
+        if slack_ms < 0 and last is not None and last[1] < 0 and slept_ms - last[0] >= 1.0 and \
+                slack_ms - last[1] < (slept_ms - last[0]) / 2:
+            self.futile.add(group)
         want = (slept_ms - slack_ms) * GATE_MARGIN + GATE_PAD_MS
         self.ms = self.by_group[group] = min(self.cap, max(GATE_MIN_MS, want))
         self.capped += want > self.cap
@@ -1031,6 +1044,7 @@ class ModuleTimes(Measure):
             out["uncovered"] = float(self.uncovered)
             out["gate_ms"] = self.gate.ms
             out["gates_capped"] = float(self.gate.capped)
+            out["gates_futile"] = float(len(self.gate.futile))
         return out
 
     def groups_read(self) -> int:
