@@ -758,21 +758,25 @@ VERDICT_STEPS = 600  # the long run: >= 4 self-timed steps even at the widest sp
 VERDICT_LENGTHS = (25, 50, 100, VERDICT_STEPS - WARMUP)
 
 
-def modules_sampled(steps: int, warmup: int) -> int:
-    """The steps of a ``steps``-step run the which-module measure samples (on by default; on the device each is
-    untimed): from step ``warmup + 2`` (begun, 1-based), DENSE_GAP apart DENSE times, then GAP apart from its seeded
-    generator (``measures/modules.py``'s ``_schedule``).  A due step the verdict samples defers it by one step; no run
-    here has a sample due within a few steps of its end, so the count is the schedule's: 3 at 30 steps, 5 at 55, 105
-    and 205, 7 at 600."""
+def modules_sampled(steps: int, warmup: int, groups: int = 1) -> set[int]:
+    """How many steps of a ``steps``-step run the which-module measure samples (on by default; on the device each is
+    untimed), for a model whose tree is ``groups`` groups of rows (the summary's ``modules.groups``): from step
+    ``warmup + 2`` (begun, 1-based), DENSE_GAP apart max(DENSE, groups - 1) times, then GAP apart from its seeded
+    generator (``measures/modules.py``'s ``_schedule``).  A due step the verdict samples defers it, and every later
+    one, by a step, so the i-th falls up to i - 1 steps later: the counts that can be.  One group (the MLPs here): 3
+    at 30 steps, 5 at 55, 105, 205 and 600 (the first sparse one at step 1,188); nine (the GPT-2-sized TinyLM): 3 at
+    30, 6 or 7 at 55 (the seventh due at 55 itself), 9 at 105 and 205."""
     import random
 
     from phase_timer.measures import modules
 
-    rng, due, n = random.Random(modules.SEED), warmup + 2, 0
+    dense = max(modules.DENSE, groups - 1)
+    rng, due, dues = random.Random(modules.SEED), warmup + 2, []
     while due <= steps:
-        n += 1
-        due += modules.DENSE_GAP if n <= modules.DENSE else rng.randint(*modules.GAP)
-    return n
+        dues.append(due)
+        due += modules.DENSE_GAP if len(dues) <= dense else rng.randint(*modules.GAP)
+    least = sum(1 for i, d in enumerate(dues) if d + i <= steps)
+    return set(range(least, len(dues) + 1))
 
 
 def _mlp(width: int, depth: int) -> nn.Module:
@@ -889,7 +893,8 @@ def _print_verdict(door: str, name: str, timed: int, timer) -> dict:
     print(f"VERDICT {door} {name} {timed} timed: {d.kind} | in flight {flight} | ratio "
           f"{d.evidence.get('device_over_host_step')} | behind {ev.get('behind')}/{ev.get('behind_checked')} | "
           f"own {data['own_cost']} | {d.why}")
-    assert data["steps"]["timed"] == timed - modules_sampled(timed + WARMUP, WARMUP)
+    groups = (data.get("modules") or {}).get("groups") or 1
+    assert timed - data["steps"]["timed"] in modules_sampled(timed + WARMUP, WARMUP, groups), (data["steps"], groups)
     return data
 
 
