@@ -198,7 +198,7 @@ def sampled_step_cost(args: argparse.Namespace) -> dict[str, float]:
         # one in ACT_EVERY of a group's samples reads (CUDA); on the CPU none does
         parts.append(cost[0] if len(cost) == 1 else (cost[0] * (act - 1) + cost[1]) / act)
     extra_us = statistics.mean(parts)
-    dense = measure._dense_n
+    dense = max(modules.DENSE, groups - 1)  # the device clock's schedule (the host clock's has no dense samples)
     run_samples = samples_in(RUN_STEPS, dense)
     out = {"plain_step_us": statistics.median(plain) / 1e3, "sampled_extra_us": extra_us,
            "amortized_us_per_step": extra_us * run_samples / RUN_STEPS, "amortized_long_us": extra_us / modules.GAP_MEAN,
