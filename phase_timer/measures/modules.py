@@ -47,7 +47,7 @@ and at the run's end after the engine's drain; nothing here waits for the device
 
 Cost: on a sample, for its group's modules, two hooks a module put into its hook dicts, one graph walk an outermost
 call, two marks a module call and one a hooked node in backward (a 12-layer GPT-2's default tree, bf16 autocast: 65
-modules, 213 node hooks and 341 marks when all are hooked; a group's sample 64 node hooks and 90 marks on average);
+modules, 213 node hooks and 341 marks when all are hooked; a group's sample 30.6 node hooks and 56 marks on average);
 ``benchmarks/modules_cost.py`` measures a sample's host time per group and the amortized cost a step.
 ``docs/modules.md`` says what is measured and what is not.
 """
