@@ -31,7 +31,8 @@ steps turn host-bound, and the union rule then counts the NCCL kernels that run 
 gaps (the host's, not the network's) as exposed, and DDP's copies as launched at the profiler's pace.  DDP's
 copies are the device-to-device memcpy of the step.  Rank zero prints one
 row per case, rank and step, then a summary per case and rank (the largest per-step gap, and how many steps are
-within 0.1 ms or 2%), and the verdicts.  ``--cpu``: gloo, a tiny model, no profiler: that the script runs,
+within 0.1 ms or 2%, and how many backwards lost how much to the host-paced spans' correction,
+``ddp.DdpComm._settle``), and the verdicts.  ``--cpu``: gloo, a tiny model, no profiler: that the script runs,
 splits and adds up (``tests/test_comm.py`` runs it).
 
 ``--launches`` adds the blocked rule (``nccl_truth.per_step_blocked``): the queued rule's exposed time only where
@@ -237,6 +238,9 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     run_comm = comm_run.find(core)
     copy_ms = run_comm.copy_ms if run_comm is not None else None
+    # the host-paced spans' correction (ddp.DdpComm._settle): backwards corrected, ms taken in all, and on at the end
+    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced] if probe is not None
+             and hasattr(probe, "paced_steps") else None)
     plan = getattr(timer._bounds, "flops", None)  # the FLOP plan the boundaries count with (None: none)
     counted = plan is not None and getattr(plan, "counted", None)
     pt_peak = core.memory.peak_allocated_mb if core.memory is not None else None
@@ -270,6 +274,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
                          truth=t.get("exposed_queued"), strict=t.get("exposed_stream"), analyzers=t.get("exposed"),
                          comm=t.get("comm"),
                          prof_copies=t.get("copies"), prof_copies_run=t.get("copies_run"),
+                         prof_copies_queued=t.get("copies_queued"),
                          blocked=bl.get("blocked"), blocked_unmatched=bl.get("unmatched"), waited=bl.get("waited"),
                          blocked_at_call_start=blocked_start[k]["blocked"] if k < len(blocked_start) else None))
     d = timer.diagnosis
@@ -277,7 +282,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
     phases = {p: t.mean for p, t in totals.phases.items()} if totals is not None else {}
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
-    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, where=where, kinds=[f.kind for f in findings],
+    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, paced=paced, where=where,
+                kinds=[f.kind for f in findings],
                 mean_step=phases.get("step"), mean_period=phases.get("period"), pt_peak=pt_peak,
                 torch_peak=torch_peak, counted=str(counted), means={k: round(v, 3) for k, v in phases.items()},
                 straggler=(straggler.why + " | " + " | ".join(straggler.next)) if straggler is not None else None,
@@ -319,6 +325,29 @@ def blocked_line(r: dict) -> str:
         line += (f"; with the compute stream's waits queued {sum(row['waited'] for row in waited) / len(waited):.3f} "
                  f"({near}/{len(waited)} steps within 0.1 ms or 2%)")
     return line
+
+
+def copies_text(r: dict) -> str:
+    """The copies' estimate against the profiler's copies (medians over the profiled steps): their own time, back to
+    back on the steps where they all ran queued (what the wait's span holds on such a step: their own time and a
+    queued stream's launch gaps, which the queued rule counts as work), and back to back over every step."""
+    def median(rows: list[dict], key: str) -> float | None:
+        vals = sorted(row[key] for row in rows if row.get(key))
+        return vals[len(vals) // 2] if vals else None
+
+    rows = r["rows"]
+    queued = [row for row in rows if (row.get("prof_copies_queued") or 0) >= 0.95]
+    return (f"copies estimate {fmt(r['copy_ms'])} vs profiler's own {fmt(median(rows, 'prof_copies'))}, back to back "
+            f"{fmt(median(queued, 'prof_copies_run'))} on the {len(queued)} steps they ran queued, "
+            f"{fmt(median(rows, 'prof_copies_run'))} over all (ms, medians)")
+
+
+def paced_text(paced: list | None) -> str:
+    """The host-paced spans' correction over the run: how many backwards lost how much of their wait."""
+    if not paced:
+        return "host-paced correction: none"
+    n, ms, on = paced
+    return f"host-paced correction on {n} backwards, {ms:.3f} ms in all ({'on' if on else 'off'} at the end)"
 
 
 def main() -> None:
@@ -405,10 +434,10 @@ def main() -> None:
                              + (f" {fmt(row['blocked'])} {fmt(blocked_diff(row))}" if args.launches else ""))
             over = sum(1 for row in r["rows"] if row["step_ms"] is not None and row["period"] is not None
                        and row["step_ms"] > row["period"])
-            pc = [row["prof_copies_run"] for row in r["rows"] if row.get("prof_copies_run")]
             summary.append(f"{r['case']:14} rank {r['rank']}: {ok}/{n} steps within 0.1 ms or 2% of the queued rule "
-                           f"({strict_ok}/{n} of the strict), largest gap {worst:+.3f} ms; copies estimate {fmt(r['copy_ms'])} vs profiler's back to back "
-                           f"{fmt(sorted(pc)[len(pc) // 2] if pc else None)} ms (median); steps with step > period: "
+                           f"({strict_ok}/{n} of the strict), largest gap {worst:+.3f} ms; {copies_text(r)}; "
+                           f"{paced_text(r.get('paced'))}; "
+                           f"steps with step > period: "
                            f"{over}; mean step {fmt(r['mean_step'])} period {fmt(r['mean_period'])}; "
                            f"verdicts {','.join(r['kinds'])}")
             if args.launches:

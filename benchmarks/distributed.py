@@ -1,8 +1,8 @@
-"""Distributed proof on 2 GPUs (NCCL): overhead, added syncs, and the slowed rank named.
+"""Distributed proof on 2 GPUs or more (NCCL): overhead, added syncs, and the slowed rank named.
 
-    PYTHONPATH=. python benchmarks/distributed.py [--out results.txt] [--pairs 3]
+    PYTHONPATH=. python benchmarks/distributed.py [--out results.txt] [--pairs 3] [--nproc 2]
 
-Every run is ``torchrun --nproc_per_node 2 tests/dist_scripts/plain_ddp.py``:
+Every run is ``torchrun --nproc_per_node NPROC tests/dist_scripts/plain_ddp.py``:
 
 1. Overhead: a GPU-bound DDP model with and without phase-timer, runs interleaved
    (off, on, off, on, ...), ms per step from step 20 to the last step (the steady state),
@@ -25,12 +25,15 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.provenance import code_line  # noqa: E402
+
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "plain_ddp.py")
 GPU_BOUND = ["--width", "4096", "--depth", "16", "--batch", "512"]
 
 
-def torchrun(*args: str) -> tuple[dict, dict[str, int] | None]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT, *args]
+def torchrun(*args: str, nproc: int) -> tuple[dict, dict[str, int] | None]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), SCRIPT, *args]
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     if proc.returncode != 0:
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs of this host)")
     args = p.parse_args()
     import torch
 
@@ -60,13 +64,16 @@ def main() -> None:
         print(text, flush=True)
         lines.append(text)
 
-    say(f"device: {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    say(code_line())
+    say(f"device: {torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
+        f"{args.nproc} ranks")
     tmp = tempfile.mkdtemp()
     # 1. overhead, interleaved pairs
     ratios, offs, ons = [], [], []
     for i in range(args.pairs):
-        off, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", "--no-timer", *GPU_BOUND)
-        on, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", *GPU_BOUND)
+        off, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", "--no-timer", *GPU_BOUND,
+                          nproc=args.nproc)
+        on, _ = torchrun("--log-dir", tmp, "--steps", str(args.steps), "--bench-from", "20", *GPU_BOUND, nproc=args.nproc)
         offs.append(off["step_ms"])
         ons.append(on["step_ms"])
         ratios.append(on["step_ms"] / off["step_ms"])
@@ -76,11 +83,12 @@ def main() -> None:
     # 2. syncs over steady-state steps, both ranks
     syncs = {}
     for label, extra in (("no timer", ["--no-timer"]), ("phase-timer", [])):
-        r0, r1 = torchrun("--log-dir", tmp, "--steps", "40", "--profile-syncs", *extra, *GPU_BOUND)
+        r0, r1 = torchrun("--log-dir", tmp, "--steps", "40", "--profile-syncs", *extra, *GPU_BOUND, nproc=args.nproc)
         syncs[label] = (r0["syncs"], r1)
         say(f"syncs, {label}: rank 0 {r0['syncs']}, rank 1 {r1}")
     # 3. the slowed rank
-    slow, _ = torchrun("--log-dir", tmp, "--steps", "43", "--window", "10", "--slow-forward", "0.02", "--width", "1024")
+    slow, _ = torchrun("--log-dir", tmp, "--steps", "43", "--window", "10", "--slow-forward", "0.02", "--width", "1024",
+                       nproc=args.nproc)
     say("slowed rank (rank 1 sleeps 20 ms in forward), 1024-wide MLP:")
     say(slow["summary"].split("\n\n")[-1])
     say()

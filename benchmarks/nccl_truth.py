@@ -141,6 +141,14 @@ def back_to_back_us(spans: Iterable[tuple[float, float]]) -> float:
                                                if a2 - b1 <= QUEUED_GAP_US)
 
 
+def queued_share(spans: Iterable[tuple[float, float]]) -> float | None:
+    """The share of ``spans``' (copies') gaps, one to the next, of at most QUEUED_GAP_US: 1.0 where every copy ran
+    queued behind the one before (None: fewer than two)."""
+    merged = _union(spans)
+    gaps = [a2 - b1 for (_, b1), (a2, _) in zip(merged, merged[1:])]
+    return sum(g <= QUEUED_GAP_US for g in gaps) / len(gaps) if gaps else None
+
+
 def _clip(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     return [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]
 
@@ -151,7 +159,8 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
     ``exposed_queued`` (the same, the work's gaps of at most QUEUED_GAP_US filled), ``exposed`` (analyzers' rule), ``comm`` (the collectives' union), ``copies`` (the activities whose name holds
     one of ``copy_names``: device-to-device memcpy, DDP's copies into ``.grad``: their own time) and
     ``copies_run`` (the same back to back: each copy with the gap before it when it follows another copy within
-    QUEUED_GAP_US, as a queued stream runs them), in ms."""
+    QUEUED_GAP_US, as a queued stream runs them), in ms; ``copies_queued``, the share of the copies' gaps that
+    are a queued stream's (:func:`queued_share`)."""
     acts = [iv for iv in intervals if iv[3] != "annotation"]
     is_comm = [any(c in n.lower() for c in comm) for _, _, n, _ in acts]
     # a marker is short (a spin of 100 cycles); a longer spin is work
@@ -177,6 +186,7 @@ def per_step(intervals: Sequence[Interval], comm: Sequence[str] = ("nccl",), mar
             comm=sum(b - a for a, b in _union(cm)) / 1e3,
             copies=sum(b - a for a, b in mine) / 1e3,
             copies_run=back_to_back_us(mine) / 1e3,
+            copies_queued=queued_share(mine),
             span=(hi - lo) / 1e3,
         ))
     return rows

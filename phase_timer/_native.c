@@ -1669,6 +1669,26 @@ static PyMemberDef Arm_members[] = {
     {NULL},
 };
 
+/* callback: what a call queues, set anew between backwards (DDP's split turns a host-paced module's wait start into
+ * a Python callback, and back); never deleted. */
+static PyObject *Arm_get_callback(Arm *self, void *Py_UNUSED(closure)) {
+    return Py_NewRef(self->callback != NULL ? self->callback : Py_None);
+}
+
+static int Arm_set_callback(Arm *self, PyObject *value, void *Py_UNUSED(closure)) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "Arm.callback cannot be deleted");
+        return -1;
+    }
+    Py_XSETREF(self->callback, Py_NewRef(value));
+    return 0;
+}
+
+static PyGetSetDef Arm_getset[] = {
+    {"callback", (getter)Arm_get_callback, (setter)Arm_set_callback, "what a call queues (settable)", NULL},
+    {NULL},
+};
+
 static PyTypeObject ArmType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "phase_timer._native.Arm",
@@ -1677,9 +1697,10 @@ static PyTypeObject ArmType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Arm(engine, phase, owner, flag, queue, callback, sample=None): called (with any arguments), "
               "queue(callback) when engine.current == phase and owner.<flag> is true; queue(sample) instead on "
-              "the due-th such call (due counts down; 0: never).",
+              "the due-th such call (due counts down; 0: never); callback may be set anew.",
     .tp_traverse = (traverseproc)Arm_traverse,
     .tp_members = Arm_members,
+    .tp_getset = Arm_getset,
     .tp_clear = (inquiry)Arm_clear,
     .tp_call = (ternaryfunc)Arm_call,
     .tp_init = (initproc)Arm_init,

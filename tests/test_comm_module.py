@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import pickle
 import socket
+from typing import Any
 
 import pytest
 import torch
@@ -232,6 +233,14 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
     owner.flag, engine.current, queued = True, "backward", None  # queue raises: no split, and no error in backward
     arm2 = comm_ddp.Arm(engine, "backward", owner, "missing", queued, "go")
     assert arm2(torch.zeros(1)) is None and comm_ddp.Arm(engine, "backward", owner, "flag", None, "go")(1) is None
+    queued = []
+    arm3 = comm_ddp.Arm(engine, "backward", owner, "flag", queued.append, "go")
+    assert arm3.callback == "go"
+    arm3.callback = "paced"  # set anew between backwards (a host-paced module's start)
+    arm3(1)
+    assert queued == ["paced"]
+    with pytest.raises(AttributeError):
+        del arm3.callback
 
 
 def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_launches() -> None:
@@ -257,3 +266,346 @@ def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_lau
     run.add_copies(object(), [paced, queued], clock)
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.8 + 4.25)
+
+
+def test_a_bucket_caught_up_by_the_device_takes_its_queued_samples() -> None:
+    """Each bucket's estimate is its own: where the device caught up with the host among a bucket's copies on one
+    sample (the mode's pace, read at best as the copies' own calls' host time), the same bucket's samples whose
+    copies were all queued (their time back to back) stand for it; a bucket with none keeps its caught ones."""
+    from phase_timer.timing.clock import HostClock
+
+    clock, ms = HostClock(), 1_000_000
+    queued = Copies(0, int(0.1 * ms), int(0.55 * ms), int(0.3 * ms), False)  # 22 copies queued: 0.1 ms on the device
+    paced = Copies(0, int(0.52 * ms), int(0.52 * ms), int(0.29 * ms), True)  # caught up: read as 0.29 at best
+    run, probe = comm.RunComm(), object()
+    run.add_copies(probe, [queued, paced], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.1 + 0.29)  # bucket 2 has no queued sample yet
+    run.add_copies(probe, [paced, queued], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.1 + 0.1) and run.copy_samples == 2  # each bucket's queued sample
+    run.add_copies(probe, [queued, queued, queued], clock)  # DDP rebuilt its buckets: three now
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.3)
+    run.add_copies(object(), [paced], clock)  # a second module: its own buckets, summed with the first's
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.3 + 0.29)
+
+
+# -- the host-paced span (issue 47): the device idles in it for DDP's launches ---------------------------------
+
+class PacedEngine:
+    """An engine's calls as the split makes them, on a device whose answer to ``behind()`` the test sets (None: the
+    host clock)."""
+
+    def __init__(self) -> None:
+        self.current: str | None = "backward"
+        self.behind_is: bool | None = False
+        self.calls: list[tuple] = []
+
+    def switch(self, phase: str) -> None:
+        if phase != self.current:
+            self.calls.append(("switch", phase))
+        self.current = phase
+
+    def behind(self) -> bool | None:
+        self.calls.append(("behind",))
+        return self.behind_is
+
+    def add_host(self, phase: str, ms: float) -> None:
+        self.calls.append(("add_host", phase, ms))
+
+
+class PacedCore:
+    def __init__(self, engine: PacedEngine, kind: str = "cuda") -> None:
+        from types import SimpleNamespace
+
+        self._engine, self.clock = engine, SimpleNamespace(kind=kind)
+        self.run = comm.RunComm()
+        self.measures = [self.run]
+
+
+class HostNs:
+    """perf_counter_ns as the test sets it: ``at`` ms."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def perf_counter_ns(self) -> int:
+        return int(self.at * 1_000_000)
+
+
+class SampledCopies:
+    """What the dispatch mode hands over after a sampled end-of-backward: two buckets' copies, timed; whether the
+    device had caught up with the host at the last bucket's is the test's."""
+
+    def __init__(self, kept_up: bool) -> None:
+        from phase_timer.timing.clock import HostClock
+
+        self._pairs = [Copies(0, 1000, 1000, 1000, True), Copies(0, 1000, 1000, 1000, kept_up)]
+        self.marks, self.clock, self.counts, self.passthrough = [], HostClock(), [1, 1], False
+
+    def pairs(self) -> list:
+        return self._pairs
+
+
+def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms: float | None = None,
+                **ddp_kw) -> tuple:
+    """A split bound to a fake engine and clock; the parameter's hook and autograd's final callbacks run by hand."""
+    from types import SimpleNamespace
+
+    from phase_timer.timing.clock import HostClock
+
+    if not native:
+        monkeypatch.setattr(comm_ddp, "Arm", None)
+    ns = HostNs()
+    monkeypatch.setattr(comm_ddp, "time", ns)
+    engine = PacedEngine()
+    core = PacedCore(engine, kind)
+    module = SimpleNamespace(**{"gradient_as_bucket_view": False, "find_unused_parameters": False, **ddp_kw,
+                                comm_ddp.SYNCED: True})
+    param = torch.zeros(1, requires_grad=True)
+    probe = comm_ddp.DdpComm(module, param)
+    queued: list = []
+    probe._queue_callback = queued.append
+    probe.bind(core)
+    probe._schedule(0)  # the copies sampled where the test says
+    if copies_ms is not None:
+        ms = int(copies_ms * 1_000_000)
+        core.run.add_copies(probe, [Copies(0, ms, ms, ms, False)], HostClock())
+        core.run.resolve_copies()
+
+    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None) -> list[tuple]:
+        """One synced backward whose span the host spends ``host_ms`` in: the parameter's hook (``python``: a span
+        begun in Python, a composed hook's; ``kept_up``: a sampled one, its copies timed), then the final callbacks
+        in autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end)."""
+        engine.calls.clear()
+        engine.current = "backward"
+        if python or kept_up is not None:
+            queued.append(probe._split)
+        else:
+            probe._armed(param)
+        while queued:
+            callback = queued.pop(0)
+            callback()
+            if callback == probe._split and kept_up is not None:
+                probe._copies = SampledCopies(kept_up)  # the mode pushed for DDP's end-of-backward
+            ns.at += host_ms  # DDP's end-of-backward: its waits and copies, launched
+        engine.switch("optimizer")  # the door: backward() returned
+        probe._schedule(0)  # the next sample where the test says
+        return [c for c in engine.calls if c[0] != "behind"]
+
+    return probe, engine, backward
+
+
+def start_queued(probe) -> Any:
+    native = comm_ddp.Arm is not None and isinstance(probe._armed, comm_ddp.Arm)
+    return probe._armed.callback if native else probe._start
+
+
+PACED = [("switch", WAIT), ("switch", "backward")]  # a span ended in Python, after DDP's end-of-backward
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_usual_path_stays_the_engine_s_own_switch_until_a_sample_shows_a_host_paced_device(monkeypatch,
+                                                                                                native) -> None:
+    probe, engine, backward = paced_probe(monkeypatch, native)
+    assert start_queued(probe) is probe._to_wait and not probe._paced  # off: no Python frame
+    # the usual path, off: the engine's switch; the span ends at the door's switch (nothing asked, nothing taken)
+    assert backward(2.5) == [("switch", WAIT), ("switch", "optimizer")]
+    # a span ended in Python whose copies were not timed: the device reached its start, but no sample says more
+    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    # a sampled backward: the device had caught up with the host at its last bucket's copies: 2.5 ms taken off
+    assert backward(2.5, kept_up=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
+    assert probe._paced and start_queued(probe) == probe._paced_start
+    # now the usual path notes the span's host time at both ends, and ends it after DDP's end-of-backward
+    assert backward(1.25) == [*PACED, ("add_host", WAIT, -1.25), ("switch", "optimizer")]
+    assert (probe.paced_steps, probe.paced_ms) == (2, 3.75)
+    # a device behind the host (it had not begun the span): nothing taken; PACED_OFF such backwards in a row: off
+    engine.behind_is = True
+    for _ in range(comm_ddp.PACED_OFF - 1):
+        assert backward(2.0) == [*PACED, ("switch", "optimizer")]
+    assert probe._paced
+    engine.behind_is = False
+    backward(2.0)  # caught up again: the count starts anew
+    engine.behind_is = True
+    for _ in range(comm_ddp.PACED_OFF):
+        backward(2.0)
+    assert not probe._paced and start_queued(probe) is probe._to_wait
+    assert backward(2.0) == [("switch", WAIT), ("switch", "optimizer")]
+    # on again; a sample whose last bucket's copies the device had not caught up with (a rank whose device still
+    # waits for its peers when the host has launched them all): off at once, nothing taken
+    engine.behind_is = False
+    backward(2.0, kept_up=True)
+    assert probe._paced
+    assert backward(2.0, kept_up=False) == [*PACED, ("switch", "optimizer")]
+    assert not probe._paced and start_queued(probe) is probe._to_wait
+    probe.bind(None)
+
+
+def test_the_span_loses_the_host_s_time_in_it_less_ddp_s_copies(monkeypatch) -> None:
+    probe, engine, backward = paced_probe(monkeypatch, copies_ms=0.5)
+    probe._pace(True)
+    # caught up: 2.5 ms of the host's in the span, 0.5 of them DDP's copies (taken off every step later): 2.0 here
+    assert ("add_host", WAIT, -2.0) in backward(2.5)
+    # the host's time in the span no more than the copies: nothing more to take
+    calls = backward(0.4)
+    assert not [c for c in calls if c[0] == "add_host"] and probe._paced
+    assert probe.paced_steps == 1
+
+
+def test_with_bucket_views_the_answer_itself_turns_the_module_on(monkeypatch) -> None:
+    """No copies to time (``gradient_as_bucket_view=True``): a span that ends in Python anyway (a sampled or composed
+    backward's) and finds the device at its start turns the module on."""
+    probe, engine, backward = paced_probe(monkeypatch, gradient_as_bucket_view=True)
+    engine.behind_is = True
+    assert backward(0.25, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    engine.behind_is = False
+    assert backward(0.25, python=True) == [*PACED, ("add_host", WAIT, -0.25), ("switch", "optimizer")]
+    assert probe._paced and start_queued(probe) == probe._paced_start
+
+
+def test_under_find_unused_parameters_nothing_is_asked(monkeypatch) -> None:
+    """DDP reads its used-parameter map on the host inside the span: the host's time there holds the device's
+    wait, so no step loses it."""
+    probe, engine, backward = paced_probe(monkeypatch, find_unused_parameters=True)
+    engine.calls.clear()
+    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")]
+    probe._pace(True)
+    engine.calls.clear()
+    backward(2.5)
+    assert ("behind",) not in engine.calls and probe.paced_steps == 0
+
+
+def test_on_the_host_clock_nothing_is_known_and_nothing_taken(monkeypatch) -> None:
+    probe, engine, backward = paced_probe(monkeypatch, kind="host")
+    engine.behind_is = None  # the host clock's answer
+    assert backward(2.5, kept_up=True) == [*PACED, ("switch", "optimizer")]
+    assert not probe._paced and start_queued(probe) is probe._to_wait
+
+
+def test_a_composed_hook_s_sample_loses_what_its_step_loses(monkeypatch) -> None:
+    """A composed hook's wait ends in Python every backward: the same rule there, and the sampled exposed wait
+    (``comm_wait_ms``, for the hidden share) loses what the step's wait lost, never below zero."""
+    probe, engine, backward = paced_probe(monkeypatch, kind="host")
+    probe._device = False  # the samples on the host clock (perf_counter_ns, the test's), ...
+    engine.behind_is = False  # ... the answer a device's
+    probe._pace(True)
+    for host_ms in (3.0, 1.0):
+        probe._spans = [[0, 0]]  # one bucket's collective, done at once
+        calls = backward(host_ms, python=True)
+        assert ("add_host", WAIT, -host_ms) in calls
+        # the sample's span (its start to its end, the host's time here) less what was taken: 0, never below
+        assert ("add_host", comm_run.COMM_WAIT_MS, 0.0) in calls
+
+
+def test_both_engines_take_a_negative_host_value_off_the_wait_alone() -> None:
+    """``add_host(WAIT, -ms)`` on the open record: summed into the wait's own row by both engines, not into
+    ``backward``'s (its parent sums spans only), so the phases still add up."""
+    from phase_timer.timing.clock import HostClock
+    from phase_timer.timing.engine import PyEngine, Steps, native_steps
+
+    def ticks():
+        t = iter(range(0, 10**12, 1_000_000))  # 1 ms a mark
+        return lambda: next(t)
+
+    class Ticking(HostClock):
+        def __init__(self) -> None:
+            self._next = ticks()
+
+        def mark(self) -> int:
+            return self._next()
+
+    engines = [PyEngine(Ticking(), window=1, max_pending=8, lag=0, per_step=True)]
+    if Steps is not None:
+        engines.append(native_steps(ticks(), 1, 8, 0, per_step=True))
+    for engine in engines:
+        engine.open(0, "forward")
+        for phase in ("backward", WAIT, "backward", "optimizer"):
+            engine.switch(phase)
+            if phase == WAIT:
+                engine.add_host(WAIT, -0.4)
+        engine.close(-1.0)
+        (step,) = [r[2] for r in engine.drain() if r[0] == "step"]
+        assert step[WAIT] == pytest.approx(0.6) and step["backward"] == pytest.approx(3.0)
+        assert step["forward"] + step["backward"] + step["optimizer"] == pytest.approx(step["step"])
+
+
+def test_a_wait_below_zero_never_reaches_a_window_or_a_step_line() -> None:
+    """A host-paced step's correction may take more than its span (the device still behind at the span's start):
+    the window's and the step's wait stop at zero with or without a copies' estimate; sorted stays sorted."""
+    run = comm.RunComm()
+    columns = {WAIT: [-0.3, 0.0, 0.2], "backward": [5.0, 6.0, 7.0]}
+    run.take_copies(columns, {})
+    assert columns == {WAIT: [0.0, 0.0, 0.2], "backward": [5.0, 6.0, 7.0]}
+    step = {WAIT: -0.1, "backward": 5.0}
+    run.take_copy(step)
+    assert step == {WAIT: 0.0, "backward": 5.0}
+    step = {WAIT: 0.3}
+    run.take_copy(step)
+    assert step == {WAIT: 0.3}
+
+
+class Caught:
+    """The core's engine, answering that the device had caught up at every span's end (a CPU has no device)."""
+
+    def __init__(self, engine) -> None:
+        self._inner = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    @property
+    def current(self):
+        return self._inner.current
+
+    def behind(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("composed", [False, True])
+def test_a_caught_up_ddp_run_on_gloo_still_adds_up_and_never_reads_below_zero(tmp_path, monkeypatch, native,
+                                                                            composed) -> None:
+    if not native:
+        monkeypatch.setattr(comm_ddp, "Arm", None)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Wide(), gradient_as_bucket_view=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    timer = phase_timer.attach(model, opt, log_dir=str(tmp_path), warmup_steps=1, window=4, per_step=True,
+                               summary=False)
+    probe = timer._comm[0]
+    probe._engine = Caught(probe._engine)
+    ends: list[int] = []
+    paced_end = comm_ddp.DdpComm._paced_end
+    monkeypatch.setattr(comm_ddp.DdpComm, "_paced_end", lambda self: ends.append(1) or paced_end(self))
+    if composed:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    lines: list[dict] = []
+    consume = timer.core._consume
+
+    def consumed(results):
+        consume(results)
+        lines.extend(dict(item[2]) for item in results or () if item[0] == "step")
+
+    timer.core._consume = consumed
+    for _ in range(9):
+        model(torch.randn(8, 2048)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    paced, taken, run = probe._paced, probe.paced_steps, comm_run.find(timer.core)
+    totals = timer.close()
+    assert taken > 0 and paced  # the sampled backwards saw the device catch up: on
+    # the usual path's span ends in Python from then on: 9 steps, 1 of warm-up, 1 off, 1 counting DDP's copies and 3
+    # timing them, 3 paced (the composed path ends every span in Python already)
+    assert len(ends) == (0 if composed else 3)
+    assert len(lines) >= 6 and all(line[WAIT] >= 0 for line in lines)
+    phases = {p: t.mean for p, t in totals.phases.items()}
+    assert phases[WAIT] >= 0 and totals.phases[WAIT].min >= 0
+    inside = [p for p in phases if p in ("h2d", "forward", "backward", "optimizer", "idle")]
+    assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)
+    assert torch._C._len_torch_dispatch_stack() == 0
+    if composed:  # the collectives sampled every backward on the host clock; their exposed wait never below zero
+        assert run.counts[comm_run.COMM_SAMPLES] >= 6 and run.counts[comm_run.COMM_WAIT_MS] >= 0.0

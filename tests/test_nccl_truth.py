@@ -38,6 +38,7 @@ def test_copies_back_to_back_count_the_queued_gaps_between_them_not_the_host_s()
     row = per_step(tl)[0]
     assert row["copies"] == pytest.approx(0.003)
     assert row["copies_run"] == pytest.approx(0.0043)
+    assert row["copies_queued"] == pytest.approx(0.5)  # of the two gaps, one a queued stream's
 
 
 def test_copies_beside_a_collective_hide_it_on_the_stream_rule_not_the_analyzers():

@@ -15,8 +15,9 @@ end-of-backward and that return.  One parameter hook and one mark a synced backw
 buckets (a Python comm hook costs tens of µs a bucket); no stream wait of its own, so DDP's schedule is
 untouched; a comm hook of the user's (registered before or after, built-in or not) runs inside the span as DDP
 runs it.  The span is part of ``backward`` (``phases.part_of``): the phases still add up to ``step``.  A
-``no_sync()`` micro-batch has no end-of-backward, and no span.  (With a composed hook, below, the wait's start
-is a Python callback, which queues one more after DDP's end-of-backward to end it there.)
+``no_sync()`` micro-batch has no end-of-backward, and no span.  (With a composed hook, below, or on a module whose
+device catches up with its host inside the span, further below, the wait's start is a Python callback, which
+queues one more after DDP's end-of-backward to end it there.)
 
 What the span holds besides the wait: DDP's end-of-backward copies each bucket's result into ``.grad``
 after that bucket's wait unless ``gradient_as_bucket_view=True`` (a read and a write of the gradients; with a
@@ -30,15 +31,39 @@ its last (by that count), so the copies are timed where and as they run, with no
 timed event there costs the stream microseconds, a copy as little) and none across a wait.  A backward whose
 copies do not fall as counted (a rebuild of the buckets) is counted anew and timed on the next.  Under
 ``find_unused_parameters=True`` the copies are not timed: DDP waits for its used-parameter map's all-reduce among
-a bucket's copies, and which parameters copy changes from step to step.  The copies' time (each bucket's, summed; the median of the last samples) is taken off each
-step's ``backward.comm_wait`` (never below zero) when its window is made, and stays in ``backward``.  (On a
-sampled backward the mode's own host time, a few µs a copy, paces the copies where the device has caught up with
-the host: there the mode's Python is taken off the marks' time, ``copies.Copies.ms``.)  (A static graph's first-iteration all-reduce is queued at
-backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
+a bucket's copies, and which parameters copy changes from step to step.  The copies' time is each bucket's
+median over its last samples (those whose copies were all queued before the device reached them, where it has
+any), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
+stays in ``backward``.  (On a sampled backward the mode's own host time, a few µs a copy, paces the copies where
+the device has caught up with the host: there the mode's Python is taken off the marks' time,
+``copies.Copies.ms``, an estimate a bucket's queued samples replace.)  (A static graph's first-iteration
+all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
 backward and the span would start at that backward's end (so the parameter heard is the shallowest, see
 :meth:`DdpComm.install`).
+
+Where the device catches up with the host inside the span (a host-paced backward: the device has run out of work
+while the host still launches DDP's copies, ~13 µs each on an H200 host), the span also holds the device's idle
+between those launches, which no collective causes and no mark separates from a wait.  One question a step takes
+it off: had the device reached the span's start when the host left the span?  Where it had, on a module seen to be
+host-paced, the device ran what the span holds as the host launched it, and the wait is taken as the span less
+the host's time in it: the step's wait loses that host time less DDP's copies (which come off every step later),
+where positive, on its own row (an ``add_host`` on the open record: ``backward`` keeps it, the phases still add
+up; a window and a step line stop at zero).  A device still behind the host at the span's start, caught up inside
+it, reads as much low; so does one that, past the span's start, waits for a collective that outlasts the host's
+launches.  The host's time is noted at both ends of the span (``perf_counter_ns``), the span ends in a callback
+after DDP's end-of-backward, and the question is ``engine.behind()`` asked right after that switch (one query of
+the span's start mark, never a wait; on the host clock no answer, nothing taken): :meth:`DdpComm._settle`.  That
+costs a Python frame at each end, a mark and a query a backward (~2 µs of Python on a CPU core), so the usual path
+keeps the engine's own switch until the module is seen host-paced: by a sampled backward's copies whose last
+bucket the device had caught up with (every wait was over before the host had launched the copies; a rank whose
+device waits for its peers is still in a wait there), or, with no copies to time (bucket views), by the answer
+itself on a span that ends in Python anyway (a sampled backward's, a composed hook's).  Then the module's start is
+the Python one, until a sample says otherwise or ``PACED_OFF`` backwards in a row find the device behind.  Never
+under ``find_unused_parameters``: DDP reads its used-parameter map on the host inside the span.  A device-bound
+loop, whose host is further ahead at the span's start than its own time in the span, never answers caught up: its
+wait is the span, as without the question.
 
 The collectives' own time (for the hidden share, ``1 - exposed / communication``) needs the buckets' futures,
 which only a comm hook sees: where the user registers one after phase-timer saw the module (through the
@@ -81,9 +106,13 @@ DENSE, EVERY = 8, 16
 SYNCED = "require_forward_param_sync"
 #: DDP's copies into ``.grad``: on the synced backward COPY_LEARN (counted from 1) the buckets' copies are counted
 #: (no mark); then timed on the next COPY_DENSE synced backwards, then one in COPY_EVERY or more: as many as keep a
-#: sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate is the median of the last
-#: samples (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is counted again (not timed).
+#: sampled backward's own host time under COPY_BUDGET_NS a backward, spread; the estimate is each bucket's median over
+#: its last samples, its queued ones first (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is
+#: counted again (not timed).
 COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS = 2, 3, 1024, 1000
+#: A host-paced module's wait start is a Python callback (the span's host time noted at both ends) until this many
+#: synced backwards in a row on which the device had not reached the span's start when the host left it.
+PACED_OFF = 64
 
 
 class DdpComm:
@@ -97,10 +126,17 @@ class DdpComm:
         self._run: RunComm | None = None  # the core's communication measure while bound
         self._engine: Any = None  # the core's engine while bound
         self._to_wait: Any = None  # its switch to the wait: a final callback with no Python frame
+        self._start: Any = None  # what the hook queues on a usual synced backward: _to_wait, or _paced_start
+        self._paced = False  # the device caught up with the host inside the span: its host time is noted
+        self._copying = False  # DDP copies into .grad (timed on sampled backwards, which say whether it is paced)
+        self._cold = 0  # synced backwards in a row since the paced path last saw the device caught up
+        self._h0: int | None = None  # perf_counter_ns at the open span's start, where noted
+        self.paced_steps = 0  # backwards whose host time in the span was taken off the wait, while bound
+        self.paced_ms = 0.0  # and how much in all (ms)
         self._spans: list[list[Any]] | bool | None = None  # this backward's sample: [launch, end] a bucket (False: not)
         self._open: tuple[list[list[Any]], Any] | None = None  # a sampled span begun: (spans, its start)
         self._synced = 0  # synced backwards split while bound
-        self._pending: deque[tuple[list[list[Any]], Any, Any]] = deque()  # device samples not resolved yet
+        self._pending: deque[tuple[list[list[Any]], Any, Any, float]] = deque()  # samples not resolved yet
         self._device = False
         self.user_hook: str | None = None  # the name of the user's hook composed, if any
         import torch
@@ -189,6 +225,9 @@ class DdpComm:
         self._run = run_of(core) if core is not None else None
         self._engine = core._engine if core is not None else None
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
+        self._start, self._paced, self._cold, self._h0 = self._to_wait, False, 0, None
+        self._copying = not getattr(self.ddp, "gradient_as_bucket_view", True)
+        self.paced_steps, self.paced_ms = 0, 0.0
         run = self._run
         if run is not None:
             run.hook = self.user_hook
@@ -218,7 +257,7 @@ class DdpComm:
         due = self._armed.due if Arm is not None and isinstance(self._armed, Arm) else self._due
         hook: Any = self._began
         if self._inner is None and Arm is not None:  # the usual path: one C call, no Python frame
-            hook = Arm(self._engine, BACKWARD, self.ddp, SYNCED, self._queue_callback, self._to_wait,
+            hook = Arm(self._engine, BACKWARD, self.ddp, SYNCED, self._queue_callback, self._start,
                        self._sample_copies)
         self._armed = hook
         self._schedule(due)
@@ -296,7 +335,7 @@ class DdpComm:
         if due == 1:
             self._queue_callback(self._sample_copies)
         else:
-            self._queue_callback(self._to_wait if self._inner is None else self._split)
+            self._queue_callback(self._start if self._inner is None else self._split)
 
     def _split(self, copies: bool = False) -> None:
         """After backward's compute, before DDP's end-of-backward (a composed hook's backward, or one whose copies
@@ -312,6 +351,7 @@ class DdpComm:
         if engine is None:
             return
         engine.switch(WAIT)
+        self._h0 = time.perf_counter_ns()
         if spans:
             self._open = (spans, self._now())
         if copies and _ACTIVE[0] is not None:  # another module's copies are marked in this backward: next time
@@ -334,25 +374,106 @@ class DdpComm:
         """After DDP's end-of-backward: the wait is over (and, on a sampled backward, its copies were counted or
         timed)."""
         copies, self._copies = self._copies, None
+        kept_up = None
         if copies is not None:
             _pop_mode(copies)
             if _ACTIVE[0] is copies:
                 _ACTIVE[0] = None
-            self._took(copies)
+            kept_up = self._took(copies)
         engine = self._engine
+        opened, self._open = self._open, None
         if engine is None or engine.current != WAIT:
-            self._open = None
             return
-        if self._open is not None:  # a composed hook's sample ends here too: its span holds the copies, as all do
-            self._pending.append((*self._open, self._now()))
-            self._open = None
+        w1 = self._now() if opened is not None else None  # a composed hook's sample ends here too (copies in)
+        h1 = time.perf_counter_ns()
         engine.switch(BACKWARD)
+        paced = self._settle(engine, h1, kept_up)
+        if opened is not None:
+            self._pending.append((*opened, w1, paced))
         if self._pending:
             self._resolve(engine)
 
-    def _took(self, copies: Any) -> None:
+    def _paced_start(self) -> None:
+        """The wait begins on a host-paced module (the usual path's start once :meth:`_settle` saw the device catch
+        up): its host time is noted, and its end queued after DDP's end-of-backward."""
+        engine = self._engine
+        if engine is None:
+            return
+        engine.switch(WAIT)
+        self._h0 = time.perf_counter_ns()
+        self._queue_callback(self._paced_end)
+
+    def _paced_end(self) -> None:
+        """After DDP's end-of-backward, on a host-paced module: the wait ends here (nothing is enqueued between
+        this and backward's return, so its end does not move on the device)."""
+        h1 = time.perf_counter_ns()
+        engine = self._engine
+        if engine is None or engine.current != WAIT:
+            return
+        engine.switch(BACKWARD)
+        self._settle(engine, h1)
+
+    def _settle(self, engine: Any, h1: int, kept_up: bool | None = None) -> float:
+        """The span has just ended (the engine switched out of it; the host entered it at ``_h0`` and left it at
+        ``h1``): had the device reached its start by then?  ``engine.behind()`` right after the switch asks exactly
+        that (one query of the span's start mark, never a wait; None on the host clock: nothing taken).
+
+        Where it had, on a module seen to be host-paced, the device ran the span's work as the host launched it,
+        idle between DDP's launches (its copies, ~13 µs each), which no collective causes: the wait is taken as the
+        span less the host's time in it.  So the step's wait loses the host's time less the module's copies (taken
+        off every step later, ``run.take_copies``), where that is positive: ``engine.add_host(WAIT, -ms)`` on the
+        open record, summed into the wait's own row by both engines, not into ``backward``'s.  A device still
+        behind at the span's start reads as much low, and so does one that waits, after reaching it, for a
+        collective that outlasts the host's launches (a window and a step line stop at zero).
+
+        A module is seen host-paced (the usual path's start turns Python, :meth:`_pace`) by a sampled backward's
+        copies whose last bucket the device had caught up with (``kept_up``: every wait was over before the host
+        had launched the copies, where a rank that waits for its peers has its device still in a wait); a module
+        whose copies are never timed (bucket views), by the answer itself on a span that ends in Python anyway (a
+        sampled backward's, a composed hook's).  ``kept_up`` False turns it off at once, and so do ``PACED_OFF``
+        answers "behind" in a row.  Never under ``find_unused_parameters``: DDP reads its used-parameter map on the
+        host inside the span, whose host time then holds the device's wait.  Returns the ms taken (0.0: none)."""
+        h0, self._h0 = self._h0, None
+        behind = engine.behind() if h0 is not None and not self._untimeable() else None
+        if behind is None:
+            return 0.0
+        if kept_up is not None:  # a timed sample of the copies decides, on or off
+            if kept_up != self._paced:
+                self._pace(kept_up)
+            if not kept_up:
+                return 0.0
+        elif behind:
+            if self._paced:
+                self._cold += 1
+                if self._cold >= PACED_OFF:
+                    self._pace(False)
+            return 0.0
+        elif not self._paced:
+            if self._copying:  # its copies are timed: a sample of them decides
+                return 0.0
+            self._pace(True)
+        self._cold = 0
+        run = self._run
+        ms = (h1 - h0) / 1e6 - (run.module_copy_ms(self) if run is not None else 0.0)
+        if ms <= 0:
+            return 0.0
+        engine.add_host(WAIT, -ms)
+        self.paced_steps += 1
+        self.paced_ms += ms
+        return ms
+
+    def _pace(self, on: bool) -> None:
+        """The usual path's start from the next synced backward: a Python callback that notes the span's host time
+        (``on``), or the engine's own switch."""
+        self._paced, self._cold = on, 0
+        self._start = self._paced_start if on else self._to_wait
+        if Arm is not None and isinstance(self._armed, Arm):
+            self._armed.callback = self._start
+
+    def _took(self, copies: Any) -> bool | None:
         """A sampled end-of-backward's copies: timed (their marks to the run's estimate) if they were made as
-        counted, else counted anew and timed on the next synced backward."""
+        counted, else counted anew and timed on the next synced backward.  Timed: whether the device had caught up
+        with the host at the last bucket's copies (``Copies.caught``); else None."""
         pairs = copies.pairs()
         run = self._run
         if pairs is None or run is None:
@@ -360,18 +481,19 @@ class DdpComm:
                 copies.clock.release(copies.marks)
             self._counts = copies.counts or None
             self._schedule(1 if self._counts else COPY_EVERY)  # nothing copied: DDP copies nothing here
-            return
+            return None
         self._copy_taken += 1
         spent = time.perf_counter_ns() - self._copy_t0  # the sampled end-of-backward's host time, DDP's own in
         self.copy_host_ns.append(spent)
         del self.copy_host_ns[:-16]
         self._schedule(1 if self._copy_taken < COPY_DENSE else max(COPY_EVERY, -(-spent // COPY_BUDGET_NS)))
         run.add_copies(self, pairs, copies.clock)
+        return pairs[-1].caught
 
     def _resolve(self, engine: Any) -> None:
         """Sampled backwards whose events are all done (never waits), carried on the open record."""
         while self._pending:
-            spans, w0, w1 = self._pending[0]
+            spans, w0, w1, paced = self._pending[0]
             if any(end is None for _, end in spans):
                 return
             if self._device and not (w1.query() and all(end.query() for _, end in spans)):
@@ -383,7 +505,7 @@ class DdpComm:
                 comm += max(0.0, b - max(a, prev))
                 prev = max(prev, b)
             engine.add_host(COMM_MS, comm)  # a record may carry two samples: they sum, and so does their count
-            engine.add_host(COMM_WAIT_MS, self._ms(w0, w1))
+            engine.add_host(COMM_WAIT_MS, max(0.0, self._ms(w0, w1) - paced))  # as the step's wait (_settle)
             engine.add_host(COMM_SAMPLES, 1.0)
 
 

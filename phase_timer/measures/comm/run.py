@@ -17,7 +17,8 @@ WAIT = comm_label(BACKWARD)
 COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"
 CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
 PREFIX = "comm"
-#: DDP's copies' estimate: the median of a module's last COPY_KEEP samples.
+#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP samples (its queued ones where it has any),
+#: summed over the buckets.
 COPY_KEEP = 3
 
 
@@ -91,10 +92,15 @@ class RunComm(Measure):
         #: A DDP module split copies its results into ``.grad`` inside the span (``gradient_as_bucket_view=False``).
         self.copy = False
         self._copy_pending: deque[tuple[int, list[Copies], Any]] = deque()
-        self._copy_samples: dict[int, list[float]] = {}  # a module's split (its id) -> its last samples, ms
+        #: A module's split (its id) -> each bucket's last samples (ms, DDP's order): those whose copies were all
+        #: queued before the device reached them (the copies' own time, back to back), and the others (the device
+        #: caught up with the host among them: an estimate, ``Copies.ms``).
+        self._copy_buckets: dict[int, list[tuple[deque[float], deque[float]]]] = {}
+        #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed).
+        self._copy_module: dict[int, float] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
-        #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (the modules' medians, summed),
-        #: or None.
+        #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
+        #: buckets' medians, summed, over the modules), or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
         #: A module whose copies are never timed (``find_unused_parameters=True``): they stay in the wait.
@@ -116,33 +122,41 @@ class RunComm(Measure):
             if not clock.done(pairs[-1].end):
                 return
             pending.popleft()
-            kept = self._copy_samples.setdefault(key, [])
-            kept.append(sum(pair.ms(clock) for pair in pairs))
+            buckets = self._copy_buckets.get(key)
+            if buckets is None or len(buckets) != len(pairs):  # DDP rebuilt its buckets: their samples start anew
+                buckets = self._copy_buckets[key] = [(deque(maxlen=COPY_KEEP), deque(maxlen=COPY_KEEP)) for _ in pairs]
+            for pair, (queued, caught) in zip(pairs, buckets):
+                (caught if pair.caught else queued).append(pair.ms(clock))
             clock.release([m for pair in pairs for m in (pair.start, pair.end)])
-            del kept[:-COPY_KEEP]
             self.copy_samples += 1
-            self.copy_ms = sum(statistics.median(v) for v in self._copy_samples.values())
+            # A bucket's copies move the same bytes every step: its queued samples where it has any (a caught-up
+            # device runs them at the host's pace, which the estimate can only bound), else its others.
+            self._copy_module[key] = sum(statistics.median(queued or caught) for queued, caught in buckets)
+            self.copy_ms = sum(self._copy_module.values())
+
+    def module_copy_ms(self, probe: Any) -> float:
+        """The copies' estimate of one module's split (ms; 0.0 before any)."""
+        return self._copy_module.get(id(probe), 0.0)
 
     def take_copies(self, columns: dict[str, list[float]], comm: dict[str, float]) -> None:
-        """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero; sorted stays
+        """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero, copies or not:
+        a host-paced step's own correction may take more than its span, ``ddp.DdpComm._settle``; sorted stays
         sorted) and off its sampled exposed wait."""
         self.resolve_copies()
-        copy = self.copy_ms
-        if not copy:
-            return
+        copy = self.copy_ms or 0.0
         waits = columns.get(WAIT)
-        if waits:
+        if waits and (copy or waits[0] < 0):
             columns[WAIT] = [v - copy if v > copy else 0.0 for v in waits]
-        if comm.get(COMM_SAMPLES):
+        if copy and comm.get(COMM_SAMPLES):
             comm[COMM_WAIT_MS] = max(0.0, comm[COMM_WAIT_MS] - copy * comm[COMM_SAMPLES])
 
     def take_copy(self, ms: dict[str, float]) -> None:
         """The same off one step's phases (its own line in the sinks)."""
         if self._copy_pending:
             self.resolve_copies()
-        copy = self.copy_ms
-        wait = ms.get(WAIT) if copy else None
+        wait = ms.get(WAIT)
         if wait is not None:
+            copy = self.copy_ms or 0.0
             ms[WAIT] = wait - copy if wait > copy else 0.0
 
     # -- the measure -------------------------------------------------------------------------
