@@ -213,7 +213,7 @@ def test_a_sampled_step_is_untimed_on_the_device_and_its_gates_are_sized_from_th
     model, opt, idx = _model()
     steps = 40
     with phase_timer.attach(model, opt, [idx] * steps, summary=False, warmup_steps=3, window=10,
-                            log_dir=str(tmp_path)) as timer:
+                            log_dir=str(tmp_path), modules=True) as timer:
         mods = next(m for m in timer.core.measures if m.key == "modules")  # the timer lets go of its core at close
         for batch in timer.loader:
             _step(model, opt, batch)

@@ -101,6 +101,7 @@ def train(model: nn.Module, n: int = 30, width: int = 8, tmp: Any = None, **kwar
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     kwargs.setdefault("warmup_steps", 2)
     kwargs.setdefault("window", 5)
+    kwargs.setdefault("modules", True)  # opt-in (off by default)
     timer = phase_timer.attach(model, opt, batches(n, width), summary=False,
                                log_dir=str(tmp) if tmp is not None else None, **kwargs)
     with timer:
@@ -170,7 +171,8 @@ def test_the_table_names_the_top_modules_of_forward_and_backward():
     planted = Planted()
     model = Net(planted)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    timer = phase_timer.attach(model, opt, batches(16), summary=False, warmup_steps=2, window=5)
+    timer = phase_timer.attach(model, opt, batches(16), summary=False, warmup_steps=2, window=5,
+                               modules=True)
     measure = next(m for m in timer.core.measures if isinstance(m, ModuleTimes))
     with timer:
         for x in timer.loader:
@@ -394,7 +396,8 @@ def _train_lm(model: nn.Module, tmp: Any, n: int = 24, **kwargs: Any) -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(n)]
-    timer = phase_timer.attach(model, opt, data, summary=False, warmup_steps=2, window=4, log_dir=str(tmp), **kwargs)
+    timer = phase_timer.attach(model, opt, data, summary=False, warmup_steps=2, window=4, log_dir=str(tmp),
+                               **{"modules": True, **kwargs})
     with timer:
         for idx in timer.loader:
             model(idx).backward()
@@ -496,6 +499,22 @@ def test_an_unknown_module_name_fails_naming_the_argument_and_the_close_names():
         phase_timer.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), [], modules=["lm_heads"])
 
 
+def test_modules_are_off_unless_asked_for(tmp_path):
+    """Opt-in: a sample holds the device behind its gate and goes untimed, which a run must choose
+    (``docs/modules.md``); the default run hooks nothing and writes no block."""
+    model = Net(Planted())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with phase_timer.attach(model, opt, batches(20), summary=False, warmup_steps=2, window=5,
+                            log_dir=str(tmp_path)) as timer:
+        assert not any(isinstance(m, ModuleTimes) for m in timer.core.measures)
+        for x in timer.loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert summary(timer)["modules"] is None
+    assert timer.totals.steps == 20 - 2  # every step past the warm-up timed: no sample untimed one
+
+
 def test_modules_false_hooks_nothing_and_writes_no_block(tmp_path):
     timer = train(Net(Planted()), n=12, tmp=tmp_path, modules=False)
     assert summary(timer)["modules"] is None
@@ -510,7 +529,7 @@ def test_the_lightning_door_measures_the_lightning_module_children(tmp_path):
     from tests.helpers import loader, module_class, trainer
 
     model = module_class("lightning.pytorch")(forward=0.0)
-    cb = phase_timer.PhaseTimer(warmup_steps=2, log_every_n_steps=4, summary=False)
+    cb = phase_timer.PhaseTimer(warmup_steps=2, log_every_n_steps=4, summary=False, modules=True)
     trainer(pl.__name__, str(tmp_path), [cb], max_steps=14).fit(model, loader(n=14 * 8))
     path = os.path.join(cb.log_dir, "phase_timer_summary.json")
     with open(path) as f:
@@ -538,7 +557,8 @@ def test_the_transformers_door_measures_a_tiny_gpt2(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=14, per_device_train_batch_size=2,
                                           logging_steps=4, report_to=[], save_strategy="no", use_cpu=True,
                                           disable_tqdm=True)
-    cb = phase_timer.PhaseTimerCallback(warmup_steps=2, summary=False, log_dir=str(tmp_path / "pt"))
+    cb = phase_timer.PhaseTimerCallback(warmup_steps=2, summary=False, log_dir=str(tmp_path / "pt"),
+                                          modules=True)
     transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
     with open(os.path.join(cb.timer.log_dir, "phase_timer_summary.json")) as f:
         block = json.load(f)["modules"]
@@ -631,7 +651,8 @@ def test_the_verdict_reads_the_modules_block_at_the_run_end_and_the_own_cost_lin
     monkeypatch.setattr(core_mod, "diagnose", diagnose)
     model = Net(Planted())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    timer = phase_timer.attach(model, opt, batches(20), summary=False, warmup_steps=2, window=5)
+    timer = phase_timer.attach(model, opt, batches(20), summary=False, warmup_steps=2, window=5,
+                               modules=True)
     core = timer.core
     measure = next(m for m in core.measures if isinstance(m, ModuleTimes))
     with timer:
@@ -670,7 +691,7 @@ def test_a_timer_never_closed_is_collected_with_its_model():
         model = TinyGPT()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         timer = phase_timer.attach(model, opt, [torch.randint(0, 64, (2, 8)) for _ in range(12)], summary=False,
-                                   warmup_steps=1)
+                                   warmup_steps=1, modules=True)
         for idx in timer.loader:
             model(idx).backward()
             opt.step()

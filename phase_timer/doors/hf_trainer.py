@@ -115,7 +115,7 @@ class PhaseTimerCallback(ThroughTimer, TrainerCallback):
         mfu: bool = True,
         enabled: bool = True,
         memory_snapshot: bool | str | os.PathLike[str] | None = None,
-        modules: bool | int | Sequence[str] = True,
+        modules: bool | int | Sequence[str] = False,
         **unknown: Any,
     ) -> None:
         reject_unknown("PhaseTimerCallback", PhaseTimerCallback.__init__, unknown)

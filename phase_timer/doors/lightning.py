@@ -127,7 +127,7 @@ class PhaseTimer(Door):
         mfu: bool = True,
         enabled: bool = True,
         memory_snapshot: bool | str | os.PathLike[str] | None = None,
-        modules: bool | int | Sequence[str] = True,
+        modules: bool | int | Sequence[str] = False,
         **unknown: Any,
     ) -> None:
         reject_unknown("PhaseTimer", PhaseTimer.__init__, unknown)

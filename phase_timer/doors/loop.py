@@ -303,7 +303,7 @@ def attach(
     enabled: bool = True,
     sinks: Sequence[Any] = (),
     memory_snapshot: bool | str | os.PathLike[str] | None = None,
-    modules: bool | int | Sequence[str] = True,
+    modules: bool | int | Sequence[str] = False,
     **unknown: Any,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.

@@ -109,8 +109,9 @@ class Options:
         "(``docs/faults.md``).  On a CPU it warns once and records nothing.")
     #: Which module (``measures/modules.py``): forward/backward time and activations per module, sampled.
     modules: bool | int | Sequence[str] = _option(
-        True, check_modules, "on sampled steps (one in ~1,024 after a few early ones, each on one group of the "
-        "modules in turn; never the ordinary step), each "
+        False, check_modules, "off by default (opt in: a sampled step holds the device behind a gate and is untimed, "
+        "which a run must choose: ``docs/modules.md``).  ``True``: on sampled steps (one in ~1,024 after a few early "
+        "ones, each on one group of the modules in turn; never the ordinary step), each "
         "module's forward and backward time on the run's clock and (CUDA) the activations it keeps: the model's "
         "top-level children, repeated blocks as one row (``transformer.h[0-11]``, their ``attn``/``mlp`` summed) "
         "(``phase_module/*``, the table, the summary file, the verdict).  An int: every module down to that depth; "
