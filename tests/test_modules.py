@@ -955,13 +955,13 @@ def test_a_group_is_read_only_once_a_sample_of_it_had_every_span_covered():
     assert measure.complete and measure.rows()["1"]["samples"] == 1
 
 
-def test_the_gate_is_sized_per_group_from_the_least_slack_and_bounded_by_the_step_period():
-    """The next gate of a group: the sleep that would have left its worst mark queued just in time (its sleep less
-    the least slack), with the margin; a device far ahead of the host (a GPU-bound run) shrinks it to the least; a
-    mark queued late grows it; never past the run's step period with the margin; a group not yet read takes the
-    last length sized."""
+def test_the_gate_is_sized_per_group_from_the_sleep_the_sample_needed_and_bounded_by_the_step_period():
+    """The next gate of a group: the sleep that would have left every mark queued in time, with the margin; a
+    device far ahead of the host (a GPU-bound run) shrinks it to the least; a mark queued late grows it; never past
+    the run's step period with the margin; a group not yet read takes the last length sized, and the run's first the
+    host's time of the step before (the pilot) with the margin."""
     G = mod._Gate
-    measure, sample = _planted_gate_sample(6.9)  # slacks 4, 3, 3 and 0.1 ms
+    measure, sample = _planted_gate_sample(6.9)  # every mark in time; mark 3 needed 6.9 - 2 ms of busy = 4.9 ms
     sample.values()
     gate = measure.gate
     want = (5.0 - 0.1) * mod.GATE_MARGIN + mod.GATE_PAD_MS
@@ -971,20 +971,149 @@ def test_the_gate_is_sized_per_group_from_the_least_slack_and_bounded_by_the_ste
     sample.values()
     assert measure.gate.length(0) == pytest.approx((5.0 + 2.0) * mod.GATE_MARGIN + mod.GATE_PAD_MS)
     gate = G(HostClock(), cuda=False)
-    gate.size(1, 5.0, 40.0)  # the device was 40 ms behind the host at the worst mark: no gate needed
+    assert gate.length(0) == mod.GATE_FIRST_MS  # nothing sized, no pilot
+    assert gate.length(0, host_ms=20.0) == pytest.approx(20.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)  # the pilot's
+    gate.size(1, 5.0, -35.0, 2.0, False)  # the device was 40 ms behind the host at the worst mark: no gate needed
     assert gate.length(1) == mod.GATE_MIN_MS and gate.length(0) == mod.GATE_MIN_MS
-    assert gate.length(2) == mod.GATE_MIN_MS and gate.capped == 0
-    gate.size(2, 60.0, -30.0)  # 30 ms late after a 60 ms sleep: over the cap
+    assert gate.length(2, host_ms=20.0) == mod.GATE_MIN_MS and gate.capped == 0  # sized once: the pilot is not used
+    gate.size(2, 60.0, 90.0, 90.0, True)  # 30 ms late after a 60 ms sleep: over the cap
     assert gate.length(2) == mod.GATE_MAX_MS and gate.capped == 1
     gate.bound(4.0)  # a 4 ms step: no gate past 4 x the margin + the pad
     assert gate.length(2) == pytest.approx(4.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and gate.length(1) == mod.GATE_MIN_MS
-    # a step that waits for the device inside it (a sync): a sleep 10 ms longer left the worst mark as late
-    gate = G(HostClock(), cuda=False)
-    gate.size(0, 10.0, -3.0)  # uncovered: the next sleep longer
-    assert gate.length(0) == pytest.approx(13.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and not gate.futile
-    gate.size(0, 20.0, -2.5)
-    assert gate.futile == {0} and gate.length(0) == mod.GATE_MIN_MS
-    gate.size(1, 10.0, -3.0)
-    gate.size(1, 20.0, 4.0)  # a longer sleep that helped: covered, and no futile group
-    assert gate.futile == {0} and gate.length(1) == pytest.approx(16.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
 
+
+def test_a_group_is_futile_only_where_the_hosts_time_grew_with_the_sleep():
+    """A step that waits for the device inside it (a sync, or a launch queue filled while the device sleeps) waits
+    out any sleep: the host's time to its last mark grows with the sleep, and the group is futile (the least gate
+    from then on).  A longer sleep that still left a mark late while the host's own time stayed put is a gate sized
+    short, not a futile one: the next is sized longer (the rule that read the slacks alone called the 6-layer GPT's
+    first group futile on an H200 and never read it)."""
+    G = mod._Gate
+    gate = G(HostClock(), cuda=False)
+    gate.size(0, 10.0, 13.0, 12.0, True)  # late: the next sleep longer
+    assert gate.length(0) == pytest.approx(13.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and not gate.futile
+    gate.size(0, 16.5, 17.0, 12.5, True)  # late again, the host's time the same: still sized, not futile
+    assert not gate.futile and gate.length(0) == pytest.approx(17.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    gate.size(0, 21.5, 22.0, 18.0, True)  # 5 ms more sleep, the host 5.5 ms later to its last mark: it waited
+    assert gate.futile == {0} and gate.length(0) == mod.GATE_MIN_MS
+    gate.size(1, 10.0, 13.0, 12.0, True)
+    gate.size(1, 16.5, 12.0, 16.0, False)  # a longer sleep that covered it: no futile group, however the host moved
+    assert gate.futile == {0} and gate.length(1) == pytest.approx(12.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+
+
+def test_a_late_samples_need_counts_only_the_spans_the_device_ran_back_to_back():
+    """After a mark queued late the device waited for the host, and the spans after it hold that wait: counted as
+    the device's own time they would size the next gate short.  Planted: the gate queued at host 0 ms, its sleep
+    from device 0 to 5 ms; marks at device 5, 8.1, 9.1 and 9.6 ms, queued by the host at 1, 8, 9 and 9.5 ms (the
+    device reached mark 0 at 5 ms and waited for mark 1's launch at 8).  Only the span into mark 0 is known to be the
+    device's own (0 ms), so the need is the host's 9.5 ms to the last mark; the worst slack (mark 1's, -3 ms) would
+    have said 8 ms, and with 8 ms the device would still have reached mark 2 (8 ms plus its own time to it) before
+    the host queued mark 3."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    measure.gate = mod._Gate(HostClock(), cuda=False)
+    sample = mod.Sample(measure, 0, part=0)
+    ms = 1_000_000
+    sample.gate = (0, 0, 5 * ms, 1)
+    sample.marks = [5 * ms, int(8.1 * ms), int(9.1 * ms), int(9.6 * ms)]
+    sample.host = [1 * ms, 8 * ms, 9 * ms, int(9.5 * ms)]
+    sample.forward = [("0", 0, 1), ("1", 2, 3)]
+    vals = sample.values()
+    assert vals == {} and sample.uncovered == 2
+    assert measure.gate.length(0) == pytest.approx(9.5 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    assert measure.gate.last[0] == (pytest.approx(5.0), pytest.approx(9.5), True)
+
+
+class _HostGate(mod._Gate):
+    """The gate's sizing and checks on the host clock (no CUDA here): ``hold`` takes two host marks for the sleep,
+    ``slept_s`` apart in the past (a long one covers every mark; a zero one leaves each mark after the first late,
+    since on the host a mark is queued after the one before is reached), and keeps each length it was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(HostClock(), cuda=False)
+        self.slept_s = 0.0
+        self.asked: list[float] = []
+        self.hosts: list[float | None] = []
+        self.unsized: list[bool] = []  # nothing sized yet when asked (the pilot's or the first length)
+
+    def hold(self, group: int, host_ms: float | None = None) -> tuple[int, Any, Any, int]:
+        self.asked.append(self.length(group, host_ms))
+        self.hosts.append(host_ms)
+        self.unsized.append(self.ms is None)
+        now = time.perf_counter_ns()
+        return now, now - int(self.slept_s * 1e9), now, 1
+
+
+class _Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+def test_a_group_not_read_whole_is_taken_again_first_and_the_dense_samples_go_on_for_it(monkeypatch):
+    """A group whose sample left a span uncovered (a gate too short for it) is taken before the groups already read,
+    and the dense samples go on (DENSE_GAP apart) for up to one more cycle of the groups while one has none read
+    whole: a short run still gets a full table (the H200's 40-step run took 5 samples of 3 groups, the third group's
+    one uncovered, and never completed)."""
+    monkeypatch.setattr(mod, "GROUP_MODULES", 1)
+    model = _Three()
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0, dense=1)
+    gate = measure.gate = _HostGate()
+    x = torch.randn(4, 8)
+    parts, gaps = [], []
+    begun = 1
+    for covered in (True, False, True, True, True, True):
+        gate.slept_s = 1.0 if covered else 0.0
+        measure.begin(begun, begun - 1)
+        parts.append(measure.sample.part)
+        model(x).sum().backward()
+        measure.close(True)
+        gaps.append(measure.next_due - begun)
+        begun = measure.next_due
+        measure.window({})
+    # group 1's sample (the second) left spans uncovered: it is taken again before group 0's second turn, and the
+    # samples stay DENSE_GAP apart until every group is read whole (the third group is read at the fourth sample)
+    assert parts[:4] == [0, 1, 2, 1] and measure.uncovered > 0
+    assert gaps[:3] == [mod.DENSE_GAP] * 3 and all(g >= mod.GAP[0] for g in gaps[4:])
+    assert measure.complete
+
+
+class _GatedTimes(ModuleTimes):
+    """The measure as the device's clock runs it (a sampled step untimed, a gate sized), on the host clock."""
+
+    untimed = True
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_gated_sample_and_the_step_after_it_are_untimed_and_the_first_gate_is_the_pilots(native, monkeypatch):
+    """Where a gate is sized, the step before a sample is its pilot: the host's time of that step sizes the run's
+    first gate (with the margin), never a fixed guess.  The gated sample is untimed, and so is the step after it
+    (the gate can leave the device behind into it: its phases would be the device's alone): every other step is
+    timed, through the C boundaries and the Python ones alike."""
+    if not native:
+        monkeypatch.setenv("PHASE_TIMER_NATIVE", "0")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    measure = _GatedTimes([model], True, clock=HostClock(), warmup_steps=0, dense=mod.DENSE)
+    gate = measure.gate = _HostGate()
+    gate.slept_s = 1.0
+    core, bounds = _core(measure)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked: list[bool] = []
+    first = model[0]
+    steps = 30
+    for _ in range(steps):
+        _step(bounds, model, opt, then=lambda: hooked.append(bool(first._forward_hooks)))
+    bounds.finish()
+    core.finish()
+    sampled = [i + 1 for i, h in enumerate(hooked) if h]  # steps begun, 1-based
+    assert len(sampled) >= 3 and measure.samples == len(sampled) and measure.uncovered == 0
+    assert gate.hosts[0] is not None and gate.hosts[0] > 0  # the pilot's: the step before the first sample
+    assert gate.asked[0] == pytest.approx(gate.hosts[0] * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    # then each gate is one sized from a read sample, never the pilot's again; every sample had its pilot (a sample
+    # the verdict's sampled step defers has that step for its pilot)
+    assert gate.unsized == [True] + [False] * (len(sampled) - 1) and all(h is not None for h in gate.hosts)
+    after = [s + 1 for s in sampled if s + 1 <= steps]
+    assert core.totals.steps == steps - len(sampled) - len(after)

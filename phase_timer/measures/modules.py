@@ -29,9 +29,11 @@ What a hook does, on the run's clock (CUDA events on the current stream; the hos
 - **the gate** (CUDA): the compute stream waits on a side stream's sleep, so that the sample's kernels are queued
   before the device runs them and the marks hold device time only; a span whose marks were not all queued before
   the device reached the mark before each is not read, nor the rest of its row's phase in that sample
-  (:meth:`Sample.values`).  Its length, per group, is what the group's last sample read needed (its sleep less its
-  least slack), with a margin, never past the run's step period (:class:`_Gate`).  On the device a sampled step is
-  untimed: the phases' statistics leave it out.
+  (:meth:`Sample.values`).  Its length, per group, is what the group's last sample read needed (the host's time to
+  each mark less the device's time known to be its own before it), with a margin, never past the run's step period;
+  the run's first, the host's time of the step before with the margin (:class:`_Gate`).  On the device a sampled
+  step is untimed, and so is the step after it (the gate can leave the device behind into it): the phases'
+  statistics leave both out.
 - **activation checkpointing**: a forward that runs while autograd runs a backward is a *recompute*: reported as
   ``recompute_ms``, never added to forward.  Non-reentrant checkpointing (``use_reentrant=False``) keeps the graph,
   so a checkpointed module's backward is measured and includes its recompute; with reentrant checkpointing the
@@ -94,9 +96,10 @@ SEED = 50
 #: (activations): a read is 10-24 µs of host time, taken outside the module's own marks, inside its parent's (the gate
 #: keeps the device's spans clear of the host's time).
 ACT_EVERY = 4
-#: CUDA: a sample's gate (``_Gate``), per group: the first one's length; then, from the group's last sample
-#: read, the sleep that would have left its worst mark queued just in time (its sleep less the least slack: the
-#: device's time to the mark before less the host's to the mark) times GATE_MARGIN plus GATE_PAD_MS, within
+#: CUDA: a sample's gate (``_Gate``), per group: the run's first one's length without the host's time of the step
+#: before (GATE_FIRST_MS; with it, that times GATE_MARGIN plus GATE_PAD_MS); then, from the group's last sample read,
+#: the sleep that would have left every mark queued in time (the host's time to each mark less the device's time
+#: known to be its own before it, at most) times GATE_MARGIN plus GATE_PAD_MS, within
 #: [GATE_MIN_MS, GATE_MAX_MS] and never past the run's median step period (times the margin, plus the pad) once a
 #: window has been read; the SM clock's rate assumed until a sleep is measured (cycles a ms).
 GATE = True
@@ -427,23 +430,31 @@ class _Gate:
         self.side = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         rate = getattr(torch.cuda.get_device_properties(self.device), "clock_rate", 0) if cuda else 0  # kHz: cycles a ms
         self.cycles_per_ms = float(rate) if rate else GATE_CYCLES_PER_MS
-        self.ms = GATE_FIRST_MS  # the last length sized (a group not yet read takes it)
+        self.ms: float | None = None  # the last length sized (a group not yet read takes it); None: none sized yet
         self.by_group: dict[int, float] = {}
         self.cap = GATE_MAX_MS  # lowered to the run's step period (with the margin) once a window is read
         self.capped = 0  # gates sized at the cap
-        self.last: dict[int, tuple[float, float]] = {}  # per group: its last sample's sleep and least slack (ms)
-        #: Groups whose step waits for the device inside it (a sync): a longer sleep left their worst mark as late,
-        #: so no gate covers them; theirs is GATE_MIN_MS from then on (their late spans are not read).
+        #: per group: its last sample's sleep, the host's ms from the gate to its last mark, and whether a mark was late
+        self.last: dict[int, tuple[float, float, bool]] = {}
+        #: Groups whose step waits for the device inside it (a sync, or a full launch queue): the host's time to its
+        #: last mark grew with the sleep, so no gate covers them; theirs is GATE_MIN_MS from then on (their late
+        #: spans are not read).
         self.futile: set[int] = set()
 
-    def length(self, group: int) -> float:
+    def length(self, group: int, host_ms: float | None = None) -> float:
+        """The sleep for ``group``'s next sample: its own sized length; else the last one sized (another group's);
+        else, for the run's first, the host's time of the step before (``host_ms``, the boundaries' pilot) with the
+        margin, or GATE_FIRST_MS without one."""
         if group in self.futile:
             return GATE_MIN_MS
-        return min(self.cap, self.by_group.get(group, self.ms))
+        ms = self.by_group.get(group, self.ms)
+        if ms is None:
+            ms = GATE_FIRST_MS if host_ms is None else max(GATE_MIN_MS, host_ms * GATE_MARGIN + GATE_PAD_MS)
+        return min(self.cap, ms)
 
-    def hold(self, group: int) -> tuple[int, Any, Any, int]:
+    def hold(self, group: int, host_ms: float | None = None) -> tuple[int, Any, Any, int]:
         """Queue the gate: (host ns, the sleep's first mark, its last, cycles).  No sync: a launch and a stream wait."""
-        cycles = max(1, int(self.length(group) * self.cycles_per_ms))
+        cycles = max(1, int(self.length(group, host_ms) * self.cycles_per_ms))
         compute = torch.cuda.current_stream(self.device)
         host = time.perf_counter_ns()
         with torch.cuda.stream(self.side):
@@ -454,20 +465,25 @@ class _Gate:
         compute.wait_event(release)
         return host, first, last, cycles
 
-    def size(self, group: int, slept_ms: float, slack_ms: float) -> None:
-        """The group's next gate, from a sample read: it slept ``slept_ms`` and its worst mark was queued
-        ``slack_ms`` before the device reached the mark before it (negative: after, uncovered).  A sleep of
-        ``slept_ms - slack_ms`` would have left that mark just in time, were the device running back to back after
-        it; with the margin, within [GATE_MIN_MS, the cap].  A device still busy with earlier steps (a GPU-bound
-        run) leaves a large slack: the gate shrinks to GATE_MIN_MS.  Where a sleep longer by a ms or more than the
-        group's last left its worst mark as late or later (less than half the difference gained), the step waits for
-        the device inside it (a sync: the host waits out any sleep there) and the group is :attr:`futile`."""
+    def size(self, group: int, slept_ms: float, need_ms: float, host_ms: float, late: bool) -> None:
+        """The group's next gate, from a sample read (:meth:`Sample.values`): it slept ``slept_ms``; ``need_ms`` is the
+        sleep that would have left every mark queued in time, counting as the device's own only the spans it is known
+        to have run back to back (never less than what was needed; exact when every mark was in time); ``host_ms`` is
+        the host's time from the gate to the sample's last mark; ``late``: a mark was queued after the device reached
+        the one before.  With the margin, within [GATE_MIN_MS, the cap].  A device still busy with earlier steps (a
+        GPU-bound run) leaves the need below zero: the gate shrinks to GATE_MIN_MS.
+
+        The host's own time does not depend on the sleep, unless the host waits for the device inside the step (a
+        sync, or a launch queue filled while the device sleeps): where a sleep longer by a ms or more than the
+        group's last, itself late, left a mark late again and the host's time to its last mark grew by half the
+        difference or more, the group is :attr:`futile`."""
         last = self.last.get(group)
-        self.last[group] = (slept_ms, slack_ms)
-        if slack_ms < 0 and last is not None and last[1] < 0 and slept_ms - last[0] >= 1.0 and \
-                slack_ms - last[1] < (slept_ms - last[0]) / 2:
-            self.futile.add(group)
-        want = (slept_ms - slack_ms) * GATE_MARGIN + GATE_PAD_MS
+        self.last[group] = (slept_ms, host_ms, late)
+        if late and last is not None and last[2]:
+            more = slept_ms - last[0]
+            if more >= 1.0 and host_ms - last[1] >= more / 2:
+                self.futile.add(group)
+        want = need_ms * GATE_MARGIN + GATE_PAD_MS
         self.ms = self.by_group[group] = min(self.cap, max(GATE_MIN_MS, want))
         self.capped += want > self.cap
 
@@ -728,8 +744,8 @@ class Sample:
         queued at ``host[i] - host[gate] <= t[i-1]`` (host ms) was queued before: everything between the two marks
         was waiting for the device, which ran it back to back (a sufficient condition, whatever the launch
         latency).  A span that fails it is not read (``uncovered``), and neither is the rest of its row's phase in
-        this sample: a row's value is a step's, all of its calls or none (a part would read short).  The least
-        slack, ``t[i-1]`` less the host's ms, sizes the group's next gate (:meth:`_Gate.size`)."""
+        this sample: a row's value is a step's, all of its calls or none (a part would read short).  The sleep the
+        sample needed sizes the group's next gate (:meth:`_Gate.size`)."""
         out: dict[str, dict[str, float]] = {}
         marks = self._all()
         if not marks:
@@ -744,18 +760,27 @@ class Sample:
             gated = not self.moved
             host0 = self.gate[0]
             bad = [0]  # bad[i]: spans into marks 0..i-1 the gate did not cover, summed
-            slack = float("inf")
+            # need: the sleep that would have covered every mark.  Mark i needs the host's ms to it less the device's
+            # own time from the sleep's end to mark i-1; of that, only the spans known to have run back to back (a
+            # covered mark's span) are counted (``busy``): an uncovered span holds the device's wait for the host, so
+            # counting it would size the next sleep short by that wait.
+            need, busy, late, hm = float("-inf"), 0.0, False, 0.0
             for i, h in enumerate(self.host):
-                room = t[base + i - 1] - (h - host0) / 1e6
-                if room < slack:
-                    slack = room
+                hm = (h - host0) / 1e6
+                if hm - busy > need:
+                    need = hm - busy
+                room = t[base + i - 1] - hm
+                if room >= 0:
+                    busy += t[base + i] - t[base + i - 1]
+                else:
+                    late = True
                 bad.append(bad[-1] + (gated and room < 0))
             slept = t[1] - t[0]
             gate = self.m.gate
             if gate is not None:
                 gate.calibrate(slept, self.gate[3])
                 if gated and self.host:
-                    gate.size(self.part, slept, slack)
+                    gate.size(self.part, slept, need, hm, late)
 
         def ms(a: int, b: int) -> float | None:
             if bad is not None and bad[b + 1] - bad[a + 1]:
@@ -854,6 +879,7 @@ class ModuleTimes(Measure):
         self._dense_n = max(dense, len(self.groups) - 1) if dense > 0 else 0
         self.sample: Sample | None = None
         self._pending: list[Sample] = []
+        self._pilot: tuple[int, int] | None = None  # (steps begun, host ns) at the step before a sample's begin
         self.samples = 0  # read
         self.dropped = 0
         self.stats: dict[str, dict[str, _Stat]] = {}
@@ -888,18 +914,20 @@ class ModuleTimes(Measure):
         """A sampled step begins: the next group's hooks on (the group with the fewest samples kept, the first
         such).  False: not sampled (failed)."""
         t0 = time.perf_counter_ns()
-        self._schedule(begun)
         if self._pending:  # what is done is read now (a query each): the gate is sized from the freshest
             self._read()
         visits = self._visits
-        part = visits.index(min(visits))
+        part = self._next_part()
+        self._schedule(begun, part)
         read = self.allocated if self.allocated is not None and visits[part] % ACT_EVERY == 0 else None
         visits[part] += 1
         sample = Sample(self, step, part, self.groups[part], read)
+        pilot, self._pilot = self._pilot, None
+        host_ms = (t0 - pilot[1]) / 1e6 if pilot is not None and pilot[0] == begun - 1 else None
         try:
             sample.install(self.tree)
             if self.gate is not None:
-                sample.gate = self.gate.hold(part)
+                sample.gate = self.gate.hold(part, host_ms)
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             sample.remove()
             self._fail(err)
@@ -908,8 +936,34 @@ class ModuleTimes(Measure):
         self.own_ns += time.perf_counter_ns() - t0
         return True
 
-    def _schedule(self, begun: int) -> None:
-        if self._dense < self._dense_n:
+    def pilot(self, begun: int) -> None:
+        """The step before a sample has begun (the boundaries call it where a gate is sized): its host time, read at
+        the sample's begin, sizes the run's first gate (:meth:`_Gate.length`)."""
+        self._pilot = (begun, time.perf_counter_ns())
+
+    def _unread(self) -> list[int]:
+        """Groups with no sample read whole, none waiting to be read, and a gate that can cover them (not futile)."""
+        waiting = {s.part for s in self._pending}
+        acts = self._acts if self.allocated is not None else self._clean
+        futile = self.gate.futile if self.gate is not None else ()
+        return [g for g, (n, a) in enumerate(zip(self._clean, acts))
+                if not (n and a) and g not in waiting and g not in futile]
+
+    def _next_part(self) -> int:
+        """The group a sample hooks: of those with no sample read whole (none waiting, not futile), the one with the
+        fewest samples taken; else the one with the fewest (the first such)."""
+        visits = self._visits
+        unread = self._unread()
+        if unread:
+            return min(unread, key=visits.__getitem__)
+        return visits.index(min(visits))
+
+    def _schedule(self, begun: int, taking: int) -> None:
+        """The next sample's step: DENSE_GAP on while the dense samples last, and for one more cycle of the groups
+        while a group other than the one ``taking`` now has no sample read whole (a first gate too short for it: it
+        is taken again soon); then the sparse gap."""
+        if self._dense < self._dense_n or (self._dense_n > 0 and self._dense < self._dense_n + len(self.groups)
+                                           and any(g != taking for g in self._unread())):
             self._dense += 1
             self._next = begun + DENSE_GAP
         else:

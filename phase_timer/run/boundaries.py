@@ -85,7 +85,7 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
         "_flight_at", "_rng", "_samples", "_sample_in", "_step",
         "_mem", "_mem_on", "_mem_due",  # a memory step's (MemorySteps)
         "_census", "_census_at",  # the sync census's (CensusSteps)
-        "_mods", "_mod_on", "_mod_due",  # a modules' sample's (ModuleSteps)
+        "_mods", "_mod_on", "_mod_after", "_mod_due",  # a modules' sample's (ModuleSteps)
         "counter", "flops",  # what counts a batch (BatchCounts)
         # a sampled step's (run/sampled.py)
         "_depth", "_own_ns", "_calls", "_t_begin", "_t_end", "_host_ns", "_sample_state", "_restart", "_window0",
@@ -452,8 +452,11 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
         if self._mem is not None and self.begun >= self._mem_due and type(self) is Boundaries:
             self._mem_on = self._mem_call(self._mem.begin, self.begun, step, phase)
         self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
-        if self.begun >= self._mod_due and type(self) is Boundaries:  # a modules' sample (ModuleSteps), if recorded
-            self._mod_begin(step)
+        if self.begun >= self._mod_due:  # a modules' sample (ModuleSteps), if recorded; else its pilot or after-step
+            if type(self) is Boundaries:
+                self._mod_begin(step)
+            elif not self._mod_between() and self._mods is not None:
+                self._mods.pilot(self.begun)  # the sample waits for the next step: this one is its pilot
         self.open, self.ended, self.trailing, self._auto = True, False, False, phase
         self._after_backward = self._saw_forward = self._saw_backward = self._failed = False
 
