@@ -1117,3 +1117,51 @@ def test_a_gated_sample_and_the_step_after_it_are_untimed_and_the_first_gate_is_
     assert gate.unsized == [True] + [False] * (len(sampled) - 1) and all(h is not None for h in gate.hosts)
     after = [s + 1 for s in sampled if s + 1 <= steps]
     assert core.totals.steps == steps - len(sampled) - len(after)
+
+
+def test_a_calls_backward_ends_at_its_oldest_node_which_autograd_runs_after_all_its_others():
+    """The end hook goes on a call's oldest node alone: autograd runs a device's ready nodes newest first, and each
+    node of the call waits only on newer ones, so the oldest runs after every other node of the call.  On the
+    GPT-2-shaped model under bf16 autocast (blocks, attention, MLPs, casts, tied weights), for every hooked call:
+    the search's node is the oldest of all the call's nodes its outputs reach (a full walk, here), and a hook on
+    every one of those nodes hears the oldest finish last."""
+    from benchmarks.modules_cost import GPT
+
+    torch.manual_seed(0)
+    model = GPT(layers=3, width=32, heads=2, vocab=96, seq=16)
+    measure = ModuleTimes([model], 3, clock=HostClock(), warmup_steps=0)  # blocks and their children: nested calls
+    measure.groups = [frozenset(measure.tree.entries)]  # every row on the one sample
+    measure._visits = measure._clean = measure._acts = [0]
+    idx = torch.randint(0, 96, (2, 16))
+    measure.begin(1, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx)
+    sample = measure.sample
+    order: list[Any] = []
+    handles = []
+    checked = 0
+    found: dict[int, tuple[set, Any]] = {}
+    for call in sample.calls:
+        nodes, todo = set(), list(call.outs)
+        while todo:  # every node of the call its outputs reach
+            node = todo.pop()
+            if node in nodes:
+                continue
+            nodes.add(node)
+            todo += [n for n, _ in node.next_functions if n is not None and call.lo <= n._sequence_nr() < call.hi]
+        oldest = min(nodes, key=lambda n: n._sequence_nr())
+        assert mod._oldest(call.outs, call.lo, call.hi) is oldest, call.key
+        for node in nodes:
+            handles.append(node.register_hook(lambda gi, go, node=node: order.append(node)))
+        found[id(call)] = (nodes, oldest)
+        checked += len(nodes) > 1
+    loss.backward()
+    for call in sample.calls:
+        nodes, oldest = found[id(call)]
+        ran = [n for n in order if n in nodes]
+        assert ran[-1] is oldest, call.key
+    for h in handles:
+        h.remove()
+    measure.close(True)
+    measure.window({})
+    assert checked >= 3 * 3 and all(r["backward_ms"] is not None for r in measure.rows().values() if r["calls"])

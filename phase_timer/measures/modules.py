@@ -57,6 +57,7 @@ modules, 213 node hooks and 341 marks when all are hooked; a group's sample 30.6
 from __future__ import annotations
 
 import logging
+import heapq
 import random
 import re
 import time
@@ -384,14 +385,6 @@ def _seq_now() -> int:
 
 
 _LEAF = torch.zeros(0, requires_grad=True)
-#: A parameter's ``AccumulateGrad`` node's sequence number: the largest there is (UINT64_MAX).
-_ACCUMULATE = (1 << 64) - 1
-
-
-def _first(item: tuple) -> Any:
-    return item[0]
-
-
 def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
     """The tensors in a module's inputs or outputs: a tensor, or inside tuples, lists and dicts (two levels)."""
     if isinstance(obj, torch.Tensor):
@@ -403,6 +396,40 @@ def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Te
         for v in obj.values():
             _tensors(v, out, depth + 1)
     return out
+
+
+def _oldest(outs: list[Any], lo: int, hi: int) -> Any:
+    """The oldest node a call made (sequence number in ``[lo, hi)``) that its output nodes reach: best first by
+    sequence number (the oldest next node is followed first), done at ``lo`` itself (none can be older); else every
+    reachable node of the call is seen.  ``next_functions`` builds a tuple a call, so the search sees as few nodes as
+    it can: for a transformer block, its path down to its first op's node, not its ~40 nodes."""
+    heap: list[tuple[int, int, Any]] = []
+    n = 0
+    for fn in outs:
+        seq = fn._sequence_nr()
+        if seq == lo:  # an output's node is the call's first (a one-op module: a norm, an embedding)
+            return fn
+        heap.append((seq, n, fn))
+        n += 1
+    heapq.heapify(heap)
+    seen: set[Any] = set()
+    best, oldest = None, hi
+    while heap:
+        seq, _, node = heapq.heappop(heap)
+        if node in seen:
+            continue
+        seen.add(node)
+        if seq < oldest:
+            best, oldest = node, seq
+            if seq == lo:
+                return node
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                s = nxt._sequence_nr()
+                if lo <= s < hi:
+                    heapq.heappush(heap, (s, n, nxt))
+                    n += 1
+    return best
 
 
 class _Call:
@@ -588,6 +615,8 @@ class Sample:
         self.stack = []
         self.nest = []
         self.keys = {}
+        for call in self.calls:  # the graph's nodes are no longer the sample's to keep alive
+            call.outs = []
 
     def _mark(self) -> int:
         clock = self.m.clock
@@ -640,58 +669,26 @@ class Sample:
             self._backward_hooks(nest)
 
     def _backward_hooks(self, nest: list[_Call]) -> None:
-        """One walk of the nodes the outermost call made; a pre-hook on each call's output nodes (its backward
-        begins) and a post-hook on its *last-possible* nodes: those with no next node of its own (a node that feeds
-        another of the call's nodes is done before that one begins, so it is never the last).  Of those, a node that
-        feeds only parameters' ``AccumulateGrad`` (a weight's gradient, its cast under autocast) is hooked only when it
-        is the call's oldest: autograd runs a device's ready nodes newest first (its ready queue is ordered by the
-        sequence number), so on one device the call's last node is its oldest, and a newer parameter-only node is
-        done before it; the input gradients' nodes are all hooked.  A node shared by nested calls carries one hook and
-        one mark for all of them."""
-        if len(nest) == 1:
-            lo_all, hi_all = nest[0].lo, nest[0].hi
-        else:
-            lo_all, hi_all = min(c.lo for c in nest), max(c.hi for c in nest)
+        """A pre-hook on each call's output nodes (its backward begins) and a post-hook on its *oldest* node (its
+        backward ends there): autograd runs a device's ready nodes newest first (its ready queue is ordered by the
+        sequence number), and every node of the call waits only on newer ones (its own, or the consumers of the
+        call's outputs), so on one device the call's oldest node runs after all of its others.  A node shared by
+        nested calls carries one hook and one mark for all of them.  The oldest is found by :func:`_oldest`, a search
+        that follows the oldest next node first and stops at the call's first sequence number: a path through the
+        graph, not a walk of all of it."""
         starts: dict[Any, list[_Call]] = {}
-        found: list[list[tuple[int, bool, Any]]] = [[] for _ in nest]  # per call: its last-possible nodes
-        todo: list[Any] = []
+        lasts: dict[Any, list[_Call]] = {}
         for call in nest:
             for fn in call.outs:
                 starts.setdefault(fn, []).append(call)
-                todo.append(fn)
-        seen = set()
-        while todo:
-            node = todo.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            seq, inner, params = node._sequence_nr(), -1, True  # inner: the newest next node the walk's calls made
-            for nxt, _ in node.next_functions:
-                if nxt is not None:
-                    s = nxt._sequence_nr()
-                    if s != _ACCUMULATE:
-                        params = False
-                    if lo_all <= s < hi_all:
-                        if s > inner:
-                            inner = s
-                        if nxt not in seen:
-                            todo.append(nxt)
-            for i, call in enumerate(nest):
-                if call.lo <= seq < call.hi and call.lo > inner:  # the node is the call's and feeds none of its own
-                    found[i].append((seq, params, node))
-        lasts: dict[Any, list[_Call]] = {}
-        for call, nodes in zip(nest, found):
-            if len(nodes) == 1:
-                lasts.setdefault(nodes[0][2], []).append(call)
-            elif nodes:
-                oldest = min(nodes, key=_first)[2]
-                for _, params, node in nodes:
-                    if not params or node is oldest:
-                        lasts.setdefault(node, []).append(call)
+            node = _oldest(call.outs, call.lo, call.hi)
+            if node is not None:
+                lasts.setdefault(node, []).append(call)
+        handles = self.handles
         for node, calls in starts.items():
-            self.handles.append(node.register_prehook(self._begins(calls)))
+            handles.append(node.register_prehook(self._begins(calls)))
         for node, calls in lasts.items():
-            self.handles.append(node.register_hook(self._ends(calls)))
+            handles.append(node.register_hook(self._ends(calls)))
         self.nodes += len(starts) + len(lasts)
         self.calls.extend(nest)
 
