@@ -146,6 +146,27 @@ def _now(device: torch.device):
     return time.thread_time_ns
 
 
+def _gc_clock(stop: list[int] | None = None) -> list[int]:
+    """The garbage collector's wall time, summed in ``[0]`` by a ``gc.callbacks`` entry while it is on (``stop``: take
+    that clock's entry off)."""
+    import gc
+
+    if stop is not None:
+        gc.callbacks[:] = [c for c in gc.callbacks if getattr(c, "clock", None) is not stop]
+        return stop
+    total = [0, 0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            total[1] = time.perf_counter_ns()
+        else:
+            total[0] += time.perf_counter_ns() - total[1]
+
+    on_gc.clock = total  # type: ignore[attr-defined]
+    gc.callbacks.append(on_gc)
+    return total
+
+
 def sampled_step_cost(args: argparse.Namespace) -> dict[str, float]:
     """Host µs to issue a step with a sample's hooks less without (the median of interleaved pairs' differences),
     per group of rows; a sample's figure is the mean over the groups (each sampled once a cycle) with, on CUDA, one in ACT_EVERY
@@ -164,23 +185,29 @@ def sampled_step_cost(args: argparse.Namespace) -> dict[str, float]:
     for _ in range(3):
         issue(model, opt, idx, device)
     reps = -(-max(args.reps, groups) // groups) * groups  # whole cycles
+    gc_ns = _gc_clock()
+    gc_plain = gc_sampled = 0
     plain: list[int] = []
     by: dict[tuple[int, bool], list[int]] = {}
     own, marks, reads, nodes, calls = [], [], [], [], []
     for i in range(reps):
         sync()  # HOST-DEVICE SYNC: the benchmark's, between timed steps, so that each issues onto an idle queue
+        g0 = gc_ns[0]
         t0 = now()
         issue(model, opt, idx, device)
         plain.append(now() - t0)
+        gc_plain += gc_ns[0] - g0
         base = plain[-1]
         sync()
         own0 = measure.own_ns
+        g0 = gc_ns[0]
         t0 = now()
         measure.begin(i + 1, i)
         sample = measure.sample
         issue(model, opt, idx, device)
         measure.close(True)
         dt = now() - t0
+        gc_sampled += gc_ns[0] - g0
         sync()
         n_marks, n_reads = len(sample.marks), getattr(sample, "reads", 0)
         measure.window({})  # read the marks (done after the sync): the resolution's host time is the sample's too
@@ -206,7 +233,10 @@ def sampled_step_cost(args: argparse.Namespace) -> dict[str, float]:
            "gap_mean": float(modules.GAP_MEAN), "own_us": statistics.mean(own) / 1e3,
            "marks": statistics.mean(marks), "reads": statistics.mean(reads), "node_hooks": statistics.mean(nodes),
            "rows": float(len(measure.tree.entries)), "hooked_modules": float(len(measure.tree.targets)),
-           "samples_read": float(measure.samples)}
+           "samples_read": float(measure.samples),
+           # the garbage collector's time inside the timed steps, a step's mean (µs): plain, and with a sample
+           "gc_plain_us": gc_plain / reps / 1e3, "gc_sampled_us": gc_sampled / reps / 1e3}
+    _gc_clock(stop=gc_ns)
     for part, v in enumerate(parts):
         out[f"extra_us_group{part}"] = v
     if device.type != "cuda":  # a GPU host pays each mark's record and (CUDA) the reads the CPU does not

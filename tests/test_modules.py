@@ -275,11 +275,9 @@ def test_the_ordinary_step_carries_no_hook_and_sampled_steps_come_as_scheduled()
     bounds.finish()
     core.finish()
     sampled = [i + 1 for i, h in enumerate(hooked) if h]  # steps begun, 1-based
-    # the first after the warm-up's first timed step, then DENSE_GAP apart, then one in GAP; a step the verdict
-    # samples (it times the host) is left for the next one
-    assert sampled[0] in (2, 3, 4)
-    gaps = [b - a for a, b in zip(sampled, sampled[1:])]
-    assert len(sampled) == mod.DENSE + 1 and all(mod.DENSE_GAP <= g <= mod.DENSE_GAP + 2 for g in gaps), sampled
+    # the first after the warm-up's first timed step, then DENSE_GAP apart, then one in GAP: the schedule's steps
+    # exactly (the verdict's sampled step waits for a sample due on its step)
+    assert sampled == [2 + mod.DENSE_GAP * i for i in range(mod.DENSE + 1)], sampled
     assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks  # all taken off at the end
     assert measure.samples == len(sampled)
     cost = measure.summary()["cost"]
@@ -324,7 +322,7 @@ def test_the_native_boundaries_hand_a_due_step_to_python():
         _step(bounds, model, opt)
     bounds.finish()
     core.finish()
-    assert measure.samples == 3  # steps 2, 10, 18 (or a step or two later, where the verdict samples that one)
+    assert measure.samples == 3  # steps 2, 10, 18
 
 
 class Block(nn.Module):
@@ -1053,32 +1051,58 @@ class _Three(nn.Module):
         return self.c(self.b(self.a(x)))
 
 
-def test_a_group_not_read_whole_is_taken_again_first_and_the_dense_samples_go_on_for_it(monkeypatch):
-    """A group whose sample left a span uncovered (a gate too short for it) is taken before the groups already read,
-    and the dense samples go on (DENSE_GAP apart) for up to one more cycle of the groups while one has none read
-    whole: a short run still gets a full table (the H200's 40-step run took 5 samples of 3 groups, the third group's
-    one uncovered, and never completed)."""
-    monkeypatch.setattr(mod, "GROUP_MODULES", 1)
-    model = _Three()
-    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0, dense=1)
-    gate = measure.gate = _HostGate()
-    x = torch.randn(4, 8)
-    parts, gaps = [], []
-    begun = 1
-    for covered in (True, False, True, True, True, True):
-        gate.slept_s = 1.0 if covered else 0.0
-        measure.begin(begun, begun - 1)
-        parts.append(measure.sample.part)
-        model(x).sum().backward()
-        measure.close(True)
-        gaps.append(measure.next_due - begun)
-        begun = measure.next_due
-        measure.window({})
-    # group 1's sample (the second) left spans uncovered: it is taken again before group 0's second turn, and the
-    # samples stay DENSE_GAP apart until every group is read whole (the third group is read at the fourth sample)
-    assert parts[:4] == [0, 1, 2, 1] and measure.uncovered > 0
-    assert gaps[:3] == [mod.DENSE_GAP] * 3 and all(g >= mod.GAP[0] for g in gaps[4:])
-    assert measure.complete
+def test_a_group_not_read_whole_is_taken_again_first_and_the_steps_sampled_are_the_same_whatever_was_read(
+        monkeypatch):
+    """A group whose sample left a span uncovered (a gate too short for it) is taken before the groups already read
+    (the H200's 40-step run took 5 samples of 3 groups in turn, the third group's one uncovered, and never completed);
+    the steps sampled never depend on what was read, so that every rank of a distributed run samples the same steps
+    (a rank's gate holds its collectives, and its peers would wait for it on a step they time)."""
+    monkeypatch.setattr(mod, "GROUP_MODULES", 1)  # a, b, c: three groups
+
+    def run(covered: tuple[bool, ...]) -> tuple[list[int], list[int], ModuleTimes]:
+        model = _Three()
+        measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0, dense=1)
+        gate = measure.gate = _HostGate()
+        x = torch.randn(4, 8)
+        parts, dues = [], []
+        begun = 1
+        for ok in covered:
+            gate.slept_s = 1.0 if ok else 0.0
+            measure.begin(begun, begun - 1)
+            parts.append(measure.sample.part)
+            model(x).sum().backward()
+            measure.close(True)
+            begun = measure.next_due
+            dues.append(begun)
+            measure.window({})
+        return parts, dues, measure
+
+    parts, dues, measure = run((True, False, True, True, True, True))
+    assert parts[:4] == [0, 1, 2, 1] and measure.uncovered > 0 and measure.complete
+    clean_parts, clean_dues, clean = run((True,) * 6)
+    assert clean_parts == [0, 1, 2, 0, 1, 2] and clean.uncovered == 0 and clean.complete
+    assert dues == clean_dues  # the same steps, whatever each sample read
+
+
+def test_a_modules_sample_keeps_its_step_when_the_verdicts_sampled_step_falls_on_it():
+    """The verdict's sampled step (the host's time, at random on each rank) waits one step for a modules' sample due
+    on its step, rather than moving the sample: the sample's step is the schedule's on every rank."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
+    core, bounds = _core(measure)
+    due = measure.next_due
+    bounds._sample_in = due - 1  # the verdict's sampled step would begin on the modules' first due step
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[tuple[bool, str]] = []
+    first = model[0]
+    for _ in range(due + 2):
+        _step(bounds, model, opt,
+              then=lambda: seen.append((bool(first._forward_hooks), type(bounds).__name__)))
+    bounds.finish()
+    core.finish()
+    hooked = [i + 1 for i, (h, _) in enumerate(seen) if h]
+    verdict = [i + 1 for i, (_, name) in enumerate(seen) if name != "Boundaries"]
+    assert hooked[0] == due and verdict[0] == due + 1, (hooked, verdict)
 
 
 class _GatedTimes(ModuleTimes):

@@ -14,11 +14,11 @@ What a hook does, on the run's clock (CUDA events on the current stream; the hos
   the device: between its first and last kernel's enqueue points on the stream).  A module called twice in a step
   (shared weights, recurrence) sums its calls.
 - **backward**, with no hook that wraps a tensor: a call's nodes are those numbered (autograd's creation order) from
-  its pre-hook's next sequence number to its forward hook's.  When the outermost hooked call ends, one walk finds each
-  call's output nodes and its last-possible nodes (they feed none of the call's own), and puts a pre-hook
-  (``Node.register_prehook``) on each output node and a post-hook (``Node.register_hook``) on each last-possible
-  node, one a node for all the nested calls that share it.  The backward is from the first output node about to run
-  to the last of those done: the gradients for its outputs, then those for its inputs and parameters.  Full backward hooks
+  its pre-hook's next sequence number to its forward hook's.  When the outermost hooked call ends, each call gets a
+  pre-hook (``Node.register_prehook``) on its output nodes and a post-hook (``Node.register_hook``) on its oldest
+  node (:func:`_oldest`: autograd runs a device's ready nodes newest first, so the oldest is the call's last), one a
+  node for all the nested calls that share it.  The backward is from the first output node about to run to the
+  oldest done: the gradients for its outputs, then those for its inputs and parameters.  Full backward hooks
   (``register_full_backward_hook``) are not used: they wrap inputs and outputs in a ``BackwardHookFunction`` that
   makes an in-place op on an output fail.  Tensors the module uses without making them (a cache made earlier) are
   outside it, as they should be.
@@ -47,9 +47,10 @@ Marks are resolved lazily: a sample is read at a window's end once its every mar
 query),
 and at the run's end after the engine's drain; nothing here waits for the device.
 
-Cost: on a sample, for its group's modules, two hooks a module put into its hook dicts, one graph walk an outermost
-call, two marks a module call and one a hooked node in backward (a 12-layer GPT-2's default tree, bf16 autocast: 65
-modules, 213 node hooks and 341 marks when all are hooked; a group's sample 30.6 node hooks and 56 marks on average);
+Cost: on a sample, for its group's modules, two hooks a module put into its hook dicts, a search for each call's
+oldest node, two marks a module call and one a hooked node in backward (a 12-layer GPT-2's default tree, bf16
+autocast: 65 modules, 116 node hooks and 244 marks when all are hooked; a group's sample 25.6 node hooks and 51.2
+marks on average);
 ``benchmarks/modules_cost.py`` measures a sample's host time per group and the amortized cost a step.
 ``docs/modules.md`` says what is measured and what is not.
 """
@@ -664,7 +665,7 @@ class Sample:
                     outs.append(fn)
             if outs:
                 self.nest.append(_Call(key, lo, hi, outs))
-        if not stack and self.nest:  # the outermost hooked call ended: one walk for it and every call under it
+        if not stack and self.nest:  # the outermost hooked call ended: its backward hooks and every call's under it
             nest, self.nest = self.nest, []
             self._backward_hooks(nest)
 
@@ -882,7 +883,7 @@ class ModuleTimes(Measure):
         self.stats: dict[str, dict[str, _Stat]] = {}
         self._window: dict[str, dict[str, float]] = {}  # the rows read since the last window (the latest of each)
         self._tags: dict[str, str] = {}  # a row's scalars' prefix
-        #: Host time spent on samples (hooks, walk, marks, registration) and the steps begun, for the cost.
+        #: Host time spent on samples (hooks, search, marks, registration) and the steps begun, for the cost.
         self.own_ns = 0
         self.steps_begun = 0
         self.failed: str | None = None
@@ -915,7 +916,7 @@ class ModuleTimes(Measure):
             self._read()
         visits = self._visits
         part = self._next_part()
-        self._schedule(begun, part)
+        self._schedule(begun)
         read = self.allocated if self.allocated is not None and visits[part] % ACT_EVERY == 0 else None
         visits[part] += 1
         sample = Sample(self, step, part, self.groups[part], read)
@@ -955,12 +956,11 @@ class ModuleTimes(Measure):
             return min(unread, key=visits.__getitem__)
         return visits.index(min(visits))
 
-    def _schedule(self, begun: int, taking: int) -> None:
-        """The next sample's step: DENSE_GAP on while the dense samples last, and for one more cycle of the groups
-        while a group other than the one ``taking`` now has no sample read whole (a first gate too short for it: it
-        is taken again soon); then the sparse gap."""
-        if self._dense < self._dense_n or (self._dense_n > 0 and self._dense < self._dense_n + len(self.groups)
-                                           and any(g != taking for g in self._unread())):
+    def _schedule(self, begun: int) -> None:
+        """The next sample's step: DENSE_GAP on while the dense samples last, then the sparse gap from the seeded
+        generator.  It never depends on what was read, so that every rank of a distributed run samples the same steps
+        (a rank's gate holds its collectives: on a step its peers time, their waits would hold it)."""
+        if self._dense < self._dense_n:
             self._dense += 1
             self._next = begun + DENSE_GAP
         else:

@@ -483,7 +483,13 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
             self._census_step()
         self._sample_in -= 1
         if self._sample_in <= 0:
-            self._start_sample()
+            mods = self._mods
+            if mods is not None and self.begun + 1 >= mods.next_due:
+                # the next step is a modules' sample, the same step on every rank: the verdict's (this rank's own,
+                # at random) waits one step, rather than moving the sample (its gate) off its peers' sample
+                self._sample_in = 1
+            else:
+                self._start_sample()
 
     def _start_sample(self) -> None:
         """The next step is sampled: from here to its close."""
