@@ -1143,7 +1143,7 @@ def test_a_gated_sample_and_the_step_after_it_are_untimed_and_the_first_gate_is_
     assert core.totals.steps == steps - len(sampled) - len(after)
 
 
-def test_a_calls_backward_ends_at_its_oldest_node_which_autograd_runs_after_all_its_others():
+def test_a_calls_backward_ends_at_its_oldest_node_which_autograd_runs_after_all_its_others(monkeypatch):
     """The end hook goes on a call's oldest node alone: autograd runs a device's ready nodes newest first, and each
     node of the call waits only on newer ones, so the oldest runs after every other node of the call.  On the
     GPT-2-shaped model under bf16 autocast (blocks, attention, MLPs, casts, tied weights), for every hooked call:
@@ -1157,16 +1157,25 @@ def test_a_calls_backward_ends_at_its_oldest_node_which_autograd_runs_after_all_
     measure.groups = [frozenset(measure.tree.entries)]  # every row on the one sample
     measure._visits = measure._clean = measure._acts = [0]
     idx = torch.randint(0, 96, (2, 16))
+    outs: dict[int, list[Any]] = {}  # each call's output nodes, as the sample saw them (it keeps none)
+    hooks = mod.Sample._backward_hooks
+
+    def seeing(sample: Any, nest: list[Any]) -> None:
+        outs.update({id(c): list(c.outs) for c in nest})
+        hooks(sample, nest)
+
+    monkeypatch.setattr(mod.Sample, "_backward_hooks", seeing)
     measure.begin(1, 0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(idx)
     sample = measure.sample
+    assert all(not c.outs for c in sample.calls)  # the sample holds no node of the graph
     order: list[Any] = []
     handles = []
     checked = 0
     found: dict[int, tuple[set, Any]] = {}
     for call in sample.calls:
-        nodes, todo = set(), list(call.outs)
+        nodes, todo = set(), list(outs[id(call)])
         while todo:  # every node of the call its outputs reach
             node = todo.pop()
             if node in nodes:
@@ -1174,7 +1183,7 @@ def test_a_calls_backward_ends_at_its_oldest_node_which_autograd_runs_after_all_
             nodes.add(node)
             todo += [n for n, _ in node.next_functions if n is not None and call.lo <= n._sequence_nr() < call.hi]
         oldest = min(nodes, key=lambda n: n._sequence_nr())
-        assert mod._oldest(call.outs, call.lo, call.hi) is oldest, call.key
+        assert mod._oldest(outs[id(call)], call.lo, call.hi) is oldest, call.key
         for node in nodes:
             handles.append(node.register_hook(lambda gi, go, node=node: order.append(node)))
         found[id(call)] = (nodes, oldest)

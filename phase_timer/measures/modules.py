@@ -616,8 +616,6 @@ class Sample:
         self.stack = []
         self.nest = []
         self.keys = {}
-        for call in self.calls:  # the graph's nodes are no longer the sample's to keep alive
-            call.outs = []
 
     def _mark(self) -> int:
         clock = self.m.clock
@@ -685,6 +683,9 @@ class Sample:
             node = _oldest(call.outs, call.lo, call.hi)
             if node is not None:
                 lasts.setdefault(node, []).append(call)
+            # The sample keeps no node: the graph is freed when the step lets go of it, as without a sample (and a
+            # node's hook, holding the call, never holds the node back through it).
+            call.outs = []
         handles = self.handles
         for node, calls in starts.items():
             handles.append(node.register_prehook(self._begins(calls)))
