@@ -57,8 +57,8 @@ marks on average);
 
 from __future__ import annotations
 
-import logging
 import heapq
+import logging
 import random
 import re
 import time
@@ -386,6 +386,8 @@ def _seq_now() -> int:
 
 
 _LEAF = torch.zeros(0, requires_grad=True)
+
+
 def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
     """The tensors in a module's inputs or outputs: a tensor, or inside tuples, lists and dicts (two levels)."""
     if isinstance(obj, torch.Tensor):
