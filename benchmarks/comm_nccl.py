@@ -192,7 +192,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     data = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
     data = SlowLoader([data[i % 4] for i in range(args.steps)], 0.02 if case == "data_straggler" and rank == 1 else 0)
     timer = phase_timer.attach(model, opt, data, log_dir=tempfile.mkdtemp(), window=args.window,
-                               warmup_steps=args.warmup, copy_to_device=True, summary=False, per_step=True)
+                               warmup_steps=args.warmup, copy_to_device=True, summary=False, per_step=True,
+                               modules=args.modules)
     core = timer.core
     steps: dict[int, tuple[dict, dict]] = {}  # phase-timer's step -> (its phases before DDP's copies came off, after)
     consume = core._consume
@@ -373,6 +374,8 @@ def main() -> None:
                    "too (enable_cuda_sync_events), and the blocked rule with the compute stream's waits counted as "
                    "queued work")
     p.add_argument("--sample-at", type=int, help="time DDP's copies on this step's backward too (a traced one)")
+    p.add_argument("--modules", action="store_true", help="which module on (modules=True; off by default): its "
+                   "sampled steps and the steps after them are untimed, the same steps on every rank")
     p.add_argument("--span-kernels", action="store_true", help="a diagnosis: exposed NCCL inside and outside "
                    "phase-timer's FSDP2 spans, per step (a tiny kernel marks each span on the trace)")
     p.add_argument("--trace-dir")

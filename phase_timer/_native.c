@@ -1719,11 +1719,11 @@ static PyTypeObject ArmType = {
  */
 enum { S_OPEN, S_ENDED, S_TRAILING, S_PAUSED, S_IN_BACKWARD, S_AUTO, S_EXPLICIT, S_AFTER_BACKWARD, S_SAW_FORWARD,
        S_SAW_BACKWARD, S_FAILED, S_MEM_ON, S_FETCHED, S_STEPS, S_BEGUN, S_STEP, S_FLIGHT_AT, S_CENSUS_AT, S_SAMPLE_IN,
-       S_MEM, S_MEM_DUE, S_CORE, N_SLOTS };
+       S_MEM, S_MEM_DUE, S_CORE, S_MOD_ON, S_MOD_DUE, N_SLOTS };
 static const char *slot_names[N_SLOTS] = {"open", "ended", "trailing", "paused", "in_backward", "_auto", "_explicit",
                                           "_after_backward", "_saw_forward", "_saw_backward", "_failed", "_mem_on",
                                           "_fetched", "steps", "begun", "_step", "_flight_at", "_census_at",
-                                          "_sample_in", "_mem", "_mem_due", "core"};
+                                          "_sample_in", "_mem", "_mem_due", "core", "_mod_on", "_mod_due"};
 enum { P_FORWARD, P_BACKWARD, P_OPTIMIZER, P_BETWEEN, P_H2D, N_PHASES };
 
 /* The core's (TimingCore's) slots the usual case reads and writes. */
@@ -1774,9 +1774,11 @@ static int no_user_phase(Fast *f) {
     return x != NULL && PyList_CheckExact(x) && PyList_GET_SIZE(x) == 0;
 }
 
-/* The usual case for any boundary: a plain step, not paused, no memory read, no user phase open. */
+/* The usual case for any boundary: a plain step, not paused, no memory read, no modules' sample, no user phase
+ * open. */
 static int usual(Fast *f) {
-    return Py_TYPE(f->bounds) == f->plain && !truth(f, S_PAUSED) && !truth(f, S_MEM_ON) && no_user_phase(f);
+    return Py_TYPE(f->bounds) == f->plain && !truth(f, S_PAUSED) && !truth(f, S_MEM_ON) && !truth(f, S_MOD_ON) &&
+           no_user_phase(f);
 }
 
 static PyObject *engine_switch(Fast *f, PyObject *phase) {
@@ -1949,6 +1951,10 @@ static PyObject *Fast_batch(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
         if (PyErr_Occurred()) return NULL;
         mem_due = begun + 1 >= due;
     }
+    /* a modules' sample due (measures/modules.py): the same hand-off, one comparison */
+    long long mod_due = as_ll(SLOT(f, S_MOD_DUE));
+    if (PyErr_Occurred()) return NULL;
+    mem_due = mem_due || begun + 1 >= mod_due;
     int ours = core == f->core;
     long long begun_core = ours ? core_ll(f, C_BEGUN) : -2, warmup = ours ? core_ll(f, C_WARMUP) : -2;
     if (!usual(f) || !truth(f, S_FETCHED) || truth(f, S_OPEN) || mem_due || begun_core < 0 || warmup < 0 ||

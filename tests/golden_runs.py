@@ -105,7 +105,7 @@ def plain(tmp: str, clock: VirtualClock) -> Any:
     model = Net(clock)
     opt = _sgd(model.parameters(), clock)
     loader = DataLoader(Data(clock), batch_size=4)
-    with phase_timer.attach(model, opt, loader, log_dir=tmp, warmup_steps=2, window=10) as timer:
+    with phase_timer.attach(model, opt, loader, log_dir=tmp, warmup_steps=2, window=10, modules=True) as timer:
         for epoch in range(3):
             for x, y in timer.loader:
                 loss = nn.functional.mse_loss(model(x), y)
@@ -126,7 +126,7 @@ def plain_accumulated(tmp: str, clock: VirtualClock) -> Any:
     model = Net(clock, forward_ms=1.5, backward_ms=2.5)
     opt = _sgd(model.parameters(), clock, ms=0.75)
     data = Data(clock)
-    timer = phase_timer.attach(model, opt, log_dir=tmp, warmup_steps=1, window=8, per_step=True)
+    timer = phase_timer.attach(model, opt, log_dir=tmp, warmup_steps=1, window=8, per_step=True, modules=True)
     for step in range(30):
         for micro in range(2):
             i = (4 * (2 * step + micro)) % 64
@@ -160,7 +160,7 @@ def lightning(tmp: str, clock: VirtualClock) -> Any:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return _sgd(self.parameters(), clock)
 
-    timer = PhaseTimer(log_every_n_steps=10, warmup_steps=2)
+    timer = PhaseTimer(log_every_n_steps=10, warmup_steps=2, modules=True)
     trainer = pl.Trainer(default_root_dir=tmp, max_steps=30, val_check_interval=10, limit_val_batches=1,
                          num_sanity_val_steps=0, callbacks=[timer], enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
@@ -190,7 +190,7 @@ def transformers(tmp: str, clock: VirtualClock) -> Any:
             return {"x": x, "labels": y}
 
     model = Model()
-    callback = PhaseTimerCallback(warmup_steps=2)
+    callback = PhaseTimerCallback(warmup_steps=2, modules=True)
     args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              max_steps=30, logging_steps=10, use_cpu=True, disable_tqdm=True, report_to="none",
                              save_strategy="no", dataloader_num_workers=0)

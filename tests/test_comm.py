@@ -62,7 +62,7 @@ def test_phases_still_add_up_to_the_step_and_the_wait_is_an_of_which_row(cases: 
     assert WAIT in phases and WAIT not in inside
     assert sum(phases[p] for p in inside) == pytest.approx(phases["step"], rel=1e-6)
     summary = cases[case]["summary"]
-    assert summary["schema_version"] == 9
+    assert summary["schema_version"] == 10
     row = summary["phases"][WAIT]
     assert row["share_of"] == "step" and 0 <= row["share"] <= summary["phases"]["backward"]["share"]
 

@@ -81,7 +81,7 @@ BAD = {
     "window": 0, "warmup_steps": -1, "max_pending": "8", "per_step": 1, "summary": None, "nvtx": "on", "log_dir": 3,
     "trace_steps": (2, 1), "trace_path": "", "rank_timeout_s": float("inf"), "memory": "yes",
     "samples_per_batch": -1, "tokens_per_batch": 2.5, "flops_per_step": {"forward": 1.0}, "peak_tflops": 0,
-    "mfu": "no", "memory_snapshot": 3, "enabled": "yes",
+    "mfu": "no", "memory_snapshot": 3, "enabled": "yes", "modules": 0,
 }
 
 

@@ -159,7 +159,7 @@ def test_a_run_records_its_count_a_step_when_every_step_has_the_same(runs):
     assert summary(runs["base"])["throughput"]["per_step"] == {"samples": BATCH, "tokens": BATCH * SEQ}
     assert summary(runs["varlen"])["throughput"]["per_step"] == {"samples": BATCH, "tokens": None}
     data = summary(runs["base"])
-    assert data["schema_version"] == 9 and data["flops"] is None and data["communication"] is None
+    assert data["schema_version"] == 10 and data["flops"] is None and data["communication"] is None
 
 
 # -- report: text and JSON ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from phase_timer.cli.compare_side import Side
+from phase_timer.cli.compare_modules import modules_json
 from phase_timer.cli.comparison import Comparison
 
 
@@ -35,5 +36,6 @@ def to_json(c: Comparison) -> dict[str, Any]:
             r.phase: {"baseline_ms": r.base_ms, "baseline_rank": r.base_rank, "candidate_ms": r.cand_ms,
                       "candidate_rank": r.cand_rank, "delta_pct": r.delta_pct, "rank0_delta_pct": r.zero_pct}
             for r in c.ranks},
+        "modules": modules_json(c.modules),
         "warnings": c.warnings,
     }

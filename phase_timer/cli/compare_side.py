@@ -59,6 +59,8 @@ class Side:
     rate_batches: dict[str, list[CountBatch]] = field(default_factory=dict)
     #: The summary file's ``flops`` object (version 6), or what TensorBoard has of it; None: none.
     flops: dict[str, Any] | None = None
+    #: The summary file's ``modules`` block (version 10); None: not measured, or read from TensorBoard.
+    modules: dict[str, Any] | None = None
     #: What the run's own diagnosis says changed partway through it (RUN_CHANGED's ``why``): its means mix levels.
     changed: list[str] = field(default_factory=list)
     #: The summary file's ``ranks`` block (each rank's means; None: one process, or TensorBoard's).
@@ -98,7 +100,7 @@ def _from_summary(path: str, data: dict[str, Any]) -> Side:
     side = Side(path=path, source="summary", steps=steps, clock=env.get("clock"), values=values,
                 environment=env, door=data.get("door"), interrupted=bool(data.get("interrupted")),
                 memory=data.get("memory"), throughput=data.get("throughput"), flops=data.get("flops"),
-                changed=_changes(data.get("diagnosis")), ranks=data.get("ranks"))
+                changed=_changes(data.get("diagnosis")), ranks=data.get("ranks"), modules=data.get("modules"))
     windows = data.get("windows")
     if windows:
         side.batches = _summary_batches(windows)

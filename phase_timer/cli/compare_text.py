@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from phase_timer.cli.compare_rows import MEMORY_ROWS, MemoryRow, RateRow
+from phase_timer.cli.compare_modules import format_module_table
 from phase_timer.cli.compare_side import Side
 from phase_timer.cli.comparison import Comparison
 from phase_timer.cli.rates import RATES, format_rate
@@ -36,6 +37,8 @@ def format_comparison(c: Comparison) -> str:
         lines.append(format_throughput_table(c.throughput))
     if c.ranks:
         lines.append(format_rank_comparison(c.ranks))
+    if c.modules:
+        lines.append(format_module_table(c.modules))
     lines += c.verdicts
     for name, side in (("baseline", c.base), ("candidate", c.cand)):
         lines += [f"the {name} changed partway through its run: {why} (its figures mix both levels)" for why in side.changed]

@@ -17,6 +17,7 @@ from phase_timer.cli.compare_rows import (
     number_at,
     throughput_rows,
 )
+from phase_timer.cli.compare_modules import ModuleRow, module_rows, module_verdict
 from phase_timer.cli.compare_side import Side
 from phase_timer.cli.errors import ReportError
 from phase_timer.cli.rates import RATES, headline_rate
@@ -47,6 +48,8 @@ class Comparison:
     throughput_failed: bool = False
     #: Each phase's slowest rank on both sides (``rank_view``); None: a side ran in one process.
     ranks: list[RankRow] | None = None
+    #: Which module changed (both sides' summary files with module rows); None: a side has none.
+    modules: list[ModuleRow] | None = None
 
 
 def parts_of(phase: str, rows: dict[str, Row]) -> list[str]:
@@ -208,6 +211,10 @@ def compare(base: Side, cand: Side, *, metric: str = "mean", gated: Sequence[str
                    and rate_row.delta_pct < -fail_below_throughput and rate_row.beyond_noise is not False)
     ranks = compare_ranks(base.ranks, cand.ranks)
     verdicts += rank_verdicts(ranks)
+    mods = module_rows(base.modules, cand.modules)
+    said = module_verdict(mods, (base.modules or {}).get("samples", 0), (cand.modules or {}).get("samples", 0))
+    if said is not None:
+        verdicts.append(said)
     return Comparison(base, cand, metric, rows, list(gated), fail_above, comparability(base, cand, pb, pc), failed,
                       verdicts, memory, fail_above_memory, memory_failed, rates, rate_name, fail_below_throughput,
-                      rate_failed, ranks)
+                      rate_failed, ranks, mods)

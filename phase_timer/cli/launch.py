@@ -56,6 +56,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "peak_tflops": (float, "the device's dense peak in TFLOP/s, for MFU"),
     "mfu": (bool, "count FLOPs for MFU (default on)"),
     "memory_snapshot": (str, "CUDA: record the allocator's history: true, end, or a path"),
+    "modules": (bool, "which module: each module's forward/backward time on sampled steps (default off)"),
 }
 
 

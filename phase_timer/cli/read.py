@@ -36,7 +36,7 @@ _MEMORY_RE = re.compile(rf"^{MEMORY_PREFIX}/(.+)_mb$")
 _MEMORY_RANKS_RE = re.compile(rf"^{MEMORY_RANKS_PREFIX}/peak_allocated_mb/(.+)$")
 _THROUGHPUT_RE = re.compile(rf"^{THROUGHPUT_PREFIX}/(.+)$")
 #: Run summary file versions this phase-timer reads.
-READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+READS_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 Points = list[tuple[int, float]]
 

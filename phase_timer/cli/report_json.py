@@ -37,5 +37,6 @@ def to_json(reports: Sequence[RunReport]) -> dict[str, Any]:
         run["memory"] = r.memory
         run["throughput"] = r.throughput
         run["flops"] = r.flops
+        run["modules"] = r.summary.get("modules") if r.summary is not None else None
         runs.append(run)
     return {"runs": runs}

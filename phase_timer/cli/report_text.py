@@ -65,9 +65,37 @@ def format_run(report: RunReport) -> str:
     table = tabulate(rows, headers=headers, disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
     extra = summary_lines(report.summary) if report.summary is not None else []
     memory = memory_block(report.memory)
-    # In the run's own order: its rates and MFU, then memory, then the rest.
+    mods = modules_block((report.summary or {}).get("modules"))
+    # In the run's own order: its rates and MFU, then memory, then the modules, then the rest.
     return "\n".join([_describe(report), table, share_note(report.clock, report.phases),
-                      *rates.run_lines(report.throughput, report.flops), *([memory] if memory else []), *extra])
+                      *rates.run_lines(report.throughput, report.flops), *([memory] if memory else []),
+                      *([mods] if mods else []), *extra])
+
+
+def modules_block(block: dict[str, Any] | None) -> str | None:
+    """The summary file's ``modules`` block as a table: each row's forward, backward (ms a step, inclusive: a row's
+    time holds the rows under it), shares of the run's phases and activations; or its note when nothing was read."""
+    from tabulate import tabulate
+
+    if not block:
+        return None
+    rows = block.get("rows") or {}
+    if not rows:
+        return f"modules: {block.get('note') or 'no sampled step was read'}"
+
+    def n(v: float | None, fmt: str = ".3f") -> str:
+        return "" if v is None else format(v, fmt)
+
+    leaves = set(block.get("leaves") or ())
+    table = [(k if r.get("parent") is None else "  " + k, r.get("kind") or "", n(r.get("forward_ms")),
+              percent(r.get("share_of_forward")), n(r.get("backward_ms")), percent(r.get("share_of_backward")),
+              n(r.get("recompute_ms")), n(r.get("activation_mb"), ".0f"), "" if k in leaves else "parent")
+             for k, r in rows.items()]
+    heads = ("module", "kind", "forward ms", "of fwd", "backward ms", "of bwd", "recompute ms", "activ. MB", "")
+    head = (f"modules: {block.get('samples', 0)} sampled steps on the {block.get('clock')} clock; inclusive (a parent "
+            f"holds its rows); activations {block.get('activations')}")
+    note = [f"modules: {block['note']}"] if block.get("note") else []
+    return "\n".join([head, tabulate(table, headers=heads, disable_numparse=True), *note])
 
 
 def has_memory(memory: dict[str, Any] | None) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 from phase_timer.diagnosis.finding import Diagnosis, MIN_STEPS
 from phase_timer.diagnosis.memory_rules import memory_findings
+from phase_timer.diagnosis.module_rules import with_modules
 from phase_timer.diagnosis.oom_rules import out_of_memory
 from phase_timer.diagnosis.rank_rules import _comm_bound, _straggler
 from phase_timer.diagnosis.signals import Signals
@@ -18,7 +19,8 @@ from phase_timer.diagnosis.time_rules import (
 def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None = None,
              rank_totals: Any = None, skipped: int = 0, warmup_steps: int | None = None,
              memory: dict[str, Any] | None = None, mfu: list[str] | None = None,
-             oom: dict[str, Any] | None = None, syncs: Any = None) -> Diagnosis:
+             oom: dict[str, Any] | None = None, syncs: Any = None,
+             modules: dict[str, Any] | None = None) -> Diagnosis:
     """The primary finding (with the others as ``secondary``) for a run's totals and signals.
 
     ``memory``: the memory summary (``measures.memory.Memory.summary``); its findings come after the time ones,
@@ -26,13 +28,15 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
     tips at low MFU, or that an MFU over 100% cannot be (``MFU_IMPOSSIBLE``).  ``oom``: what was known when an
     out-of-memory error ended the run (``TimingCore.oom``): ``OUT_OF_MEMORY`` then leads, whatever the number
     of steps, and the rest follows it.  ``syncs``: what the sync census heard (``measures.syncs.Syncs``; None:
-    no census), which the host- and GPU-bound findings name."""
+    no census), which the host- and GPU-bound findings name.  ``modules``: the modules block
+    (``measures/modules.py``): GPU_BOUND names the module that holds the most of the slow phase, the memory findings
+    the modules that keep the activations."""
     found = _findings(totals, signals, clock=clock, context=context, rank_totals=rank_totals, skipped=skipped,
                       warmup_steps=warmup_steps, memory=memory, mfu=mfu, syncs=syncs)
     if not oom:
-        return found
+        return with_modules(found, modules)
     rest = () if found.kind in ("NO_FINDING", "TOO_FEW_STEPS") else (replace(found, secondary=()),)
-    return replace(out_of_memory(oom, memory), secondary=rest + found.secondary)
+    return with_modules(replace(out_of_memory(oom, memory), secondary=rest + found.secondary), modules)
 
 
 def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, Any] | None,

@@ -35,6 +35,7 @@ from phase_timer.outputs.tags import custom_scalars_layout
 from phase_timer.measures.memory import Memory
 from phase_timer.measures.syncs import Syncs
 from phase_timer.measures.throughput import BatchCounter, RunThroughput
+from phase_timer.measures.modules import make as make_modules
 from phase_timer.measure import Measure
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def start_core(
     outputs: Callable[[bool], Outputs] | None,
     trace_dir: str | None = None,
     context: dict[str, Any] | None = None,
+    models: Sequence[Any] = (),
 ) -> TimingCore:
     """The core of one run, with its clock, ranks and (rank zero) outputs.
 
@@ -122,7 +124,7 @@ def start_core(
         trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
         ranks=ranks, memory=False,  # registered below, with the others
     )
-    for measure in _measures(config, core, device):
+    for measure in _measures(config, core, device, models):
         core.listen(measure)
     core.summary_dir = out.summary_dir if rank_zero else None
     if core.summary_dir is not None:  # what `phase-timer watch` reads, written on a thread of its own
@@ -142,11 +144,12 @@ def start_core(
     return core
 
 
-def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
+def _measures(config: Options, core: TimingCore, device: Any, models: Sequence[Any] = ()) -> list[Measure]:
     """What listens to the run's results, in the order the core calls them: memory per phase (where the device has
     an allocator to read; the boundaries read it through its tracker), throughput (the boundaries count each batch
     with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to get
-    MFU), then the sync census (the boundaries run it on a warm-up step)."""
+    MFU), then which module (``models``' modules on sampled steps; the boundaries take it from the core), then the
+    sync census (the boundaries run it on a warm-up step)."""
     memory = Memory.start(core.clock, core.ranks) if config.memory else None
     out: list[Measure] = [memory] if memory is not None else []
     out.append(RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks))
@@ -157,6 +160,9 @@ def _measures(config: Options, core: TimingCore, device: Any) -> list[Measure]:
     elif config.mfu:  # the host clock with no peak: said once, with how to get it
         out.append(MfuNote("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
                            "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well"))
+    mods = make_modules(list(models), config.modules, core.clock, warmup_steps=config.warmup_steps, owner=config.owner)
+    if mods is not None:
+        out.append(mods)
     out.append(Syncs())
     return out
 

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phase_timer._env import warn
@@ -115,6 +115,7 @@ class PhaseTimerCallback(ThroughTimer, TrainerCallback):
         mfu: bool = True,
         enabled: bool = True,
         memory_snapshot: bool | str | os.PathLike[str] | None = None,
+        modules: bool | int | Sequence[str] = False,
         **unknown: Any,
     ) -> None:
         reject_unknown("PhaseTimerCallback", PhaseTimerCallback.__init__, unknown)

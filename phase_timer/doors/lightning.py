@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phase_timer.doors import backward_calls
@@ -101,6 +101,7 @@ class PhaseTimer(Door):
         mfu: bool = True,
         enabled: bool = True,
         memory_snapshot: bool | str | os.PathLike[str] | None = None,
+        modules: bool | int | Sequence[str] = False,
         **unknown: Any,
     ) -> None:
         reject_unknown("PhaseTimer", PhaseTimer.__init__, unknown)
@@ -156,6 +157,7 @@ class PhaseTimer(Door):
             cfg, root, door="lightning", window=cfg.window or max(1, trainer.log_every_n_steps or 50),
             outputs=trainer_outputs(trainer, cfg) if writes else None, trace_dir=trainer.default_root_dir,
             context=dict(precision=str(trainer.precision), optimizers=optimizer_info(trainer.optimizers)),
+            models=[pl_module],
         )
         self.log_dir = self.core.log_dir  # this fit's
         bounds = self._bounds = Boundaries(

@@ -106,6 +106,7 @@ class LoopTimer(Door, PlainHooks):
             self.core = start_core(
                 config, self.device, door="loop", window=config.window or 50, outputs=door_outputs(writer, config, self._user_sinks),
                 context=dict(loader=loader_info(loader), optimizers=optimizer_info(self.optimizers)),
+                models=self.models,
             )
             self.log_dir = self.core.log_dir
             self.is_rank_zero = self.core.ranks is None or self.core.ranks.rank == 0
@@ -256,6 +257,7 @@ def attach(
     enabled: bool = True,
     sinks: Sequence[Any] = (),
     memory_snapshot: bool | str | os.PathLike[str] | None = None,
+    modules: bool | int | Sequence[str] = False,
     **unknown: Any,
 ) -> LoopTimer:
     """Attach phase-timer to a hand-written loop; iterate ``timer.loader`` instead of the loader.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
@@ -36,6 +36,7 @@ from phase_timer.config import (
     check_snapshot,
     check_span,
 )
+from phase_timer.measures.modules import check_modules
 from phase_timer.outputs.trace import TraceWriter
 
 #: A rule: ``check(owner, name, value)`` raises a ValueError naming the call, or returns.
@@ -111,6 +112,16 @@ class Options:
         "an out-of-memory error: ``True`` writes ``memory_snapshot.pickle`` beside the summary file, ``\"end\"`` "
         "also at {end}, a path writes there.  Off by default: every allocation and free pays for its stack "
         "(``docs/faults.md``).  On a CPU it warns once and records nothing.")
+    #: Which module (``measures/modules.py``): forward/backward time and activations per module, sampled.
+    modules: bool | int | Sequence[str] = _option(
+        False, check_modules, "off by default (opt in: a sampled step holds the device behind a gate and is untimed, "
+        "which a run must choose: ``docs/modules.md``).  ``True``: on sampled steps (one in ~1,024 after a few early "
+        "ones, each on one group of the modules in turn; never the ordinary step), each "
+        "module's forward and backward time on the run's clock and (CUDA) the activations it keeps: the model's "
+        "top-level children, repeated blocks as one row (``transformer.h[0-11]``, their ``attn``/``mlp`` summed) "
+        "(``phase_module/*``, the table, the summary file, the verdict).  An int: every module down to that depth; "
+        "a list of names (``model.named_modules()``'s): those; ``False``: off.  A compiled model is not measured "
+        "(``docs/modules.md``).")
     #: Whether the door times at all; a run's summary leaves it out (every run written had it on).
     enabled: bool = _option(
         True, check_bool, "``False`` (or ``PHASE_TIMER_DISABLE=1``) times and writes nothing (``totals``: an empty "

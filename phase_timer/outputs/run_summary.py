@@ -55,7 +55,7 @@ class RunRecord(Protocol):
 
 FILE_NAME = "phase_timer_summary.json"
 SCHEMA = "phase-timer/run-summary"
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 def build_summary(core: RunRecord) -> dict[str, Any]:
@@ -115,6 +115,7 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "throughput": measured.get("throughput"),
         "flops": measured.get("flops"),
         "communication": measured.get("communication"),
+        "modules": measured.get("modules"),
         "diagnosis": core.diagnosis.as_dict() if core.diagnosis is not None else None,
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }

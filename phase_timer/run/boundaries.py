@@ -21,11 +21,11 @@ from phase_timer._env import native_wanted, warn_once
 from phase_timer.run.core import TimingCore
 from phase_timer.timing.engine import POLL_EVERY
 from phase_timer.measures.flops import signature
-from phase_timer.measures.memory import tracker_of
 from phase_timer.phases import BACKWARD, BETWEEN, FETCH, FORWARD, H2D, IDLE, OPTIMIZER, PAUSED, after_end
 from phase_timer.run.batch_counts import BatchCounts
 from phase_timer.run.census_steps import CensusSteps
 from phase_timer.run.memory_steps import MemorySteps
+from phase_timer.run.module_steps import ModuleSteps
 from phase_timer.run.own_cost import SAMPLE_KEY
 from phase_timer.run.sampled import FLIGHT_DENSE_STEPS, FLIGHT_EVERY  # noqa: F401 - the tests read them here
 from phase_timer.run.sampled import counted_class, flight_gap, sampled_class
@@ -69,12 +69,12 @@ def ending_at(update: Any, bounds_now: Any) -> Any:
     return scaler_update
 
 
-class Boundaries(BatchCounts, MemorySteps, CensusSteps):
+class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
     """One run's step state: the boundaries the doors report, turned into the core's marks.
 
-    What a batch holds (:class:`BatchCounts`), a memory step's reads (:class:`MemorySteps`) and the sync
-    census's starts and stops (:class:`CensusSteps`) are mixed in; the verdict's sampled step and the FLOP
-    count's step take another class for one step (:mod:`phase_timer.run.sampled`)."""
+    What a batch holds (:class:`BatchCounts`), a memory step's reads (:class:`MemorySteps`), the sync census's
+    starts and stops (:class:`CensusSteps`) and a modules' sample's hooks (:class:`ModuleSteps`) are mixed in;
+    the verdict's sampled step and the FLOP count's step take another class for one step (``run/sampled.py``)."""
 
     # Slots: every boundary reads and writes several of these, a few µs a step in a real loop (and the
     # sampled class, swapped in and out, has the same layout).  ``__dict__``: a benchmark times a method by
@@ -85,6 +85,7 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
         "_flight_at", "_rng", "_samples", "_sample_in", "_step",
         "_mem", "_mem_on", "_mem_due",  # a memory step's (MemorySteps)
         "_census", "_census_at",  # the sync census's (CensusSteps)
+        "_mods", "_mod_on", "_mod_after", "_mod_due",  # a modules' sample's (ModuleSteps)
         "counter", "flops",  # what counts a batch (BatchCounts)
         # a sampled step's (run/sampled.py)
         "_depth", "_own_ns", "_calls", "_t_begin", "_t_end", "_host_ns", "_sample_state", "_restart", "_window0",
@@ -126,13 +127,10 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
         self._samples = 0  # sampled steps started
         self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
         core.signals.sample_gap = sum(SAMPLE_GAP) / 2  # what a long run pays for them (the own-cost line)
-        # Memory (CUDA only): a memory step reads the allocator's counters at each boundary, through the Memory
-        # measure's tracker (phase_timer/measures/memory.py).
-        self._mem = tracker_of(core.measures)
-        self._mem_on = False  # this step is a memory step
-        self._mem_due = self._mem.next_due if self._mem is not None else 0
+        self._plan_memory(core.measures)  # memory (CUDA only): a memory step reads the allocator at each boundary
         self._step = 0  # the step index the door gave the last step begun
         self._plan_census(core, warmup)  # the sync census (device clock): on the last warm-up step
+        self._plan_modules(core.measures)  # which module: hooks on the model on its sampled steps
         self._find_counts(core.measures)  # what counts each batch: throughput's counter and the FLOP plan
         self._hot(core._engine)
 
@@ -318,6 +316,7 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
         counter = plan.counter  # (given FLOPs never get here: every step carries them)
         if plan.may_count is not None and not plan.may_count():
             return
+        self._mod_drop()  # a step that counts FLOPs is no training step's to time modules on
         if type(self) is _SampledBoundaries:  # a sampled step's host time is the verdict's: this one is not sampled
             self._sample_state = "dropped"
             self._end_sample()
@@ -340,6 +339,7 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
         """Evaluation or validation begins: neither the record nor ``period`` counts what follows."""
         if self.paused:
             return
+        self._mod_drop()  # evaluation's forwards are no training step's
         self._mem_mark(PAUSED)  # a peak set in evaluation is the pause's
         self.paused = True
         self.core.pause()
@@ -385,6 +385,7 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
         self._census_unless_running()  # no step follows this close: a census not yet begun has none to hear
         if self.ended:
             self._close()
+        self._mod_drop()  # a sample cut off mid-way
         self._end_census()
         self._mem_mark("after the last step")  # the run's peak, whenever it was set
         warmup = self.core.warmup_steps
@@ -451,12 +452,18 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
         if self._mem is not None and self.begun >= self._mem_due and type(self) is Boundaries:
             self._mem_on = self._mem_call(self._mem.begin, self.begun, step, phase)
         self.core.begin_step(step, self._explicit[-1] if self._explicit else phase)
+        if self.begun >= self._mod_due:  # a modules' sample (ModuleSteps), if recorded; else its pilot or after-step
+            if type(self) is Boundaries:
+                self._mod_begin(step)
+            elif not self._mod_between() and self._mods is not None:
+                self._mods.pilot(self.begun)  # the sample waits for the next step: this one is its pilot
         self.open, self.ended, self.trailing, self._auto = True, False, False, phase
         self._after_backward = self._saw_forward = self._saw_backward = self._failed = False
 
     def _drop(self) -> None:
         self.core.discard()
         self.open = self.ended = self.trailing = self._failed = False
+        self._mod_drop()
         if self._mem_on:
             self._mem_end(self._mem.drop)
 
@@ -465,6 +472,8 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
         flight = self.steps == self._flight_at
         if flight:
             self._flight_at += flight_gap(self.steps - self.core.warmup_steps)
+        if self._mod_on:  # a step it untimed itself is still a training step's
+            self._mod_end(self.core.recording or self._mods.untimed)  # type: ignore[union-attr]
         self.core.close(flight)
         self.open = self.ended = self.trailing = False
         if self._mem_on:
@@ -474,7 +483,13 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
             self._census_step()
         self._sample_in -= 1
         if self._sample_in <= 0:
-            self._start_sample()
+            mods = self._mods
+            if mods is not None and self.begun + 1 >= mods.next_due:
+                # the next step is a modules' sample, the same step on every rank: the verdict's (this rank's own,
+                # at random) waits one step, rather than moving the sample (its gate) off its peers' sample
+                self._sample_in = 1
+            else:
+                self._start_sample()
 
     def _start_sample(self) -> None:
         """The next step is sampled: from here to its close."""
@@ -484,14 +499,6 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps):
 
     def _warn_once(self, key: str, msg: str) -> None:
         warn_once(log, self._warned, key, msg, 4)
-
-    def _note_autocast(self) -> None:
-        """A sampled step's forward: the loop's autocast, if any (a door that knows the precision has said it)."""
-        ctx = self.core.context
-        if "autocast" not in ctx and "precision" not in ctx:
-            from phase_timer.runinfo import autocast_dtype
-
-            ctx["autocast"] = autocast_dtype(ctx.get("device_type", "cuda"))
 
 
 #: The classes a step's boundaries take for one step, and give back (``run/sampled.py``).

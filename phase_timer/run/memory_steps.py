@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from phase_timer.measures.memory import tracker_of
 from phase_timer.outputs.tags import memory_scalars
 
 
@@ -19,6 +20,12 @@ class MemorySteps:
     """The memory step's hand-off, mixed into the boundaries (no slots of its own: theirs)."""
 
     __slots__ = ()
+
+    def _plan_memory(self, measures: Any) -> None:
+        """The Memory measure's tracker among the core's measures (None: memory is not read)."""
+        self._mem = tracker_of(measures)
+        self._mem_on = False  # this step is a memory step
+        self._mem_due = self._mem.next_due if self._mem is not None else 0
 
     def _mem_read(self, phase: str) -> None:
         mem = self._mem

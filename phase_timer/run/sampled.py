@@ -29,6 +29,15 @@ def flight_gap(timed: int) -> int:
     return 2 if timed < FLIGHT_DENSE_STEPS else FLIGHT_EVERY
 
 
+def note_autocast(ctx: dict) -> None:
+    """A sampled step's forward: the loop's autocast, if any, in the run's context (a door that knows the precision
+    has said it)."""
+    if "autocast" not in ctx and "precision" not in ctx:
+        from phase_timer.runinfo import autocast_dtype
+
+        ctx["autocast"] = autocast_dtype(ctx.get("device_type", "cuda"))
+
+
 def _pair_ns() -> int:
     """What one timed call adds to its own reading: the cheapest of a few back-to-back clock reads."""
     clock = time.perf_counter_ns
@@ -135,7 +144,7 @@ def sampled_class(plain: type) -> type:
         def forward(self, *, begins: bool = False) -> None:
             super().forward(begins=begins)
             if self.open:
-                self._note_autocast()
+                note_autocast(self.core.context)
 
         def _close(self) -> None:
             recorded = self.core.recording
