@@ -44,12 +44,22 @@ ends in ``blocked`` and its diff, and each case and rank gets a summary line of 
 ``--launches``) has the profiler record CUPTI's synchronization records too (torch's experimental
 ``enable_cuda_sync_events``) and the summary line adds the rule with the compute stream's own waits on events
 counted as queued work (``waited``: a wait on a collective queued while the host has yet to launch what follows).
+
+``--span-kernels`` (a diagnosis) brackets each wait phase-timer marks with two tiny kernels on the stream of its
+marks (``bitwise_not`` before the span's start, ``logical_not`` after its end): FSDP2's (``span_kernels``) and DDP's
+(``DdpSpanKernels``: the switches of the bound split's engine, and ``backward()``'s return on the usual path).  Per
+profiled step, ``nccl_truth.exposed_where`` then splits the queued rule's exposed time into inside and outside the
+spans, and places the outside part in the step's phases (phase-timer's own per-step rows of ``forward``,
+``backward`` and ``optimizer``, laid end to end from the step's marker; the rest ``between``) with its longest
+intervals and the kernels either side.  On ``--cpu`` (no profiler) each DDP case says only how many begin and end
+kernels ran against phase-timer's steps with a wait.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -71,17 +81,17 @@ from phase_timer.phases import COMM_PARTS, share_base, whole_phases  # noqa: E40
 CASES = ("ddp_default", "ddp_view", "ddp_one", "ddp_late", "ddp_straggler", "data_straggler", "eval_rank0",
          "fsdp2", "copies10", "copies200")
 MARKER = "pt_step_marker"
-#: --span-kernels: a tiny kernel before and after each FSDP2 wait phase-timer marks (a diagnosis: which exposed
-#: collectives fall outside phase-timer's spans; the two kernels are work too, ~2 us each)
+#: --span-kernels: a tiny kernel before and after each wait phase-timer marks, FSDP2's and DDP's (a diagnosis: which
+#: exposed collectives fall outside phase-timer's spans; the two kernels are work too, ~2 us each)
 SPAN_BEGIN, SPAN_END = "bitwise_not", "logical_not"
 
 
-def span_kernels() -> None:
+def span_kernels(device: torch.device) -> None:
     """Wrap phase-timer's FSDP2 spans with the two kernels (each on the stream the marks go to)."""
     from phase_timer.measures.comm import fsdp
 
     between = fsdp._between_marks
-    tiny = torch.zeros(1, dtype=torch.int32, device="cuda")
+    tiny = torch.zeros(1, dtype=torch.int32, device=device)
 
     def marked(engine, phase, fn, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         tiny.bitwise_not_()
@@ -95,6 +105,85 @@ def span_kernels() -> None:
         return between(engine, phase, inner, *a, **kw)
 
     fsdp._between_marks = marked
+
+
+class DdpSpanKernels:
+    """--span-kernels on a DDP case: the two kernels at the ends of phase-timer's DDP span, on the compute stream.
+
+    The span is the engine's ``backward.comm_wait`` phase: it begins where the engine switches to it from
+    ``backward`` (a final callback after backward's compute, before DDP's end-of-backward) and ends where it
+    switches out of it: in ``_joined``/``_paced_end`` (after DDP's end-of-backward: back to ``backward``) or, on
+    the usual path, at ``backward()``'s return (to ``optimizer``, in the door's own backward wrapper).  Every
+    switch of the module's split goes through ``probe._engine`` (``_split`` on a sampled or composed hook's
+    backward, ``_paced_start``, ``_joined``, ``_paced_end``) but the usual path's, whose start is a ``partial`` of
+    the engine's own ``switch`` (``probe._to_wait``) queued by the native ``Arm``: so ``probe._engine`` becomes this
+    object (everything but ``switch`` forwarded), and ``probe._to_wait`` (and the start now queued, ``probe._start``
+    and ``Arm.callback``, where they are it) ``switch(WAIT)`` through it.  ``switch`` launches the begin kernel right
+    before the engine's switch from ``backward`` to the wait and the end kernel right after a switch out of it; a
+    span still open when the loop's ``backward()`` returns (the usual path) ends at that return, where the loop
+    calls :meth:`backward_returned` first thing: nothing is queued on the device between the door's switch there
+    and the end kernel.  So the kernels bracket the span on every synced backward, sampled ones too, and each adds
+    its ~2 us to ``backward`` (the begin kernel) or to the phase after the span (the end kernel), never to the span.
+
+    What it changes: the usual path's start becomes one Python frame (a few us of host time before the span, not in
+    it); a host-paced module's question (``engine.behind()`` right after the span's end, ``DdpComm._settle``) is
+    asked after the end kernel's launch, a few us later.  What it misses: a rebinding of the probe (``bind``: a second ``attach``) takes the wrap off; a span the
+    core switches out of by any other door than the loop's ``backward()`` return (a ``Tensor.backward`` inside
+    another door, a backward that raises: the end kernel then comes at the loop's next call to
+    :meth:`backward_returned`, late)."""
+
+    def __init__(self, probe, device: torch.device) -> None:  # noqa: ANN001
+        from phase_timer.measures.comm.ddp import Arm
+        from phase_timer.measures.comm.run import WAIT
+        from phase_timer.phases import BACKWARD
+
+        self.real, self.wait, self.backward = probe._engine, WAIT, BACKWARD
+        self.tiny = torch.zeros(1, dtype=torch.int32, device=device)
+        self.open = False
+        self.begins = self.ends = 0  # kernels launched
+        self.odd = 0  # a begin kernel with no span, a span with none, one opened twice (none expected)
+        self.at_return = 0  # spans ended at backward()'s return (the rest in the split's own callbacks)
+        old = probe._to_wait
+        new = functools.partial(self.switch, WAIT)
+        probe._engine, probe._to_wait = self, new  # the split's own switches, from here on, come through switch
+        if probe._start is old:
+            probe._start = new
+        if Arm is not None and isinstance(probe._armed, Arm) and probe._armed.callback is old:
+            probe._armed.callback = new
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - the engine's current, behind, add_host...
+        return getattr(self.real, name)
+
+    def switch(self, phase: str) -> None:
+        real = self.real
+        before = real.current
+        opening = phase == self.wait and before == self.backward
+        if opening:
+            self.tiny.bitwise_not_()  # right before the wait's start mark
+            self.begins += 1
+        real.switch(phase)
+        now = real.current
+        entered = before != self.wait and now == self.wait
+        self.odd += entered != opening  # a begin kernel with no span, or a span with none (never expected)
+        if entered:
+            self.odd += self.open
+            self.open = True
+        elif before == self.wait and now != self.wait:
+            self._close()
+
+    def _close(self) -> None:
+        self.tiny.logical_not_()  # right after the wait's end mark
+        self.open = False
+        self.ends += 1
+
+    def backward_returned(self) -> None:
+        """The loop's ``backward()`` returned: a span still open ended there (the door switched to ``optimizer``)."""
+        if self.open:
+            if self.real.current == self.wait:  # still in the wait: not ended (never expected)
+                self.odd += 1
+            else:
+                self.at_return += 1
+                self._close()
 
 
 class Block(nn.Module):
@@ -213,6 +302,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     first = args.steps - args.profiled
     probe = next(iter(getattr(timer, "_comm", None) or ()), None)
+    ddp_marks = DdpSpanKernels(probe, device) if args.span_kernels and probe is not None and hasattr(probe, "_armed") \
+        else None
     for i, tokens in enumerate(timer.loader):
         if args.sample_at is not None and i == args.sample_at - 1 and probe is not None and hasattr(probe, "_schedule"):
             probe._schedule(2)  # the next synced backward after this one has its copies timed (in the trace)
@@ -224,6 +315,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
         with autocast:
             loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
         loss.backward()
+        if ddp_marks is not None:
+            ddp_marks.backward_returned()  # first thing: the usual path's span ended at backward()'s return
         opt.step()
         opt.zero_grad(set_to_none=True)
         if case == "eval_rank0" and rank == 0 and i % 6 == 5:
@@ -259,8 +352,9 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
             activities = device_activities(events)
             blocked = per_step_blocked(activities, launch_times(events), ("nccl",), "spin_kernel")
             blocked_start = per_step_blocked(activities, launch_times(events, at="start"), ("nccl",), "spin_kernel")
-        if args.span_kernels:
-            where = exposed_where(intervals, SPAN_BEGIN, SPAN_END)
+        if args.span_kernels:  # with phase-timer's own rows of the profiled steps: where the outside part lies
+            where = exposed_where(intervals, SPAN_BEGIN, SPAN_END,
+                                  phases=[steps.get(first + k, ({}, None))[1] for k in range(args.profiled)])
         if args.trace_dir and rank in (0, 1) and case in args.trace_cases.split(","):
             prof.export_chrome_trace(os.path.join(args.trace_dir, f"{case}_r{rank}.json"))
     rows = []
@@ -284,6 +378,9 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     phases = {p: t.mean for p, t in totals.phases.items()} if totals is not None else {}
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
     return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, paced=paced, where=where,
+                span_kernels=[ddp_marks.begins, ddp_marks.ends, ddp_marks.at_return, ddp_marks.odd,
+                              sum(COMM_PARTS.keys() & raw.keys() != set() for raw, _ in steps.values()), len(steps)]
+                if ddp_marks is not None else None,
                 kinds=[f.kind for f in findings],
                 mean_step=phases.get("step"), mean_period=phases.get("period"), pt_peak=pt_peak,
                 torch_peak=torch_peak, counted=str(counted), means={k: round(v, 3) for k, v in phases.items()},
@@ -377,7 +474,8 @@ def main() -> None:
     p.add_argument("--modules", action="store_true", help="which module on (modules=True; off by default): its "
                    "sampled steps and the steps after them are untimed, the same steps on every rank")
     p.add_argument("--span-kernels", action="store_true", help="a diagnosis: exposed NCCL inside and outside "
-                   "phase-timer's FSDP2 spans, per step (a tiny kernel marks each span on the trace)")
+                   "phase-timer's FSDP2 and DDP spans, per step, and where the outside part lies (a tiny kernel "
+                   "marks each span's ends on the trace; --cpu: the kernels' count alone, no profiler)")
     p.add_argument("--trace-dir")
     p.add_argument("--trace-cases", default="")
     p.add_argument("--out")
@@ -391,8 +489,8 @@ def main() -> None:
     device = torch.device("cpu") if args.cpu else torch.device("cuda", local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        if args.span_kernels:
-            span_kernels()
+    if args.span_kernels:
+        span_kernels(device)
     dist.init_process_group("gloo" if args.cpu else "nccl", device_id=device if device.type == "cuda" else None)
     results = []
     for case in args.cases.split(","):
@@ -449,11 +547,15 @@ def main() -> None:
         if args.launches:
             lines += [*blocked_summary, ""]
         lines += [f"findings ({r['case']}, rank {r['rank']}): " + " || ".join(r["findings"]) for r in results]
+        lines += [f"span kernels ({r['case']}, rank {r['rank']}): {b} begin and {e} end kernels at phase-timer's DDP "
+                  f"spans' ends ({ret} of the ends at backward()'s return, the others in the split's callbacks), "
+                  f"{odd} spans or kernels unpaired; {split} of phase-timer's {rows} per-step rows hold a wait"
+                  for r in results if r.get("span_kernels") for b, e, ret, odd, split, rows in [r["span_kernels"]]]
         lines += [f"where ({r['case']}, rank {r['rank']}, step {first}): exposed (queued rule) inside phase-timer's "
                   f"spans {w['inside']:.3f} ms, outside {w['outside']:.3f} ms in {w['n_outside']} intervals, by "
-                  f"collective {({k: round(v, 3) for k, v in w['kinds'].items()})}, the device idle after "
-                  f"{w['then_idle']:.3f} ms of it; the longest (ms, work before, "
-                  f"after): {w['longest']}"
+                  f"collective {({k: round(v, 3) for k, v in w['kinds'].items()})}, by phase "
+                  f"{({k: round(v, 3) for k, v in w['by_phase'].items()})}, the device idle after "
+                  f"{w['then_idle']:.3f} ms of it; the longest (ms, phase, work before, after): {w['top']}"
                   for r in results for first, w in zip((row['step'] for row in r['rows']), r['where'])]
         lines += [f"memory ({r['case']}, rank {r['rank']}): phase-timer's peak {fmt(r['pt_peak'])} MB, torch's "
                   f"{fmt(r['torch_peak'])} MB; FLOPs counted here: {r['counted']}; means {r['means']}" for r in results]

@@ -298,14 +298,63 @@ def _minus(spans: list[list[float]], busy: list[list[float]]) -> list[tuple[floa
     return out
 
 
+#: :func:`exposed_where` names this many of a step's longest exposed intervals outside the spans.
+TOP = 3
+#: The step's phases in their order on the compute stream from its marker (the plain loop's: the batch is on the
+#: device when the marker is launched), as phase-timer's per-step rows name them; the time after the optimizer, to
+#: the next step's marker, is ``between`` (``between_steps`` and the next batch's ``h2d``).
+STEP_ORDER = ("forward", "backward", "optimizer")
+
+
+def _cuts(lo: float, hi: float, spans: list[list[float]], ms: Mapping[str, float] | None) -> list[tuple[float, str]]:
+    """A step's phases as ``(end µs, name)`` in order, the last ending at ``hi``: from phase-timer's per-step ``ms``
+    (each of STEP_ORDER's device ms, laid end to end from the step's marker at ``lo``; phase-timer's marks are
+    contiguous, so each boundary is its mark, within the µs between the forward's mark and the marker), else
+    from the step's spans alone (``before spans``, ``among spans``, ``after spans``; ``no span`` in a step with
+    none)."""
+    if ms and all(ms.get(p) is not None for p in STEP_ORDER):
+        cuts, at = [], lo
+        for p in STEP_ORDER:
+            at += ms[p] * 1e3
+            cuts.append((min(at, hi), p))
+        return [*cuts, (hi, "between")]
+    mine = [(a, b) for a, b in spans if a < hi and b > lo]
+    if not mine:
+        return [(hi, "no span")]
+    return [(max(lo, mine[0][0]), "before spans"), (min(hi, mine[-1][1]), "among spans"), (hi, "after spans")]
+
+
+def _phase_at(t: float, cuts: list[tuple[float, str]]) -> str:
+    return next((name for end, name in cuts if t < end), cuts[-1][1])
+
+
+def _by_phase(spans: Iterable[tuple[float, float]], lo: float, cuts: list[tuple[float, str]]) -> dict[str, float]:
+    """ms of ``spans`` in each of the step's phases (a span across a boundary split there)."""
+    out: dict[str, float] = {}
+    for a, b in spans:
+        start = lo
+        for end, name in cuts:
+            part = min(b, end) - max(a, start)
+            if part > 0:
+                out[name] = out.get(name, 0.0) + part / 1e3
+            start = end
+    return out
+
+
 def exposed_where(intervals: Sequence[Interval], begin: str, end: str, comm: Sequence[str] = ("nccl",),
-                  marker: str = "spin_kernel") -> list[dict[str, Any]]:
+                  marker: str = "spin_kernel", phases: Sequence[Mapping[str, float] | None] | None = None
+                  ) -> list[dict[str, Any]]:
     """A diagnosis, per step: the queued rule's exposed communication inside the spans a timer marked with a
-    ``begin`` kernel and an ``end`` kernel (its waits), and outside them, by collective (``AllGather``,
-    ``ReduceScatter``, ``AllReduce``), and how much of it the device then stays idle after (``then_idle``: the
-    next work starts more than IDLE_AFTER_US after the interval ends: no stream was waiting to run at the
-    collective's end, the host had not queued the work yet), with the longest outside interval's neighbours (the
-    work before and after it), in ms."""
+    ``begin`` kernel and an ``end`` kernel (its waits: each from a begin kernel's end to the next end kernel's
+    start), and outside them, by collective (``AllGather``, ``ReduceScatter``, ``AllReduce``), and how much of it
+    the device then stays idle after (``then_idle``: the next work starts more than IDLE_AFTER_US after the
+    interval ends: no stream was waiting to run at the collective's end, the host had not queued the work yet).
+
+    Where the outside part lies: ``by_phase``, its ms in each of the step's phases (``phases``: phase-timer's
+    per-step rows, the k-th for the k-th step, each phase's device ms; without them, before, among and after the
+    step's spans: :func:`_cuts`), and ``top``, its TOP longest intervals, each ``(ms, phase at its middle, the
+    work that ends last before it, the work that starts first after it)``; ``longest``, the first of them without
+    its phase.  In ms."""
     acts = [iv for iv in intervals if iv[3] != "annotation"]
     is_marker = [k == "kernel" and marker in n and b - a <= MARKER_MAX_US for a, b, n, k in acts]
     starts = sorted(a for (a, _, _, _), m in zip(acts, is_marker) if m)
@@ -324,12 +373,13 @@ def exposed_where(intervals: Sequence[Interval], begin: str, end: str, comm: Seq
             spans.append([o, closes[j]])
     spans = _union(spans)
     rows = []
-    for lo, hi in zip(starts, [*starts[1:], last]):
+    for i, (lo, hi) in enumerate(zip(starts, [*starts[1:], last])):
         cm = _clip([(a, b) for (a, b, _, _), c in zip(acts, is_comm) if c], lo, hi)
         busy = _union(_clip([(a, b) for a, b, _ in work], lo, hi), QUEUED_GAP_US)
         exposed = _minus(_union(cm), busy)
         inside = sum(_overlap(a, b, spans) for a, b in exposed)
         outside = [(a, b) for a, b in _minus([list(e) for e in exposed], spans)]
+        cuts = _cuts(lo, hi, spans, phases[i] if phases is not None and i < len(phases) else None)
         kinds: dict[str, float] = {}
         idle = 0.0
         for a, b in outside:
@@ -341,14 +391,13 @@ def exposed_where(intervals: Sequence[Interval], begin: str, end: str, comm: Seq
                     kind = next((k for k in ("AllGather", "ReduceScatter", "AllReduce") if k in cn), "other")
                     kinds[kind] = kinds.get(kind, 0.0) + (min(b, cb) - max(a, ca)) / 1e3
                     break
-        longest = max(outside, key=lambda iv: iv[1] - iv[0], default=None)
-        near = None
-        if longest is not None:
-            before = max((w for w in work if w[1] <= longest[0] + 0.01), key=lambda w: w[1], default=None)
-            after = min((w for w in work if w[0] >= longest[1] - 0.01), key=lambda w: w[0], default=None)
-            near = (round((longest[1] - longest[0]) / 1e3, 3), before[2][:60] if before else None,
-                    after[2][:60] if after else None)
+        top = []
+        for a, b in sorted(outside, key=lambda iv: iv[0] - iv[1])[:TOP]:
+            before = max((w for w in work if w[1] <= a + 0.01), key=lambda w: w[1], default=None)
+            after = min((w for w in work if w[0] >= b - 0.01), key=lambda w: w[0], default=None)
+            top.append((round((b - a) / 1e3, 3), _phase_at((a + b) / 2, cuts), before[2][:60] if before else None,
+                        after[2][:60] if after else None))
         rows.append(dict(inside=inside / 1e3, outside=sum(b - a for a, b in outside) / 1e3, kinds=kinds,
-                         then_idle=idle / 1e3,
-                         longest=near, n_outside=len(outside)))
+                         then_idle=idle / 1e3, by_phase=_by_phase(outside, lo, cuts), top=top,
+                         longest=(top[0][0], *top[0][2:]) if top else None, n_outside=len(outside)))
     return rows

@@ -229,6 +229,22 @@ def test_the_two_gpu_script_runs_splits_and_adds_up_on_the_cpu() -> None:
     assert ev["straggler_pauses"] >= 3 and "pauses" in ev["straggler"]
 
 
+def test_the_two_gpu_script_s_span_kernels_bracket_every_ddp_wait_on_the_cpu() -> None:
+    """comm_nccl.py --span-kernels on a DDP case (gloo): a begin and an end kernel for each span phase-timer made, on
+    the usual path (ended at backward()'s return) and on the sampled backwards (ended in the split's callback)."""
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "benchmarks", "comm_nccl.py"), "--cpu", "--span-kernels", "--cases", "ddp_default"]
+    _, rows = _run(cmd)
+    assert len(rows) == 2 and all(r["adds_up"] for r in rows)
+    for r in rows:
+        begins, ends, at_return, odd, waits, steps = r["span_kernels"]
+        assert begins == ends == waits > 0 and odd == 0, r["span_kernels"]  # one pair a step whose row holds a wait
+        assert 0 < at_return < ends, r["span_kernels"]  # both ends: the usual path's and a sampled backward's
+        assert r["where"] == []  # no profiler on the CPU: no split of the exposed time
+
+
 def test_sampling_ddp_s_copies_changes_no_gradient() -> None:
     """Issue 47: the copies a sampled backward watches are DDP's copies into .grad only, made where DDP makes them;
     DDP's own copy of its used-parameter map, read at once under find_unused_parameters, runs as DDP runs it; two

@@ -232,3 +232,96 @@ def test_activities_and_launches_are_read_off_the_profiler_s_events():
     assert acts[1] == (36.0, 80.0, "void cutlass::Kernel2<x>", "kernel", 7, 20)
     assert [a[3] for a in acts] == ["kernel", "kernel", "annotation", "kernel", "sync"]
     assert device_intervals(events) == [a[:4] for a in acts[:4]]  # no synchronization record
+
+
+def where_timeline():
+    """Step 1: forward to 200; backward to 790, an all-reduce exposed at 400..450 between two of its kernels, the
+    last bucket's exposed 602..700 inside the span (begin kernel 600..602, DDP's copies, end kernel 790..792); the
+    optimizer to 900, then a collective exposed 900..930 with nothing queued after it.  Step 2: no collective."""
+    ar = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    return [k(0, 1, "spin_kernel"), k(1, 200, "fwd_gemm"), k(200, 400, "bwd_gemm_a"), k(380, 450, ar),
+            k(450, 600, "bwd_gemm_b"), k(590, 700, ar), k(600, 602, "bitwise_not"),
+            k(700, 780, "Memcpy DtoD (Device -> Device)", "memcpy"), k(790, 792, "logical_not"),
+            k(792, 900, "multi_tensor_apply_kernel"), k(900, 930, ar),
+            k(1000, 1001, "spin_kernel"), k(1001, 1100, "next_gemm")]
+
+
+def test_exposed_where_places_the_time_outside_the_spans_in_the_step_s_phases() -> None:
+    """With phase-timer's per-step rows (device ms a phase, laid end to end from the step's marker): the exposed
+    interval between two backward kernels is backward's, the one after the optimizer is cut at its end (10 us the
+    optimizer's, 20 between steps: the phase at its middle names it), with the kernels either side."""
+    from benchmarks.nccl_truth import exposed_where
+
+    rows = [{"forward": 0.2, "backward": 0.59, "optimizer": 0.12, "backward.comm_wait": 0.19}, None]
+    first, second = exposed_where(where_timeline(), "bitwise_not", "logical_not", phases=rows)
+    assert first["inside"] == pytest.approx(0.098) and first["outside"] == pytest.approx(0.080)
+    assert first["n_outside"] == 2 and first["kinds"] == {"AllReduce": pytest.approx(0.080)}
+    assert first["by_phase"] == {"backward": pytest.approx(0.050), "optimizer": pytest.approx(0.010),
+                                 "between": pytest.approx(0.020)}
+    assert first["top"] == [(0.05, "backward", "bwd_gemm_a", "bwd_gemm_b"),
+                            (0.03, "between", "multi_tensor_apply_kernel", "next_gemm")]
+    assert first["longest"] == (0.05, "bwd_gemm_a", "bwd_gemm_b")
+    assert first["then_idle"] == pytest.approx(0.030)  # the device idles 70 us after the second
+    assert second["inside"] == second["outside"] == 0 and second["top"] == [] and second["longest"] is None
+    assert second["by_phase"] == {}
+
+
+def test_exposed_where_without_phase_rows_places_the_time_by_the_spans() -> None:
+    """No per-step rows (or a step without them): before, among and after the step's spans; no span, no split."""
+    from benchmarks.nccl_truth import exposed_where
+
+    first, _ = exposed_where(where_timeline(), "bitwise_not", "logical_not")
+    assert first["by_phase"] == {"before spans": pytest.approx(0.050), "after spans": pytest.approx(0.030)}
+    assert [t[1] for t in first["top"]] == ["before spans", "after spans"]
+    two_spans = where_timeline() + [k(1200, 1202, "bitwise_not"), k(1300, 1302, "logical_not"),
+                                    k(1250, 1400, "ncclDevKernel_AllGather")]  # 1250..1300 inside, 1302..1400 after
+    first, second = exposed_where(two_spans, "bitwise_not", "logical_not", phases=[{"forward": 0.2}])
+    assert first["by_phase"] == {"before spans": pytest.approx(0.050), "after spans": pytest.approx(0.030)}
+    assert second["inside"] == pytest.approx(0.050) and second["by_phase"] == {"after spans": pytest.approx(0.098)}
+    no_span = [iv for iv in where_timeline() if iv[2] not in ("bitwise_not", "logical_not")]  # 600..700 exposed
+    assert exposed_where(no_span, "bitwise_not", "logical_not")[0]["by_phase"] == {"no span": pytest.approx(0.180)}
+
+
+def test_ddp_span_kernels_bracket_each_wait_at_the_engine_s_own_switches() -> None:
+    """comm_nccl.py --span-kernels on DDP (the benchmark's wrap of a bound DdpComm, with a stand-in engine whose
+    switches and the two kernels go to one log): the begin kernel right before the switch from backward to the
+    wait, the end kernel right after the switch out of it (the split's own end, or backward()'s return on the usual
+    path); the usual path's start (the Arm's callback, the probe's _start and _to_wait) goes through the wrap; a
+    switch to the wait outside backward launches nothing."""
+    from types import SimpleNamespace
+
+    from benchmarks.comm_nccl import DdpSpanKernels
+    from phase_timer.measures.comm.run import WAIT
+
+    log = []
+
+    class Engine:
+        current = "backward"
+
+        def switch(self, phase):
+            if self.current is not None:
+                log.append(phase)
+                self.current = phase
+
+        def behind(self):
+            return "asked"
+
+    engine = Engine()
+    to_wait = lambda: engine.switch(WAIT)  # noqa: E731 - the probe's partial of the engine's own switch
+    probe = SimpleNamespace(_engine=engine, _to_wait=to_wait, _start=to_wait, _armed=None)
+    marks = DdpSpanKernels(probe, "cpu")
+    marks.tiny = SimpleNamespace(bitwise_not_=lambda: log.append("begin"), logical_not_=lambda: log.append("end"))
+    assert probe._engine is marks and probe._start is probe._to_wait is not to_wait
+    assert probe._engine.behind() == "asked"  # everything else is the engine's
+    probe._start()  # the usual path: the engine's switch to the wait, then backward() returns (to the optimizer)
+    engine.switch("optimizer")
+    marks.backward_returned()
+    engine.current = "backward"
+    probe._engine.switch(WAIT)  # a sampled backward's _split, then _joined back to backward
+    probe._engine.switch("backward")
+    marks.backward_returned()  # closed already: nothing
+    assert log == ["begin", WAIT, "optimizer", "end", "begin", WAIT, "backward", "end"]
+    engine.current = "forward"
+    probe._engine.switch(WAIT)  # not from backward: no begin kernel, and the wrap counts a span without one
+    assert log[-1] == WAIT and log[-2] == "end"
+    assert (marks.begins, marks.ends, marks.at_return, marks.odd) == (2, 2, 1, 1)
