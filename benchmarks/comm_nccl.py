@@ -16,7 +16,9 @@ runs; with 8 x 1024 on an H200 the backward is paced by the host, see ``docs/ben
 - ``ddp_late``: DDP's defaults, rank 1 sleeps 15 ms before each forward: rank 0 waits for it every step.
 - ``ddp_straggler``: rank 1 sleeps 20 ms inside forward: ``RANK_STRAGGLER`` must name rank 1 (its step equals the
   others', the all-reduce hides it; the others' wait names it).
-- ``data_straggler``: rank 1's loader sleeps 20 ms a batch: ``RANK_STRAGGLER`` names rank 1, in ``data_wait``.
+- ``data_straggler``: rank 1's loader sleeps 20 ms a batch: ``RANK_STRAGGLER`` names rank 1, in ``data_wait``: medium
+  where the sleep reaches the devices (the others wait in their all-reduce), info where a device queue deeper than
+  20 ms hides it (``straggler_severity``).
 - ``eval_rank0``: DDP's defaults, rank 0 alone evaluates (no-grad forwards, untimed) after every 6th step, as
   nanoGPT's ``train.py`` does: the other rank waits for it in its next all-reduce.
 - ``fsdp2``: ``fully_shard`` on every block and the root: forward's and backward's waits.
@@ -389,6 +391,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
                 forward_wait=phases.get("forward.comm_wait"), backward_wait=phases.get("backward.comm_wait"),
                 adds_up=abs(sum(phases[p] for p in inside) - phases["step"]) <= 1e-6 * phases["step"],
                 straggler_rank=straggler.evidence.get("rank") if straggler is not None else None,
+                straggler_severity=straggler.severity if straggler is not None else None,
                 straggler_phase=straggler.evidence.get("phase") if straggler is not None else None,
                 straggler_by=straggler.evidence.get("by") if straggler is not None else None,
                 straggler_pauses=straggler.evidence.get("pauses") if straggler is not None else None)

@@ -108,3 +108,27 @@ def ordered(phases: set[str] | list[str] | dict[str, Any]) -> list[str]:
     between = [BETWEEN] if BETWEEN in present else []
     after = [p for p in custom if share_base(p) != "step"]
     return inside + between + after + [p for p in TOTALS if p in present]
+
+
+#: The name under which a rank on a device clock sends, with its window reports, its ``data_wait``'s part that
+#: reached its device (ms over the window's steps, :func:`exposed_wait`): rank zero's RANK_STRAGGLER reads each rank's.
+EXPOSED_WAIT = "data_wait_exposed_ms"
+
+
+def exposed_wait(sums: dict[str, float], counts: dict[str, int], steps: int) -> float | None:
+    """The part of the host's ``data_wait`` that reached the device, on a device clock, ms a step, from some
+    ``steps`` steps' phase sums and each phase's count of values (a window's, or a run's):
+    ``min(data_wait, max(0, period - step - between_steps - between_steps.<name>...))``, each a step's mean (a phase
+    absent from some steps counts 0 there; ``period``, absent from a run's first step, is over the steps that have
+    one).
+
+    On a device clock ``period`` runs from one step's start on the device to the next's, so what it holds beyond the
+    step and the time between steps is the device's time over the fetch: its idle before the step, the most the
+    host's wait can have cost.  A device with queued work runs through the wait and that part is ~0.  None where
+    ``data_wait``, ``step`` or ``period`` is absent.  (On the host clock the whole wait is exposed: this is not
+    for it.)"""
+    wait, period, step = sums.get(FETCH), sums.get("period"), sums.get("step")
+    if wait is None or period is None or step is None or steps <= 0 or not counts.get("period"):
+        return None
+    between = sum(v for p, v in sums.items() if p == BETWEEN or p.startswith(BETWEEN_PREFIX))
+    return min(wait / steps, max(0.0, period / counts["period"] - (step + between) / steps))

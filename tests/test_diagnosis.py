@@ -24,6 +24,7 @@ from phase_timer.diagnosis import MIN_STEPS, Diagnosis, Signals, diagnose, forma
 from phase_timer.timing.resolver import Resolver
 from phase_timer.outputs.run_summary import FILE_NAME, schema
 from phase_timer.timing.stats import RunTotals
+from phase_timer.phases import EXPOSED_WAIT
 from tests.fakes import FakeClock
 from tests.helpers import loader, module_class, trainer
 
@@ -86,6 +87,78 @@ def test_without_a_data_wait_the_input_rule_abstains():
     d = diagnose(totals(**GPU_STEP), signals({3: 10}), clock="cuda")
     assert d.kind == "GPU_BOUND"
     assert all(f.kind != "INPUT_BOUND" for f in (d, *d.secondary))
+
+
+#: Rank 1 of the 4 x H200 run (a ~1B GPT under DDP, its loader sleeping 20 ms a batch): a device queue more than
+#: 20 ms deep runs through the sleep; period - step - between_steps is 0.008 ms.
+HIDDEN = {"data_wait": 20.127, "h2d": 0.012, "forward": 45.456, "backward": 104.212, "optimizer": 12.757,
+          "between_steps": 0.003, "period": 162.448}
+
+
+def test_on_a_device_clock_a_wait_the_device_s_queue_hides_is_said_as_info_not_input_bound():
+    d = diagnose(totals(**HIDDEN), signals({2: 10}), clock="cuda")
+    assert d.kind == "GPU_BOUND"  # what holds the run back; the wait comes after it
+    f = _only(d, "INPUT_BOUND")
+    assert f.severity == "info" and f.evidence["hidden"] is True
+    assert f.evidence["data_wait_exposed_ms"] == pytest.approx(0.008, abs=1e-6)
+    assert f.evidence["data_wait_share_of_period"] == pytest.approx(20.127 / 162.448)
+    assert "20.13 ms a step" in f.why and "hidden behind the device's queue" in f.why and "0.01 ms" in f.why
+    assert "nothing to gain now" in f.why and f.next[0].startswith("nothing to change now")
+    assert format_verdict(d).startswith("verdict: GPU_BOUND")
+    # with nothing else to say, the note is the verdict, never medium
+    alone = diagnose(totals(**HIDDEN), Signals(), clock="cuda")
+    assert (alone.kind, alone.severity) == ("INPUT_BOUND", "info")
+
+
+def test_on_a_device_clock_input_bound_weighs_the_wait_by_its_part_that_reached_the_device():
+    """The 2-GPU case: the device idles 7.5 ms of the 20 ms wait (period 58.0, step 50.5)."""
+    d = diagnose(totals(data_wait=20.0, h2d=0.5, forward=15.0, backward=30.0, optimizer=5.0, period=58.0),
+                 signals({0: 10}), clock="cuda")
+    f = _only(d, "INPUT_BOUND")
+    assert d.kind == "INPUT_BOUND" and f.severity == "medium"
+    assert f.evidence["share_of_period"] == pytest.approx(7.5 / 58.0) and f.evidence["hidden"] is False
+    assert "20.00 ms a step for its next batch and 7.50 ms a step of it reaches the device" in f.why
+    # high from the exposed part's share, not the wait's: 20 of 40 ms idle is 50%
+    d = diagnose(totals(data_wait=20.0, forward=20.0, period=40.0), Signals(), clock="cuda")
+    assert d.severity == "high" and d.evidence["share_of_period"] == pytest.approx(0.5)
+    d = diagnose(totals(data_wait=40.0, forward=50.0, period=60.0), Signals(), clock="cuda")
+    assert d.severity == "medium" and d.evidence["data_wait_exposed_ms"] == pytest.approx(10.0)
+
+
+def test_the_exposed_wait_is_each_window_s_not_the_run_s_means():
+    """One window's idle cannot hide another window's wait: per window min(data_wait, period - step - between)."""
+    t = RunTotals()
+    s = Signals()
+    idle = {"data_wait": [0.0] * 50, "forward": [30.0] * 50, "step": [30.0] * 50, "period": [45.0] * 50}
+    busy = {"data_wait": [15.0] * 50, "forward": [30.0] * 50, "step": [30.0] * 50, "period": [30.0] * 50}
+    for cols in (idle, busy):
+        s.add_wait(50, t.add_window(50, cols) or _summary(cols), {p: len(v) for p, v in cols.items()})
+    assert s.wait_exposed_ms == 0.0 and s.wait_steps == 100
+    f = _only(diagnose(t, s, clock="cuda"), "INPUT_BOUND")
+    assert f.severity == "info"
+    # the run's totals alone (no window seen) would read 7.5 ms a step exposed
+    assert _only(diagnose(t, Signals(), clock="cuda"), "INPUT_BOUND").severity == "medium"
+    # a phase missing from some steps counts 0 there: 10 waits of 15 ms in 50 steps (3 ms a step), 6 ms a step idle
+    s2 = Signals()
+    cols = {"data_wait": [15.0] * 10, "step": [30.0] * 50, "period": [36.0] * 50}
+    assert s2.add_wait(50, _summary(cols), {p: len(v) for p, v in cols.items()}) == pytest.approx(150.0)
+    # ... and period over the steps that have one (a run's first step has none)
+    cols = {"data_wait": [15.0] * 50, "step": [30.0] * 50, "period": [36.0] * 49}
+    assert s2.add_wait(50, _summary(cols), {p: len(v) for p, v in cols.items()}) == pytest.approx(300.0)
+
+
+def _summary(cols):
+    from phase_timer.timing.stats import summarize_columns
+
+    return summarize_columns({p: sorted(v) for p, v in cols.items()})
+
+
+def test_on_the_host_clock_the_whole_wait_is_input_bound_as_before():
+    d = diagnose(totals(**HIDDEN), signals({2: 10}), clock="host")
+    assert (d.kind, d.severity) == ("INPUT_BOUND", "medium")
+    assert d.why == ("the loop waits 20.13 ms a step for its next batch: 12% of the time per step "
+                     "(data_wait of period)")
+    assert d.evidence["share_of_period"] == pytest.approx(20.127 / 162.448) and "hidden" not in d.evidence
 
 
 def test_h2d_bound_on_its_share_of_step():
@@ -318,6 +391,96 @@ def test_a_rank_s_pauses_the_others_wait_for_are_named_with_how_much_and_how_oft
     assert "rank 0 pauses 40.00 ms a step" in f.next[0] and "one every ~40 steps" in f.next[0]
     assert "every rank at the same step" in f.next[0]
     assert not any("no timed phase" in t for t in f.next)
+
+
+def _data_straggler_windows(n: int = 4, period: float = 162.44) -> Signals:
+    s = signals({2: 10})  # GPU-bound: the host two steps ahead
+    for _ in range(n):  # the 4 x H200 run: rank 1's loader 20 ms a batch slower, every period alike
+        s.add_rank_window(spreads({"data_wait": {0: 0.007, 1: 20.127, 2: 0.005, 3: 0.005},
+                                   "forward": {0: 45.4, 1: 45.5, 2: 45.4, 3: 45.4},
+                                   "period": {0: period, 1: period, 2: period, 3: period}}))
+    return s
+
+
+def _h200_ranks(rank1: dict | None = None, exposed: float | None = 0.008) -> RankSums:
+    """Each rank's run totals as rank zero holds them; rank 1's own exposed wait as it sent it (ms a step)."""
+    base = {"step": 162.437, "period": 162.445, "between_steps": 0.003, "backward": 104.2, "backward.comm_wait": 0.024}
+    rt = RankSums({r: {**base, "data_wait": 0.006, **(rank1 or {} if r == 1 else {})} for r in range(4)})
+    rt.sums[1]["data_wait"] = [20.127 * 100, 100]
+    rt.steps = {r: 100 for r in range(4)}
+    rt.counts = {1: {EXPOSED_WAIT: exposed * 100}} if exposed is not None else {}
+    return rt
+
+
+def test_a_data_straggler_the_device_s_queue_hides_is_no_medium_straggler():
+    """4 x H200: rank 1 sleeps 20 ms in its data loading; the queue runs through it, nobody waits in communication.
+    Rank zero's verdict says it, as info, with the figures: no fix to make now."""
+    d = diagnose(totals(**GPU_STEP), _data_straggler_windows(), clock="cuda", rank_totals=_h200_ranks())
+    f = _only(d, "RANK_STRAGGLER")
+    assert f.severity == "info" and f.evidence["hidden"] is True and f.evidence["rank"] == 1
+    # its idle before its steps over the others' (0.008 - 0.005 ms), and nobody waits longer for it
+    assert f.evidence["reaches_ms"] == pytest.approx(0.003, abs=1e-6) and f.evidence["others_wait_longer_ms"] == 0.0
+    assert "hidden behind its device's queue" in f.why and "20.12 ms a step above" in f.why
+    assert "nothing to gain now" in f.why and "uneven input pipeline" in f.next[-1]
+    assert d.kind == "GPU_BOUND" and d.secondary[-1] is f  # said after what holds the run back
+    # its own report rules over its run totals: these (a 10 ms gap a step from other windows) would say it reaches
+    gap = {"period": 172.445}
+    f = _only(diagnose(totals(**GPU_STEP), _data_straggler_windows(), clock="cuda",
+                       rank_totals=_h200_ranks(gap)), "RANK_STRAGGLER")
+    assert f.severity == "info"
+    f = _only(diagnose(totals(**GPU_STEP), _data_straggler_windows(), clock="cuda",
+                       rank_totals=_h200_ranks(gap, exposed=None)), "RANK_STRAGGLER")
+    assert f.severity == "medium" and f.evidence["reaches_ms"] == pytest.approx(10.0, abs=0.01)
+    # on the host clock (gloo on CPUs) the wait is the step's: named as before
+    f = _only(diagnose(totals(**GPU_STEP), _data_straggler_windows(), clock="host", rank_totals=_h200_ranks()),
+              "RANK_STRAGGLER")
+    assert f.severity == "medium" and "hidden" not in f.evidence
+    assert f.why == ("rank 1 is the slowest in data_wait in 4 of 4 windows, 20.12 ms a step above the other ranks' "
+                     "median (12% of period)")
+    # without the ranks' totals nothing tells what reached the devices: named as before
+    assert _only(diagnose(totals(**GPU_STEP), _data_straggler_windows(), clock="cuda"),
+                 "RANK_STRAGGLER").severity == "medium"
+
+
+def test_a_data_straggler_whose_wait_reaches_the_devices_is_named():
+    """2 GPUs, a smaller model: rank 1's device idles 7.5 ms a step and the other rank waits for it in DDP's
+    all-reduce."""
+    s = Signals()
+    for _ in range(4):
+        s.add_rank_window(spreads({"data_wait": {0: 0.01, 1: 20.0}, "period": {0: 58.0, 1: 58.0}}))
+    rt = RankSums({0: {"data_wait": 0.01, "step": 58.0, "period": 58.0, "backward.comm_wait": 7.6},
+                   1: {"data_wait": 20.0, "step": 50.5, "period": 58.0, "backward.comm_wait": 0.1}})
+    rt.steps, rt.counts = {0: 100, 1: 100}, {0: {EXPOSED_WAIT: 0.0}, 1: {EXPOSED_WAIT: 750.0}}
+    f = _only(diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=rt), "RANK_STRAGGLER")
+    assert f.severity == "medium" and f.evidence["hidden"] is False and f.evidence["phase"] == "data_wait"
+    assert f.evidence["reaches_ms"] == pytest.approx(7.5)
+    assert f.evidence["share_of_period"] == pytest.approx(7.5 / 58.0)
+    assert "7.50 ms a step of it reaches the devices" in f.why
+    assert "the other ranks wait 7.50 ms a step longer for it" in f.why
+    # the others' wait alone (its own idle unknown) is enough
+    rt.counts = {}
+    del rt.sums[1]["period"]
+    f = _only(diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=rt), "RANK_STRAGGLER")
+    assert f.severity == "medium" and f.evidence["device_idle_over_others_ms"] is None
+
+
+def test_a_hidden_data_straggler_leaves_the_rank_slow_in_forward_named():
+    s = _data_straggler_windows()
+    for _ in range(3):  # rank 2 slow in forward in 3 of 7 windows... and 4 more below
+        s.add_rank_window(spreads({"data_wait": {0: 0.007, 1: 20.127, 2: 0.005, 3: 0.005},
+                                   "forward": {0: 45.4, 1: 45.5, 2: 60.0, 3: 45.4},
+                                   "period": {0: 162.44, 1: 162.44, 2: 162.44, 3: 162.44}}))
+    for _ in range(2):
+        s.add_rank_window(spreads({"forward": {0: 45.4, 1: 45.5, 2: 60.0, 3: 45.4},
+                                   "period": {0: 162.44, 1: 162.44, 2: 162.44, 3: 162.44}}))
+    # data_wait: rank 1 in 7 of 9 windows; forward: rank 2 in 5 of 9 (below 60%): nothing else qualifies
+    f = _only(diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=_h200_ranks()), "RANK_STRAGGLER")
+    assert f.severity == "info"
+    s.add_rank_window(spreads({"forward": {0: 45.4, 1: 45.5, 2: 60.0, 3: 45.4},
+                               "period": {0: 162.44, 1: 162.44, 2: 162.44, 3: 162.44}}))
+    # forward: rank 2 in 6 of 10 windows: the straggler, though rank 1 is slowest in data_wait in 7
+    f = _only(diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=_h200_ranks()), "RANK_STRAGGLER")
+    assert (f.evidence["rank"], f.evidence["phase"], f.severity) == (2, "forward", "medium")
 
 
 def _only(d, kind):

@@ -473,3 +473,40 @@ def test_rank_timeout_is_checked_at_construction(bad: object) -> None:
 
 def test_not_distributed_means_no_exchange() -> None:
     assert RankExchange.create() is None
+
+
+@pytest.mark.parametrize("device", [True, False])
+def test_each_rank_sends_its_own_data_wait_s_exposed_part_on_a_device_clock(store, device) -> None:
+    """Two ranks' cores through the real exchange: rank 1 waits 20 ms a step for its batches; on a (fake) device
+    clock its device idles one tick between records, so 1 ms a step of the wait reached it, per window, and rank
+    zero holds that from rank 1's own reports (RANK_STRAGGLER reads it); on the host clock nothing more is sent."""
+    from phase_timer.phases import EXPOSED_WAIT
+    from phase_timer.run.core import TimingCore
+    from phase_timer.timing.clock import HostClock
+    from tests.fakes import FakeClock
+
+    namespace = f"phase_timer/exposed/{device}"
+    cores = [TimingCore(FakeClock(tick_ms=1.0) if device else HostClock(), [], window=5, warmup_steps=0,
+                        max_pending=64, memory=False, ranks=RankExchange(store.clone(), r, 2, namespace))
+             for r in range(2)]
+    for step in range(20):
+        for rank, core in enumerate(cores):
+            core.begin_step(step, "h2d")
+            core.add_host("data_wait", 20.0 if rank == 1 else 0.01)
+            for p in ("forward", "backward", "optimizer"):
+                core.phase(p)
+            core.close()
+    cores[1].finish(5.0)
+    cores[0].finish(5.0)
+    counts = cores[0].ranks.totals.counts
+    if not device:
+        assert all(EXPOSED_WAIT not in counts.get(r, {}) for r in range(2))
+        return
+    # each period 1 ms beyond its 4 ms step (the first step has none: its window's other steps say it): 20 ms
+    assert counts[1][EXPOSED_WAIT] == pytest.approx(20.0)
+    assert counts[1][EXPOSED_WAIT] == pytest.approx(cores[1].signals.wait_exposed_ms)
+    assert counts[0][EXPOSED_WAIT] == pytest.approx(0.2)  # its 0.01 ms waits, all of them
+    f = next(x for x in (lambda d: (d, *d.secondary))(cores[0].verdict()) if x.kind == "RANK_STRAGGLER")
+    assert (f.evidence["rank"], f.evidence["phase"]) == (1, "data_wait")
+    assert f.evidence["device_idle_over_others_ms"] == pytest.approx(1.0 - 0.01)
+    assert f.severity != "info" and "reaches the devices" in f.why

@@ -9,52 +9,135 @@ from phase_timer.diagnosis.finding import (
     COMM_MATERIAL, Diagnosis, MIN_WINDOWS, STRAGGLER_MARGIN, STRAGGLER_SHARE, WAIT_PHASES, _pct, _severity,
 )
 from phase_timer.diagnosis.signals import Signals
-from phase_timer.phases import COMM_PARTS, comm_label
+from phase_timer.phases import COMM_PARTS, EXPOSED_WAIT, HOST_PHASES, comm_label, exposed_wait
 
 
-def _straggler(signals: Signals, rank_totals: Any) -> Diagnosis | None:
+def _straggler(signals: Signals, rank_totals: Any, clock: str = "host") -> Diagnosis | None:
     """RANK_STRAGGLER: one rank slowest in one phase in most windows, by a material margin over the other ranks'
     median; or, where the collectives equalise the steps and no phase shows it (or the others wait longer for
-    another rank than that phase is slow), the rank the others wait for."""
+    another rank than that phase is slow), the rank the others wait for.  On a device clock a rank slowest in a
+    host-clock phase (``data_wait``) is a straggler only where that time reaches the device (its device idles before
+    its steps) or the other ranks wait for it in their collectives; else it is said as ``info`` (hidden behind its
+    device's queue), and the next slowest (rank, phase) may be the straggler."""
     n = len(signals.rank_period_ms)  # the windows across ranks
     if n < 1:
         return None
     period = statistics.median(signals.rank_period_ms)
-    found = None
-    if signals.slowest:
-        (phase, rank), count = max(signals.slowest.items(), key=lambda kv: (kv[1], signals.margins[kv[0]]))
-        if count >= max(MIN_WINDOWS, STRAGGLER_SHARE * n):
-            found = (phase, rank, signals.margins[phase, rank] / count, count)
+    floor = max(0.05, STRAGGLER_MARGIN * period)
+    found = hidden = None
+    ranked = sorted(signals.slowest.items(), key=lambda kv: (kv[1], signals.margins[kv[0]]), reverse=True)
+    for (phase, rank), count in ranked:
+        if count < max(MIN_WINDOWS, STRAGGLER_SHARE * n):
+            break
+        reach = _reach(rank_totals, rank) if phase in HOST_PHASES and clock != "host" else None
+        if reach is not None and reach[0] < floor:
+            hidden = hidden or (phase, rank, signals.margins[phase, rank] / count, count, reach)
+            continue
+        found = (phase, rank, signals.margins[phase, rank] / count, count, reach)
+        break
     waited = _waited_for(rank_totals, period)
     if waited is not None and (found is None or waited[0] != found[1] and waited[1] > found[2]):
         return _straggler_by_waits(rank_totals, period, n, *waited)
+    if found is None and hidden is not None:
+        return _hidden_straggler(period, n, *hidden)
     if found is None:
         return None
-    phase, rank, margin, count = found
-    share = margin / period if period > 0 else 0.0
+    phase, rank, margin, count, reach = found
+    share = (reach[0] if reach is not None else margin) / period if period > 0 else 0.0
     ev: dict[str, Any] = {"rank": rank, "phase": phase, "margin_ms": margin, "windows": count, "of_windows": n,
                           "share_of_period": share, "by": "phase"}
     why = (f"rank {rank} is the slowest in {phase} in {count} of {n} windows, {margin:.2f} ms a step above the "
            f"other ranks' median ({_pct(share)} of period)")
+    if reach is not None:
+        ev.update(_reach_evidence(reach), hidden=False)
+        why = (f"rank {rank} is the slowest in {phase} in {count} of {n} windows, {margin:.2f} ms a step above the "
+               f"other ranks' median, and {reach[0]:.2f} ms a step of it reaches the devices ({_pct(share)} of "
+               f"period; {_reach_said(rank, reach)})")
     tips = [_look_at(rank, phase)]
-    if rank_totals is not None:
-        split = bool(_parts(rank_totals))
-        mine = _rank_wait(rank_totals, rank, split)
-        if split and mine is None:  # a rank that never waited
-            mine = 0.0
-        others = [m for r in rank_totals.sums if r != rank and (m := _rank_wait(rank_totals, r, split)) is not None]
-        if mine is not None and others:
-            wait = statistics.median(others) - mine
-            ev["others_backward_wait_ms"] = wait  # the name kept where the waits are split too: the extra wait
-            if wait > 0 and split:
-                ev["others_comm_wait_ms"] = statistics.median(others)
-                tips.append(f"the other ranks wait {wait:.2f} ms a step longer than rank {rank} for their collectives "
-                            f"(their exposed communication, {' + '.join(_parts(rank_totals))}): that is rank {rank}'s "
-                            "lag reaching them, not the network")
-            elif wait > 0:
-                tips.append(f"the other ranks' backward is {wait:.2f} ms longer than rank {rank}'s: their wait for it "
-                            "in the gradient all-reduce")
+    wait = _others_wait(rank_totals, rank)
+    if wait is not None:
+        wait, split, others = wait
+        ev["others_backward_wait_ms"] = wait  # the name kept where the waits are split too: the extra wait
+        if wait > 0 and split:
+            ev["others_comm_wait_ms"] = others
+            tips.append(f"the other ranks wait {wait:.2f} ms a step longer than rank {rank} for their collectives "
+                        f"(their exposed communication, {' + '.join(_parts(rank_totals))}): that is rank {rank}'s "
+                        "lag reaching them, not the network")
+        elif wait > 0:
+            tips.append(f"the other ranks' backward is {wait:.2f} ms longer than rank {rank}'s: their wait for it "
+                        "in the gradient all-reduce")
     return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips + _input_tip(phase)), ev)
+
+
+def _others_wait(rank_totals: Any, rank: int) -> tuple[float, bool, float] | None:
+    """How much longer the other ranks wait than ``rank`` a step (their median): in their split waits (every
+    ``comm_wait`` row) where there are any, else in ``backward``; whether split; their median wait.  None: no
+    per-rank totals, or no wait to compare."""
+    if rank_totals is None:
+        return None
+    split = bool(_parts(rank_totals))
+    mine = _rank_wait(rank_totals, rank, split)
+    if split and mine is None:  # a rank that never waited
+        mine = 0.0
+    others = [m for r in rank_totals.sums if r != rank and (m := _rank_wait(rank_totals, r, split)) is not None]
+    if mine is None or not others:
+        return None
+    return statistics.median(others) - mine, split, statistics.median(others)
+
+
+def _rank_exposed(rank_totals: Any, rank: int) -> float | None:
+    """Rank ``rank``'s ``data_wait`` that reached its device, ms a step (device clock): from its own windows, as it
+    sent them (``phases.EXPOSED_WAIT``), else from its run totals (``phases.exposed_wait``); None: unknown."""
+    counts = (getattr(rank_totals, "counts", None) or {}).get(rank) or {}
+    sums = rank_totals.sums.get(rank) or {}
+    steps = (getattr(rank_totals, "steps", None) or {}).get(rank) or max((c for _, c in sums.values()), default=0)
+    if EXPOSED_WAIT in counts and steps:
+        return counts[EXPOSED_WAIT] / steps
+    return exposed_wait({p: acc[0] for p, acc in sums.items()}, {p: int(acc[1]) for p, acc in sums.items()}, steps)
+
+
+def _reach(rank_totals: Any, rank: int) -> tuple[float, float | None, float | None] | None:
+    """How much of a rank's lag in a host-clock phase reaches the devices, ms a step: (the larger of its device's
+    idle before its steps above the other ranks' median and the others' longer wait for it in their collectives;
+    that idle above theirs; that wait).  None where neither is known (no per-rank totals): the phase is taken as it
+    is."""
+    if rank_totals is None or rank not in rank_totals.sums:
+        return None
+    mine = _rank_exposed(rank_totals, rank)
+    theirs = [e for r in rank_totals.sums if r != rank and (e := _rank_exposed(rank_totals, r)) is not None]
+    idle = mine - (statistics.median(theirs) if theirs else 0.0) if mine is not None else None
+    wait = _others_wait(rank_totals, rank)
+    waited = wait[0] if wait is not None else None
+    if idle is None and waited is None:
+        return None
+    return max(idle or 0.0, waited or 0.0, 0.0), idle, waited
+
+
+def _reach_evidence(reach: tuple[float, float | None, float | None]) -> dict[str, Any]:
+    return {"reaches_ms": reach[0], "device_idle_over_others_ms": reach[1], "others_wait_longer_ms": reach[2]}
+
+
+def _reach_said(rank: int, reach: tuple[float, float | None, float | None]) -> str:
+    _, idle, wait = reach
+    parts = []
+    if idle is not None:
+        parts.append(f"rank {rank}'s device idles {max(idle, 0.0):.2f} ms a step more than the others' before its steps")
+    if wait is not None:
+        parts.append(f"the other ranks wait {max(wait, 0.0):.2f} ms a step longer for it in their collectives")
+    return ", ".join(parts)
+
+
+def _hidden_straggler(period: float, n: int, phase: str, rank: int, margin: float, count: int,
+                      reach: tuple[float, float | None, float | None]) -> Diagnosis:
+    """RANK_STRAGGLER (info): a rank slowest in a host-clock phase whose time its device's queue hides."""
+    share = reach[0] / period if period > 0 else 0.0
+    ev: dict[str, Any] = {"rank": rank, "phase": phase, "margin_ms": margin, "windows": count, "of_windows": n,
+                          "share_of_period": share, "by": "phase", "hidden": True, **_reach_evidence(reach)}
+    why = (f"rank {rank} is the slowest in {phase} in {count} of {n} windows, {margin:.2f} ms a step above the other "
+           f"ranks' median, hidden behind its device's queue ({_reach_said(rank, reach)}): nothing to gain now; it "
+           f"will show once the step gets faster than rank {rank}'s {phase}")
+    tips = (f"nothing to change now; for when the step gets faster: {_look_at(rank, phase)}", *_input_tip(phase))
+    return Diagnosis("RANK_STRAGGLER", "info", why, tips, ev)
 
 
 def _straggler_by_waits(rank_totals: Any, period: float, n: int, rank: int, gap: float,

@@ -9,6 +9,7 @@ from typing import Any
 from phase_timer.measures.cpu_use import CpuUse
 from phase_timer.diagnosis.finding import SPIKE_MAX, SPIKE_P90, STRAGGLER_MARGIN, WAIT_PHASES
 from phase_timer.diagnosis.run_change import RankShifts
+from phase_timer.phases import BETWEEN, BETWEEN_PREFIX, FETCH, TOTALS, exposed_wait
 
 
 class Signals:
@@ -34,6 +35,10 @@ class Signals:
         self.sample_gap: float | None = None
         self.windows = 0
         self.spiky_windows = 0
+        #: The part of ``data_wait`` that reached the device (device clock; ``phases.exposed_wait``), ms over the
+        #: steps of the windows that had a ``data_wait``, each window's own; and those windows' steps.
+        self.wait_exposed_ms = 0.0
+        self.wait_steps = 0
         #: Per (phase, rank): windows in which the rank was slowest by a material margin, and the margins (ms).
         self.slowest: Counter[tuple[str, int]] = Counter()
         self.margins: dict[tuple[str, int], float] = {}
@@ -47,6 +52,22 @@ class Signals:
         #: of a distributed run, each window's slowest rank a phase: what RUN_CHANGED reads.
         self.series: Any = None
         self.rank_shifts = RankShifts()
+
+    def add_wait(self, steps: int, summary: dict[str, dict[str, float]],
+                 sizes: dict[str, int] | None = None) -> float | None:
+        """One window's part of ``data_wait`` that reached the device (ms over its steps; None: no data_wait), from
+        its statistics and each phase's count of values (``sizes``; default: every step)."""
+        if FETCH not in summary:
+            return None
+        sizes = sizes or {}
+        kept = [p for p in summary if p in (FETCH, BETWEEN, *TOTALS) or p.startswith(BETWEEN_PREFIX)]
+        counts = {p: sizes.get(p, steps) for p in kept}
+        exposed = exposed_wait({p: summary[p]["mean"] * counts[p] for p in kept}, counts, steps)
+        if exposed is None:
+            return None
+        self.wait_exposed_ms += exposed * steps
+        self.wait_steps += steps
+        return exposed * steps
 
     def add_window(self, steps: int, summary: dict[str, dict[str, float]]) -> None:
         """One window's statistics: is it spiky?"""

@@ -13,11 +13,11 @@ from phase_timer.diagnosis.finding import (
 )
 from phase_timer.diagnosis.signals import Signals
 from phase_timer.measures.input_advice import Run, advise
-from phase_timer.phases import share_base
+from phase_timer.phases import exposed_wait, share_base
 from phase_timer.measures.syncs import Syncs, SyncSite
 
 
-def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any]) -> Diagnosis | None:
+def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any], clock: str) -> Diagnosis | None:
     share = phase_share(totals, "data_wait", "period")
     if share is None or share < MATERIAL:
         return None
@@ -25,13 +25,42 @@ def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any]) -> Diagnosi
     loader = ctx.get("loader")
     cores = ctx.get("cpu_count")
     cpu = signals.cpu.summary()
-    run = Run(totals.phases["period"].mean, wait.mean, wait.quantile(50), cores, cpu)
+    period = totals.phases["period"]
+    run = Run(period.mean, wait.mean, wait.quantile(50), cores, cpu)
     tips, found = advise(loader, run, ctx.get("device_type"))
-    why = (f"the loop waits {wait.mean:.2f} ms a step for its next batch: {_pct(share)} of the time per step "
-           "(data_wait of period)")
     ev = {"share_of_period": share, "data_wait_ms": wait.mean, "data_wait_p50_ms": run.wait_p50, "loader": loader,
           "cpu_count": cores, "cpu": cpu, **found}
-    return Diagnosis("INPUT_BOUND", _severity(share), why, tuple(tips), ev)
+    exposed = _exposed_wait(totals, signals, clock)
+    if exposed is None:  # the host clock: the whole wait is the loop's
+        why = (f"the loop waits {wait.mean:.2f} ms a step for its next batch: {_pct(share)} of the time per step "
+               "(data_wait of period)")
+        return Diagnosis("INPUT_BOUND", _severity(share), why, tuple(tips), ev)
+    idle = exposed  # ms a step
+    seen = idle / period.mean
+    ev.update(share_of_period=seen, data_wait_share_of_period=share, data_wait_exposed_ms=idle, hidden=seen < MATERIAL)
+    if seen >= MATERIAL:
+        why = (f"the loop waits {wait.mean:.2f} ms a step for its next batch and {idle:.2f} ms a step of it reaches "
+               f"the device (its idle before the step): {_pct(seen)} of the time per step (data_wait's exposed part, "
+               "of period)")
+        return Diagnosis("INPUT_BOUND", _severity(seen), why, tuple(tips), ev)
+    why = (f"the host waits {wait.mean:.2f} ms a step for its next batch ({_pct(share)} of period), hidden behind the "
+           f"device's queue (the device idled {idle:.2f} ms a step before its steps): nothing to gain now; it will "
+           "show once the step gets faster than the loader")
+    tips = ["nothing to change now: the device runs queued work through the wait; for when the step gets faster: "
+            + tips[0], *tips[1:]] if tips else ["nothing to change now: the device runs queued work through the wait"]
+    return Diagnosis("INPUT_BOUND", "info", why, tuple(tips), ev)
+
+
+def _exposed_wait(totals: Any, signals: Signals, clock: str) -> float | None:
+    """The ``data_wait`` that reached the device, ms a step (``phases.exposed_wait``): each window's own
+    (``Signals.add_wait``), or, where no window was added (the run totals alone), the run's.  None on the host
+    clock: there the whole wait is exposed."""
+    if clock == "host":
+        return None
+    if signals.wait_steps:
+        return signals.wait_exposed_ms / signals.wait_steps
+    phases = totals.phases
+    return exposed_wait({p: t.total for p, t in phases.items()}, {p: t.count for p, t in phases.items()}, totals.steps)
 
 
 def _h2d_bound(totals: Any, ctx: dict[str, Any], clock: str) -> Diagnosis | None:

@@ -56,9 +56,11 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
         return Diagnosis("TOO_FEW_STEPS", "info", f"{steps} step(s) timed: too few to say what holds the run back",
                          (f"time {need}",), {"steps_timed": steps, "needed": MIN_STEPS}, tuple(mem))
     found = [f for f in (
-        _input_bound(totals, signals, ctx), _h2d_bound(totals, ctx, clock), _sync_wait(totals),
-        _straggler(signals, rank_totals), _comm_bound(totals, rank_totals, signals.fsdp2),
+        _input_bound(totals, signals, ctx, clock), _h2d_bound(totals, ctx, clock), _sync_wait(totals),
+        _straggler(signals, rank_totals, clock), _comm_bound(totals, rank_totals, signals.fsdp2),
     ) if f is not None]
+    hidden = [f for f in found if f.severity == "info"]  # a host's wait the device's queue hid: said after the rest
+    found = [f for f in found if f.severity != "info"]
     found.sort(key=lambda f: -f.evidence["share_of_period"])
     host = _host_bound(totals, signals, clock, syncs)
     if host is not None:
@@ -75,6 +77,7 @@ def _findings(totals: Any, signals: Signals, *, clock: str, context: dict[str, A
         gpu = _gpu_bound(totals, signals, clock, ctx, syncs)
         if gpu is not None:
             found.append(gpu)
+    found += hidden
     if changed is not None and changed.severity == "info":  # a smaller one: said, after what holds the run back
         found.append(changed)
     found = [f for f in mem if f.severity == "high"] + found + [f for f in mem if f.severity != "high"]

@@ -34,6 +34,7 @@ from phase_timer.outputs.tags import (
 from phase_timer.run.conclude import conclude, finished_now, live_view, write_trace
 from phase_timer.run.own_cost import host_ahead, run_figures
 from phase_timer.distributed.ranks import RankExchange, RankWindow
+from phase_timer.phases import EXPOSED_WAIT
 from phase_timer.outputs.sinks import BackgroundSink, GuardedSink, Sink
 from phase_timer.timing.stats import RunTotals, WindowSeries
 from phase_timer.outputs.trace import TraceWriter
@@ -331,12 +332,15 @@ class TimingCore:
             measured.update(measure.window(columns))
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
         summary = self.totals.add_sorted_window(steps, columns)
+        exposed = self.signals.add_wait(steps, summary, {p: len(v) for p, v in columns.items()})
         if self.ranks is not None:
             sent: dict[str, float] = {}
             state: dict[str, float] = {}
             for measure in self.measures:
                 sent.update(measure.report())
                 state.update(measure.state())
+            if exposed is not None and self.clock.kind != "host":  # rank zero's RANK_STRAGGLER reads it
+                sent[EXPOSED_WAIT] = exposed
             if self._pauses:  # the pauses since the last window (rank zero's RANK_STRAGGLER reads them)
                 sent.update(paused_ms=self._paused_ms, pauses=float(self._pauses))
                 self._paused_ms, self._pauses = 0.0, 0
