@@ -10,12 +10,15 @@ hour whatever the machine's load; and a loop's own figure is set beside what
 
 from __future__ import annotations
 
+import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.host_cost import per_call_us
 from phase_timer.measures import memory as memory_mod
+from phase_timer.run import boundaries as boundaries_mod
 from phase_timer.run.boundaries import Boundaries
 from phase_timer.timing.clock import HostClock
 from phase_timer.run.core import TimingCore
@@ -81,7 +84,11 @@ def planted(host_hours, monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("steps", [60, 600])
-def test_each_part_of_the_line_is_what_was_planted(planted, steps):
+def test_each_part_of_the_line_is_what_was_planted(planted, steps, monkeypatch):
+    # The verdict's sampled steps come at random gaps: a fixed seed makes the schedule the same on every run.  (Where
+    # the run's last step is a sampled one, its close at the run's end counts in the sampled steps' time, one mark
+    # the line holds over the run that an ordinary last step's close does not: about 1 in 100 schedules of 600 steps.)
+    monkeypatch.setattr(boundaries_mod, "random", SimpleNamespace(Random=lambda: random.Random(0)))
     clock = HourMarks(planted["hours"])
     core = TimingCore(clock, [], window=10, warmup_steps=5, max_pending=8)
     bounds = Boundaries(core)
