@@ -822,3 +822,35 @@ def test_a_few_slow_steps_do_not_make_a_host_bound_run_gpu_bound():
     assert t.phases["step"].mean / 2.3 > 1.25  # what the means said
     d = diagnose(t, s, clock="cuda")
     assert d.kind == "HOST_BOUND" and d.evidence["device_over_host_step"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_a_data_straggler_whose_own_device_never_idled_is_not_credited_with_the_others_wait():
+    """Rank 1's loader is 20 ms slower, its own device's idle before its steps is known and ~0, and the other rank
+    waits 7.5 ms longer in its collectives (for something else: the lag its device never felt cannot be it): the
+    data wait is not named as reaching the devices.  And what is said to reach them is never more than the lag."""
+    s = Signals()
+    for _ in range(4):
+        s.add_rank_window(spreads({"data_wait": {0: 0.01, 1: 20.0}, "period": {0: 58.0, 1: 58.0}}))
+    rt = RankSums({0: {"data_wait": 0.01, "step": 58.0, "period": 58.0, "backward.comm_wait": 7.6},
+                   1: {"data_wait": 20.0, "step": 50.5, "period": 58.0, "backward.comm_wait": 0.1}})
+    rt.steps, rt.counts = {0: 100, 1: 100}, {0: {EXPOSED_WAIT: 0.0}, 1: {EXPOSED_WAIT: 0.3}}
+    f = _only(diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=rt), "RANK_STRAGGLER")
+    # named by the others' waits (what they wait for), not as its data wait reaching the devices
+    assert f.evidence["by"] == "waits" and f.evidence["rank"] == 1 and "reaches_ms" not in f.evidence
+    assert "reaches the devices" not in f.why
+    # its device idles 30 ms a step over the others' where its lag is 20: 20 reach the devices, not 30
+    rt.counts = {0: {EXPOSED_WAIT: 0.0}, 1: {EXPOSED_WAIT: 3000.0}}
+    f = _only(diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=rt), "RANK_STRAGGLER")
+    assert f.severity == "high" and f.evidence["reaches_ms"] == pytest.approx(19.99)
+
+
+def test_a_fetch_inside_the_step_is_taken_whole_on_a_device_clock():
+    """Lightning's ``training_step(self, dataloader_iter)``: the step's span holds its fetch, so the device's idle
+    over it is in ``forward`` and period - step says nothing of it: the whole wait is taken as reaching the device."""
+    d = diagnose(totals(**HIDDEN), Signals(), clock="cuda", context={"fetch_in_step": True})
+    f = _only(d, "INPUT_BOUND")
+    assert f.severity == "medium" and "hidden" not in f.evidence and "20.13 ms a step" in f.why
+    s = Signals()
+    summary = {"data_wait": {"mean": 20.0}, "step": {"mean": 160.0}, "period": {"mean": 160.0}}
+    assert s.add_wait(10, summary) == 0.0  # period - step: nothing between the steps
+    assert s.add_wait(10, summary, whole=True) == pytest.approx(200.0)  # the whole wait, ms over the 10 steps

@@ -350,12 +350,14 @@ def test_a_dataloader_iter_training_step_is_timed(tmp_path, host_hours):
 
         def training_step(self, dataloader_iter):
             (x, y), _, _ = next(dataloader_iter)
+            seen.append(timer.core.context.get("fetch_in_step") is True)
             helpers.pause(0.004)
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    seen: list[bool] = []
     timer = PhaseTimer(warmup_steps=1)
     t = trainer("lightning.pytorch", str(tmp_path), [timer], max_steps=8, log_every_n_steps=4, logger=False)
     t.fit(IterModule(), loader(sleep_s=0.001))
@@ -363,6 +365,8 @@ def test_a_dataloader_iter_training_step_is_timed(tmp_path, host_hours):
     assert timer.totals.steps == 7 and "h2d" not in per_step
     assert per_step["data_wait"] == 8  # 8 items of 1, fetched inside the step
     assert per_step["forward"] == 8 + 4  # on the device (here the host) the fetch is inside forward
+    # so its device's idle over the fetch is in forward, not before the step: the verdict takes the whole wait
+    assert seen and all(seen)
 
 
 def test_fast_dev_run_says_why_nothing_was_timed(tmp_path):

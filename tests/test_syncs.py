@@ -275,10 +275,19 @@ def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
     assert lines[at - 1].startswith("phase-timer's own host time")  # under the run's own lines, not the measures'
 
 
-def test_a_core_no_census_listens_to_runs_none(monkeypatch):
-    """The census runs for the measure that listens: a core made without one never turns torch's check on."""
+def test_a_core_no_census_listens_to_runs_none(monkeypatch, tmp_path):
+    """The census runs for the measure that listens: a core made without one never turns torch's check on, and its
+    summary file says the census did not run (the schema's ``syncs`` is a block, never null)."""
+    import jsonschema
+
+    from phase_timer.outputs.run_summary import schema, write_summary
+
     core, switch, _ = _run(monkeypatch, warmup=2, steps=4, census=False)
     assert switch.sets == [] and core.measure("syncs") is None and core.totals.steps == 2
+    with open(write_summary(core, tmp_path)) as f:
+        data = json.load(f)
+    jsonschema.validate(data, schema())
+    assert data["syncs"]["census"] == "not run" and data["syncs"]["sites"] == []
 
 
 # -- what the verdict says with it ----------------------------------------------------------------

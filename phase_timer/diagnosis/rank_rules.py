@@ -29,7 +29,8 @@ def _straggler(signals: Signals, rank_totals: Any, clock: str = "host") -> Diagn
     for (phase, rank), count in ranked:
         if count < max(MIN_WINDOWS, STRAGGLER_SHARE * n):
             break
-        reach = _reach(rank_totals, rank) if phase in HOST_PHASES and clock != "host" else None
+        reach = (_reach(rank_totals, rank, signals.margins[phase, rank] / count)
+                 if phase in HOST_PHASES and clock != "host" else None)
         if reach is not None and reach[0] < floor:
             hidden = hidden or (phase, rank, signals.margins[phase, rank] / count, count, reach)
             continue
@@ -96,11 +97,13 @@ def _rank_exposed(rank_totals: Any, rank: int) -> float | None:
     return exposed_wait({p: acc[0] for p, acc in sums.items()}, {p: int(acc[1]) for p, acc in sums.items()}, steps)
 
 
-def _reach(rank_totals: Any, rank: int) -> tuple[float, float | None, float | None] | None:
-    """How much of a rank's lag in a host-clock phase reaches the devices, ms a step: (the larger of its device's
-    idle before its steps above the other ranks' median and the others' longer wait for it in their collectives;
-    that idle above theirs; that wait).  None where neither is known (no per-rank totals): the phase is taken as it
-    is."""
+def _reach(rank_totals: Any, rank: int, margin: float) -> tuple[float, float | None, float | None] | None:
+    """How much of a rank's lag in a host-clock phase (``margin`` ms a step above the others' median) reaches the
+    devices, ms a step: (its device's idle before its steps above the other ranks' median where known, else the
+    others' longer wait for it in their collectives, at most ``margin``; that idle above theirs; that wait).  Where
+    the rank's own idle is known it decides: a lag its own device never felt is not what the others wait for (their
+    wait then has another cause: its pauses, host work outside the phases).  None where neither is known (no
+    per-rank totals): the phase is taken as it is."""
     if rank_totals is None or rank not in rank_totals.sums:
         return None
     mine = _rank_exposed(rank_totals, rank)
@@ -110,7 +113,8 @@ def _reach(rank_totals: Any, rank: int) -> tuple[float, float | None, float | No
     waited = wait[0] if wait is not None else None
     if idle is None and waited is None:
         return None
-    return max(idle or 0.0, waited or 0.0, 0.0), idle, waited
+    felt = idle if idle is not None else waited
+    return min(margin, max(0.0, felt or 0.0)), idle, waited
 
 
 def _reach_evidence(reach: tuple[float, float | None, float | None]) -> dict[str, Any]:

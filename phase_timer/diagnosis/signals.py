@@ -54,15 +54,21 @@ class Signals:
         self.rank_shifts = RankShifts()
 
     def add_wait(self, steps: int, summary: dict[str, dict[str, float]],
-                 sizes: dict[str, int] | None = None) -> float | None:
+                 sizes: dict[str, int] | None = None, *, whole: bool = False) -> float | None:
         """One window's part of ``data_wait`` that reached the device (ms over its steps; None: no data_wait), from
-        its statistics and each phase's count of values (``sizes``; default: every step)."""
+        its statistics and each phase's count of values (``sizes``; default: every step).  ``whole``: the fetch
+        runs inside the step's own span (Lightning's ``training_step(self, dataloader_iter)``), where the device's
+        idle over it lands in ``forward``, not between the steps: the whole wait is taken as reaching the device,
+        as on the host clock."""
         if FETCH not in summary:
             return None
         sizes = sizes or {}
-        kept = [p for p in summary if p in (FETCH, BETWEEN, *TOTALS) or p.startswith(BETWEEN_PREFIX)]
-        counts = {p: sizes.get(p, steps) for p in kept}
-        exposed = exposed_wait({p: summary[p]["mean"] * counts[p] for p in kept}, counts, steps)
+        if whole:
+            exposed = summary[FETCH]["mean"] * sizes.get(FETCH, steps) / steps if steps else None
+        else:
+            kept = [p for p in summary if p in (FETCH, BETWEEN, *TOTALS) or p.startswith(BETWEEN_PREFIX)]
+            counts = {p: sizes.get(p, steps) for p in kept}
+            exposed = exposed_wait({p: summary[p]["mean"] * counts[p] for p in kept}, counts, steps)
         if exposed is None:
             return None
         self.wait_exposed_ms += exposed * steps

@@ -30,7 +30,7 @@ def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any], clock: str)
     tips, found = advise(loader, run, ctx.get("device_type"))
     ev = {"share_of_period": share, "data_wait_ms": wait.mean, "data_wait_p50_ms": run.wait_p50, "loader": loader,
           "cpu_count": cores, "cpu": cpu, **found}
-    exposed = _exposed_wait(totals, signals, clock)
+    exposed = None if ctx.get("fetch_in_step") else _exposed_wait(totals, signals, clock)  # inside the step: whole
     if exposed is None:  # the host clock: the whole wait is the loop's
         why = (f"the loop waits {wait.mean:.2f} ms a step for its next batch: {_pct(share)} of the time per step "
                "(data_wait of period)")

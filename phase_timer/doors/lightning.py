@@ -169,6 +169,8 @@ class PhaseTimer(Door):
         self._comm = attach_comm([trainer.strategy.model], self.core)
         self._opened(self.core)
         self._iter_mode = type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ == "_DataLoaderIterDataFetcher"
+        if self._iter_mode:  # the fetch runs inside the step: its wait is all taken as reaching the device
+            self.core.context["fetch_in_step"] = True
         # trainer.optimizers are the torch optimizers themselves.  Their post-hook ends the
         # step.  Automatic optimization calls `optimizer.step(closure)` before it runs
         # training_step, so only manual optimization takes the pre-hook as `optimizer`.

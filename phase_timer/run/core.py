@@ -332,14 +332,16 @@ class TimingCore:
             measured.update(measure.window(columns))
         # The engines' columns come sorted, each with a value; the statistics and the run totals in one pass.
         summary = self.totals.add_sorted_window(steps, columns)
-        exposed = self.signals.add_wait(steps, summary, {p: len(v) for p, v in columns.items()})
+        exposed = (self.signals.add_wait(steps, summary, {p: len(v) for p, v in columns.items()},
+                                         whole=bool(self.context.get("fetch_in_step")))
+                   if self.clock.kind != "host" else None)  # the host clock: the whole wait is the loop's
         if self.ranks is not None:
             sent: dict[str, float] = {}
             state: dict[str, float] = {}
             for measure in self.measures:
                 sent.update(measure.report())
                 state.update(measure.state())
-            if exposed is not None and self.clock.kind != "host":  # rank zero's RANK_STRAGGLER reads it
+            if exposed is not None:  # a device clock's: rank zero's RANK_STRAGGLER reads it
                 sent[EXPOSED_WAIT] = exposed
             if self._pauses:  # the pauses since the last window (rank zero's RANK_STRAGGLER reads them)
                 sent.update(paused_ms=self._paused_ms, pauses=float(self._pauses))
