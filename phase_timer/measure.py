@@ -12,8 +12,9 @@ order, at these points:
 - :meth:`Measure.report` under torch.distributed, after each window: what this rank's window report carries for
   the measure (rank zero keeps each rank's sums: ``RankTotals.counts``).
 - :meth:`Measure.job` on rank zero, for each window of the job's the exchange hands back: its scalars.
-- :meth:`Measure.end` once at the run's end, after the last window, before the verdict: the run's last figures,
-  and the lines the verdict weighs (MFU's).
+- :meth:`Measure.end` once at the run's end, whatever ended it, after the last window, before the verdict: the
+  run's last figures and work (the allocator history's last dump, the other ranks' out-of-memory errors), and the
+  lines the verdict weighs (MFU's).
 - :meth:`Measure.verdict` when the verdict is made (at the end, and so far for the live file): what the rules read
   of the measure (:func:`phase_timer.diagnosis.diagnose`'s keywords).
 - :meth:`Measure.cost` for the own-cost line: the host time the measure spends on steps of its own choosing

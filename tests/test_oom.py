@@ -480,20 +480,81 @@ def test_a_snapshot_is_recorded_bounded_dumped_on_the_error_and_stopped_at_the_e
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.snapshot)
     snap = oom.Snapshot.start(True, _cuda_core(), str(tmp_path))
     assert fake.calls == [{"enabled": "all", "context": "all", "stacks": "python", "max_entries": oom.SNAPSHOT_ENTRIES}]
-    path = snap.dump(_cuda_core(), "oom")
+    path = snap.dump("oom")
     assert path == str(tmp_path / "memory_snapshot.pickle") and os.listdir(tmp_path) == ["memory_snapshot.pickle"]
     with open(path, "rb") as f:
         assert pickle.load(f)["segments"][0]["total_size"] == 1 << 20
-    snap.end(_cuda_core())
-    assert fake.calls[-1] == {"enabled": None} and snap.as_dict()["dumped"] == "oom"
+    assert snap.end(None) == []  # the measure's end: recording stops
+    assert fake.calls[-1] == {"enabled": None} and snap.summary()["dumped"] == "oom"
     # "end": written at the end of a run that did not run out; a path of the user's, one file per rank
     end = oom.Snapshot.start("end", _cuda_core(), str(tmp_path / "other"))
-    end.end(_cuda_core())
-    assert end.as_dict()["dumped"] == "end" and os.path.isfile(tmp_path / "other" / "memory_snapshot.pickle")
+    end.end(None)
+    assert end.summary()["dumped"] == "end" and os.path.isfile(tmp_path / "other" / "memory_snapshot.pickle")
     mine = oom.Snapshot.start(str(tmp_path / "mine" / "snap.pickle"), _cuda_core(2), None)
-    assert mine.dump(_cuda_core(2), "oom") == str(tmp_path / "mine" / "snap.rank2.pickle")
-    mine.end(_cuda_core(2))
+    assert mine.dump("oom") == str(tmp_path / "mine" / "snap.rank2.pickle")
+    mine.end(None)
     assert not os.path.exists(tmp_path / "mine" / "snap.pickle")
+
+
+# -- the measure ----------------------------------------------------------------------------------
+def _core(measures: list[Any]) -> Any:
+    from phase_timer.run.core import TimingCore
+    from phase_timer.timing.clock import HostClock
+
+    return TimingCore(HostClock(), [], window=10, warmup_steps=0, max_pending=8, memory=False, measures=measures)
+
+
+def test_the_error_is_the_measures_its_summary_block_and_the_verdicts_keyword():
+    measure = oom.OutOfMemory()
+    core = _core([measure])
+    assert (core.oom, core.verdict().kind) == (None, "TOO_FEW_STEPS")
+    oom.caught(RuntimeError("wrapped"), core, None)  # not an out-of-memory error: nothing noted
+    assert measure.facts is None
+    oom.caught(torch.OutOfMemoryError(MESSAGE), core, None)
+    facts = measure.facts
+    assert facts["requested_mb"] == 2048.0 and core.oom is facts and oom.own(core)
+    assert core.verdict().kind == "OUT_OF_MEMORY"  # handed through Measure.verdict: nobody passes oom=
+    oom.caught(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB"), core, None)
+    assert measure.facts is facts and facts["requested_mb"] == 2048.0  # the first one only
+    core.finish()
+    assert core.diagnosis.kind == "OUT_OF_MEMORY"
+    from phase_timer.outputs.run_summary import build_summary
+
+    data = build_summary(core)
+    assert data["oom"] == facts and data["memory_snapshot"] is None  # not asked: null
+    jsonschema.validate(json.loads(json.dumps(data, default=str)), schema())
+
+
+def test_a_core_made_without_the_measure_notes_nothing_and_writes_what_the_schema_asks():
+    from phase_timer.outputs.run_summary import build_summary
+
+    core = _core([])
+    oom.caught(torch.OutOfMemoryError(MESSAGE), core, None)  # never raises; nothing listens for it
+    assert core.oom is None and not oom.own(core)
+    core.finish()
+    data = build_summary(core)
+    assert data["oom"] is None and data["memory_snapshot"] is None and core.diagnosis.kind != "OUT_OF_MEMORY"
+    jsonschema.validate(json.loads(json.dumps(data, default=str)), schema())
+
+
+def test_the_doors_register_the_measure_and_the_snapshot_only_where_asked(tmp_path):
+    model = OomNet(torch.OutOfMemoryError(MESSAGE), at=10**6)
+    plain = phase_timer.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), log_dir=tmp_path, summary=False)
+    try:
+        kinds = [type(m) for m in plain.core.measures]
+        assert oom.OutOfMemory in kinds and oom.Snapshot not in kinds
+    finally:
+        plain.close()
+    with pytest.warns(RuntimeWarning, match="memory_snapshot=True"):
+        asked = phase_timer.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), log_dir=tmp_path / "b",
+                                   summary=False, memory_snapshot=True)
+    try:
+        snap = asked.core.measure("memory_snapshot")
+        assert isinstance(snap, oom.Snapshot) and [type(m) for m in asked.core.measures][:2] == [oom.Snapshot,
+                                                                                            oom.OutOfMemory]
+    finally:
+        asked.close()
+    assert summary_of(asked.summary_path)["memory_snapshot"] == snap.summary()
 
 
 # -- torch.distributed: the rank that ran out writes its own; rank zero names it ------------------

@@ -26,7 +26,7 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
     ``memory``: the memory summary (``measures.memory.Memory.summary``); its findings come after the time ones,
     except a high one, which comes first.  ``mfu``: what MFU says (``mfu.mfu_advice``): a GPU-bound run's
     tips at low MFU, or that an MFU over 100% cannot be (``MFU_IMPOSSIBLE``).  ``oom``: what was known when an
-    out-of-memory error ended the run (``TimingCore.oom``): ``OUT_OF_MEMORY`` then leads, whatever the number
+    out-of-memory error ended the run (``measures.oom.OutOfMemory``; None: none did): ``OUT_OF_MEMORY`` then leads, whatever the number
     of steps, and the rest follows it.  ``syncs``: what the sync census heard (``measures.syncs.Syncs``; None:
     no census), which the host- and GPU-bound findings name.  ``modules``: the modules block
     (``measures/modules.py``): GPU_BOUND names the module that holds the most of the slow phase, the memory findings

@@ -124,7 +124,10 @@ def start_core(
         trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
         ranks=ranks, memory=False,  # registered below, with the others
     )
-    for measure in _measures(config, core, device, models):
+    # The run's directory for memory_snapshot's file (rank zero's; the others learn it through the store, as they
+    # learn where to write their own summary should they run out of memory).
+    directory = (out.summary_dir or out.log_dir or trace_dir or os.getcwd()) if rank_zero else None
+    for measure in _measures(config, core, device, models, directory):
         core.listen(measure)
     core.summary_dir = out.summary_dir if rank_zero else None
     if core.summary_dir is not None:  # what `phase-timer watch` reads, written on a thread of its own
@@ -136,22 +139,24 @@ def start_core(
     core.context.update(door=door, config=given, device_type=dev.type if dev is not None else "cpu",
                         device_name=device_name(dev) if dev is not None else "cpu", cpu_count=cpu_count())
     core.context.update(context or {})
-    # The run's directory for memory_snapshot's file (rank zero's; the others learn it through the store, as they
-    # learn where to write their own summary should they run out of memory).
-    directory = (out.summary_dir or out.log_dir or trace_dir or os.getcwd()) if rank_zero else None
-    core.snapshot = oom.Snapshot.start(config.memory_snapshot, core, directory)
     oom.publish(core, directory)
     return core
 
 
-def _measures(config: Options, core: TimingCore, device: Any, models: Sequence[Any] = ()) -> list[Measure]:
-    """What listens to the run's results, in the order the core calls them: memory per phase (where the device has
-    an allocator to read; the boundaries read it through its tracker), throughput (the boundaries count each batch
+def _measures(config: Options, core: TimingCore, device: Any, models: Sequence[Any] = (),
+              directory: str | None = None) -> list[Measure]:
+    """What listens to the run's results, in the order the core calls them: the allocator's history where
+    ``memory_snapshot=`` asks (its file in ``directory``; recording starts here, and stops first at the run's end),
+    the out-of-memory error that ended the run (the doors' ``oom.caught`` notes it), memory per phase (where the
+    device has an allocator to read; the boundaries read it through its tracker), throughput (the boundaries count each batch
     with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to get
     MFU), then which module (``models``' modules on sampled steps; the boundaries take it from the core), then the
     sync census (the boundaries run it on a warm-up step)."""
+    snapshot = oom.Snapshot.start(config.memory_snapshot, core, directory, stacklevel=5)  # warned at the door
+    out: list[Measure] = [snapshot] if snapshot is not None else []
+    out.append(oom.OutOfMemory(core.ranks))
     memory = Memory.start(core.clock, core.ranks) if config.memory else None
-    out: list[Measure] = [memory] if memory is not None else []
+    out += [memory] if memory is not None else []
     out.append(RunThroughput(BatchCounter(config.samples_per_batch, config.tokens_per_batch), core.ranks))
     plan = _flop_plan(config, core.clock.kind, _device(device))
     if plan is not None:

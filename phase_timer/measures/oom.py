@@ -2,25 +2,27 @@
 
 When ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class) passes through a
 door, the door calls :func:`caught` once, before it closes the run, and the exception goes on to the
-user unchanged (nothing here raises).  ``caught`` notes on the core what was known at that moment
-(``core.oom``, the summary file's ``oom``): the step and the phase the boundaries were in, the size
+user unchanged (nothing here raises).  ``caught`` notes on the run's :class:`OutOfMemory` measure what was known
+at that moment (the summary file's ``oom``; ``TimingCore.oom`` reads it): the step and the phase the boundaries were in, the size
 that failed and the allocator's own figures (from its message), the allocator's counters and the
 device's free memory read at the door, what the last memory step saw each phase hold, and the sizes
-of the weights, their gradients and the optimizer's state.  The verdict then leads with
-``OUT_OF_MEMORY`` (:func:`phase_timer.diagnosis.out_of_memory`).
+of the weights, their gradients and the optimizer's state.  The measure hands it to the verdict, which then
+leads with ``OUT_OF_MEMORY`` (:func:`phase_timer.diagnosis.out_of_memory`).  A core made without the measure
+notes nothing (its summary's ``oom`` is null).
 
 Nothing here waits for the device.  The counters are the caching allocator's host-side statistics
 (``torch._C._cuda_memoryStats``); the device's free memory is ``cudaMemGetInfo``, a driver query that
 waits for no stream (``docs/faults.md``: what is known of a stuck device).  The frames the error passed
 through are still alive (its traceback holds them), so what their tensors hold is still allocated.
 
-``memory_snapshot=`` (opt-in): the allocator records its history (:class:`Snapshot`: bounded entries,
-Python stacks only) from the run's start; a snapshot is dumped on an out-of-memory error, and at the
-run's end when asked (``"end"``), for PyTorch's memory visualizer (https://pytorch.org/memory_viz).
+``memory_snapshot=`` (opt-in): the allocator records its history (:class:`Snapshot`, a measure of its own filling
+the summary's ``memory_snapshot``: bounded entries, Python stacks only) from the run's start; a snapshot is dumped
+on an out-of-memory error, and at the run's end when asked (``"end"``), for PyTorch's memory visualizer
+(https://pytorch.org/memory_viz).
 
 Under torch.distributed the rank that ran out writes its own summary file
 (``phase_timer_summary.rank<r>.json``, beside rank zero's) and appends its finding to one key of the
-job's store; rank zero reads that key at its end, whatever ended it.  Every store request is made on
+job's store; rank zero's measure reads that key at the run's end (:meth:`OutOfMemory.end`), whatever ended it.  Every store request is made on
 a thread joined at most :data:`STORE_WAIT_S`: no rank ever waits on another here (one stuck in a
 collective never answers), only on the store, and not for long.
 """
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phase_timer import files
+from phase_timer.measure import Measure
 from phase_timer.measures import memory as _memory
 from phase_timer._env import warn
 
@@ -235,17 +238,20 @@ def _state_sizes(optimizers: Iterable[Any], device_type: str) -> dict[str, float
 def caught(exc: BaseException | None, core: Any, bounds: Any, *, optimizers: Iterable[Any] = (),
            cut: Cut | None = None) -> None:
     """An exception passed through a door: if it is (or was raised from) an out-of-memory error, note what was
-    known on ``core`` (once), dump the snapshot if one is recorded, and under torch.distributed tell rank zero.
-    ``cut``: the plain door's :class:`Cut`, used when ``exc`` is what closed its loader.  Never raises."""
-    if core is None or getattr(core, "oom", None) is not None:
+    known on ``core``'s :class:`OutOfMemory` measure (once; a core without one notes nothing), dump the snapshot if
+    one is recorded, and under torch.distributed tell rank zero.  ``cut``: the plain door's :class:`Cut`, used when
+    ``exc`` is what closed its loader.  Never raises."""
+    measure = core.measure(OutOfMemory.key) if core is not None else None
+    if not isinstance(measure, OutOfMemory) or measure.facts is not None:
         return
     try:
         error = find(exc)
         if error is None:
             return
-        core.oom = facts = _facts(exc, error, core, bounds, optimizers, cut)
-        if core.snapshot is not None:
-            facts["snapshot"] = core.snapshot.dump(core, "oom")
+        measure.facts = facts = _facts(exc, error, core, bounds, optimizers, cut)
+        snapshot = core.measure(Snapshot.key)
+        if isinstance(snapshot, Snapshot):
+            facts["snapshot"] = snapshot.dump("oom")
         if core.ranks is not None and core.ranks.rank != 0:
             _from_this_rank(core, facts)
     except Exception as err:  # noqa: BLE001 - the user's exception goes on whatever happens here
@@ -285,29 +291,84 @@ def _facts(exc: BaseException, error: BaseException, core: Any, bounds: Any, opt
 
 def own(core: Any) -> bool:
     """This rank's run ended in its own out-of-memory error (so it prints its table, as rank zero does)."""
-    facts = getattr(core, "oom", None)
-    return facts is not None and facts.get("rank") == (core.ranks.rank if core.ranks is not None else None)
+    measure = core.measure(OutOfMemory.key)
+    return isinstance(measure, OutOfMemory) and measure.own()
 
 
-def at_end(core: Any) -> None:
-    """The run's end, whatever ended it (``TimingCore.finish``): the snapshot's end dump, if asked, and its
-    recording stopped; rank zero under torch.distributed reads what the other ranks reported.  Never raises."""
-    try:
-        if core.snapshot is not None:
-            core.snapshot.end(core)
-        if core.ranks is not None and core.ranks.rank == 0:
-            _from_other_ranks(core)
-    except Exception as err:  # noqa: BLE001 - the run's numbers are written whatever happens here
-        warn(log, f"phase-timer: the end of the out-of-memory watch failed ({type(err).__name__}: {err})")
+def _end_failed(err: Exception) -> None:
+    warn(log, f"phase-timer: the end of the out-of-memory watch failed ({type(err).__name__}: {err})")
+
+
+class OutOfMemory(Measure):
+    """The out-of-memory error that ended the run, as a measure: what :func:`caught` noted (:attr:`facts`), for the
+    summary file (``oom``: null where none did) and the verdict's rules (``diagnose(oom=...)``).
+
+    The doors call :func:`caught` (nothing here runs on a step).  At the run's end, rank zero under
+    torch.distributed reads what the other ranks reported through the job's store (:meth:`end`)."""
+
+    key = "oom"
+
+    def __init__(self, ranks: Any = None) -> None:
+        self.ranks = ranks
+        #: What was known when an out-of-memory error ended the run (None: none did).
+        self.facts: dict[str, Any] | None = None
+
+    def own(self) -> bool:
+        """This rank's run ended in its own out-of-memory error (not one another rank reported)."""
+        facts = self.facts
+        return facts is not None and facts.get("rank") == (self.ranks.rank if self.ranks is not None else None)
+
+    def end(self, totals: Any) -> list[str]:
+        """The run's end, whatever ended it: rank zero under torch.distributed reads what the other ranks reported.
+        Never raises."""
+        try:
+            if self.ranks is not None and self.ranks.rank == 0:
+                self._from_other_ranks()
+        except Exception as err:  # noqa: BLE001 - the run's numbers are written whatever happens here
+            _end_failed(err)
+        return []
+
+    def verdict(self) -> dict[str, Any]:
+        return {"oom": self.facts}
+
+    def summary(self) -> dict[str, Any] | None:
+        return self.facts
+
+    def _from_other_ranks(self) -> None:
+        """Rank zero: the findings the other ranks appended.  Its own finding stays first; without one, the lowest
+        rank's leads.  ``ranks_out_of_memory`` names every rank that reported one."""
+        store, key = self.ranks.store, _key(self.ranks, "oom")
+        text = _bounded(lambda: store.get(key) if store.check([key]) else None)
+        if not text:
+            return
+        reports = []
+        for line in bytes(text).decode(errors="replace").splitlines():
+            try:
+                reports.append(json.loads(line))
+            except ValueError:
+                continue  # a line still being appended
+        reports = sorted((r for r in reports if isinstance(r, dict) and isinstance(r.get("rank"), int)),
+                         key=lambda r: r["rank"])
+        if not reports:
+            return
+        if self.facts is None:
+            self.facts = reports[0]
+        self.facts["ranks_out_of_memory"] = sorted({r["rank"] for r in reports} | ({0} if self.own() else set()))
 
 
 # -- the snapshot -------------------------------------------------------------------------------
-class Snapshot:
+class Snapshot(Measure):
     """``memory_snapshot=``: the allocator's history, recorded from the run's start, dumped on an out-of-memory
     error (and at the end with ``"end"``).  ``True``/``"end"``: ``memory_snapshot.pickle`` in the run's directory;
-    a path: that file.  Rank r > 0 of a distributed job adds ``.rank<r>`` before the suffix."""
+    a path: that file.  Rank r > 0 of a distributed job adds ``.rank<r>`` before the suffix.
 
-    def __init__(self, setting: Any, directory: str | None) -> None:
+    A measure (registered only where asked): it fills the summary file's ``memory_snapshot`` (null: not asked), and
+    its recording stops at the run's end (:meth:`end`)."""
+
+    key = "memory_snapshot"
+
+    def __init__(self, setting: Any, directory: str | None, ranks: Any = None) -> None:
+        self.ranks = ranks
         self.at_end = setting == "end"
         self.target = None if setting is True or self.at_end else os.fspath(setting)
         self.directory = directory
@@ -317,14 +378,15 @@ class Snapshot:
         self.error: str | None = None
 
     @classmethod
-    def start(cls, setting: Any, core: Any, directory: str | None) -> Snapshot | None:
-        """Recording starts now (CUDA); elsewhere one warning, and the run goes on without it."""
+    def start(cls, setting: Any, core: Any, directory: str | None, stacklevel: int = 4) -> Snapshot | None:
+        """Recording starts now (CUDA), for ``core``'s clock and ranks; elsewhere one warning (at ``stacklevel``
+        from here), and the run goes on without it."""
         if setting is None or setting is False:
             return None
-        snap = cls(setting, directory)
+        snap = cls(setting, directory, core.ranks)
         if core.clock.kind != "cuda":
             snap.error = "it needs a CUDA device, and this run is on the host clock: nothing was recorded"
-            warn(log, f"phase-timer: memory_snapshot={setting!r}: {snap.error}", 4)
+            warn(log, f"phase-timer: memory_snapshot={setting!r}: {snap.error}", stacklevel)
             return snap
         try:
             import torch
@@ -334,14 +396,14 @@ class Snapshot:
             snap.recording = True
         except Exception as err:  # noqa: BLE001 - a torch without it: time the run all the same
             snap.error = f"the allocator's history could not be recorded ({type(err).__name__}: {err})"
-            warn(log, f"phase-timer: memory_snapshot={setting!r}: {snap.error}", 4)
+            warn(log, f"phase-timer: memory_snapshot={setting!r}: {snap.error}", stacklevel)
         return snap
 
-    def dump(self, core: Any, when: str) -> str | None:
+    def dump(self, when: str) -> str | None:
         """The snapshot, written atomically (a temporary file, then a rename); its path, or None (why: ``error``)."""
         if not self.recording or self.dumped is not None:
             return self.path
-        path = self._path(core)
+        path = self._path()
         if path is None:
             self.error = "no directory to write it in (rank zero wrote no files, or the store did not say where)"
             return None
@@ -357,25 +419,37 @@ class Snapshot:
         self.path, self.dumped = path, when
         return path
 
-    def end(self, core: Any) -> None:
-        """The run's end: the end's dump when asked (unless an out-of-memory error's came first); recording stops."""
+    def end(self, totals: Any = None) -> list[str]:
+        """The run's end, whatever ended it: the end's dump when asked (unless an out-of-memory error's came
+        first); recording stops.  Never raises."""
+        try:
+            self.stop()
+        except Exception as err:  # noqa: BLE001 - the run's numbers are written whatever happens here
+            _end_failed(err)
+        return []
+
+    def stop(self) -> None:
+        """The end's dump when asked (unless an out-of-memory error's came first); recording stops."""
         if not self.recording:
             return
         try:
             if self.at_end:
-                self.dump(core, "end")
+                self.dump("end")
         finally:
             import torch
 
             torch.cuda.memory._record_memory_history(enabled=None)
             self.recording = False
 
-    def _path(self, core: Any) -> str | None:
-        rank = core.ranks.rank if core.ranks is not None else 0
+    def _path(self) -> str | None:
+        rank = self.ranks.rank if self.ranks is not None else 0
         if self.target is not None:
             return _ranked(self.target, rank)
-        directory = self.directory if rank == 0 else (_published(core) or {}).get("directory")
+        directory = self.directory if rank == 0 else (_published(self.ranks) or {}).get("directory")
         return _ranked(files.join(directory, SNAPSHOT_FILE), rank) if directory else None
+
+    def summary(self) -> dict[str, Any]:
+        return self.as_dict()
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "dumped": self.dumped, "at_end": self.at_end, "max_entries": SNAPSHOT_ENTRIES,
@@ -396,8 +470,8 @@ def rank_file_name(rank: int) -> str:
 
 
 # -- between ranks: the job's store, never another rank ---------------------------------------
-def _key(core: Any, what: str) -> str:
-    return f"{core.ranks.namespace}/{what}"
+def _key(ranks: Any, what: str) -> str:
+    return f"{ranks.namespace}/{what}"
 
 
 def _bounded(fn: Callable[[], Any]) -> Any:
@@ -423,13 +497,13 @@ def publish(core: Any, directory: str | None) -> None:
     if ranks is None or ranks.rank != 0 or directory is None:
         return
     value = json.dumps({"summary_dir": core.summary_dir, "directory": directory})
-    _bounded(lambda: ranks.store.set(_key(core, "dir"), value))
+    _bounded(lambda: ranks.store.set(_key(ranks, "dir"), value))
 
 
-def _published(core: Any) -> dict[str, Any] | None:
+def _published(ranks: Any) -> dict[str, Any] | None:
     """What rank zero published (None: nothing, or not within STORE_WAIT_S: a rank that runs out in its first
     steps may get there before rank zero has opened its files)."""
-    store, key = core.ranks.store, _key(core, "dir")
+    store, key = ranks.store, _key(ranks, "dir")
 
     def read() -> Any:
         deadline = time.monotonic() + STORE_WAIT_S * 0.9
@@ -447,29 +521,8 @@ def _from_this_rank(core: Any, facts: dict[str, Any]) -> None:
     rank zero's (where rank zero published it; nowhere when rank zero writes no files)."""
     ranks = core.ranks
     line = (json.dumps(facts, default=str) + "\n").encode()
-    _bounded(lambda: ranks.store.append(_key(core, "oom"), line))
-    where_to = (_published(core) or {}).get("summary_dir")
+    _bounded(lambda: ranks.store.append(_key(ranks, "oom"), line))
+    where_to = (_published(ranks) or {}).get("summary_dir")
     if where_to:
         core.summary_dir, core.summary_name = where_to, rank_file_name(ranks.rank)
 
-
-def _from_other_ranks(core: Any) -> None:
-    """Rank zero: the findings the other ranks appended.  Its own finding stays first; without one, the lowest
-    rank's leads.  ``ranks_out_of_memory`` names every rank that reported one."""
-    store, key = core.ranks.store, _key(core, "oom")
-    text = _bounded(lambda: store.get(key) if store.check([key]) else None)
-    if not text:
-        return
-    reports = []
-    for line in bytes(text).decode(errors="replace").splitlines():
-        try:
-            reports.append(json.loads(line))
-        except ValueError:
-            continue  # a line still being appended
-    reports = sorted((r for r in reports if isinstance(r, dict) and isinstance(r.get("rank"), int)),
-                     key=lambda r: r["rank"])
-    if not reports:
-        return
-    if core.oom is None:
-        core.oom = reports[0]
-    core.oom["ranks_out_of_memory"] = sorted({r["rank"] for r in reports} | ({0} if own(core) else set()))

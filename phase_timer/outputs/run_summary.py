@@ -38,7 +38,6 @@ class RunRecord(Protocol):
     context: dict[str, Any]
     diagnosis: Diagnosis | None
     interrupted: bool
-    oom: dict[str, Any] | None
     ranks: RankExchange | None
     series: WindowSeries
     signals: Signals
@@ -111,8 +110,8 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "ranks": per_rank,
         "syncs": measured.get("syncs") or Syncs().summary(),  # no census measure: "not run", as the schema asks
         "memory": measured.get("memory"),
-        "oom": getattr(core, "oom", None),
-        "memory_snapshot": _snapshot(core),
+        "oom": measured.get("oom"),  # null: no out-of-memory error (or no measure listening for one)
+        "memory_snapshot": measured.get("memory_snapshot"),  # null: not asked
         "throughput": measured.get("throughput"),
         "flops": measured.get("flops"),
         "communication": measured.get("communication"),
@@ -121,12 +120,6 @@ def build_summary(core: RunRecord) -> dict[str, Any]:
         "windows": {"steps_per_window": core.window, **core.series.as_dict()},
     }
 
-
-
-def _snapshot(core: RunRecord) -> dict[str, Any] | None:
-    """``memory_snapshot=``: where the allocator's history went, or why it did not (None: not asked)."""
-    snap = getattr(core, "snapshot", None)
-    return snap.as_dict() if snap is not None else None
 
 
 def _environment(core: RunRecord, ctx: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from typing import Any
 
 from phase_timer._env import warn
 from phase_timer.diagnosis import format_verdict
-from phase_timer.measures import oom as _oom
 from phase_timer.outputs.sinks import Sink
 from phase_timer.outputs.tags import DIAGNOSIS_TAG
 from phase_timer.outputs.trace import TraceWriter
@@ -24,13 +23,13 @@ def conclude(core: Any, sinks: Sequence[Sink], last_step: int) -> None:
     """The verdict: once to the sinks as text (at ``last_step``), and (rank zero) the run summary file.  Never
     raises."""
     advice: list[str] = []
-    for measure in core.measures:  # their last figures; what they tell the verdict (MFU's lines)
+    for measure in core.measures:  # their last figures (the snapshot's end, the ranks' out-of-memory errors); MFU's lines
         try:
             advice += measure.end(core.totals)
         except Exception as err:  # noqa: BLE001 - a measure is an extra: the verdict and the files go on
             warn(log, f"phase-timer: {type(measure).__name__} failed at the run's end ({type(err).__name__}: {err})")
     try:
-        core.diagnosis = core.verdict(mfu=advice, oom=core.oom)
+        core.diagnosis = core.verdict(mfu=advice)
     except Exception as err:  # noqa: BLE001 - a bug in a rule must not cost the run its numbers
         warn(log, f"phase-timer: could not diagnose the run ({type(err).__name__}: {err})")
         return
@@ -38,8 +37,9 @@ def conclude(core: Any, sinks: Sequence[Sink], last_step: int) -> None:
         text = format_verdict(core.diagnosis).replace("\n", "  \n")  # markdown line breaks
         for sink in sinks:  # every one is guarded (finish): a sink without text is skipped there
             sink.write_text(DIAGNOSIS_TAG, text, last_step)
-    # Rank zero's file; and a rank that ran out of memory writes its own (summary_dir set by oom.caught).
-    if core.summary_dir is not None and (core.ranks is None or core.ranks.rank == 0 or _oom.own(core)):
+    # Rank zero's file; and a rank given a file of its own writes it (one that ran out of memory: summary_dir and
+    # summary_name set by oom.caught).
+    if core.summary_dir is not None and (core.ranks is None or core.ranks.rank == 0 or core.summary_name is not None):
         from phase_timer.outputs.run_summary import write_summary
 
         try:

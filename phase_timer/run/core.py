@@ -18,7 +18,6 @@ from typing import Any
 from phase_timer._env import warn
 from phase_timer.timing.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose
-from phase_timer.measures import oom as _oom
 from phase_timer.timing.engine import POLL_EVERY, make_engine
 from phase_timer.measure import Measure
 from phase_timer.measures.memory import Memory, MemoryTracker, tracker_of
@@ -116,10 +115,6 @@ class TimingCore:
         #: The summary file's name (None: ``phase_timer_summary.json``; a rank other than zero that ran out of
         #: memory writes ``phase_timer_summary.rank<r>.json``).
         self.summary_name: str | None = None
-        #: What was known when an out-of-memory error ended the run (``phase_timer/measures/oom.py``; None: none did).
-        self.oom: dict | None = None
-        #: ``memory_snapshot=``: the allocator's history being recorded (``oom.Snapshot``; None: not asked).
-        self.snapshot: _oom.Snapshot | None = None
         self.interrupted = False
         #: Added to a step's index where it is logged (the 🤗 door: the Trainer logs step k at global_step k+1).
         self.log_step_offset = 0
@@ -383,6 +378,13 @@ class TimingCore:
         """The measure that fills the summary file's block ``key`` (None: none listens)."""
         return next((m for m in self.measures if m.key == key), None)
 
+    @property
+    def oom(self) -> dict | None:
+        """What was known when an out-of-memory error ended the run (the summary file's ``oom``: the measure that
+        fills it, ``phase_timer/measures/oom.py``); None: none did, or no measure listens for one."""
+        found = self.measure("oom")
+        return found.summary() if found is not None else None
+
 
     def _write_ranks(self, windows: list[RankWindow]) -> None:
         for w in windows:
@@ -436,7 +438,6 @@ class TimingCore:
             self._write_now(*row)
         self._rows = []
         self.interrupted = interrupted
-        _oom.at_end(self)  # the snapshot's end; rank zero hears of the other ranks' out-of-memory errors
         conclude(self, self._sinks, self._last_written_step)
         for sink in self._sinks:
             sink.close()
@@ -457,8 +458,9 @@ class TimingCore:
         return run_table(self, title)
 
     def files_line(self) -> str | None:
-        """Where this run's files went (rank zero, or a rank that ran out of memory); None: nowhere."""
-        if self.ranks is not None and self.ranks.rank != 0 and not _oom.own(self):
+        """Where this run's files went (rank zero, or a rank given a file of its own: one that ran out of memory);
+        None: nowhere."""
+        if self.ranks is not None and self.ranks.rank != 0 and self.summary_name is None:
             return None
         return files_line(self.log_dir, self.outputs_missing, self.summary_path)
 
