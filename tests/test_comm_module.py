@@ -609,3 +609,16 @@ def test_a_caught_up_ddp_run_on_gloo_still_adds_up_and_never_reads_below_zero(tm
     assert torch._C._len_torch_dispatch_stack() == 0
     if composed:  # the collectives sampled every backward on the host clock; their exposed wait never below zero
         assert run.counts[comm_run.COMM_SAMPLES] >= 6 and run.counts[comm_run.COMM_WAIT_MS] >= 0.0
+
+
+def test_a_module_whose_copies_are_timed_asks_nothing_until_a_sample_turns_it_on(monkeypatch) -> None:
+    """DDP's defaults (copies into ``.grad``): only a sample of the copies turns the question on, so a backward
+    that ends in Python without one (a composed hook's, every step) asks the device nothing while it is off."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    assert probe._copying and not probe._paced
+    engine.calls.clear()
+    engine.behind_is = False  # were it asked, the device had caught up
+    backward(2.5, python=True)
+    assert ("behind",) not in engine.calls and probe.paced_steps == 0 and not probe._paced
+    backward(2.5, kept_up=True)  # a sample of the copies says caught up: asked, and on
+    assert ("behind",) in engine.calls and probe._paced

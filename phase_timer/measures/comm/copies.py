@@ -79,8 +79,8 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
     from the copies' own (:meth:`pairs`): the host time between the two marks, the host time of the copies'
     own calls (DDP's launches, without the mode's Python around them), and whether the device had already
     reached the first mark when the host came to mark the last (one ``query()``, never a wait).  Every other op
-    passes through, other copies too: DDP reads some of its own at once (the used-parameter map it copies to the host and reads with
-    ``.item()`` under ``find_unused_parameters``)."""
+    passes through, other copies too: DDP reads some of its own at once (the used-parameter map it copies to the
+    host and reads with ``.item()`` under ``find_unused_parameters``)."""
     global _MARKER
     if _MARKER is None:
         import torch

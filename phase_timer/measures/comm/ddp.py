@@ -434,7 +434,9 @@ class DdpComm:
         answers "behind" in a row.  Never under ``find_unused_parameters``: DDP reads its used-parameter map on the
         host inside the span, whose host time then holds the device's wait.  Returns the ms taken (0.0: none)."""
         h0, self._h0 = self._h0, None
-        behind = engine.behind() if h0 is not None and not self._untimeable() else None
+        if h0 is None or kept_up is None and self._copying and not self._paced:
+            return 0.0  # nothing to ask: a module whose copies are timed is turned on by a sample of them alone
+        behind = engine.behind() if not self._untimeable() else None
         if behind is None:
             return 0.0
         if kept_up is not None:  # a timed sample of the copies decides, on or off
@@ -448,9 +450,7 @@ class DdpComm:
                 if self._cold >= PACED_OFF:
                     self._pace(False)
             return 0.0
-        elif not self._paced:
-            if self._copying:  # its copies are timed: a sample of them decides
-                return 0.0
+        elif not self._paced:  # bucket views (no copies to time): the answer itself turns it on
             self._pace(True)
         self._cold = 0
         run = self._run
