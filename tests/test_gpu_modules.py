@@ -5,7 +5,8 @@ Run with ``pytest -m gpu tests/test_gpu_modules.py -s``; skipped without CUDA.  
 (``MODULES`` lines).
 
 The truth (torch.profiler, its Chrome trace): a module's forward is from the first to the last kernel whose launch
-(``cudaLaunchKernel``, matched to its kernel by ``correlation``) fell inside the module's forward on the host (a
+(``cudaLaunchKernel``, or the driver's ``cuLaunchKernelEx`` that cuBLAS uses, matched to its kernel by
+``correlation``) fell inside the module's forward on the host (a
 ``record_function`` range the test opens in its own hooks); its backward from the first to the last kernel
 launched inside autograd's ``evaluate_function`` of a node whose ``Sequence number`` one of the module's forward
 ops made.  phase-timer's values are from events on the stream: the first begins where the stream reaches the mark,
@@ -73,7 +74,10 @@ def _truth(trace: dict, steps: dict[str, int]) -> dict[str, dict[str, float]]:
     """Per key, from its ranges on step ``steps[key]`` alone (the step whose sample hooked its row)."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     kernels = {e["args"].get("correlation"): e for e in events if e.get("cat") == "kernel"}
-    launches = [e for e in events if e.get("cat") == "cuda_runtime" and e["args"].get("correlation") in kernels]
+    # cuBLAS launches its GEMMs through the driver (cuLaunchKernelEx: the trace's "cuda_driver"), the rest through the
+    # runtime: a module whose first or last kernel is a GEMM (lm_head's) needs both
+    launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and e["args"].get("correlation") in kernels]
     ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("module::")
               and e["name"].rsplit("::", 1)[1] == str(steps.get(e["name"].split("::")[1]))]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
