@@ -406,11 +406,22 @@ def blocked_diff(row: dict) -> float | None:
     return None if row.get("blocked") is None else row["wait"] - row["blocked"]
 
 
+def timed(row: dict) -> bool:
+    """Whether phase-timer timed the step (a row of its own): a module sample's step and the one after it are
+    untimed (``modules=True``), and are left out of the counts, which say how many."""
+    return row["step_ms"] is not None
+
+
+def untimed_text(r: dict) -> str:
+    steps = [row["step"] for row in r["rows"] if not timed(row)]
+    return f" ({len(steps)} untimed, left out: steps {','.join(map(str, steps))})" if steps else ""
+
+
 def blocked_line(r: dict) -> str:
     """One case's and rank's summary under the blocked rule: its steps within 0.1 ms or 2% of the rule, the largest
     gap, the rule's mean against the queued rule's, the part counted in gaps whose kernel had no launch found, and
     the rule with each launch at its call's start."""
-    rows = [row for row in r["rows"] if row.get("blocked") is not None]
+    rows = [row for row in r["rows"] if row.get("blocked") is not None and timed(row)]
     ok = sum(abs(blocked_diff(row)) <= max(0.1, 0.02 * row["blocked"]) for row in rows)
     worst = max((blocked_diff(row) for row in rows), key=abs, default=0.0)
     n = len(rows) or 1
@@ -525,7 +536,7 @@ def main() -> None:
             for row in r["rows"]:
                 diff = None if row["truth"] is None else row["wait"] - row["truth"]
                 sdiff = None if row["strict"] is None else row["wait"] - row["strict"]
-                if diff is not None:
+                if diff is not None and timed(row):
                     n += 1
                     ok += abs(diff) <= max(0.1, 0.02 * row["truth"])
                     strict_ok += abs(sdiff) <= max(0.1, 0.02 * row["strict"])
@@ -539,7 +550,7 @@ def main() -> None:
             over = sum(1 for row in r["rows"] if row["step_ms"] is not None and row["period"] is not None
                        and row["step_ms"] > row["period"])
             summary.append(f"{r['case']:14} rank {r['rank']}: {ok}/{n} steps within 0.1 ms or 2% of the queued rule "
-                           f"({strict_ok}/{n} of the strict), largest gap {worst:+.3f} ms; {copies_text(r)}; "
+                           f"({strict_ok}/{n} of the strict){untimed_text(r)}, largest gap {worst:+.3f} ms; {copies_text(r)}; "
                            f"{paced_text(r.get('paced'))}; "
                            f"steps with step > period: "
                            f"{over}; mean step {fmt(r['mean_step'])} period {fmt(r['mean_period'])}; "

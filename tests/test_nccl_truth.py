@@ -325,3 +325,22 @@ def test_ddp_span_kernels_bracket_each_wait_at_the_engine_s_own_switches() -> No
     probe._engine.switch(WAIT)  # not from backward: no begin kernel, and the wrap counts a span without one
     assert log[-1] == WAIT and log[-2] == "end"
     assert (marks.begins, marks.ends, marks.at_return, marks.odd) == (2, 2, 1, 1)
+
+
+def test_comm_nccl_leaves_the_untimed_steps_of_module_samples_out_of_its_counts():
+    """With ``--modules`` a sample's step and the one after it have no row of phase-timer's (``step_ms`` None, the
+    wait 0): the blocked rule's count leaves them out and the line names them, where counting them read a 30 ms gap."""
+    from benchmarks.comm_nccl import blocked_line, timed, untimed_text
+
+    def row(step: int, wait: float, blocked: float, step_ms: float | None) -> dict:
+        return {"step": step, "wait": wait, "blocked": blocked, "truth": blocked, "step_ms": step_ms,
+                "blocked_unmatched": 0.0, "blocked_at_call_start": blocked}
+
+    r = {"case": "ddp_straggler", "rank": 0,
+         "rows": [row(28, 16.2, 16.25, 42.5), row(29, 15.5, 15.56, 41.8), row(30, 0.0, 30.2, None),
+                  row(31, 0.0, 6.7, None), row(32, 12.0, 13.0, 38.3)]}
+    assert [timed(x) for x in r["rows"]] == [True, True, False, False, True]
+    line = blocked_line(r)
+    assert "2/3 steps within" in line and "largest gap -1.000" in line
+    assert untimed_text(r) == " (2 untimed, left out: steps 30,31)"
+    assert untimed_text({"rows": r["rows"][:2]}) == ""
