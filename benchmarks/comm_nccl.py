@@ -35,7 +35,7 @@ copies are the device-to-device memcpy of the step.  Rank zero prints one
 row per case, rank and step, then a summary per case and rank (the largest per-step gap, and how many steps are
 within 0.1 ms or 2%, and how many backwards lost how much to the host-paced spans' correction,
 ``ddp.DdpComm._settle``), and the verdicts.  ``--cpu``: gloo, a tiny model, no profiler: that the script runs,
-splits and adds up (``tests/test_comm.py`` runs it).
+splits and adds up (``tests/measures/comm/test_comm.py`` runs it).
 
 ``--launches`` adds the blocked rule (``nccl_truth.per_step_blocked``): the queued rule's exposed time only where
 the compute stream has its next kernel queued (from the host's launch call of the kernel that ends each of its

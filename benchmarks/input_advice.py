@@ -1,6 +1,6 @@
-"""INPUT_BOUND's advice, applied to planted loaders: the figures behind ``tests/test_input_advice.py`` (issue 36).
+"""INPUT_BOUND's advice, applied to planted loaders: the figures behind ``tests/measures/test_input_advice.py`` (issue 36).
 
-The tests' own scenarios (their loaders and loop, ``tests/test_input_advice.py``): each planted loader runs once
+The tests' own scenarios (their loaders and loop, ``tests/measures/test_input_advice.py``): each planted loader runs once
 for its advice, then as it was and as advised, interleaved ``--pairs`` times; each run's median ``period`` is
 printed, and the training thread's share queued for a core in the runs without workers (at 10% or more the tests
 skip the comparison: other processes were taking the cores).
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a line for the file: how the machine was shared, say")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # torch's note on more workers than cores: the advice means it
-    lines = [code_line(), f"tests/test_input_advice.py's planted loaders, {os.cpu_count()} cores, {args.pairs} "
+    lines = [code_line(), f"tests/measures/test_input_advice.py's planted loaders, {os.cpu_count()} cores, {args.pairs} "
              "interleaved pairs each", *([args.note] if args.note else []), ""]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.cases.split(","):

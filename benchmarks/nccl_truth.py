@@ -2,7 +2,7 @@
 
 Every benchmark that judges ``forward.comm_wait`` + ``backward.comm_wait`` reads its truth here, from a list of
 device intervals ``(start_us, end_us, name, kind)`` taken off the profiler (:func:`device_intervals`) or made by
-hand (``tests/test_nccl_truth.py``).
+hand (``tests/benchmarks/test_nccl_truth.py``).
 
 - **Activities, not annotations.** With CPU activity on, the profiler also puts GPU-side *annotations* on the
   CUDA device: ProcessGroupNCCL's ``nccl:all_reduce`` spans the same interval as its kernel

@@ -1,7 +1,7 @@
 """Write docs/api.md from the docstrings: the one place the API is described is the code.
 
     python docs/make_api.py            # rewrite docs/api.md
-    python docs/make_api.py --check    # exit 1 if docs/api.md is stale (tests/test_docs.py does this)
+    python docs/make_api.py --check    # exit 1 if docs/api.md is stale (tests/stories/test_docs.py does this)
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def render() -> str:
 
     parts = [
         "# API reference\n",
-        "Generated from the docstrings by `python docs/make_api.py`; `tests/test_docs.py` fails when "
+        "Generated from the docstrings by `python docs/make_api.py`; `tests/stories/test_docs.py` fails when "
         "this file and the code disagree. What each metric means is in the README; how each door "
         "places each boundary in [`design.md`](design.md).\n",
         "## `phase_timer.PhaseTimer`: the Lightning callback\n",

@@ -9,7 +9,7 @@ one that moves only where the run plants time: the loader, forward, backward, th
 every figure is exact on any machine and under any load, and the verdict's sampled steps are drawn from a seeded
 generator.  What a run writes is kept whole: the summary file, every TensorBoard scalar (read back with
 tensorboard's reader) and the table, less what depends on the machine and not on phase-timer (versions, paths,
-times of day, the process's CPU use and core count).  ``tests/test_golden.py`` compares.
+times of day, the process's CPU use and core count).  ``tests/stories/test_golden.py`` compares.
 """
 
 from __future__ import annotations

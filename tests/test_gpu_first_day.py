@@ -81,7 +81,7 @@ def test_a_hf_callback_that_raises_on_cuda_is_written_and_backward_put_back(tmp_
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from phase_timer import PhaseTimerCallback
-    from tests.test_hf_trainer import Tokens
+    from tests.doors.test_hf_trainer import Tokens
 
     class Raises(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):

@@ -1,5 +1,5 @@
 """A small 🤗 Trainer script with no phase-timer in it (``--by-hand`` passes the callback itself): a tiny GPT-2
-built from a config, on the CPU, for ``tests/test_watch_run.py``.
+built from a config, on the CPU, for ``tests/cli/test_watch_run.py``.
 
     python tests/run_scripts/hf_train.py OUTPUT_DIR [--steps N] [--by-hand]
 """

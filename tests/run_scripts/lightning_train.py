@@ -1,5 +1,5 @@
 """A small Lightning script with no phase-timer in it (``--by-hand`` passes the callback itself), for
-``tests/test_watch_run.py``: ``phase-timer run`` on it must write what the callback passed by hand writes.
+``tests/cli/test_watch_run.py``: ``phase-timer run`` on it must write what the callback passed by hand writes.
 
     python tests/run_scripts/lightning_train.py ROOT [--steps N] [--by-hand] [--fail] [--sleep-ms MS] [--gpu] [--ddp]
 """

@@ -1,5 +1,5 @@
 """A hand-written training loop with no phase-timer in it (``--by-hand`` attaches itself), for
-``tests/test_watch_run.py``: ``phase-timer run`` finds its optimizers and models and times it from its third step.
+``tests/cli/test_watch_run.py``: ``phase-timer run`` finds its optimizers and models and times it from its third step.
 
     python tests/run_scripts/loop_train.py [--steps N] [--gan] [--by-hand] [--hidden] [--cuda]
 

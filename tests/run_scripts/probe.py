@@ -1,5 +1,5 @@
 """Prints whether this process has ``phase-timer run``'s hook and keeps its variables, then runs a child Python
-that says the same of itself (``tests/test_watch_run.py``)."""
+that says the same of itself (``tests/cli/test_watch_run.py``)."""
 
 import json
 import os

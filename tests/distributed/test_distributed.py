@@ -23,7 +23,7 @@ import pytest
 
 from helpers import hours, read_scalars
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "dist_scripts")
 TIMEOUT_S = 240
 

@@ -404,7 +404,7 @@ def test_lightning_door_attributes_a_planted_temporary_to_the_optimizer(fake, tm
 def test_hf_trainer_door_reads_memory_per_phase(fake, tmp_path):
     pytest.importorskip("transformers")
     from phase_timer.doors.hf_trainer import PhaseTimerCallback
-    from tests.test_hf_trainer import trainer
+    from tests.doors.test_hf_trainer import trainer
 
     cb = PhaseTimerCallback(warmup_steps=2, summary=False)
     t = trainer(tmp_path, cb, steps=20)

@@ -354,7 +354,7 @@ def hf_trainer(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, report_to: str) -
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from phase_timer.doors import hf_trainer as door
-    from tests.test_hf_trainer import Tokens
+    from tests.doors.test_hf_trainer import Tokens
 
     cb = door.PhaseTimerCallback(warmup_steps=2, summary=False)
     torch.manual_seed(0)

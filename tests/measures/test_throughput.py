@@ -234,7 +234,7 @@ def test_lightning_and_the_hf_trainer_count_their_batches(tmp_path):
 
     import phase_timer
     from tests.helpers import loader, module_class
-    from tests.test_hf_trainer import trainer as hf_trainer
+    from tests.doors.test_hf_trainer import trainer as hf_trainer
 
     timer = phase_timer.PhaseTimer(warmup_steps=2, summary=False, log_dir=tmp_path / "pl")
     pl.Trainer(max_steps=22, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import read_scalars
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(name: str, tmp_path: Path, *args: str) -> str:

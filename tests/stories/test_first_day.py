@@ -27,7 +27,7 @@ from phase_timer.timing.stats import RunTotals
 from tests.helpers import event_files, read_scalars
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: A plain loop of 40 steps (a script's body; ``LOG`` is the log directory).
 PLAIN_LOOP = """
@@ -94,7 +94,7 @@ print("STEPS", timer.totals.steps)
 def test_the_hf_door_times_without_tensorboard(tmp_path):
     pytest.importorskip("transformers")
     out = run_script("""
-from tests.test_hf_trainer import trainer
+from tests.doors.test_hf_trainer import trainer
 from phase_timer import PhaseTimerCallback
 import pathlib
 cb = PhaseTimerCallback(warmup_steps=2)
@@ -139,7 +139,7 @@ def _hf_fault(tmp_path: Any, where: str, exc: BaseException) -> Any:
     pytest.importorskip("transformers")
     from transformers import TrainerCallback
 
-    from tests.test_hf_trainer import trainer
+    from tests.doors.test_hf_trainer import trainer
 
     class Raises(TrainerCallback):
         def __init__(self) -> None:
@@ -193,7 +193,7 @@ def test_a_keyboard_interrupt_in_a_hf_callback_is_written_and_goes_on(tmp_path):
 
 def test_the_hf_callback_has_every_doors_results(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_hf_trainer import trainer
+    from tests.doors.test_hf_trainer import trainer
 
     cb = phase_timer.PhaseTimerCallback(warmup_steps=2, summary=False)
     assert cb.totals is None and cb.diagnosis is None and cb.syncs == ()
@@ -398,7 +398,7 @@ def test_a_real_sigint_during_hf_training_is_written(tmp_path):
     pytest.importorskip("transformers")
     out = run_script("""
 import os, signal, threading, time, pathlib
-from tests.test_hf_trainer import trainer
+from tests.doors.test_hf_trainer import trainer
 from phase_timer import PhaseTimerCallback
 from transformers import TrainerCallback
 

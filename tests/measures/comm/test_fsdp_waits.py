@@ -1,6 +1,6 @@
 """Which FSDP2 waits phase-timer makes early between marks, as each torch's FSDP2 decides them (torch 2.11's one
 reduce-scatter state, torch 2.13's list), on stand-ins for FSDP2's objects: the real ones need two processes
-(``tests/test_comm.py`` runs them on gloo) and the real waits two GPUs (``benchmarks/comm_nccl.py``)."""
+(``tests/measures/comm/test_comm.py`` runs them on gloo) and the real waits two GPUs (``benchmarks/comm_nccl.py``)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from phase_timer.cli import main
 from phase_timer.timing.stats import summarize
 from tests.helpers import event_files, loader, module_class, read_scalars, trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NS = "lightning.pytorch"
 STEPS = 40
 WINDOW = 5

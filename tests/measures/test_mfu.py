@@ -172,7 +172,7 @@ def test_lightning_counts_its_step_with_accumulation(tmp_path):
 
 def test_the_hf_trainer_counts_a_gpt2_step_as_6n_plus_attention(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_hf_trainer import trainer as hf_trainer
+    from tests.doors.test_hf_trainer import trainer as hf_trainer
 
     cb = phase_timer.PhaseTimerCallback(warmup_steps=2, summary=False, peak_tflops=0.01)
     t = hf_trainer(tmp_path, cb, steps=14, gradient_accumulation_steps=2)

@@ -33,7 +33,7 @@ from phase_timer.cli import main
 from phase_timer.outputs.run_summary import FILE_NAME
 from phase_timer.timing.stats import WindowSeries
 from tests.helpers import HostHours, hours, loader
-from tests.test_report import planted_memory, write_tensorboard_run
+from tests.cli.test_report import planted_memory, write_tensorboard_run
 
 pytestmark = pytest.mark.timeout(300)
 

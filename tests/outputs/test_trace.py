@@ -13,7 +13,7 @@ import phase_timer
 from phase_timer import PhaseTimer
 from phase_timer.outputs.tags import step_tag
 from tests.helpers import loader, module_class, read_scalars, trainer
-from tests.test_loop import SleepyNet, train
+from tests.doors.test_loop import SleepyNet, train
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -30,11 +30,11 @@ from phase_timer.diagnosis import out_of_memory
 from phase_timer.outputs.run_summary import schema
 from tests.fakes import FakeAllocator
 from tests.helpers import loader, trainer
-from tests.test_first_day import PLAIN_LOOP, run_script
-from tests.test_loop import hook_state
+from tests.stories.test_first_day import PLAIN_LOOP, run_script
+from tests.doors.test_loop import hook_state
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: What the CUDA caching allocator says (torch 2.x), its figures planted.
 MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -167,7 +167,7 @@ def test_the_hf_trainer_runs_out_in_forward_explained_restored_and_the_error_goe
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from tests.test_hf_trainer import Tokens
+    from tests.doors.test_hf_trainer import Tokens
 
     error = torch.OutOfMemoryError(MESSAGE)
     torch.manual_seed(0)

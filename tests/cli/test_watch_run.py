@@ -24,7 +24,7 @@ from phase_timer.outputs.live import LIVE_NAME  # noqa: E402
 from phase_timer.outputs.run_summary import FILE_NAME  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "run_scripts"
 
 

@@ -22,7 +22,7 @@ def test_a_rank_that_moved_where_rank_zero_did_not_is_named() -> None:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> tuple[str, str]:
-    from tests.test_distributed import torchrun
+    from tests.distributed.test_distributed import torchrun
 
     base = tmp_path_factory.mktemp("base")
     cand = tmp_path_factory.mktemp("cand")

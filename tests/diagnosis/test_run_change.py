@@ -133,7 +133,7 @@ def test_a_rank_that_turns_slow_midway_is_named() -> None:
     import sys
     import tempfile
 
-    from tests.test_distributed import ROOT, SCRIPTS, _run as run_dist
+    from tests.distributed.test_distributed import ROOT, SCRIPTS, _run as run_dist
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(SCRIPTS, "plain_ddp.py"), "--log-dir", tempfile.mkdtemp(dir=ROOT + "/.."),

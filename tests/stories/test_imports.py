@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "phase_timer"
+PACKAGE = Path(__file__).resolve().parents[2] / "phase_timer"
 
 
 def _imports(source: str, modules: set[str], package: str = "phase_timer") -> set[str]:

@@ -1,6 +1,6 @@
 """The 🤗 door on real ``transformers.Trainer`` runs (a tiny GPT-2 from a config, on the CPU).
 
-Where each planted wait lands is the conformance suite's job (``tests/test_loop_patterns.py``,
+Where each planted wait lands is the conformance suite's job (``tests/doors/test_loop_patterns.py``,
 the ``🤗 Trainer`` rows); here: where the values go, what a second ``train()`` and a failing
 one leave behind, and that bad configuration fails fast.
 """

@@ -25,8 +25,8 @@ from phase_timer.cli.compare_side import load_side
 from phase_timer.outputs.run_summary import FILE_NAME, schema
 from phase_timer.measures.throughput import RunThroughput, format_line, split_counts
 from tests.helpers import HostHours, read_scalars
-from tests.test_compare import OPTIMIZER_H, WaitingSGD
-from tests.test_report import PNG_MAGIC, png_height, write_tensorboard_run
+from tests.cli.test_compare import OPTIMIZER_H, WaitingSGD
+from tests.cli.test_report import PNG_MAGIC, png_height, write_tensorboard_run
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -71,7 +71,7 @@ def test_a_count_begun_on_a_prefetching_thread_leaves_no_force_eager_nor_global_
         print("HOOKS", (len(m._global_forward_pre_hooks), len(m._global_forward_hooks)) == hooks0)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+                         cwd=str(__import__("pathlib").Path(__file__).parents[2]))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "STANCE default" in out.stdout, out.stdout
     assert "HOOKS True" in out.stdout, out.stdout

@@ -58,7 +58,7 @@ def test_each_sync_is_counted_at_its_line_in_the_phase_that_runs():
     assert switch.mode == 0 and census.status == "done" and census.count == 3
     first, second = census.sites
     assert (first.phase, first.count, second.phase, second.count) == ("forward", 2, "between_steps", 1)
-    assert first.frames[0].startswith("tests/test_syncs.py:") and first.frames[0].endswith("in read_loss")
+    assert first.frames[0].startswith("tests/measures/test_syncs.py:") and first.frames[0].endswith("in read_loss")
     assert first.code == "return switch.item()" and first.cause is None
     assert "in test_each_sync_is_counted" in first.frames[1]  # the caller's frame next
     read_loss(switch)  # after stop(): nothing heard
@@ -303,7 +303,7 @@ def _signals(*sites: tuple[str, str, str | None], census: str = "done") -> tuple
 
 
 def _totals():
-    from tests.test_diagnosis import GPU_STEP, totals
+    from tests.diagnosis.test_diagnosis import GPU_STEP, totals
 
     return totals(**GPU_STEP)
 
@@ -355,6 +355,6 @@ def test_the_report_prints_the_census_as_the_run_did(monkeypatch, tmp_path):
     with open(write_summary(core, tmp_path)) as f:
         data = json.load(f)
     line = next(line for line in core.summary_table().splitlines() if line.startswith("host-device syncs"))
-    assert line in summary_lines(data) and "1x forward at tests/test_syncs.py:" in line
+    assert line in summary_lines(data) and "1x forward at tests/measures/test_syncs.py:" in line
     del data["syncs"]  # a version 2 file: no census, no line
     assert not any(x.startswith("host-device syncs") for x in summary_lines(data))
