@@ -30,7 +30,7 @@ def _case(name: str):
     import torch
     from torch.utils.data import BatchSampler, SequentialSampler, TensorDataset
 
-    from tests.test_input_advice import STEPS, CpuItems, SleepyItems
+    from tests.measures.test_input_advice import STEPS, CpuItems, SleepyItems
 
     if name == "cpu":
         return (lambda: CpuItems(8 * (STEPS + 1), 1000.0)), 8, {}, "workers"
@@ -45,7 +45,7 @@ def _case(name: str):
 
 
 def run_case(name: str, pairs: int, tmp: pathlib.Path) -> list[str]:
-    from tests.test_input_advice import _period, _queued, _run
+    from tests.measures.test_input_advice import _period, _queued, _run
 
     make, bs, was, apply = _case(name)
     d = _run(tmp / f"{name}-first", make(), bs, **was).diagnosis

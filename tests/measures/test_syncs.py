@@ -58,7 +58,7 @@ def test_each_sync_is_counted_at_its_line_in_the_phase_that_runs():
     assert switch.mode == 0 and census.status == "done" and census.count == 3
     first, second = census.sites
     assert (first.phase, first.count, second.phase, second.count) == ("forward", 2, "between_steps", 1)
-    assert first.frames[0].startswith("tests/measures/test_syncs.py:") and first.frames[0].endswith("in read_loss")
+    assert first.frames[0].startswith("measures/test_syncs.py:") and first.frames[0].endswith("in read_loss")
     assert first.code == "return switch.item()" and first.cause is None
     assert "in test_each_sync_is_counted" in first.frames[1]  # the caller's frame next
     read_loss(switch)  # after stop(): nothing heard
@@ -268,7 +268,7 @@ def test_the_summary_file_and_table_carry_the_census(monkeypatch, tmp_path):
     assert data["syncs"]["census"] == "done" and data["syncs"]["step"] == 2 and data["syncs"]["count"] == 1
     assert data["syncs"]["sites"][0]["phase"] == "between_steps"
     assert data["syncs"]["other_threads"] == data["syncs"]["paused"] == 0
-    assert "host-device syncs (torch's check, on warm-up step 2): 1 a step: 1x between_steps at tests/" in \
+    assert "host-device syncs (torch's check, on warm-up step 2): 1 a step: 1x between_steps at measures/test_syncs.py:" in \
         core.summary_table()
     lines = core.summary_table().splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("host-device syncs"))
@@ -355,6 +355,6 @@ def test_the_report_prints_the_census_as_the_run_did(monkeypatch, tmp_path):
     with open(write_summary(core, tmp_path)) as f:
         data = json.load(f)
     line = next(line for line in core.summary_table().splitlines() if line.startswith("host-device syncs"))
-    assert line in summary_lines(data) and "1x forward at tests/measures/test_syncs.py:" in line
+    assert line in summary_lines(data) and "1x forward at measures/test_syncs.py:" in line
     del data["syncs"]  # a version 2 file: no census, no line
     assert not any(x.startswith("host-device syncs") for x in summary_lines(data))
