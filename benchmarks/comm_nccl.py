@@ -498,7 +498,7 @@ def main() -> None:
     args.launches = args.launches or args.stream_waits
     if args.cpu:
         args.width, args.depth, args.vocab, args.batch, args.seq = 64, 2, 128, 4, 16
-        args.steps, args.warmup, args.profiled, args.window, args.eval_batches = 30, 3, 4, 5, 30
+        args.steps, args.warmup, args.profiled, args.window, args.eval_batches = 30, 3, 4, 5, 150
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu") if args.cpu else torch.device("cuda", local)
     if device.type == "cuda":

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import read_scalars
-from test_distributed import lightning, torchrun, values
+from tests.distributed.test_distributed import lightning, torchrun, values
 
 pytestmark = [
     pytest.mark.gpu,

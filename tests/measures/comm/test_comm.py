@@ -18,7 +18,7 @@ from phase_timer.diagnosis import Signals, diagnose
 from phase_timer.phases import ordered, part_of, share_base, whole_phases
 from phase_timer.outputs.table import format_summary
 from phase_timer.timing.stats import RunTotals
-from test_distributed import ROOT, SCRIPTS, _run
+from tests.distributed.test_distributed import ROOT, SCRIPTS, _run
 
 PLANT_MS = 30.0
 WAIT = "backward.comm_wait"
@@ -107,7 +107,7 @@ def test_lightning_s_ddp_strategy_is_split_with_a_comm_hook_registered_before_in
 ) -> None:
     """Lightning's DDP strategy; a comm hook registered at on_fit_start, before the callback sees the model (where
     DDPStrategy's ddp_comm_hook goes on a GPU)."""
-    from test_distributed import lightning
+    from tests.distributed.test_distributed import lightning
 
     _, result = lightning("--root", str(tmp_path), "--strategy", "ddp", "--plant-late", str(PLANT_MS / 1e3),
                           "--steps", "12")
