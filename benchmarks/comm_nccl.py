@@ -547,7 +547,7 @@ def main() -> None:
                              f"{fmt(row['comm'])} {fmt(row['prof_copies'])} {fmt(row.get('prof_copies_run'))} {fmt(row['step_ms'])} "
                              f"{fmt(row['period'])} {fmt(row['data_wait'], 9)}"
                              + (f" {fmt(row['blocked'])} {fmt(blocked_diff(row))}" if args.launches else ""))
-            over = sum(1 for row in r["rows"] if row["step_ms"] is not None and row["period"] is not None
+            over = sum(1 for row in r["rows"] if timed(row) and row["period"] is not None
                        and row["step_ms"] > row["period"])
             summary.append(f"{r['case']:14} rank {r['rank']}: {ok}/{n} steps within 0.1 ms or 2% of the queued rule "
                            f"({strict_ok}/{n} of the strict){untimed_text(r)}, largest gap {worst:+.3f} ms; {copies_text(r)}; "
