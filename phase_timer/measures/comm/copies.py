@@ -79,8 +79,10 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
     from the copies' own (:meth:`pairs`): the host time between the two marks, the host time of the copies'
     own calls (DDP's launches, without the mode's Python around them), and whether the device had already
     reached the first mark when the host came to mark the last (one ``query()``, never a wait).  Every other op
-    passes through, other copies too: DDP reads some of its own at once (the used-parameter map it copies to the
-    host and reads with ``.item()`` under ``find_unused_parameters``)."""
+    passes through, other copies too: DDP reads some of its own at once.  One of them it notes (``synced``): the
+    used-parameter map's copy to the host (int32), which DDP makes, under ``find_unused_parameters`` or a static
+    graph, where a parameter got no gradient on this rank, after waiting for the map's all-reduce: that wait falls
+    among a bucket's copies, and a sample that holds it is not read (:meth:`pairs`)."""
     global _MARKER
     if _MARKER is None:
         import torch
@@ -102,6 +104,7 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
                 self.host: list[int] = []  # perf_counter_ns at each mark
                 self.launch: list[int] = []  # a bucket's copies' own calls, ns (the mode's Python left out)
                 self.caught: list[bool] = []  # a bucket: the device had reached its first mark at its last
+                self.synced = False  # DDP read its used-parameter map (waiting for its all-reduce) in this span
                 self._source: Any = None
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
@@ -110,6 +113,8 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
                     return func(*args, **kwargs)
                 dst, src = args[0], args[1]
                 if dst.layout != torch.strided or (dst.data_ptr(), dst.numel()) not in self.grads:
+                    if dst.dtype == torch.int32 and dst.device.type == "cpu":
+                        self.synced = True  # the used-parameter map, to the host (DDP's reducer: its only int32)
                     return func(*args, **kwargs)
                 try:
                     counts, expect = self.counts, self.expect
@@ -143,10 +148,11 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
 
             def pairs(self) -> list[Copies] | None:
                 """Each bucket's :class:`Copies`, or None where the copies were counted only, or not as expected
-                (a bucket's copies split, or a bucket more or less)."""
+                (a bucket's copies split, or a bucket more or less), or DDP read its used-parameter map among them."""
                 self.passthrough = True
                 marks, host = self.marks, self.host
-                if self.expect is None or self.counts != self.expect or len(marks) != 2 * len(self.counts):
+                if (self.synced or self.expect is None or self.counts != self.expect
+                        or len(marks) != 2 * len(self.counts)):
                     return None
                 return [Copies(marks[2 * k], marks[2 * k + 1], host[2 * k + 1] - host[2 * k], self.launch[k],
                                self.caught[k]) for k in range(len(self.counts))]

@@ -30,8 +30,13 @@ copies read one storage); from the next, it marks the compute stream before each
 its last (by that count), so the copies are timed where and as they run, with no mark between two copies (a
 timed event there costs the stream microseconds, a copy as little) and none across a wait.  A backward whose
 copies do not fall as counted (a rebuild of the buckets) is counted anew and timed on the next.  Under
-``find_unused_parameters=True`` the copies are not timed: DDP waits for its used-parameter map's all-reduce among
-a bucket's copies, and which parameters copy changes from step to step.  The copies' time is each bucket's
+``find_unused_parameters=True`` (or a static graph) DDP reads each parameter's flag in its used-parameter map on
+the host among the copies, and where one got no gradient on this rank it first waits for the map's all-reduce
+(after every bucket's) and copies the map to the host: that wait falls among a bucket's copies, and which
+parameters copy changes from step to step.  A sampled backward that saw that copy is not read, and the module's
+copies are not timed from then on (they stay in ``backward.comm_wait``, and the table says so); a model whose
+every parameter gets a gradient on every rank (the 🤗 Trainer's default runs with ``find_unused_parameters``)
+has its copies timed as under DDP's defaults.  The copies' time is each bucket's
 median over its last samples (those whose copies were all queued before the device reached them, where it has
 any), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
 stays in ``backward``.  (On a sampled backward the mode's own host time, a few µs a copy, paces the copies where
@@ -153,6 +158,7 @@ class DdpComm:
         self._copy_t0 = 0  # perf_counter_ns where the sampled one began
         self.copy_host_ns: list[int] = []  # each sampled end-of-backward's host time (DDP's own in), while bound
         self._counts: list[int] | None = None  # DDP's copies a bucket, in its order (counted on a sampled backward)
+        self._map_read = False  # a sampled end-of-backward saw DDP read its used-parameter map: copies untimed
 
     # -- installation ---------------------------------------------------------------
     @classmethod
@@ -242,9 +248,14 @@ class DdpComm:
         self._schedule(0 if self._untimeable() else COPY_LEARN)
 
     def _untimeable(self) -> bool:
-        """``find_unused_parameters=True``: DDP's end-of-backward waits for its used-parameter map's all-reduce (and
-        reads it on the host) in the middle of a bucket's copies, and the set of copies changes with the parameters
-        used; the copies are not timed (they stay in ``backward.comm_wait``, and the table says so)."""
+        """A sampled end-of-backward saw DDP copy its used-parameter map to the host (a parameter without a
+        gradient on this rank, under ``find_unused_parameters=True`` or a static graph): DDP waited for the map's
+        all-reduce in the middle of a bucket's copies, and the set of copies changes with the parameters used; the
+        copies are not timed from then on (they stay in ``backward.comm_wait``, and the table says so)."""
+        return self._map_read
+
+    def _find_unused(self) -> bool:
+        """``find_unused_parameters=True``: DDP may read its used-parameter map on the host inside the span."""
         return bool(getattr(self.ddp, "find_unused_parameters", False))
 
     def _arm(self) -> None:
@@ -356,7 +367,7 @@ class DdpComm:
             self._open = (spans, self._now())
         if copies and _ACTIVE[0] is not None:  # another module's copies are marked in this backward: next time
             self._schedule(1)
-        elif copies and getattr(self.ddp, "find_unused_parameters", False):
+        elif copies and self._untimeable():
             self._schedule(0)  # never: see _untimeable
         elif copies:
             self._schedule(COPY_EVERY)  # the next one, unless _joined (after DDP's end-of-backward) says sooner or later
@@ -436,7 +447,7 @@ class DdpComm:
         h0, self._h0 = self._h0, None
         if h0 is None or kept_up is None and self._copying and not self._paced:
             return 0.0  # nothing to ask: a module whose copies are timed is turned on by a sample of them alone
-        behind = engine.behind() if not self._untimeable() else None
+        behind = engine.behind() if not self._find_unused() else None
         if behind is None:
             return 0.0
         if kept_up is not None:  # a timed sample of the copies decides, on or off
@@ -476,6 +487,15 @@ class DdpComm:
         with the host at the last bucket's copies (``Copies.caught``); else None."""
         pairs = copies.pairs()
         run = self._run
+        if copies.synced:  # DDP waited for its used-parameter map among the copies: untimed from now on
+            if copies.marks and copies.clock is not None:
+                copies.clock.release(copies.marks)
+            self._map_read = True
+            self._schedule(0)
+            if run is not None:
+                run.untimed_copies = True
+                run.forget_copies(self)
+            return None
         if pairs is None or run is None:
             if copies.marks and copies.clock is not None:
                 copies.clock.release(copies.marks)

@@ -28,8 +28,9 @@ def copy_note(run: RunComm) -> str | None:
         return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
                 f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
     if run.copy and run.untimed_copies:
-        return ("DDP's copies into .grad are inside backward.comm_wait (find_unused_parameters=True: its wait for the "
-                "used-parameter map falls among them, so they are not timed)")
+        return ("DDP's copies into .grad are inside backward.comm_wait (a parameter without a gradient on this rank, "
+                "under find_unused_parameters=True or a static graph: DDP's wait for its used-parameter map falls "
+                "among them, so they are not timed)")
     if run.copy:
         return "DDP's copies into .grad are inside backward.comm_wait (no backward was sampled to time them)"
     return None
@@ -103,7 +104,7 @@ class RunComm(Measure):
         #: buckets' medians, summed, over the modules), or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
-        #: A module whose copies are never timed (``find_unused_parameters=True``): they stay in the wait.
+        #: A module whose copies are not timed (DDP read its used-parameter map among them): they stay in the wait.
         self.untimed_copies = False
 
     def add(self, comm: dict[str, float]) -> None:
@@ -133,6 +134,20 @@ class RunComm(Measure):
             # device runs them at the host's pace, which the estimate can only bound), else its others.
             self._copy_module[key] = sum(statistics.median(queued or caught) for queued, caught in buckets)
             self.copy_ms = sum(self._copy_module.values())
+
+    def forget_copies(self, probe: Any) -> None:
+        """One module's copies are untimed from now on: its samples and estimate go (those not resolved yet too)."""
+        key = id(probe)
+        pending = list(self._copy_pending)
+        self._copy_pending.clear()
+        for item in pending:
+            if item[0] != key:
+                self._copy_pending.append(item)
+            else:
+                item[2].release([m for pair in item[1] for m in (pair.start, pair.end)])
+        self._copy_buckets.pop(key, None)
+        self._copy_module.pop(key, None)
+        self.copy_ms = sum(self._copy_module.values()) if self._copy_module else None
 
     def module_copy_ms(self, probe: Any) -> float:
         """The copies' estimate of one module's split (ms; 0.0 before any)."""

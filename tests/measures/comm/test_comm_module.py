@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import pickle
 import socket
+import sys
 from typing import Any
 
 import pytest
@@ -156,14 +157,38 @@ def test_ddp_s_copies_into_grad_are_timed_on_sampled_backwards_and_taken_off_the
     assert block["collectives_ms"] is None and block["samples"] == 0
 
 
-def test_under_find_unused_parameters_the_copies_stay_in_the_wait_and_the_table_says_why(tmp_path) -> None:
-    """DDP waits for its used-parameter map's all-reduce among a bucket's copies (and reads it on the host): timed
-    in place, that wait would be taken off as copies (a late peer's 80 ms read as 4 ms).  No copy is timed; the
-    dispatch mode is never pushed."""
+def test_under_find_unused_parameters_with_every_parameter_used_the_copies_are_timed(tmp_path) -> None:
+    """DDP reads no used-parameter map where every parameter got a gradient on the rank (the 🤗 Trainer's default
+    runs with find_unused_parameters=True): the copies are timed and taken off as under DDP's defaults."""
     run, totals, timer = copies_run(tmp_path, view=False, steps=7, find_unused_parameters=True)
+    assert run.copy_samples == 3 and run.copy_ms is not None and run.copy_ms > 0 and not run.untimed_copies
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert "are backward's and are taken off backward.comm_wait" in timer.last_summary
+
+
+class WideSkip(Wide):
+    """Wide with a layer that gets no gradient: DDP (find_unused_parameters) reads its used-parameter map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped = nn.Sequential(nn.Linear(2048, 2048))  # as deep as the blocks: not the parameter heard
+
+
+def test_a_parameter_without_a_gradient_leaves_the_copies_in_the_wait_and_the_table_says_why(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """Where a parameter gets no gradient, DDP waits for its used-parameter map's all-reduce among a bucket's copies
+    and copies the map to the host: timed in place, that wait would be taken off as copies (a late peer's 80 ms read
+    as 4 ms).  The first sampled backward sees the map's copy: nothing is read, the copies are not timed from then
+    on (no mode pushed again), and the table says why."""
+    pushed = []
+    real = comm_ddp._push_mode
+    monkeypatch.setattr(comm_ddp, "_push_mode", lambda mode: (pushed.append(mode), real(mode)))
+    monkeypatch.setattr(sys.modules[__name__], "Wide", WideSkip)
+    run, totals, timer = copies_run(tmp_path, view=False, steps=7, find_unused_parameters=True)
+    assert len(pushed) == 1 and pushed[0].synced  # the counting backward (the 2nd synced) saw the map; no more
     assert run.copy_ms is None and run.copy_samples == 0 and run.untimed_copies
     assert torch._C._len_torch_dispatch_stack() == 0
-    assert "find_unused_parameters=True: its wait for the used-parameter map falls among them" in timer.last_summary
+    assert "DDP's wait for its used-parameter map falls among them, so they are not timed" in timer.last_summary
 
 
 def test_without_copies_nothing_is_taken_off(tmp_path) -> None:
@@ -292,6 +317,26 @@ def test_a_bucket_caught_up_by_the_device_takes_its_queued_samples() -> None:
     assert run.copy_ms == pytest.approx(0.3 + 0.29)
 
 
+
+def test_a_module_whose_copies_turn_untimed_takes_its_estimate_and_its_pending_samples_along() -> None:
+    """DDP read its used-parameter map on a module's sampled backward (a parameter unused on this rank): its
+    estimate goes, and so do its samples not resolved yet (their marks released); another module's stays."""
+    from phase_timer.timing.clock import HostClock
+
+    clock, ms = HostClock(), 1_000_000
+    queued = Copies(0, int(0.1 * ms), int(0.55 * ms), int(0.3 * ms), False)
+    run, first, second = comm.RunComm(), object(), object()
+    run.add_copies(first, [queued], clock)
+    run.add_copies(second, [queued, queued], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.3)
+    run.add_copies(first, [queued], clock)  # pending: not resolved before the map was seen
+    run.forget_copies(first)
+    assert run.copy_ms == pytest.approx(0.2) and run.module_copy_ms(first) == 0.0 and not run._copy_pending
+    run.forget_copies(second)
+    assert run.copy_ms is None
+
+
 # -- the host-paced span (issue 47): the device idles in it for DDP's launches ---------------------------------
 
 class PacedEngine:
@@ -344,6 +389,7 @@ class SampledCopies:
 
         self._pairs = [Copies(0, 1000, 1000, 1000, True), Copies(0, 1000, 1000, 1000, kept_up)]
         self.marks, self.clock, self.counts, self.passthrough = [], HostClock(), [1, 1], False
+        self.synced = False  # DDP read no used-parameter map among them
 
     def pairs(self) -> list:
         return self._pairs
