@@ -15,7 +15,7 @@ from phase_timer.phases import COMM_PARTS, EXPOSED_WAIT, HOST_PHASES, comm_label
 def _straggler(signals: Signals, rank_totals: Any, clock: str = "host") -> Diagnosis | None:
     """RANK_STRAGGLER: one rank slowest in one phase in most windows, by a material margin over the other ranks'
     median; or, where the collectives equalise the steps and no phase shows it (or the others wait longer for
-    another rank than that phase is slow), the rank the others wait for.  On a device clock a rank slowest in a
+    a rank, that one or another, than that phase is slow), the rank the others wait for.  On a device clock a rank slowest in a
     host-clock phase (``data_wait``) is a straggler only where that time reaches the device (its device idles before
     its steps) or the other ranks wait for it in their collectives; else it is said as ``info`` (hidden behind its
     device's queue), and the next slowest (rank, phase) may be the straggler."""
@@ -37,7 +37,9 @@ def _straggler(signals: Signals, rank_totals: Any, clock: str = "host") -> Diagn
         found = (phase, rank, signals.margins[phase, rank] / count, count, reach)
         break
     waited = _waited_for(rank_totals, period)
-    if waited is not None and (found is None or waited[0] != found[1] and waited[1] > found[2]):
+    # the others' longer wait for a rank, where it is more than the slow phase's margin (that rank's or another's),
+    # is the larger part of the story: its pauses (evaluation on one rank) and its slow phase go with it
+    if waited is not None and (found is None or waited[1] > found[2]):
         return _straggler_by_waits(rank_totals, period, n, *waited)
     if found is None and hidden is not None:
         return _hidden_straggler(period, n, *hidden)
