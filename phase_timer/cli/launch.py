@@ -37,7 +37,7 @@ BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
 #: Where ``import phase_timer`` finds this copy of it (given to the script's process).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Each option: (type, help).  ``bool``: ``--x`` / ``--no-x``.  The doors' arguments a command line cannot give
-#: (functions of a batch) are left out; ``tests/test_watch_run.py`` holds these to the doors' options.
+#: (functions of a batch) are left out; ``tests/cli/test_watch_run.py`` holds these to the doors' options.
 OPTIONS: dict[str, tuple[Any, str]] = {
     "log_dir": (str, "where the files go when the Trainer has no logger of its own"),
     "window": (int, "steps per logging window (default: the Trainer's log_every_n_steps / logging_steps)"),

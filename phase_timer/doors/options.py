@@ -6,7 +6,7 @@ which Python and its tools read, and hands its arguments here as they came
 :mod:`phase_timer.config` has for it, so a wrong argument fails at construction naming the call.
 The door's docstring takes each argument's entry from here (:func:`entries`); what is the door's
 own -- its window's name and default, where its files go -- the door says itself.
-``tests/test_options.py`` holds each door's signature to these fields.
+``tests/doors/test_options.py`` holds each door's signature to these fields.
 
 The names are spelled in each signature, not generated from here: a ``__signature__`` made from these fields
 over ``**kwargs`` would show the same in ``inspect.signature`` and ``help()``, but type checkers and editors read
