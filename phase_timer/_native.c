@@ -1951,7 +1951,7 @@ static PyObject *Fast_batch(Fast *f, PyObject *const *args, Py_ssize_t nargs) {
         if (PyErr_Occurred()) return NULL;
         mem_due = begun + 1 >= due;
     }
-    /* a modules' sample due (measures/modules.py): the same hand-off, one comparison */
+    /* a modules' sample due (measures/modules/): the same hand-off, one comparison */
     long long mod_due = as_ll(SLOT(f, S_MOD_DUE));
     if (PyErr_Occurred()) return NULL;
     mem_due = mem_due || begun + 1 >= mod_due;

@@ -15,7 +15,7 @@ at the end of the kernel before it, so each is within 2% or 0.05 ms of the truth
 The sampled steps are measured as a training run meets them at their worst: the device idle when each begins (a
 synchronize before it), so that without the gate the device would catch up with the host's hooks and each span would
 hold the device's wait for the host's launches (``transformer.wte``'s forward read 0.495 ms against 0.006 ms before
-the gate).  A sample hooks one group of rows (``measures/modules.py``'s ``Tree.groups``; this 6-layer model's tree
+the gate).  A sample hooks one group of rows (``measures/modules/tree.py``'s ``Tree.groups``; this 6-layer model's tree
 is 3 groups), so the test takes two cycles of them under the profiler: the first sizes each group's gate (a group's
 first gate is ``GATE_FIRST_MS``; then what its last sample read needed), and in the second every top-level row must be
 read (covered) and agree with its own step's kernels.

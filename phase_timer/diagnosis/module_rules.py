@@ -1,7 +1,7 @@
 """Which module the verdict names: the module that holds the most of a GPU-bound run's slow phase, with what usually
 helps for its kind, and the modules that hold the activations (MEMORY_HEADROOM, MEMORY_PRESSURE, OUT_OF_MEMORY).
 
-Read from the summary file's ``modules`` block (``measures/modules.py``): its leaves (the rows no other row is
+Read from the summary file's ``modules`` block (``measures/modules/``): its leaves (the rows no other row is
 under), so that a block and its own ``attn`` are never both named."""
 
 from __future__ import annotations

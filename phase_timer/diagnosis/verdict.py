@@ -29,7 +29,7 @@ def diagnose(totals: Any, signals: Signals, *, clock: str, context: dict[str, An
     out-of-memory error ended the run (``measures.oom.OutOfMemory``; None: none did): ``OUT_OF_MEMORY`` then leads, whatever the number
     of steps, and the rest follows it.  ``syncs``: what the sync census heard (``measures.syncs.Syncs``; None:
     no census), which the host- and GPU-bound findings name.  ``modules``: the modules block
-    (``measures/modules.py``): GPU_BOUND names the module that holds the most of the slow phase, the memory findings
+    (``measures/modules/``): GPU_BOUND names the module that holds the most of the slow phase, the memory findings
     the modules that keep the activations."""
     found = _findings(totals, signals, clock=clock, context=context, rank_totals=rank_totals, skipped=skipped,
                       warmup_steps=warmup_steps, memory=memory, mfu=mfu, syncs=syncs)

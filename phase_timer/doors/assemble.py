@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from phase_timer.measures import oom
+from phase_timer.measures.snapshot import Snapshot
 from phase_timer._env import warn
 from phase_timer.timing.clock import make_clock
 from phase_timer.config import DEFAULT_LOG_DIR, _fail
@@ -152,7 +153,7 @@ def _measures(config: Options, core: TimingCore, device: Any, models: Sequence[A
     with its counter; rank zero adds the job's rates), then FLOPs and MFU (or the table's note saying how to get
     MFU), then which module (``models``' modules on sampled steps; the boundaries take it from the core), then the
     sync census (the boundaries run it on a warm-up step)."""
-    snapshot = oom.Snapshot.start(config.memory_snapshot, core, directory, stacklevel=5)  # warned at the door
+    snapshot = Snapshot.start(config.memory_snapshot, core, directory, stacklevel=5)  # warned at the door
     out: list[Measure] = [snapshot] if snapshot is not None else []
     out.append(oom.OutOfMemory(core.ranks))
     memory = Memory.start(core.clock, core.ranks) if config.memory else None

@@ -112,7 +112,7 @@ class Options:
         "an out-of-memory error: ``True`` writes ``memory_snapshot.pickle`` beside the summary file, ``\"end\"`` "
         "also at {end}, a path writes there.  Off by default: every allocation and free pays for its stack "
         "(``docs/faults.md``).  On a CPU it warns once and records nothing.")
-    #: Which module (``measures/modules.py``): forward/backward time and activations per module, sampled.
+    #: Which module (``measures/modules/``): forward/backward time and activations per module, sampled.
     modules: bool | int | Sequence[str] = _option(
         False, check_modules, "off by default (opt in: a sampled step holds the device behind a gate and is untimed, "
         "which a run must choose: ``docs/modules.md``).  ``True``: on sampled steps (one in ~1,024 after a few early "

@@ -1,4 +1,4 @@
-"""Which module (``phase_timer/measures/modules.py``), on the CPU: planted modules named and measured on the host
+"""Which module (``phase_timer/measures/modules/``), on the CPU: planted modules named and measured on the host
 clock, the tree (repeated blocks, nesting, shared weights), checkpointing, a compiled model, the sampled steps (the
 ordinary step carries no hook), and every door writing the module rows."""
 

@@ -25,7 +25,7 @@ from torch import nn
 
 import phase_timer
 from phase_timer.measures import memory as timer_memory
-from phase_timer.measures import oom
+from phase_timer.measures import oom, snapshot
 from phase_timer.diagnosis import out_of_memory
 from phase_timer.outputs.run_summary import schema
 from tests.fakes import FakeAllocator
@@ -478,8 +478,8 @@ def test_a_snapshot_is_recorded_bounded_dumped_on_the_error_and_stopped_at_the_e
     fake = _FakeCudaMemory()
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.snapshot)
-    snap = oom.Snapshot.start(True, _cuda_core(), str(tmp_path))
-    assert fake.calls == [{"enabled": "all", "context": "all", "stacks": "python", "max_entries": oom.SNAPSHOT_ENTRIES}]
+    snap = snapshot.Snapshot.start(True, _cuda_core(), str(tmp_path))
+    assert fake.calls == [{"enabled": "all", "context": "all", "stacks": "python", "max_entries": snapshot.SNAPSHOT_ENTRIES}]
     path = snap.dump("oom")
     assert path == str(tmp_path / "memory_snapshot.pickle") and os.listdir(tmp_path) == ["memory_snapshot.pickle"]
     with open(path, "rb") as f:
@@ -487,10 +487,10 @@ def test_a_snapshot_is_recorded_bounded_dumped_on_the_error_and_stopped_at_the_e
     assert snap.end(None) == []  # the measure's end: recording stops
     assert fake.calls[-1] == {"enabled": None} and snap.summary()["dumped"] == "oom"
     # "end": written at the end of a run that did not run out; a path of the user's, one file per rank
-    end = oom.Snapshot.start("end", _cuda_core(), str(tmp_path / "other"))
+    end = snapshot.Snapshot.start("end", _cuda_core(), str(tmp_path / "other"))
     end.end(None)
     assert end.summary()["dumped"] == "end" and os.path.isfile(tmp_path / "other" / "memory_snapshot.pickle")
-    mine = oom.Snapshot.start(str(tmp_path / "mine" / "snap.pickle"), _cuda_core(2), None)
+    mine = snapshot.Snapshot.start(str(tmp_path / "mine" / "snap.pickle"), _cuda_core(2), None)
     assert mine.dump("oom") == str(tmp_path / "mine" / "snap.rank2.pickle")
     mine.end(None)
     assert not os.path.exists(tmp_path / "mine" / "snap.pickle")
@@ -542,7 +542,7 @@ def test_the_doors_register_the_measure_and_the_snapshot_only_where_asked(tmp_pa
     plain = phase_timer.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), log_dir=tmp_path, summary=False)
     try:
         kinds = [type(m) for m in plain.core.measures]
-        assert oom.OutOfMemory in kinds and oom.Snapshot not in kinds
+        assert oom.OutOfMemory in kinds and snapshot.Snapshot not in kinds
     finally:
         plain.close()
     with pytest.warns(RuntimeWarning, match="memory_snapshot=True"):
@@ -550,7 +550,7 @@ def test_the_doors_register_the_measure_and_the_snapshot_only_where_asked(tmp_pa
                                    summary=False, memory_snapshot=True)
     try:
         snap = asked.core.measure("memory_snapshot")
-        assert isinstance(snap, oom.Snapshot) and [type(m) for m in asked.core.measures][:2] == [oom.Snapshot,
+        assert isinstance(snap, snapshot.Snapshot) and [type(m) for m in asked.core.measures][:2] == [snapshot.Snapshot,
                                                                                             oom.OutOfMemory]
     finally:
         asked.close()

@@ -155,7 +155,7 @@ class RunComm(Measure):
 
     def take_copies(self, columns: dict[str, list[float]], comm: dict[str, float]) -> None:
         """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero, copies or not:
-        a host-paced step's own correction may take more than its span, ``ddp.DdpComm._settle``; sorted stays
+        a host-paced step's own correction may take more than its span, ``paced.PacedSpans._settle``; sorted stays
         sorted) and off its sampled exposed wait."""
         self.resolve_copies()
         copy = self.copy_ms or 0.0

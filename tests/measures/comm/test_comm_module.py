@@ -17,6 +17,7 @@ from torch import nn
 import phase_timer
 from phase_timer.measures import comm
 from phase_timer.measures.comm import ddp as comm_ddp
+from phase_timer.measures.comm import paced as comm_paced
 from phase_timer.measures.comm import run as comm_run
 from phase_timer.measures.comm.copies import Copies
 
@@ -469,13 +470,13 @@ def test_the_usual_path_stays_the_engine_s_own_switch_until_a_sample_shows_a_hos
     assert (probe.paced_steps, probe.paced_ms) == (2, 3.75)
     # a device behind the host (it had not begun the span): nothing taken; PACED_OFF such backwards in a row: off
     engine.behind_is = True
-    for _ in range(comm_ddp.PACED_OFF - 1):
+    for _ in range(comm_paced.PACED_OFF - 1):
         assert backward(2.0) == [*PACED, ("switch", "optimizer")]
     assert probe._paced
     engine.behind_is = False
     backward(2.0)  # caught up again: the count starts anew
     engine.behind_is = True
-    for _ in range(comm_ddp.PACED_OFF):
+    for _ in range(comm_paced.PACED_OFF):
         backward(2.0)
     assert not probe._paced and start_queued(probe) is probe._to_wait
     assert backward(2.0) == [("switch", WAIT), ("switch", "optimizer")]
