@@ -18,6 +18,8 @@ from torch.utils.checkpoint import checkpoint
 import phase_timer
 from phase_timer.measures import modules as mod
 from phase_timer.measures.modules import ModuleTimes, build_tree
+from phase_timer.measures.modules import times as mod_times
+from phase_timer.measures.modules import tree as mod_tree
 from phase_timer.timing.clock import HostClock
 from tests import helpers
 from tests.helpers import hours, read_scalars
@@ -29,7 +31,7 @@ SLEEP_S = 0.005
 def _dense_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """These short CPU runs sample densely, as a device run does (the host clock's default is sparse only: a sampled
     step's hooks are in its host-clock phases)."""
-    monkeypatch.setattr(mod, "HOST_DENSE", mod.DENSE)
+    monkeypatch.setattr(mod_times, "HOST_DENSE", mod.DENSE)  # where the schedule reads it
 
 
 class Planted:
@@ -370,7 +372,7 @@ def test_the_default_tree_opens_what_holds_repeated_blocks_and_sums_the_blocks()
 
 
 def test_nested_blocks_shared_weights_and_children_never_exceed_the_parent(tmp_path, monkeypatch):
-    monkeypatch.setattr(mod, "GROUP_MODULES", 1000)  # one group: a parent and its children on the same steps
+    monkeypatch.setattr(mod_tree, "GROUP_MODULES", 1000)  # one group: a parent and its children on the same steps
     model = TinyGPT()
     timer = _train_lm(model, tmp_path)
     block = summary(timer)["modules"]
@@ -705,7 +707,7 @@ def test_a_sampled_step_hooks_only_the_nodes_that_can_begin_or_end_a_backward_on
     """A node shared by nested calls carries one hook; a node that feeds another of the call's nodes is never its
     last, so it carries none: a 4-block TinyGPT's sample hooks far fewer nodes than its calls' edges, and the backward
     of every row is still read (its children's never more than it)."""
-    monkeypatch.setattr(mod, "GROUP_MODULES", 1000)  # every row on the one sample
+    monkeypatch.setattr(mod_tree, "GROUP_MODULES", 1000)  # every row on the one sample
     model = TinyGPT()
     measure = ModuleTimes([model], True, clock=HostClock(), warmup_steps=0)
     idx = torch.randint(0, 64, (2, 8))
@@ -1057,7 +1059,7 @@ def test_a_group_not_read_whole_is_taken_again_first_and_the_steps_sampled_are_t
     (the H200's 40-step run took 5 samples of 3 groups in turn, the third group's one uncovered, and never completed);
     the steps sampled never depend on what was read, so that every rank of a distributed run samples the same steps
     (a rank's gate holds its collectives, and its peers would wait for it on a step they time)."""
-    monkeypatch.setattr(mod, "GROUP_MODULES", 1)  # a, b, c: three groups
+    monkeypatch.setattr(mod_tree, "GROUP_MODULES", 1)  # a, b, c: three groups
 
     def run(covered: tuple[bool, ...]) -> tuple[list[int], list[int], ModuleTimes]:
         model = _Three()

@@ -6,16 +6,13 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from phase_timer.measures.modules.tree import Tree
-
-if TYPE_CHECKING:
-    from phase_timer.measures.modules.times import ModuleTimes
 
 #: Bytes a MiB (the activations' unit).
 MB = float(1 << 20)
@@ -133,9 +130,9 @@ class Sample:
     backward; with ``read`` (CUDA: the allocator's counters, on a group's first sample and one in ``ACT_EVERY``) it
     also reads the allocator before each forward's first mark and after its last (activations)."""
 
-    def __init__(self, measure: ModuleTimes, step: int, part: int = 0, keys: Iterable[str] | None = None,
+    def __init__(self, measure: Any, step: int, part: int = 0, keys: Iterable[str] | None = None,
                  read: Callable[[], int] | None = None) -> None:
-        self.m = measure
+        self.m = measure  # the ModuleTimes that took the sample (times.py imports this module, not the reverse)
         self.step = step
         self.part = part  # the group of rows hooked (an index into the measure's groups)
         self.rows = None if keys is None else frozenset(keys)  # None: every row
