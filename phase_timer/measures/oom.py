@@ -46,6 +46,9 @@ from phase_timer._env import warn
 log = logging.getLogger(__name__)
 
 MB = float(1 << 20)
+#: The key of ``memory_snapshot=``'s measure (:class:`phase_timer.measures.snapshot.Snapshot`, which imports this
+#: module's rank files): the error's facts name its dump.
+SNAPSHOT_KEY = "memory_snapshot"
 #: The longest a store request on an error's path is waited for (its thread is left behind after that).
 STORE_WAIT_S = 2.0
 #: How much of the error's message the summary keeps.
@@ -243,10 +246,8 @@ def caught(exc: BaseException | None, core: Any, bounds: Any, *, optimizers: Ite
         if error is None:
             return
         measure.facts = facts = _facts(exc, error, core, bounds, optimizers, cut)
-        from phase_timer.measures.snapshot import Snapshot  # it imports this module's rank files: here, not above
-
-        snapshot = core.measure(Snapshot.key)
-        if isinstance(snapshot, Snapshot):
+        snapshot = core.measure(SNAPSHOT_KEY)  # measures/snapshot.py's Snapshot, where memory_snapshot= asked
+        if snapshot is not None:
             facts["snapshot"] = snapshot.dump("oom")
         if core.ranks is not None and core.ranks.rank != 0:
             _from_this_rank(core, facts)

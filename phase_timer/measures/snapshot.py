@@ -10,7 +10,7 @@ from typing import Any
 
 from phase_timer import files
 from phase_timer.measure import Measure
-from phase_timer.measures.oom import _end_failed, _published, _ranked
+from phase_timer.measures.oom import SNAPSHOT_KEY, _end_failed, _published, _ranked
 from phase_timer._env import warn
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class Snapshot(Measure):
     A measure (registered only where asked): it fills the summary file's ``memory_snapshot`` (null: not asked), and
     its recording stops at the run's end (:meth:`end`)."""
 
-    key = "memory_snapshot"
+    key = SNAPSHOT_KEY
 
     def __init__(self, setting: Any, directory: str | None, ranks: Any = None) -> None:
         self.ranks = ranks

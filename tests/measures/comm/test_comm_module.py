@@ -407,6 +407,7 @@ def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms:
         monkeypatch.setattr(comm_ddp, "Arm", None)
     ns = HostNs()
     monkeypatch.setattr(comm_ddp, "time", ns)
+    monkeypatch.setattr(comm_paced, "time", ns)  # the host-paced path's clock
     engine = PacedEngine()
     core = PacedCore(engine, kind)
     module = SimpleNamespace(**{"gradient_as_bucket_view": False, "find_unused_parameters": False, **ddp_kw,
