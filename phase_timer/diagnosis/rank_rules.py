@@ -15,10 +15,11 @@ from phase_timer.phases import COMM_PARTS, EXPOSED_WAIT, HOST_PHASES, comm_label
 def _straggler(signals: Signals, rank_totals: Any, clock: str = "host") -> Diagnosis | None:
     """RANK_STRAGGLER: one rank slowest in one phase in most windows, by a material margin over the other ranks'
     median; or, where the collectives equalise the steps and no phase shows it (or the others wait longer for
-    a rank, that one or another, than that phase is slow), the rank the others wait for.  On a device clock a rank slowest in a
+    another rank than that phase is slow), the rank the others wait for.  On a device clock a rank slowest in a
     host-clock phase (``data_wait``) is a straggler only where that time reaches the device (its device idles before
     its steps) or the other ranks wait for it in their collectives; else it is said as ``info`` (hidden behind its
-    device's queue), and the next slowest (rank, phase) may be the straggler."""
+    device's queue), and the next slowest (rank, phase) may be the straggler.  A rank named by a phase is also said
+    with its pauses outside its steps (evaluation on that rank alone), where they are material."""
     n = len(signals.rank_period_ms)  # the windows across ranks
     if n < 1:
         return None
@@ -37,9 +38,7 @@ def _straggler(signals: Signals, rank_totals: Any, clock: str = "host") -> Diagn
         found = (phase, rank, signals.margins[phase, rank] / count, count, reach)
         break
     waited = _waited_for(rank_totals, period)
-    # the others' longer wait for a rank, where it is more than the slow phase's margin (that rank's or another's),
-    # is the larger part of the story: its pauses (evaluation on one rank) and its slow phase go with it
-    if waited is not None and (found is None or waited[1] > found[2]):
+    if waited is not None and (found is None or waited[0] != found[1] and waited[1] > found[2]):
         return _straggler_by_waits(rank_totals, period, n, *waited)
     if found is None and hidden is not None:
         return _hidden_straggler(period, n, *hidden)
@@ -69,6 +68,7 @@ def _straggler(signals: Signals, rank_totals: Any, clock: str = "host") -> Diagn
         elif wait > 0:
             tips.append(f"the other ranks' backward is {wait:.2f} ms longer than rank {rank}'s: their wait for it "
                         "in the gradient all-reduce")
+    tips += _pauses_tip(rank_totals, rank, period, ev)
     return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why, tuple(tips + _input_tip(phase)), ev)
 
 
@@ -156,16 +156,7 @@ def _straggler_by_waits(rank_totals: Any, period: float, n: int, rank: int, gap:
     why = (f"rank {rank} is the one the others wait for: the other ranks wait {gap:.2f} ms a step longer than "
            f"rank {rank} for its collectives ({_pct(share)} of period; {' + '.join(_parts(rank_totals))}): the "
            "collectives make every rank's step as long as the slowest's, so only the waits show who it is")
-    tips = []
-    paused = _paused(rank_totals, rank)
-    if paused is not None and paused[0] >= max(0.05, STRAGGLER_MARGIN * period):
-        more, own, theirs, pauses, steps = paused
-        ev.update(paused_ms_per_step=own, others_paused_ms_per_step=theirs, pauses=pauses)
-        tips.append(f"rank {rank} pauses {own:.2f} ms a step on average outside its steps ({pauses} pauses over "
-                    f"{steps} steps, one every ~{steps / pauses:.0f} steps: evaluation, checkpoints, logging), "
-                    f"{more:.2f} ms more than the other ranks' median: each pause is their wait in their next "
-                    "collective. Run that work on every rank at the same step (evaluation sharded across the ranks), "
-                    "or outside training")
+    tips = _pauses_tip(rank_totals, rank, period, ev)
     if where:
         tips.append(f"rank {rank} spends {where[1]:.2f} ms a step more than the other ranks in {where[0]}: "
                     + _look_at(rank, where[0]))
@@ -175,6 +166,20 @@ def _straggler_by_waits(rank_totals: Any, period: float, n: int, rank: int, gap:
                     "rank alone); trace that rank (trace_steps=) to find it")
     return Diagnosis("RANK_STRAGGLER", "high" if share >= 0.2 else "medium", why,
                      tuple(tips + _input_tip(where[0] if where else None)), ev)
+
+
+def _pauses_tip(rank_totals: Any, rank: int, period: float, ev: dict[str, Any]) -> list[str]:
+    """The rank's pauses outside its steps (evaluation, checkpoints, logging on that rank alone), where they are
+    material: the tip, and their figures in ``ev``; else nothing."""
+    paused = _paused(rank_totals, rank)
+    if paused is None or paused[0] < max(0.05, STRAGGLER_MARGIN * period):
+        return []
+    more, own, theirs, pauses, steps = paused
+    ev.update(paused_ms_per_step=own, others_paused_ms_per_step=theirs, pauses=pauses)
+    return [f"rank {rank} pauses {own:.2f} ms a step on average outside its steps ({pauses} pauses over {steps} "
+            f"steps, one every ~{steps / pauses:.0f} steps: evaluation, checkpoints, logging), {more:.2f} ms more "
+            "than the other ranks' median: each pause is their wait in their next collective. Run that work on "
+            "every rank at the same step (evaluation sharded across the ranks), or outside training"]
 
 
 def _look_at(rank: int, phase: str) -> str:

@@ -15,10 +15,10 @@ Nothing here waits for the device.  The counters are the caching allocator's hos
 waits for no stream (``docs/faults.md``: what is known of a stuck device).  The frames the error passed
 through are still alive (its traceback holds them), so what their tensors hold is still allocated.
 
-``memory_snapshot=`` (opt-in): the allocator records its history (:class:`Snapshot`, a measure of its own filling
-the summary's ``memory_snapshot``: bounded entries, Python stacks only) from the run's start; a snapshot is dumped
-on an out-of-memory error, and at the run's end when asked (``"end"``), for PyTorch's memory visualizer
-(https://pytorch.org/memory_viz).
+``memory_snapshot=`` (opt-in): the allocator records its history (``measures/snapshot.py``'s ``Snapshot``, a measure
+of its own filling the summary's ``memory_snapshot``: bounded entries, Python stacks only) from the run's start; a
+snapshot is dumped on an out-of-memory error, and at the run's end when asked (``"end"``), for PyTorch's memory
+visualizer (https://pytorch.org/memory_viz).
 
 Under torch.distributed the rank that ran out writes its own summary file
 (``phase_timer_summary.rank<r>.json``, beside rank zero's) and appends its finding to one key of the

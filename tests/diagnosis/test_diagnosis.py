@@ -393,10 +393,11 @@ def test_a_rank_s_pauses_the_others_wait_for_are_named_with_how_much_and_how_oft
     assert not any("no timed phase" in t for t in f.next)
 
 
-def test_a_pausing_rank_slow_in_a_phase_too_is_named_by_the_larger_part_its_pauses():
+def test_a_pausing_rank_slow_in_a_phase_too_is_named_by_the_phase_with_its_pauses():
     """The rank that evaluates alone is also slowest in its optimizer in every window, by 5 ms (a loaded host; past
-    the 5% of period that names a phase): the others wait 40 ms a step longer for it, more than that margin, so the waits name it, with its pauses and
-    that phase.  A phase slower by more than the others' wait is still said as the phase."""
+    the 5% of period that names a phase), while the others wait 40 ms a step longer for it: the phase names it, as it
+    would without the pauses (one rank, one finding, whichever margin is larger: never flipping on noise), and its
+    pauses are said with it."""
     def run(optimizer_margin: float) -> object:
         rt = RankSums({0: {"backward.comm_wait": 0.3, "optimizer": 1.2 + optimizer_margin},
                        1: {"backward.comm_wait": 40.0, "optimizer": 1.2}}, steps=200)
@@ -408,13 +409,11 @@ def test_a_pausing_rank_slow_in_a_phase_too_is_named_by_the_larger_part_its_paus
                                        "period": {0: 70.0, 1: 70.0}}))
         return _only(diagnose(totals(**GPU_STEP), s, clock="cuda", rank_totals=rt), "RANK_STRAGGLER")
 
-    f = run(5.0)
-    assert f.evidence["rank"] == 0 and f.evidence["by"] == "waits" and f.evidence["pauses"] == 5
-    assert f.evidence["phase"] == "optimizer"
-    assert any("rank 0 pauses 40.00 ms a step" in t for t in f.next)
-    assert any("5.00 ms a step more than the other ranks in optimizer" in t for t in f.next)
-    f = run(45.0)  # the phase's margin above the others' wait: the phase names it
-    assert f.evidence["rank"] == 0 and f.evidence["by"] == "phase" and f.evidence["phase"] == "optimizer"
+    for margin in (5.0, 45.0):  # below the others' wait, and above it
+        f = run(margin)
+        assert f.evidence["rank"] == 0 and f.evidence["by"] == "phase" and f.evidence["phase"] == "optimizer"
+        assert f.evidence["pauses"] == 5 and any("rank 0 pauses 40.00 ms a step" in t for t in f.next)
+        assert f.evidence["windows"] == 4
 
 
 def _data_straggler_windows(n: int = 4, period: float = 162.44) -> Signals:

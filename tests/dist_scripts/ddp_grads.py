@@ -8,6 +8,8 @@ Cases, each a pair of identical models (one timed, one not) fed the same batches
 * ``unused``: ``find_unused_parameters=True``, a layer rank 0 skips and rank 1 uses: DDP copies its used map to
   the host and reads it at once in its end-of-backward (a copy held back there would mark the layer unused).
 * ``static``: ``static_graph=True``.
+* ``static_unused``: ``static_graph=True``, a layer rank 0 skips: DDP reads its map in the first backward alone,
+  outside the span, so the copies are timed on both ranks.
 * ``two``: two DDP modules in one backward, both sampled on the same backwards.
 * ``view``: ``gradient_as_bucket_view=True``; ``default``: DDP's defaults.
 
@@ -46,9 +48,9 @@ class Net(nn.Module):
 
 
 def wrap(case: str) -> list[nn.Module]:
-    kw = {"find_unused_parameters": case == "unused", "static_graph": case == "static",
+    kw = {"find_unused_parameters": case == "unused", "static_graph": case in ("static", "static_unused"),
           "gradient_as_bucket_view": case == "view", "bucket_cap_mb": 0.001}  # a bucket or so a layer
-    nets = [Net(0 if case == "unused" else None)] + ([Net(None)] if case == "two" else [])
+    nets = [Net(0 if case in ("unused", "static_unused") else None)] + ([Net(None)] if case == "two" else [])
     return [nn.parallel.DistributedDataParallel(n, **kw) for n in nets]
 
 
@@ -86,7 +88,7 @@ def run(case: str) -> dict:
 def main() -> None:
     dist.init_process_group("gloo")
     out = []
-    for case in ("unused", "static", "two", "view", "default"):
+    for case in ("unused", "static", "static_unused", "two", "view", "default"):
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, run(case))
         out += every

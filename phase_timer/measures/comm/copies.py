@@ -80,15 +80,18 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
     own calls (DDP's launches, without the mode's Python around them), and whether the device had already
     reached the first mark when the host came to mark the last (one ``query()``, never a wait).  Every other op
     passes through, other copies too: DDP reads some of its own at once.  One of them it notes (``synced``): the
-    used-parameter map's copy to the host (int32), which DDP makes, under ``find_unused_parameters`` or a static
-    graph, where a parameter got no gradient on this rank, after waiting for the map's all-reduce: that wait falls
-    among a bucket's copies, and a sample that holds it is not read (:meth:`pairs`)."""
+    used-parameter map's copy over the host's map (int32: the tensor DDP reads each parameter's flag from, by
+    ``select``, before its copy), which DDP makes under ``find_unused_parameters`` where a
+    parameter got no gradient on this rank, after waiting for the map's all-reduce: that wait falls among a
+    bucket's copies, and a sample that holds it is not read (:meth:`pairs`).  (A static graph reads its map in its
+    first backward, outside the span.)"""
     global _MARKER
     if _MARKER is None:
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         copy_ = torch.ops.aten.copy_.default
+        select = torch.ops.aten.select.int
 
         class CopyMarker(TorchDispatchMode):
             def __init__(self, params: Any, counts: list[int] | None, clock: Any) -> None:
@@ -105,16 +108,19 @@ def _copy_marker(params: Any, counts: list[int] | None, clock: Any) -> Any:
                 self.launch: list[int] = []  # a bucket's copies' own calls, ns (the mode's Python left out)
                 self.caught: list[bool] = []  # a bucket: the device had reached its first mark at its last
                 self.synced = False  # DDP read its used-parameter map (waiting for its all-reduce) in this span
+                self._map: int | None = None  # the host's map: the int32 tensor DDP reads a parameter's flag from
                 self._source: Any = None
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
                 kwargs = kwargs or {}
+                if func is select and not self.passthrough and args[0].dtype == torch.int32:
+                    self._map = args[0].data_ptr()  # local_used_map_[i]: the flag read before each copy
                 if func is not copy_ or self.passthrough:
                     return func(*args, **kwargs)
                 dst, src = args[0], args[1]
                 if dst.layout != torch.strided or (dst.data_ptr(), dst.numel()) not in self.grads:
-                    if dst.dtype == torch.int32 and dst.device.type == "cpu":
-                        self.synced = True  # the used-parameter map, to the host (DDP's reducer: its only int32)
+                    if dst.dtype == torch.int32 and self._map is not None and dst.data_ptr() == self._map:
+                        self.synced = True  # the reduced map copied over the host's (its all-reduce waited for)
                     return func(*args, **kwargs)
                 try:
                     counts, expect = self.counts, self.expect

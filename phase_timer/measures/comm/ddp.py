@@ -30,7 +30,7 @@ copies read one storage); from the next, it marks the compute stream before each
 its last (by that count), so the copies are timed where and as they run, with no mark between two copies (a
 timed event there costs the stream microseconds, a copy as little) and none across a wait.  A backward whose
 copies do not fall as counted (a rebuild of the buckets) is counted anew and timed on the next.  Under
-``find_unused_parameters=True`` (or a static graph) DDP reads each parameter's flag in its used-parameter map on
+``find_unused_parameters=True`` DDP reads each parameter's flag in its used-parameter map on
 the host among the copies, and where one got no gradient on this rank it first waits for the map's all-reduce
 (after every bucket's) and copies the map to the host: that wait falls among a bucket's copies, and which
 parameters copy changes from step to step.  A sampled backward that saw that copy is not read, and the module's
@@ -228,7 +228,7 @@ class DdpComm(PacedSpans):
 
     def _untimeable(self) -> bool:
         """A sampled end-of-backward saw DDP copy its used-parameter map to the host (a parameter without a
-        gradient on this rank, under ``find_unused_parameters=True`` or a static graph): DDP waited for the map's
+        gradient on this rank, under ``find_unused_parameters=True``): DDP waited for the map's
         all-reduce in the middle of a bucket's copies, and the set of copies changes with the parameters used; the
         copies are not timed from then on (they stay in ``backward.comm_wait``, and the table says so)."""
         return self._map_read

@@ -29,7 +29,7 @@ def copy_note(run: RunComm) -> str | None:
                 f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
     if run.copy and run.untimed_copies:
         return ("DDP's copies into .grad are inside backward.comm_wait (a parameter without a gradient on this rank, "
-                "under find_unused_parameters=True or a static graph: DDP's wait for its used-parameter map falls "
+                "under find_unused_parameters=True: DDP's wait for its used-parameter map falls "
                 "among them, so they are not timed)")
     if run.copy:
         return "DDP's copies into .grad are inside backward.comm_wait (no backward was sampled to time them)"
@@ -104,6 +104,7 @@ class RunComm(Measure):
         #: buckets' medians, summed, over the modules), or None.
         self.copy_ms: float | None = None
         self.copy_samples = 0
+        self._copy_counts: dict[int, int] = {}  # a module's split (its id) -> its samples read
         #: A module whose copies are not timed (DDP read its used-parameter map among them): they stay in the wait.
         self.untimed_copies = False
 
@@ -130,6 +131,7 @@ class RunComm(Measure):
                 (caught if pair.caught else queued).append(pair.ms(clock))
             clock.release([m for pair in pairs for m in (pair.start, pair.end)])
             self.copy_samples += 1
+            self._copy_counts[key] = self._copy_counts.get(key, 0) + 1
             # A bucket's copies move the same bytes every step: its queued samples where it has any (a caught-up
             # device runs them at the host's pace, which the estimate can only bound), else its others.
             self._copy_module[key] = sum(statistics.median(queued or caught) for queued, caught in buckets)
@@ -147,6 +149,7 @@ class RunComm(Measure):
                 item[2].release([m for pair in item[1] for m in (pair.start, pair.end)])
         self._copy_buckets.pop(key, None)
         self._copy_module.pop(key, None)
+        self.copy_samples -= self._copy_counts.pop(key, 0)
         self.copy_ms = sum(self._copy_module.values()) if self._copy_module else None
 
     def module_copy_ms(self, probe: Any) -> float:

@@ -57,11 +57,13 @@ marks on average);
 
 from __future__ import annotations
 
-from phase_timer.measures.modules.gate import (GATE, GATE_CYCLES_PER_MS, GATE_FIRST_MS, GATE_MARGIN, GATE_MAX_MS,
+# The names below are the package's; each is read in the module that defines it (patch it there: ``times.DENSE``,
+# ``tree.GROUP_MODULES``, ``gate.GATE_MARGIN``), and these are copies.
+from phase_timer.measures.modules.gate import (GATE_CYCLES_PER_MS, GATE_FIRST_MS, GATE_MARGIN, GATE_MAX_MS,
                                                GATE_MIN_MS, GATE_PAD_MS, _Gate)
-from phase_timer.measures.modules.sample import ACT_EVERY, Sample, _oldest
-from phase_timer.measures.modules.times import (DENSE, DENSE_GAP, GAP, GAP_MEAN, HOST_DENSE, NOT_COMPILED_NOTE, PREFIX,
-                                                RAW_KEPT, SEED, TABLE_TOP, ModuleTimes, make)
+from phase_timer.measures.modules.sample import Sample, _oldest
+from phase_timer.measures.modules.times import (ACT_EVERY, DENSE, DENSE_GAP, GAP, GAP_MEAN, GATE, HOST_DENSE,
+                                                NOT_COMPILED_NOTE, PREFIX, RAW_KEPT, SEED, TABLE_TOP, ModuleTimes, make)
 from phase_timer.measures.modules.tree import (DEFAULT_SEARCH, GROUP_MODULES, VOCAB_OUTPUTS, Entry, Tree, build_tree,
                                                check_modules, compiled_module, module_kind, tag_key)
 

@@ -13,8 +13,8 @@ import torch
 #: the sleep that would have left every mark queued in time (the host's time to each mark less the device's time
 #: known to be its own before it, at most) times GATE_MARGIN plus GATE_PAD_MS, within
 #: [GATE_MIN_MS, GATE_MAX_MS] and never past the run's median step period (times the margin, plus the pad) once a
-#: window has been read; the SM clock's rate assumed until a sleep is measured (cycles a ms).
-GATE = True
+#: window has been read; the SM clock's rate assumed until a sleep is measured (cycles a ms).  (Whether a sample
+#: has a gate at all: ``times.GATE``.)
 GATE_FIRST_MS = 10.0
 GATE_MARGIN = 1.25
 GATE_PAD_MS = 0.25

@@ -16,10 +16,6 @@ from phase_timer.measures.modules.tree import Tree
 
 #: Bytes a MiB (the activations' unit).
 MB = float(1 << 20)
-#: CUDA: a group's first sample, then one of its samples in ACT_EVERY, also reads the allocator around each forward
-#: (activations): a read is 10-24 µs of host time, taken outside the module's own marks, inside its parent's (the gate
-#: keeps the device's spans clear of the host's time).
-ACT_EVERY = 4
 
 
 # -- one sampled step ------------------------------------------------------------------------------

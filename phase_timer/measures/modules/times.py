@@ -13,8 +13,8 @@ from torch import nn
 
 from phase_timer._env import warn
 from phase_timer.measure import Measure
-from phase_timer.measures.modules.gate import GATE, _Gate
-from phase_timer.measures.modules.sample import ACT_EVERY, Sample
+from phase_timer.measures.modules.gate import _Gate
+from phase_timer.measures.modules.sample import Sample
 from phase_timer.measures.modules.tree import build_tree, tag_key
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,12 @@ GAP = (640, 1408)
 GAP_MEAN = sum(GAP) // 2
 #: The generator's seed: the same steps sampled in every run (a recorded run stays the same).
 SEED = 50
+#: CUDA: a group's first sample, then one of its samples in ACT_EVERY, also reads the allocator around each forward
+#: (activations): a read is 10-24 µs of host time, taken outside the module's own marks, inside its parent's (the gate
+#: keeps the device's spans clear of the host's time).
+ACT_EVERY = 4
+#: CUDA: a sample's gate (``gate._Gate``), so that its marks hold device time only.
+GATE = True
 #: Samples kept per module for the summary file's raw values (the most recent).
 RAW_KEPT = 32
 #: The table names this many modules of each of forward and backward.

@@ -225,8 +225,9 @@ def test_the_two_gpu_script_runs_splits_and_adds_up_on_the_cpu() -> None:
     assert (by["data_straggler", 0]["straggler_rank"], by["data_straggler", 0]["straggler_phase"]) == (1, "data_wait")
     # rank 0 alone evaluates after every 6th step (untimed there): rank 1 waits for it in its next all-reduce
     ev = by["eval_rank0", 0]
-    assert (ev["straggler_rank"], ev["straggler_by"]) == (0, "waits"), ev["findings"]
-    assert ev["straggler_pauses"] >= 3 and "pauses" in ev["straggler"]
+    # named by the waits, or (a loaded host slowing one of its phases too) by that phase: its pauses either way
+    assert ev["straggler_rank"] == 0 and ev["straggler_by"] in ("waits", "phase"), ev["findings"]
+    assert ev["straggler_pauses"] >= 3 and "pauses" in ev["straggler"], ev["findings"]
 
 
 def test_the_two_gpu_script_s_span_kernels_bracket_every_ddp_wait_on_the_cpu() -> None:
@@ -256,7 +257,7 @@ def test_sampling_ddp_s_copies_changes_no_gradient() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(SCRIPTS, "ddp_grads.py")]
     _, rows = _run(cmd)
-    assert {r["case"] for r in rows} == {"unused", "static", "two", "view", "default"} and len(rows) == 10
+    assert {r["case"] for r in rows} == {"unused", "static", "static_unused", "two", "view", "default"} and len(rows) == 12
     for r in rows:
         assert r["same"] == r["steps"], r
         if r["case"] == "view" or r["case"] == "unused" and r["rank"] == 0:  # bucket views: DDP copies nothing

@@ -331,11 +331,13 @@ def test_a_module_whose_copies_turn_untimed_takes_its_estimate_and_its_pending_s
     run.add_copies(second, [queued, queued], clock)
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.3)
+    assert run.copy_samples == 2
     run.add_copies(first, [queued], clock)  # pending: not resolved before the map was seen
     run.forget_copies(first)
     assert run.copy_ms == pytest.approx(0.2) and run.module_copy_ms(first) == 0.0 and not run._copy_pending
+    assert run.copy_samples == 1  # the second module's: what the table's count says is timed
     run.forget_copies(second)
-    assert run.copy_ms is None
+    assert run.copy_ms is None and run.copy_samples == 0
 
 
 # -- the host-paced span (issue 47): the device idles in it for DDP's launches ---------------------------------
