@@ -134,6 +134,34 @@ def test_every_door_extra_brings_tensorboard():
         assert any(dep.startswith("tensorboard") for dep in extras[door]), door
 
 
+def test_the_wheel_holds_every_package_and_its_data(tmp_path):
+    """``pip install phase-timer`` (a wheel, not this editable checkout) imports every subpackage: a wheel built from
+    the project's files holds each folder of ``phase_timer/`` that has an ``__init__.py``, and the package data."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    shutil.copytree(os.path.join(ROOT, "phase_timer"), src / "phase_timer",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyc"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("phase_timer-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    packages = [os.path.relpath(d, ROOT) for d, _, files in os.walk(os.path.join(ROOT, "phase_timer"))
+                if "__init__.py" in files]
+    assert len(packages) > 5
+    for package in packages:
+        assert f"{package}/__init__.py" in names, package
+    for data in ("phase_timer/py.typed", "phase_timer/summary_schema.json", "phase_timer/cli/boot/sitecustomize.py"):
+        assert data in names, data
+
+
 # -- 2. nothing lost: the 🤗 door's faults -------------------------------------------------
 def _hf_fault(tmp_path: Any, where: str, exc: BaseException) -> Any:
     pytest.importorskip("transformers")
