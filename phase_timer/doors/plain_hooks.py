@@ -84,8 +84,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
 class PlainHooks:
     """The hook bodies of :class:`phase_timer.doors.loop.LoopTimer`, which installs them and sets their state."""
 
-    # Slots: the state every hook reads (the C hooks read it here too, the same values); the rest in __dict__.
-    __slots__ = ("_bounds", "_thread", "_loader_active", "_end_on_optimizer", "_copy")
+    #: The state every hook reads, in slots (the rest in ``__dict__``): the C hooks (``_native.LoopHooks``) read it
+    #: here too, the same values, by these names in the order of ``native/loop_hooks.c``'s enum.
+    HOOK_SLOTS = ("_bounds", "_thread", "_loader_active", "_end_on_optimizer", "_copy")
+    __slots__ = HOOK_SLOTS
     _bounds: Boundaries | None
     _thread: int | None
     _loader_active: bool

@@ -94,6 +94,14 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
         "on_optimizer_start", "on_step_end",
         "__dict__",
     )
+    #: The slots the C boundaries (``_native.Fast``) read and write, by these names in the order of
+    #: ``native/fast.c``'s enum (it takes their offsets from this tuple when it is made).
+    FAST_SLOTS = ("open", "ended", "trailing", "paused", "in_backward", "_auto", "_explicit", "_after_backward",
+                  "_saw_forward", "_saw_backward", "_failed", "_mem_on", "_fetched", "steps", "begun", "_step",
+                  "_flight_at", "_census_at", "_sample_in", "_mem", "_mem_due", "core", "_mod_on", "_mod_due")
+    #: The slots the plain door's C hooks (``_native.LoopHooks``) read, in the order of ``native/loop_hooks.c``'s.
+    HOOK_SLOTS = ("on_fetch", "on_batch", "on_forward", "on_backward_start", "on_backward_end", "on_step_end",
+                  "in_backward")
 
     def __init__(self, core: TimingCore, *, no_end_hint: str = "") -> None:
         self.core = core

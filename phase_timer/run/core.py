@@ -50,10 +50,11 @@ def _guarded(sinks: Sequence[Sink]) -> list[Sink]:
 class TimingCore:
     """One run's timing: which steps are recorded, their resolution, statistics and output."""
 
-    # Slots for what the boundaries' C path (``_native.Fast``) reads and writes at every step, where CPython
-    # keeps them (no attribute lookup); everything else in ``__dict__``.
-    __slots__ = ("_in_step", "_last_end", "_poll_in", "steps_begun", "_warmup", "closed", "trace", "ranks", "_engine",
-                 "__dict__")
+    #: What the boundaries' C path (``_native.Fast``) reads and writes at every step, where CPython keeps it (no
+    #: attribute lookup): the one list of these names, in the order of ``native/fast.c``'s enum, which takes their
+    #: offsets from it.  Everything else in ``__dict__``.
+    FAST_SLOTS = ("_in_step", "_last_end", "_poll_in", "steps_begun", "_warmup", "closed", "trace", "ranks", "_engine")
+    __slots__ = (*FAST_SLOTS, "__dict__")
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The C pieces (phase_timer/_native.c) and what stands in for them, on the CPU.
+"""The C pieces (phase_timer/_native.c and its parts in phase_timer/native/) and what stands in for them, on the CPU.
 
 The native clock itself needs a GPU (tests/test_gpu.py); here: the build, the
 record checksum, the own event file read back by tensorboard, the fallbacks, and
@@ -237,4 +237,42 @@ def test_the_c_close_reads_the_clock_that_python_reads(monkeypatch):
     b.on_fetch()
     assert core._last_end == t1 + 5_000_000
     b.finish()
+    core.finish()
+
+
+def test_the_slots_the_c_reads_are_its_classes_own_declarations():
+    """``_native.Fast`` and ``_native.LoopHooks`` take the offsets of the slots they read from the classes' own
+    tuples (``FAST_SLOTS``, ``HOOK_SLOTS``): each name is a slot of its class, and a declaration the C cannot use
+    (a name short, or one that is not a slot) fails where the C is made, naming the class and the tuple."""
+    from phase_timer.doors.plain_hooks import PlainHooks
+    from phase_timer.run.boundaries import Boundaries
+    from phase_timer.run.core import TimingCore
+
+    for cls, attr in ((Boundaries, "FAST_SLOTS"), (Boundaries, "HOOK_SLOTS"), (TimingCore, "FAST_SLOTS"),
+                      (PlainHooks, "HOOK_SLOTS")):
+        names = getattr(cls, attr)
+        assert isinstance(names, tuple) and len(set(names)) == len(names) > 4, (cls, attr)
+        assert set(names) <= set(cls.__slots__), (cls, attr, set(names) - set(cls.__slots__))
+    if native is None:
+        pytest.skip("the C extension is not built here")
+
+    def fast(bounds: Boundaries) -> object:
+        return native.Fast(bounds, core._engine, ("forward", "backward", "optimizer", "between_steps", "h2d",
+                                                  "data_wait", "sync_wait"), __import__("time"), lambda: None, 8)
+
+    core = TimingCore(clock_mod.HostClock(), window=5, warmup_steps=0, max_pending=8)
+    fast(Boundaries(core))  # the classes' own declarations: made
+
+    class Short(Boundaries):
+        __slots__ = ()
+        FAST_SLOTS = Boundaries.FAST_SLOTS[:-1]
+
+    class NotASlot(Boundaries):
+        __slots__ = ()
+        FAST_SLOTS = (*Boundaries.FAST_SLOTS[:-1], "no_such_slot")
+
+    with pytest.raises(TypeError, match=r"Short\.FAST_SLOTS is not a tuple of 24 slot names"):
+        fast(Short(core))
+    with pytest.raises(AttributeError, match="no_such_slot"):
+        fast(NotASlot(core))
     core.finish()
