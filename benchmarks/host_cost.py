@@ -214,7 +214,7 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
 
             def step() -> None:
                 i = state["i"] = state["i"] + 1
-                bounds.on_fetch()  # the calls the doors make (in C where built: phase_timer/_native.c, Fast)
+                bounds.on_fetch()  # the calls the doors make (in C where built: phase_timer/native/fast.c)
                 bounds.on_batch(i, 0.1)
                 if count is not None:
                     count(batch)  # the door's, after the batch: samples, tokens, the signature, FLOPs carried

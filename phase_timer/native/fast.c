@@ -392,28 +392,28 @@ static int slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off) {
 }
 
 /* The offsets of the slots `t` declares in its class attribute `attr`: a tuple of `n` names, in the order of the
- * caller's enum (the one list of them: the class's).  0, or -1 with an exception set. */
+ * caller's enum (the one list of them: the class's).  0, or -1 with a TypeError that names the class, the tuple
+ * and the name at fault. */
 static int declared_slots(PyTypeObject *t, const char *attr, Py_ssize_t *off, Py_ssize_t n) {
-    PyObject *names = PyObject_GetAttrString((PyObject *)t, attr);
-    if (names == NULL) return -1;
+    PyObject *decl = PyObject_GetAttrString((PyObject *)t, attr);
+    if (decl == NULL) return -1;
     int rc = 0;
-    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != n) {
+    if (!PyTuple_Check(decl) || PyTuple_GET_SIZE(decl) != n) {
         PyErr_Format(PyExc_TypeError, "phase_timer._native: %s.%s is not a tuple of %zd slot names", t->tp_name, attr,
                      n);
         rc = -1;
     }
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
-        PyObject *name = PyTuple_GET_ITEM(names, i);
+        PyObject *name = PyTuple_GET_ITEM(decl, i);
         const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
-        if (s == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "phase_timer._native: %s.%s holds a non-str", t->tp_name, attr);
+        if (s == NULL || slot_offset(t, s, &off[i]) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "phase_timer._native: %s.%s[%zd] (%R) is not a writable slot of %s",
+                         t->tp_name, attr, i, name, t->tp_name);
             rc = -1;
-        } else {
-            rc = slot_offset(t, s, &off[i]);
         }
     }
-    Py_DECREF(names);
+    Py_DECREF(decl);
     return rc;
 }
 

@@ -45,8 +45,18 @@ static int loop_usual(LoopHooks *h) {
 
 static PyObject *call_slot(LoopHooks *h, int i, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *fn = BSLOT(h, i);
-    if (fn == NULL)  /* its name: the class's declaration, read on this error alone */
-        return PyErr_Format(PyExc_AttributeError, "Boundaries.HOOK_SLOTS[%d] is not set", i);
+    if (fn == NULL) {  /* its name from the class's declaration, read on this error alone */
+        PyObject *decl = PyObject_GetAttrString((PyObject *)Py_TYPE(h->bounds), "HOOK_SLOTS");
+        PyObject *name = decl != NULL && PyTuple_Check(decl) && i < PyTuple_GET_SIZE(decl) ? PyTuple_GET_ITEM(decl, i)
+                                                                                             : NULL;
+        PyErr_Clear();
+        if (name != NULL)
+            PyErr_Format(PyExc_AttributeError, "%s.%U is not set", Py_TYPE(h->bounds)->tp_name, name);
+        else
+            PyErr_Format(PyExc_AttributeError, "%s.HOOK_SLOTS[%d] is not set", Py_TYPE(h->bounds)->tp_name, i);
+        Py_XDECREF(decl);
+        return NULL;
+    }
     return PyObject_Vectorcall(fn, args, nargs, NULL);
 }
 

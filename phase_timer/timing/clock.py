@@ -157,7 +157,7 @@ except ImportError:  # not built (no C compiler at install): torch's events are 
 if _DriverClock is not None:
 
     class NativeCudaClock(_DriverClock):  # type: ignore[misc, valid-type]
-        """The same clock as :class:`CudaClock`, on the CUDA driver API in C (``_native.c``).
+        """The same clock as :class:`CudaClock`, on the CUDA driver API in C (``native/clock.c``).
 
         A mark is a small int naming a pooled ``CUevent``; ``mark()`` is one C call
         (1.3 us with its release on an H200 host, against 1.6-1.9 us for torch's

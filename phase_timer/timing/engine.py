@@ -3,7 +3,7 @@
 Two implementations with one interface, which ``TimingCore`` (``run/core.py``)
 drives:
 
-* ``_native.Steps`` (C, ``_native.c``): the default wherever it is built, on the
+* ``_native.Steps`` (C, ``native/steps.c``): the default wherever it is built, on the
   native CUDA clock or on the host clock.  A step costs Python only the calls the
   hooks make.
 * :class:`PyEngine` (this module): any clock (torch's events, test doubles), NVTX
@@ -40,7 +40,7 @@ POLL_EVERY = 8
 #: At most this many records resolved a poll: twice what a poll's gap adds, so that a backlog drains.
 MAX_PER_POLL = 2 * POLL_EVERY
 #: On the native clock, the C engine asks the device and reads the spans on a thread of its own, which never
-#: takes the GIL: the training thread only takes the results (``_native.c``).  False: at the poll, inline.
+#: takes the GIL: the training thread only takes the results (``native/resolver.c``).  False: at the poll, inline.
 RESOLVER_THREAD = True
 
 
@@ -153,7 +153,7 @@ def native_steps(clock: Any, window: int, max_pending: int, lag: int = 2, per_st
     paused, what is part of another phase, what is a micro-batch's fetch).
 
     ``threaded`` (a native clock): the records are asked and read on a thread of the engine's own, which never
-    takes the GIL; ``poll()`` only takes what it resolved (``_native.c``).
+    takes the GIL; ``poll()`` only takes what it resolved (``native/resolver.c``).
     """
     return Steps(clock, window, max_pending, lag, MAX_PER_POLL, per_step, BETWEEN, PAUSED, after_end, threaded, part_of,
                  FETCH)

@@ -136,7 +136,10 @@ def test_every_door_extra_brings_tensorboard():
 
 def test_the_wheel_holds_every_package_and_its_data(tmp_path):
     """``pip install phase-timer`` (a wheel, not this editable checkout) imports every subpackage: a wheel built from
-    the project's files holds each folder of ``phase_timer/`` that has an ``__init__.py``, and the package data."""
+    the project's files holds each folder of ``phase_timer/`` that has an ``__init__.py``, and the package data; the
+    sdist holds the C extension's parts (``_native.c`` includes them: without them a source install builds no C,
+    silently, as the extension is optional)."""
+    import glob
     import shutil
     import subprocess
     import sys
@@ -160,6 +163,17 @@ def test_the_wheel_holds_every_package_and_its_data(tmp_path):
         assert f"{package}/__init__.py" in names, package
     for data in ("phase_timer/py.typed", "phase_timer/summary_schema.json", "phase_timer/cli/boot/sitecustomize.py"):
         assert data in names, data
+    import tarfile
+
+    proc = subprocess.run([sys.executable, "-c", "from setuptools import build_meta; build_meta.build_sdist('sdist')"],
+                          cwd=src, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (sdist,) = (src / "sdist").glob("phase_timer-*.tar.gz")
+    members = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
+    parts = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "phase_timer", "native", "*.c")))
+    assert len(parts) > 5 and "phase_timer/_native.c" in members
+    for part in parts:
+        assert part in members, part
 
 
 # -- 2. nothing lost: the 🤗 door's faults -------------------------------------------------

@@ -243,7 +243,7 @@ def test_the_c_close_reads_the_clock_that_python_reads(monkeypatch):
 def test_the_slots_the_c_reads_are_its_classes_own_declarations():
     """``_native.Fast`` and ``_native.LoopHooks`` take the offsets of the slots they read from the classes' own
     tuples (``FAST_SLOTS``, ``HOOK_SLOTS``): each name is a slot of its class, and a declaration the C cannot use
-    (a name short, or one that is not a slot) fails where the C is made, naming the class and the tuple."""
+    (a name short, or one that is not a slot) fails where the C is made, naming the class, the tuple and the name."""
     from phase_timer.doors.plain_hooks import PlainHooks
     from phase_timer.run.boundaries import Boundaries
     from phase_timer.run.core import TimingCore
@@ -273,6 +273,31 @@ def test_the_slots_the_c_reads_are_its_classes_own_declarations():
 
     with pytest.raises(TypeError, match=r"Short\.FAST_SLOTS is not a tuple of 24 slot names"):
         fast(Short(core))
-    with pytest.raises(AttributeError, match="no_such_slot"):
+    with pytest.raises(TypeError, match=r"NotASlot\.FAST_SLOTS\[23\] \('no_such_slot'\) is not a writable slot"):
         fast(NotASlot(core))
     core.finish()
+
+
+def test_each_declared_slot_stands_where_the_c_enum_names_it():
+    """The C reads a declared tuple by position (its enums in ``native/fast.c`` and ``native/loop_hooks.c``): each
+    position's enum name is the slot's own, upper-cased (``S_SAW_FORWARD``: ``_saw_forward``; ``C_BEGUN``:
+    ``steps_begun``), so a reordered tuple, which the twins' tests may not notice, fails here."""
+    import pathlib
+    import re
+
+    from phase_timer.doors.plain_hooks import PlainHooks
+    from phase_timer.run.boundaries import Boundaries
+    from phase_timer.run.core import TimingCore
+
+    native_dir = pathlib.Path(clock_mod.__file__).parent.parent / "native"
+    enums = {}
+    for part in ("fast.c", "loop_hooks.c"):
+        for body in re.findall(r"enum \{([^}]*)\}", (native_dir / part).read_text()):
+            members = [m.strip() for m in body.split(",") if m.strip()]
+            enums[members[-1]] = members[:-1]  # keyed by its count: N_SLOTS, N_CSLOTS, ...
+    for names, count in ((Boundaries.FAST_SLOTS, "N_SLOTS"), (TimingCore.FAST_SLOTS, "N_CSLOTS"),
+                         (PlainHooks.HOOK_SLOTS, "N_LSLOTS"), (Boundaries.HOOK_SLOTS, "N_BSLOTS")):
+        members = enums[count]
+        assert len(members) == len(names), count
+        for i, (name, member) in enumerate(zip(names, members)):
+            assert name.lstrip("_").upper().endswith(member.split("_", 1)[1]), (count, i, name, member)
