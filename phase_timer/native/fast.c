@@ -379,16 +379,18 @@ static PyObject *Fast_step_end(Fast *f, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-/* Where CPython keeps instances' `name` of type `t`: a writable object slot (__slots__), or -1 with a TypeError. */
+/* Whether `name` is a writable object slot (__slots__) of type `t`, its offset then in *off.  Leaves no exception set. */
 static int slot_offset(PyTypeObject *t, const char *name, Py_ssize_t *off) {
     PyObject *d = PyObject_GetAttrString((PyObject *)t, name);
-    if (d == NULL) return -1;
+    if (d == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
     int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
              !(((PyMemberDescrObject *)d)->d_member->flags & READONLY);
     if (ok) *off = ((PyMemberDescrObject *)d)->d_member->offset;
     Py_DECREF(d);
-    if (!ok) PyErr_Format(PyExc_TypeError, "phase_timer._native: %s.%s is not a writable slot", t->tp_name, name);
-    return ok ? 0 : -1;
+    return ok;
 }
 
 /* The offsets of the slots `t` declares in its class attribute `attr`: a tuple of `n` names, in the order of the
@@ -406,8 +408,8 @@ static int declared_slots(PyTypeObject *t, const char *attr, Py_ssize_t *off, Py
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
         PyObject *name = PyTuple_GET_ITEM(decl, i);
         const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
-        if (s == NULL || slot_offset(t, s, &off[i]) < 0) {
-            PyErr_Clear();
+        if (s == NULL || !slot_offset(t, s, &off[i])) {
+            PyErr_Clear();  /* a non-str's */
             PyErr_Format(PyExc_TypeError, "phase_timer._native: %s.%s[%zd] (%R) is not a writable slot of %s",
                          t->tp_name, attr, i, name, t->tp_name);
             rc = -1;

@@ -387,20 +387,18 @@ class DdpComm(PacedSpans):
         """A sampled end-of-backward's copies: timed (their marks to the run's estimate) if they were made as
         counted, else counted anew and timed on the next synced backward.  Timed: whether the device had caught up
         with the host at the last bucket's copies (``Copies.caught``); else None."""
-        pairs = copies.pairs()
+        pairs = copies.pairs()  # None where DDP read its used-parameter map among them (copies.synced)
         run = self._run
-        if copies.synced:  # DDP waited for its used-parameter map among the copies: untimed from now on
-            if copies.marks and copies.clock is not None:
-                copies.clock.release(copies.marks)
-            self._map_read = True
-            self._schedule(0)
-            if run is not None:
-                run.untimed_copies = True
-                run.forget_copies(self)
-            return None
         if pairs is None or run is None:
             if copies.marks and copies.clock is not None:
                 copies.clock.release(copies.marks)
+            if copies.synced:  # DDP waited for its used-parameter map among the copies: untimed from now on
+                self._map_read = True
+                self._schedule(0)
+                if run is not None:
+                    run.untimed_copies = True
+                    run.forget_copies(self)
+                return None
             self._counts = copies.counts or None
             self._schedule(1 if self._counts else COPY_EVERY)  # nothing copied: DDP copies nothing here
             return None

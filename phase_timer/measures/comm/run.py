@@ -103,7 +103,6 @@ class RunComm(Measure):
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
         #: buckets' medians, summed, over the modules), or None.
         self.copy_ms: float | None = None
-        self.copy_samples = 0
         self._copy_counts: dict[int, int] = {}  # a module's split (its id) -> its samples read
         #: A module whose copies are not timed (DDP read its used-parameter map among them): they stay in the wait.
         self.untimed_copies = False
@@ -130,7 +129,6 @@ class RunComm(Measure):
             for pair, (queued, caught) in zip(pairs, buckets):
                 (caught if pair.caught else queued).append(pair.ms(clock))
             clock.release([m for pair in pairs for m in (pair.start, pair.end)])
-            self.copy_samples += 1
             self._copy_counts[key] = self._copy_counts.get(key, 0) + 1
             # A bucket's copies move the same bytes every step: its queued samples where it has any (a caught-up
             # device runs them at the host's pace, which the estimate can only bound), else its others.
@@ -140,17 +138,18 @@ class RunComm(Measure):
     def forget_copies(self, probe: Any) -> None:
         """One module's copies are untimed from now on: its samples and estimate go (those not resolved yet too)."""
         key = id(probe)
-        pending = list(self._copy_pending)
-        self._copy_pending.clear()
-        for item in pending:
-            if item[0] != key:
-                self._copy_pending.append(item)
-            else:
-                item[2].release([m for pair in item[1] for m in (pair.start, pair.end)])
+        for _, pairs, clock in (item for item in self._copy_pending if item[0] == key):
+            clock.release([m for pair in pairs for m in (pair.start, pair.end)])
+        self._copy_pending = deque(item for item in self._copy_pending if item[0] != key)
         self._copy_buckets.pop(key, None)
         self._copy_module.pop(key, None)
-        self.copy_samples -= self._copy_counts.pop(key, 0)
+        self._copy_counts.pop(key, None)
         self.copy_ms = sum(self._copy_module.values()) if self._copy_module else None
+
+    @property
+    def copy_samples(self) -> int:
+        """Sampled end-of-backwards whose copies were read, over the modules still timed."""
+        return sum(self._copy_counts.values())
 
     def module_copy_ms(self, probe: Any) -> float:
         """The copies' estimate of one module's split (ms; 0.0 before any)."""
