@@ -12,4 +12,7 @@ child = subprocess.run([sys.executable, "-c", "import os, sys, json; print(json.
                         "== 'TrainerFinder' for f in sys.meta_path), 'env': any(k.startswith('PHASE_TIMER_RUN') for k "
                         "in os.environ)}))"], capture_output=True, text=True, check=True)
 me["child"] = json.loads(child.stdout)
-print("probe " + json.dumps(me), flush=True)
+# one write of the whole line: the two ranks share the pipe, and print()'s separate write of its newline (unbuffered
+# output) let the other rank's line in between
+sys.stdout.write("probe " + json.dumps(me) + "\n")
+sys.stdout.flush()
