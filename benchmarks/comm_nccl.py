@@ -334,9 +334,10 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     run_comm = comm_run.find(core)
     copy_ms = run_comm.copy_ms if run_comm is not None else None
-    # the host-paced spans' correction (ddp.DdpComm._settle): backwards corrected, ms taken in all, and on at the end
-    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced] if probe is not None
-             and hasattr(probe, "paced_steps") else None)
+    # the host-paced spans' correction (paced.PacedSpans): backwards corrected, ms taken in all, on at the end, and
+    # the spans the second question kept whole (the device still in them at the optimizer step)
+    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced, getattr(probe, "paced_waiting", None)]
+             if probe is not None and hasattr(probe, "paced_steps") else None)
     plan = getattr(timer._bounds, "flops", None)  # the FLOP plan the boundaries count with (None: none)
     counted = plan is not None and getattr(plan, "counted", None)
     pt_peak = core.memory.peak_allocated_mb if core.memory is not None else None
@@ -458,8 +459,9 @@ def paced_text(paced: list | None) -> str:
     """The host-paced spans' correction over the run: how many backwards lost how much of their wait."""
     if not paced:
         return "host-paced correction: none"
-    n, ms, on = paced
-    return f"host-paced correction on {n} backwards, {ms:.3f} ms in all ({'on' if on else 'off'} at the end)"
+    n, ms, on, waiting = (list(paced) + [None])[:4]
+    kept = f", {waiting} kept whole (still in the span at the optimizer step)" if waiting is not None else ""
+    return f"host-paced correction on {n} backwards, {ms:.3f} ms in all ({'on' if on else 'off'} at the end){kept}"
 
 
 def main() -> None:
