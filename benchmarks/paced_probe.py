@@ -69,9 +69,10 @@ def main() -> None:
         ms = original(self, engine, h1, kept_up)
         if args.force and not self._paced and state["step"] >= 6:
             self._pace(True)  # after the original: a sample's kept_up False would turn it off again at once
-        taken = ms[1] if isinstance(ms, list) else (ms or 0.0)  # a tree that defers the correction holds [mark, ms, taken]
+        # a tree that asks the second question holds [mark, ms, taken] until the optimizer step (read there, below)
         rows.append({"step": state["step"], "pt_step": timer._bounds._step, "behind": behind,
-                     "host_ms": (h1 - h0) / 1e6 if h0 else None, "taken": taken, "paced": self._paced, "done_at_opt": None})
+                     "host_ms": (h1 - h0) / 1e6 if h0 else None, "taken": 0.0 if isinstance(ms, list) else (ms or 0.0),
+                     "held": ms if isinstance(ms, list) else None, "paced": self._paced, "done_at_opt": None})
         state["event"] = ev
         return ms
 
@@ -82,6 +83,8 @@ def main() -> None:
         state["event"] = None
         if ev is not None and rows:
             rows[-1]["done_at_opt"] = ev.query()  # a query, never a wait
+        if rows and rows[-1]["held"] is not None:  # the tree's own answer: its global pre-hook ran before this one
+            rows[-1]["taken"] = rows[-1]["held"][2] or 0.0
 
     opt.register_step_pre_hook(pre_step)
     timer = phase_timer.attach(model, opt, data, log_dir=tempfile.mkdtemp(), window=10, warmup_steps=5,
