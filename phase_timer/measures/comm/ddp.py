@@ -118,8 +118,9 @@ class DdpComm(PacedSpans):
         self.paced_steps = 0  # backwards whose host time in the span was taken off the wait, while bound
         self.paced_ms = 0.0  # and how much in all (ms)
         self.paced_waiting = 0  # host-paced spans whose device was still in them at the next optimizer step
-        self._deferred: tuple[list[Any], Any] | None = None  # the last span's second question, unasked
-        self._pre_hook: Any = None  # the global optimizer step pre-hook that asks it, while host-paced
+        self._deferred: tuple[list[Any], Any, bool] | None = None  # the last span's second question, unasked
+        self._opt_hooks: tuple[Any, Any] | None = None  # the global optimizer step hooks that ask it, while paced
+        self._in_step = False  # between an optimizer step's pre- and post-hook (a closure's backward)
         self._asking = True  # the second question can be asked (a torch with global hooks; no failure asking it)
         self._spans: list[list[Any]] | bool | None = None  # this backward's sample: [launch, end] a bucket (False: not)
         self._open: tuple[list[list[Any]], Any] | None = None  # a sampled span begun: (spans, its start)

@@ -3,38 +3,41 @@
 
 Where the device catches up with the host inside the span (a host-paced backward: the device has run out of work
 while the host still launches DDP's copies, ~13 µs each on an H200 host), the span also holds the device's idle
-between those launches, which no collective causes and no mark separates from a wait.  Two questions a step take
-it off: had the device reached the span's start when the host left the span, and had it passed the span's end
-when the host reached the next optimizer step?  Where both say yes, on a module seen to be
-host-paced, the device ran what the span holds as the host launched it, and the wait is taken as the span less
-the host's time in it: the step's wait loses that host time less DDP's copies (which come off every step later),
-where positive, on its own row (an ``add_host`` on the open record: ``backward`` keeps it, the phases still add
-up; a window and a step line stop at zero).  A device that reached the span's start but waits, past it, for a
-collective that outlasts the host's launches (a rank waiting for a slower peer) is still in the span when the host
-reaches its optimizer step: nothing is taken (2 x H200, DDP, 200 parameter tensors, a peer sleeping every third
-step: the span's end was done at the optimizer step on no step of those that waited 2-39 ms, and on the host-paced
-ones that waited ~1.5 ms).  A device still behind the host at the span's start, caught up inside it, reads as much
-low.  The host's time is noted at both ends of the span (``perf_counter_ns``), the span ends in a callback after
-DDP's end-of-backward; the first question is ``engine.behind()`` asked right after that switch (one query of the
-span's start mark, never a wait; on the host clock no answer, nothing taken): :meth:`PacedSpans._settle`; the second
-a mark queued after the span's end, queried by a global optimizer step pre-hook (:meth:`PacedSpans._decide`), held
-only while the module is host-paced.  A span whose step reaches no optimizer step before the next span begins
-(a synced micro-batch) keeps its wait whole.  That costs a Python frame at each end, two marks and two queries a
-backward and a frame an optimizer step (~3-4 µs of Python on a CPU core), so the usual path
-keeps the engine's own switch until the module is seen host-paced: by a sampled backward's copies whose last
-bucket the device had caught up with (every wait was over before the host had launched the copies; a rank whose
-device waits for its peers is still in a wait there), or, with no copies to time (bucket views), by the answer
-itself on a span that ends in Python anyway (a sampled backward's, a composed hook's).  Then the module's start is
-the Python one, until a sample says otherwise or ``PACED_OFF`` backwards in a row find the device behind.  Never
-under ``find_unused_parameters``: DDP reads its used-parameter map on the host inside the span.  A device-bound
-loop, whose host is further ahead at the span's start than its own time in the span, never answers caught up: its
-wait is the span, as without the question.
+between those launches, which no collective causes and no mark separates from a wait.  Two questions a step take it
+off: had the device reached the span's start when the host left the span, and had it passed the span's end when the
+host reached the next optimizer step? Where both say yes, on a module seen to be host-paced, the device ran what the
+span holds as the host launched it, and the wait is taken as the span less the host's time in it: the step's wait
+loses that host time less DDP's copies (which come off every step later), where positive, on its own row (an
+``add_host`` on the open record: ``backward`` keeps it, the phases still add up; a window and a step line stop at
+zero).  A device that reached the span's start but waits, past it, for a collective that outlasts the host's
+launches (a rank waiting for a slower peer) is still in the span when the host reaches its optimizer step: nothing
+is taken (2 x H200, DDP, 200 parameter tensors, a peer sleeping every third step: the span's end was done at the
+optimizer step on no step of those that waited 2-39 ms, and on the host-paced ones that waited ~1.5 ms).  A device
+still behind the host at the span's start, caught up inside it, reads as much low.  The host's time is noted at both
+ends of the span (``perf_counter_ns``), the span ends in a callback after DDP's end-of-backward; the first question
+is ``engine.behind()`` asked right after that switch (one query of the span's start mark, never a wait; on the host
+clock no answer, nothing taken): :meth:`PacedSpans._settle`; the second a mark queued after the span's end, queried
+by torch's global optimizer step hooks (:meth:`PacedSpans._decide`), held only while the module is host-paced (a
+span inside the step, a closure's backward, is asked at its post-hook).  A span whose step reaches no optimizer step
+before the next span begins (a synced micro-batch) keeps its wait whole; a host that syncs between the span and the
+step (``GradScaler.step``'s inf check, a logged ``loss.item()``) finds the span done either way, and takes the
+correction as the first question alone does.  That costs a Python frame at each end, two marks and two queries a
+backward and two frames an optimizer step (~3-4 µs of Python on a CPU core), so the usual path keeps the engine's
+own switch until the module is seen host-paced: by a sampled backward's copies whose last bucket the device had
+caught up with (every wait was over before the host had launched the copies; a rank whose device waits for its peers
+is still in a wait there), or, with no copies to time (bucket views), by the answer itself on a span that ends in
+Python anyway (a sampled backward's, a composed hook's).  Then the module's start is the Python one, until a sample
+says otherwise or ``PACED_OFF`` backwards in a row find the device behind.  Never under ``find_unused_parameters``:
+DDP reads its used-parameter map on the host inside the span.  A device-bound loop, whose host is further ahead at
+the span's start than its own time in the span, never answers caught up: its wait is the span, as without the
+question.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 from phase_timer._env import warn
@@ -43,9 +46,9 @@ from phase_timer.measures.comm.run import WAIT
 from phase_timer.phases import BACKWARD
 
 try:
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 except ImportError:  # torch without global optimizer hooks: no second question, nothing taken
-    register_optimizer_step_pre_hook = None
+    register_optimizer_step_pre_hook = register_optimizer_step_post_hook = None
 
 try:
     from phase_timer._native import Arm
@@ -133,43 +136,57 @@ class PacedSpans:
         return self._defer(ms)
 
     def _defer(self, ms: float) -> list[Any] | None:
-        """The second question, asked at the next optimizer step (:meth:`_decide`): a mark queued now, after the
-        span's end, and ``ms`` to take if the device has passed it by then.  Held as ``[mark, ms, taken]``, taken
-        None until decided (a sample's exposed wait, :meth:`DdpComm._resolve`, waits for it)."""
+        """The second question (:meth:`_decide`): a mark queued now, after the span's end, and ``ms`` to take if the
+        device has passed it when the host reaches the optimizer step; at its pre-hook, or, for a span inside that
+        step (a closure's backward: Lightning's automatic optimization, ``LBFGS``), at its post-hook.  Held as
+        ``[mark, ms, taken]``, taken None until decided (a sample's exposed wait, :meth:`DdpComm._resolve`, waits for
+        it)."""
         core = self._core
         if core is None or not self._asking:
             return None
-        if self._pre_hook is None:
-            self._pre_hook = register_optimizer_step_pre_hook(self._at_optimizer)
+        if self._opt_hooks is None:
+            self._opt_hooks = _hook_optimizers(self)
         clock = core.clock
         held = [clock.mark(), ms, None]
-        self._deferred = (held, clock)
+        self._deferred = (held, clock, self._in_step)
         return held
 
-    def _at_optimizer(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        """A global optimizer step pre-hook, held while the module is host-paced: the last span's second question.
-        A failure (a query on a device in error) warns, asks no more and takes nothing: the step goes on."""
-        if self._deferred is None:
+    def _at_optimizer(self, post: bool) -> None:
+        """A global optimizer step hook, held while the module is host-paced: the pre-hook asks a span's question
+        from before the step and notes that a step runs; the post-hook asks one from inside it (a closure's).  A
+        failure (a query on a device in error) warns, asks no more and takes nothing: the step goes on."""
+        self._in_step = not post
+        deferred = self._deferred
+        if deferred is None or deferred[2] != post:
             return
         try:
             self._decide()
         except Exception as err:  # noqa: BLE001 - the timer must never break training
-            # the hook stays, a no-op, until the path turns (torch is going through its global hooks: no removal)
-            self._deferred, self._asking = None, False
-            warn(log, f"phase-timer: a host-paced wait is no longer corrected ({type(err).__name__}: {err}); "
-                      "backward.comm_wait holds the whole span from here", 3)
+            # the hooks stay, no-ops, until the path turns (torch is going through its global hooks: no removal)
+            self._asking = False
+            try:
+                warn(log, f"phase-timer: a host-paced wait is no longer corrected ({type(err).__name__}: {err}); "
+                          "backward.comm_wait holds the whole span from here", 4)
+            except Exception:  # noqa: BLE001 - warnings turned into errors: still never into the step
+                pass
 
     def _decide(self) -> None:
         """Had the device passed the span's end when the host reached this optimizer step (one query, never a
         wait)?  Yes: the host-paced span's wait loses the host's time in it, on the record still open.  No: the
-        device was still in the span, waiting for a collective: nothing is taken (``paced_waiting``)."""
-        (held, clock), self._deferred = self._deferred, None
-        done = clock.done(held[0])
-        clock.release([held[0]])
+        device was still in the span, waiting for a collective: nothing is taken (``paced_waiting``).  A host that
+        waited for the device between the two (a sync before the step: ``GradScaler.step``'s inf check, a logged
+        ``loss.item()``) finds it done either way, and takes the correction as the first question alone did."""
+        (held, clock, _), self._deferred = self._deferred, None
+        held[2] = 0.0  # decided, whatever follows (a sample's exposed wait never waits on a failed question)
+        try:
+            done = clock.done(held[0])
+        finally:
+            clock.release([held[0]])
         engine, ms = self._engine, held[1]
-        if engine is None or not done:
-            held[2] = 0.0
-            self.paced_waiting += engine is not None
+        if engine is None:
+            return
+        if not done:
+            self.paced_waiting += 1
             return
         engine.add_host(WAIT, -ms)
         held[2] = ms
@@ -181,7 +198,7 @@ class PacedSpans:
         its wait stays whole."""
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
-            held, clock = deferred
+            held, clock, _ = deferred
             held[2] = 0.0
             clock.release([held[0]])
 
@@ -196,8 +213,26 @@ class PacedSpans:
             self._unhook_optimizer()
 
     def _unhook_optimizer(self) -> None:
-        """The global optimizer pre-hook off (its last question, if any, unasked: that wait stays whole)."""
+        """The global optimizer hooks off (the last question, if any, unasked: that wait stays whole)."""
         self._drop_deferred()
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
+        hooks, self._opt_hooks, self._in_step = self._opt_hooks, None, False
+        for handle in hooks or ():
+            handle.remove()
+
+
+def _hook_optimizers(spans: PacedSpans) -> tuple[Any, Any]:
+    """Torch's global optimizer step pre- and post-hooks for ``spans``, holding it weakly: a module whose timer is
+    never closed is not kept alive by torch's global hook table (a dead one's hooks do nothing)."""
+    ref = weakref.ref(spans)
+
+    def pre(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        live = ref()
+        if live is not None:
+            live._at_optimizer(False)
+
+    def post(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        live = ref()
+        if live is not None:
+            live._at_optimizer(True)
+
+    return register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)

@@ -597,9 +597,65 @@ def test_a_host_paced_span_whose_device_is_still_in_it_at_the_optimizer_step_kee
     asked = clock.asked
     assert ("add_host", WAIT, -1.0) in backward(1.0)  # the next span began: the micro-batch's wait stayed whole
     assert clock.asked == asked + 1 and probe.paced_steps == 2 and not clock.live
-    probe._pace(False)  # off: the optimizer hook goes
-    assert probe._pre_hook is None
+    probe._pace(False)  # off: the optimizer hooks go
+    assert probe._opt_hooks is None
     probe.bind(None)
+
+
+def test_a_span_inside_the_optimizer_step_is_asked_at_its_post_hook(monkeypatch) -> None:
+    """A closure's backward (Lightning's automatic optimization, LBFGS) runs inside ``optimizer.step``, after its
+    pre-hooks: its question is asked at the step's post-hook, on the same record, never at the next step's pre-hook
+    (a step late, where a waiting device has long passed the span)."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    clock = backward.clock
+    probe._pace(True)
+    assert ("add_host", WAIT, -2.5) in backward(2.5)  # the first span is outside a step: it installs the hooks
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    seen: list[list[tuple]] = []
+
+    def closure():  # noqa: ANN202
+        seen.append(backward(2.0, step=False))  # the span, inside the step: nothing asked yet
+        return None
+
+    clock.done_is = False  # the device waits in the span when the host ends the step
+    engine.calls.clear()
+    opt.step(closure)
+    assert not [c for c in seen[0] if c[0] == "add_host"]
+    assert not [c for c in engine.calls if c[0] == "add_host"] and probe.paced_waiting == 1 and not clock.live
+    clock.done_is = True
+    engine.calls.clear()
+    opt.step(closure)
+    assert [c for c in engine.calls if c[0] == "add_host"] == [("add_host", WAIT, -2.0)] and not clock.live
+    probe.bind(None)
+
+
+def test_the_optimizer_hooks_hold_the_module_weakly() -> None:
+    """Torch's global hook table holds ours for as long as a module is host-paced; a timer never closed must not keep
+    the module (and its GPU memory) alive through it, and a dead one's hooks do nothing."""
+    import gc
+    import weakref
+
+    class Spans(comm_paced.PacedSpans):
+        def __init__(self) -> None:
+            self.asked: list[bool] = []
+
+        def _at_optimizer(self, post: bool) -> None:
+            self.asked.append(post)
+
+    spans = Spans()
+    hooks = comm_paced._hook_optimizers(spans)
+    try:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        opt.step()
+        assert spans.asked == [False, True]
+        ref = weakref.ref(spans)
+        del spans
+        gc.collect()
+        assert ref() is None
+        opt.step()  # the hooks of a module gone: nothing, and the step runs
+    finally:
+        for handle in hooks:
+            handle.remove()
 
 
 def test_a_failure_asking_at_the_optimizer_step_warns_once_and_the_step_goes_on(monkeypatch) -> None:
@@ -620,9 +676,29 @@ def test_a_failure_asking_at_the_optimizer_step_warns_once_and_the_step_goes_on(
         for _ in range(3):
             assert not [c for c in backward(2.5) if c[0] == "add_host"]
     assert len([w for w in seen if "no longer corrected" in str(w.message)]) == 1
-    assert probe.paced_steps == 0 and probe._pre_hook is not None
+    assert probe.paced_steps == 0 and probe._opt_hooks is not None and not clock.live
     probe.bind(None)
-    assert probe._pre_hook is None
+    assert probe._opt_hooks is None
+
+
+def test_a_failed_question_never_holds_a_composed_hook_s_samples(monkeypatch) -> None:
+    """A composed hook's sample waits for its span's question before it is resolved: a question that failed is
+    decided (nothing taken), so the samples after it still resolve and none is held for the rest of the run."""
+    probe, engine, backward = paced_probe(monkeypatch, kind="host")
+    probe._device = False
+    engine.behind_is = False
+    probe._pace(True)
+
+    def broken(mark):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA error")
+
+    backward.clock.done = broken
+    with pytest.warns(RuntimeWarning, match="no longer corrected"):
+        for _ in range(4):
+            probe._spans = [[0, 0]]
+            calls = backward(1.0, python=True)
+    assert len(probe._pending) <= 1  # the newest only, waiting for the next backward
+    assert ("add_host", comm_run.COMM_WAIT_MS, 1.0) in calls  # the sample before: its span whole, nothing taken
 
 
 def test_both_engines_take_a_negative_host_value_off_the_wait_alone() -> None:
