@@ -73,7 +73,7 @@ from typing import Any
 
 from phase_timer._env import warn
 from phase_timer.measures.comm.copies import _ACTIVE, _copy_marker, _pop_mode, _push_mode
-from phase_timer.measures.comm.paced import PacedSpans
+from phase_timer.measures.comm.paced import PacedSpans, register_optimizer_step_pre_hook
 from phase_timer.measures.comm.run import COMM_MS, COMM_SAMPLES, COMM_WAIT_MS, WAIT, RunComm
 from phase_timer.measures.comm.run import of as run_of
 from phase_timer.patches import Patches
@@ -117,10 +117,15 @@ class DdpComm(PacedSpans):
         self._h0: int | None = None  # perf_counter_ns at the open span's start, where noted
         self.paced_steps = 0  # backwards whose host time in the span was taken off the wait, while bound
         self.paced_ms = 0.0  # and how much in all (ms)
+        self.paced_waiting = 0  # host-paced spans whose device was still in them at the next optimizer step
+        self._deferred: tuple[list[Any], Any, bool] | None = None  # the last span's second question, unasked
+        self._opt_hooks: tuple[Any, Any] | None = None  # the global optimizer step hooks that ask it, while paced
+        self._in_step = False  # between an optimizer step's pre- and post-hook (a closure's backward)
+        self._asking = True  # the second question can be asked (a torch with global hooks; no failure asking it)
         self._spans: list[list[Any]] | bool | None = None  # this backward's sample: [launch, end] a bucket (False: not)
         self._open: tuple[list[list[Any]], Any] | None = None  # a sampled span begun: (spans, its start)
         self._synced = 0  # synced backwards split while bound
-        self._pending: deque[tuple[list[list[Any]], Any, Any, float]] = deque()  # samples not resolved yet
+        self._pending: deque[tuple[list[list[Any]], Any, Any, list[Any] | None]] = deque()  # samples unresolved
         self._device = False
         self.user_hook: str | None = None  # the name of the user's hook composed, if any
         import torch
@@ -206,13 +211,15 @@ class DdpComm(PacedSpans):
 
     def bind(self, core: Any) -> None:
         """Time into ``core``'s records from now on (None: stop; a composed hook then only forwards)."""
+        self._unhook_optimizer()  # a question of the last binding's is not this one's
         self._core = core
         self._run = run_of(core) if core is not None else None
         self._engine = core._engine if core is not None else None
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
         self._start, self._paced, self._cold, self._h0 = self._to_wait, False, 0, None
         self._copying = not getattr(self.ddp, "gradient_as_bucket_view", True)
-        self.paced_steps, self.paced_ms = 0, 0.0
+        self.paced_steps, self.paced_ms, self.paced_waiting = 0, 0.0, 0
+        self._asking = register_optimizer_step_pre_hook is not None
         run = self._run
         if run is not None:
             run.hook = self.user_hook
@@ -340,6 +347,7 @@ class DdpComm(PacedSpans):
         engine = self._engine
         if engine is None:
             return
+        self._drop_deferred()
         engine.switch(WAIT)
         self._h0 = time.perf_counter_ns()
         if spans:
@@ -377,9 +385,9 @@ class DdpComm(PacedSpans):
         w1 = self._now() if opened is not None else None  # a composed hook's sample ends here too (copies in)
         h1 = time.perf_counter_ns()
         engine.switch(BACKWARD)
-        paced = self._settle(engine, h1, kept_up)
+        held = self._settle(engine, h1, kept_up)
         if opened is not None:
-            self._pending.append((*opened, w1, paced))
+            self._pending.append((*opened, w1, held))
         if self._pending:
             self._resolve(engine)
 
@@ -411,11 +419,13 @@ class DdpComm(PacedSpans):
         return pairs[-1].caught
 
     def _resolve(self, engine: Any) -> None:
-        """Sampled backwards whose events are all done (never waits), carried on the open record."""
+        """Sampled backwards whose events are all done and whose host-paced question is answered (never waits),
+        carried on the open record."""
         while self._pending:
-            spans, w0, w1, paced = self._pending[0]
-            if any(end is None for _, end in spans):
+            spans, w0, w1, held = self._pending[0]
+            if any(end is None for _, end in spans) or held is not None and held[2] is None:
                 return
+            paced = held[2] if held is not None else 0.0
             if self._device and not (w1.query() and all(end.query() for _, end in spans)):
                 return
             self._pending.popleft()

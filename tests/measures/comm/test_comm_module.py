@@ -364,11 +364,30 @@ class PacedEngine:
         self.calls.append(("add_host", phase, ms))
 
 
+class PacedClock:
+    """A device clock whose marks the test says are done or not (``done_is``: the span's end passed by the next
+    optimizer step), and which counts the marks not yet released."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.done_is, self.live, self.asked = kind, True, set(), 0
+        self._n = 0
+
+    def mark(self) -> int:
+        self._n += 1
+        self.live.add(self._n)
+        return self._n
+
+    def done(self, mark: int) -> bool:
+        self.asked += 1
+        return self.done_is
+
+    def release(self, marks: list) -> None:
+        self.live.difference_update(marks)
+
+
 class PacedCore:
     def __init__(self, engine: PacedEngine, kind: str = "cuda") -> None:
-        from types import SimpleNamespace
-
-        self._engine, self.clock = engine, SimpleNamespace(kind=kind)
+        self._engine, self.clock = engine, PacedClock(kind)
         self.run = comm.RunComm()
         self.measures = [self.run]
 
@@ -425,10 +444,13 @@ def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms:
         core.run.add_copies(probe, [Copies(0, ms, ms, ms, False)], HostClock())
         core.run.resolve_copies()
 
-    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None) -> list[tuple]:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None, step: bool = True) -> list[tuple]:
         """One synced backward whose span the host spends ``host_ms`` in: the parameter's hook (``python``: a span
         begun in Python, a composed hook's; ``kept_up``: a sampled one, its copies timed), then the final callbacks
-        in autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end)."""
+        in autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end); then
+        (``step``) a real optimizer step, whose global pre-hooks run before the door's switch."""
         engine.calls.clear()
         engine.current = "backward"
         if python or kept_up is not None:
@@ -441,10 +463,13 @@ def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms:
             if callback == probe._split and kept_up is not None:
                 probe._copies = SampledCopies(kept_up)  # the mode pushed for DDP's end-of-backward
             ns.at += host_ms  # DDP's end-of-backward: its waits and copies, launched
-        engine.switch("optimizer")  # the door: backward() returned
+        if step:
+            opt.step()  # torch's global optimizer pre-hooks first, then the door's: its switch
+            engine.switch("optimizer")
         probe._schedule(0)  # the next sample where the test says
         return [c for c in engine.calls if c[0] != "behind"]
 
+    backward.clock = core.clock
     return probe, engine, backward
 
 
@@ -536,17 +561,144 @@ def test_on_the_host_clock_nothing_is_known_and_nothing_taken(monkeypatch) -> No
 
 def test_a_composed_hook_s_sample_loses_what_its_step_loses(monkeypatch) -> None:
     """A composed hook's wait ends in Python every backward: the same rule there, and the sampled exposed wait
-    (``comm_wait_ms``, for the hidden share) loses what the step's wait lost, never below zero."""
+    (``comm_wait_ms``, for the hidden share) loses what the step's wait lost, never below zero: once the optimizer
+    step answered, so on the next backward's record (a sample is carried on the open record)."""
     probe, engine, backward = paced_probe(monkeypatch, kind="host")
     probe._device = False  # the samples on the host clock (perf_counter_ns, the test's), ...
     engine.behind_is = False  # ... the answer a device's
     probe._pace(True)
-    for host_ms in (3.0, 1.0):
+    taken = [c for c in backward(0.0, python=True) if c[0] == "add_host"]
+    assert taken == []  # nothing in the span: nothing to take, and no sample before it
+    for host_ms in (3.0, 1.0, 2.0):
         probe._spans = [[0, 0]]  # one bucket's collective, done at once
         calls = backward(host_ms, python=True)
         assert ("add_host", WAIT, -host_ms) in calls
-        # the sample's span (its start to its end, the host's time here) less what was taken: 0, never below
-        assert ("add_host", comm_run.COMM_WAIT_MS, 0.0) in calls
+        if host_ms != 3.0:  # the sample before: its span (the host's time here) less what was taken: 0, never below
+            assert ("add_host", comm_run.COMM_WAIT_MS, 0.0) in calls
+    assert len(probe._pending) == 1  # the last one: resolved on the next backward's record
+
+
+def test_a_host_paced_span_whose_device_is_still_in_it_at_the_optimizer_step_keeps_its_wait(monkeypatch) -> None:
+    """Issue 47: a rank whose device reached the span's start while the host was in it, then waited there for a
+    slower peer's collective, still runs the span when the host reaches its optimizer step: the wait is the span,
+    nothing taken (``paced_waiting``).  A host-paced span's device has passed it by then: the host's time comes off.
+    A span whose step reaches no optimizer step before the next span begins keeps its wait whole, and every mark
+    asked is released."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    clock = backward.clock
+    probe._pace(True)
+    assert ("add_host", WAIT, -2.5) in backward(2.5)  # passed by the optimizer step: taken
+    clock.done_is = False  # the device still waits in the span at the optimizer step
+    calls = backward(2.5)
+    assert not [c for c in calls if c[0] == "add_host"] and (probe.paced_steps, probe.paced_waiting) == (1, 1)
+    assert probe._paced  # a module still host-paced: a waiting rank's span is a step's, not the module's
+    clock.done_is = True
+    assert not [c for c in backward(2.5, step=False) if c[0] == "add_host"]  # a synced micro-batch: no step yet
+    asked = clock.asked
+    assert ("add_host", WAIT, -1.0) in backward(1.0)  # the next span began: the micro-batch's wait stayed whole
+    assert clock.asked == asked + 1 and probe.paced_steps == 2 and not clock.live
+    probe._pace(False)  # off: the optimizer hooks go
+    assert probe._opt_hooks is None
+    probe.bind(None)
+
+
+def test_a_span_inside_the_optimizer_step_is_asked_at_its_post_hook(monkeypatch) -> None:
+    """A closure's backward (Lightning's automatic optimization, LBFGS) runs inside ``optimizer.step``, after its
+    pre-hooks: its question is asked at the step's post-hook, on the same record, never at the next step's pre-hook
+    (a step late, where a waiting device has long passed the span)."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    clock = backward.clock
+    probe._pace(True)
+    assert ("add_host", WAIT, -2.5) in backward(2.5)  # the first span is outside a step: it installs the hooks
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    seen: list[list[tuple]] = []
+
+    def closure():  # noqa: ANN202
+        seen.append(backward(2.0, step=False))  # the span, inside the step: nothing asked yet
+        return None
+
+    clock.done_is = False  # the device waits in the span when the host ends the step
+    engine.calls.clear()
+    opt.step(closure)
+    assert not [c for c in seen[0] if c[0] == "add_host"]
+    assert not [c for c in engine.calls if c[0] == "add_host"] and probe.paced_waiting == 1 and not clock.live
+    clock.done_is = True
+    engine.calls.clear()
+    opt.step(closure)
+    assert [c for c in engine.calls if c[0] == "add_host"] == [("add_host", WAIT, -2.0)] and not clock.live
+    probe.bind(None)
+
+
+def test_the_optimizer_hooks_hold_the_module_weakly() -> None:
+    """Torch's global hook table holds ours for as long as a module is host-paced; a timer never closed must not keep
+    the module (and its GPU memory) alive through it, and a dead one's hooks do nothing."""
+    import gc
+    import weakref
+
+    class Spans(comm_paced.PacedSpans):
+        def __init__(self) -> None:
+            self.asked: list[bool] = []
+
+        def _at_optimizer(self, post: bool) -> None:
+            self.asked.append(post)
+
+    spans = Spans()
+    hooks = comm_paced._hook_optimizers(spans)
+    try:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        opt.step()
+        assert spans.asked == [False, True]
+        ref = weakref.ref(spans)
+        del spans
+        gc.collect()
+        assert ref() is None
+        opt.step()  # the hooks of a module gone: nothing, and the step runs
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
+def test_a_failure_asking_at_the_optimizer_step_warns_once_and_the_step_goes_on(monkeypatch) -> None:
+    """A query that raises (a device in error) inside torch's global optimizer pre-hooks: the optimizer step runs,
+    one warning says the wait is no longer corrected, nothing is taken from then on, and the hook is not taken off
+    while torch goes through its hooks (that would fail the step itself)."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    clock = backward.clock
+    probe._pace(True)
+
+    def broken(mark):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    clock.done = broken
+    with pytest.warns(RuntimeWarning, match="no longer corrected") as seen:
+        calls = backward(2.5)  # the optimizer step inside ran
+        assert ("switch", "optimizer") in calls and not [c for c in calls if c[0] == "add_host"]
+        for _ in range(3):
+            assert not [c for c in backward(2.5) if c[0] == "add_host"]
+    assert len([w for w in seen if "no longer corrected" in str(w.message)]) == 1
+    assert probe.paced_steps == 0 and probe._opt_hooks is not None and not clock.live
+    probe.bind(None)
+    assert probe._opt_hooks is None
+
+
+def test_a_failed_question_never_holds_a_composed_hook_s_samples(monkeypatch) -> None:
+    """A composed hook's sample waits for its span's question before it is resolved: a question that failed is
+    decided (nothing taken), so the samples after it still resolve and none is held for the rest of the run."""
+    probe, engine, backward = paced_probe(monkeypatch, kind="host")
+    probe._device = False
+    engine.behind_is = False
+    probe._pace(True)
+
+    def broken(mark):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA error")
+
+    backward.clock.done = broken
+    with pytest.warns(RuntimeWarning, match="no longer corrected"):
+        for _ in range(4):
+            probe._spans = [[0, 0]]
+            calls = backward(1.0, python=True)
+    assert len(probe._pending) <= 1  # the newest only, waiting for the next backward
+    assert ("add_host", comm_run.COMM_WAIT_MS, 1.0) in calls  # the sample before: its span whole, nothing taken
 
 
 def test_both_engines_take_a_negative_host_value_off_the_wait_alone() -> None:
