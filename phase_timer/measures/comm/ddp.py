@@ -37,11 +37,12 @@ parameters copy changes from step to step.  A sampled backward that saw that cop
 copies are not timed from then on (they stay in ``backward.comm_wait``, and the table says so); a model whose
 every parameter gets a gradient on every rank (the 🤗 Trainer's default runs with ``find_unused_parameters``)
 has its copies timed as under DDP's defaults.  The copies' time is each bucket's
-median over its last samples (those whose copies were all queued before the device reached them, where it has
-any), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
-stays in ``backward``.  (On a sampled backward the mode's own host time, a few µs a copy, paces the copies where
-the device has caught up with the host: there the mode's Python is taken off the marks' time,
-``copies.Copies.ms``, an estimate a bucket's queued samples replace.)  (A static graph's first-iteration
+median over its last samples whose copies were all queued before the device reached them (their own time, back to
+back), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
+stays in ``backward``.  A sample whose device caught up with the host among a bucket's copies holds the pace of
+DDP's launches (and the mode's Python, which ``copies.Copies.ms`` takes off), not their own time, and adds nothing:
+such a step's span loses the host's time in it whole on the paced path below, and a bucket no sample saw queued
+adds nothing (the table says so).  (A static graph's first-iteration
 all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
@@ -216,10 +217,14 @@ class DdpComm(PacedSpans):
         self._run = run_of(core) if core is not None else None
         self._engine = core._engine if core is not None else None
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
-        self._start, self._paced, self._cold, self._h0 = self._to_wait, False, 0, None
         self._copying = not getattr(self.ddp, "gradient_as_bucket_view", True)
         self.paced_steps, self.paced_ms, self.paced_waiting = 0, 0.0, 0
         self._asking = register_optimizer_step_pre_hook is not None
+        self._device = core is not None and core.clock.kind != "host"
+        # the paced path's questions from the first synced backward (a device, both questions askable, no
+        # used-parameter map read inside the span), until PACED_OFF answers "behind" in a row
+        on = self._device and self._asking and not self._find_unused()
+        self._start, self._paced, self._cold, self._h0 = self._paced_start if on else self._to_wait, on, 0, None
         run = self._run
         if run is not None:
             run.hook = self.user_hook
@@ -229,7 +234,6 @@ class DdpComm(PacedSpans):
         self._spans, self._open, self._synced, self._copy_taken = None, None, 0, 0
         self.copy_host_ns = []
         self._pending.clear()
-        self._device = core is not None and core.clock.kind != "host"
         self._arm()
         self._schedule(0 if self._untimeable() else COPY_LEARN)
 

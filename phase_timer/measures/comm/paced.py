@@ -22,15 +22,22 @@ span inside the step, a closure's backward, is asked at its post-hook).  A span 
 before the next span begins (a synced micro-batch) keeps its wait whole; a host that syncs between the span and the
 step (``GradScaler.step``'s inf check, a logged ``loss.item()``) finds the span done either way, and takes the
 correction as the first question alone does.  That costs a Python frame at each end, two marks and two queries a
-backward and two frames an optimizer step (~3-4 µs of Python on a CPU core), so the usual path keeps the engine's
-own switch until the module is seen host-paced: by a sampled backward's copies whose last bucket the device had
-caught up with (every wait was over before the host had launched the copies; a rank whose device waits for its peers
-is still in a wait there), or, with no copies to time (bucket views), by the answer itself on a span that ends in
-Python anyway (a sampled backward's, a composed hook's).  Then the module's start is the Python one, until a sample
-says otherwise or ``PACED_OFF`` backwards in a row find the device behind.  Never under ``find_unused_parameters``:
-DDP reads its used-parameter map on the host inside the span.  A device-bound loop, whose host is further ahead at
-the span's start than its own time in the span, never answers caught up: its wait is the span, as without the
-question.
+backward and two frames an optimizer step (~3-4 µs of Python on a CPU core).  On a device the module asks from its
+first synced backward (no used-parameter map read inside the span, both questions askable), so a rank whose steps
+turn host-paced later in the run (a loaded host, a peer's lag that comes and goes) has them corrected; a device-bound
+loop, whose host is further ahead at the span's start than its own time in the span, answers "behind", and
+``PACED_OFF`` such answers in a row turn the usual path back into the engine's own switch (no Python frame).  Off, a
+sampled backward's copies whose last bucket the device had caught up with (every wait was over before the host had
+launched the copies; a rank whose device waits for its peers is still in a wait there) turn it on again, or, with no
+copies to time (bucket views), the answer itself on a span that ends in Python anyway (a sampled backward's, a
+composed hook's).  A sample whose copies all queued takes nothing and turns nothing.  Never under
+``find_unused_parameters``: DDP reads its used-parameter map on the host inside the span.  A device-bound loop's
+wait is the span, as without the questions.
+
+Why it matters beside DDP's copies: on a host-paced step the device runs the copies at the pace of their launches
+(3-5x their own time, 200 small copies on 2 x H200), and the span less the host's time takes that pace off whole;
+the copies' estimate taken off every step (``run.RunComm``) is their own time alone, from samples whose copies all
+queued, which is what a step whose device is behind or waiting spends on them.
 """
 
 from __future__ import annotations
@@ -101,32 +108,30 @@ class PacedSpans:
         open record, summed into the wait's own row by both engines, not into ``backward``'s.  A device still
         behind at the span's start reads as much low (a window and a step line stop at zero).
 
-        A module is seen host-paced (the usual path's start turns Python, :meth:`_pace`) by a sampled backward's
-        copies whose last bucket the device had caught up with (``kept_up``: every wait was over before the host
-        had launched the copies, where a rank that waits for its peers has its device still in a wait); a module
-        whose copies are never timed (bucket views), by the answer itself on a span that ends in Python anyway (a
-        sampled backward's, a composed hook's).  ``kept_up`` False turns it off at once, and so do ``PACED_OFF``
-        answers "behind" in a row.  Never under ``find_unused_parameters``: DDP reads its used-parameter map on the
+        The module asks from its first synced backward on a device; ``PACED_OFF`` answers "behind" in a row turn
+        the usual path's start back into the engine's own switch (:meth:`_pace`).  Off, a sampled backward's copies
+        whose last bucket the device had caught up with (``kept_up``: every wait was over before the host had
+        launched the copies, where a rank that waits for its peers has its device still in a wait) turn it on; a
+        module whose copies are never timed (bucket views), the answer itself on a span that ends in Python anyway
+        (a sampled backward's, a composed hook's).  ``kept_up`` False (every copy queued) takes nothing.  Never under ``find_unused_parameters``: DDP reads its used-parameter map on the
         host inside the span, whose host time then holds the device's wait.  Returns what :meth:`_defer` holds for
         the second question (None: nothing to take)."""
         h0, self._h0 = self._h0, None
         if h0 is None or kept_up is None and self._copying and not self._paced:
-            return None  # nothing to ask: a module whose copies are timed is turned on by a sample of them alone
+            return None  # off: a module whose copies are timed is turned on by a sample of them alone
         behind = engine.behind() if not self._find_unused() else None
         if behind is None:
             return None
-        if kept_up is not None:  # a timed sample of the copies decides, on or off
-            if kept_up != self._paced:
-                self._pace(kept_up)
-            if not kept_up:
-                return None
-        elif behind:
+        if behind:
             if self._paced:
                 self._cold += 1
                 if self._cold >= PACED_OFF:
                     self._pace(False)
             return None
-        elif not self._paced:  # bucket views (no copies to time): the answer itself turns it on
+        if kept_up is False:  # every copy queued: the device waited past the host's launches (a peer's lag)
+            self._cold = 0
+            return None
+        if not self._paced:  # a sample caught up, or (bucket views) the answer itself: on
             self._pace(True)
         self._cold = 0
         run = self._run

@@ -17,16 +17,19 @@ WAIT = comm_label(BACKWARD)
 COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"
 CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
 PREFIX = "comm"
-#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP samples (its queued ones where it has any),
-#: summed over the buckets.
+#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP queued samples (the copies' own time, back
+#: to back), summed over the buckets.
 COPY_KEEP = 3
 
 
 def copy_note(run: RunComm) -> str | None:
     """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
     if run.copy_ms is not None:
+        unqueued = run.copy_unqueued
         return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
-                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
+                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait"
+                + (f" ({unqueued} buckets' copies ran only at the host's pace on those samples: their own time is "
+                   "not known, and a step whose copies queue holds it in the wait)" if unqueued else ""))
     if run.copy and run.untimed_copies:
         return ("DDP's copies into .grad are inside backward.comm_wait (a parameter without a gradient on this rank, "
                 "under find_unused_parameters=True: DDP's wait for its used-parameter map falls "
@@ -99,6 +102,8 @@ class RunComm(Measure):
         self._copy_buckets: dict[int, list[tuple[deque[float], deque[float]]]] = {}
         #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed).
         self._copy_module: dict[int, float] = {}
+        #: A module's split (its id) -> its buckets with no queued sample yet (their copies' own time unknown).
+        self._copy_unqueued: dict[int, int] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
         #: buckets' medians, summed, over the modules), or None.
@@ -126,13 +131,16 @@ class RunComm(Measure):
             buckets = self._copy_buckets.get(key)
             if buckets is None or len(buckets) != len(pairs):  # DDP rebuilt its buckets: their samples start anew
                 buckets = self._copy_buckets[key] = [(deque(maxlen=COPY_KEEP), deque(maxlen=COPY_KEEP)) for _ in pairs]
+            device = clock.kind != "host"  # on the host clock the copies run as the host makes them: their own time
             for pair, (queued, caught) in zip(pairs, buckets):
-                (caught if pair.caught else queued).append(pair.ms(clock))
+                (caught if pair.caught and device else queued).append(pair.ms(clock))
             clock.release([m for pair in pairs for m in (pair.start, pair.end)])
             self._copy_counts[key] = self._copy_counts.get(key, 0) + 1
-            # A bucket's copies move the same bytes every step: its queued samples where it has any (a caught-up
-            # device runs them at the host's pace, which the estimate can only bound), else its others.
-            self._copy_module[key] = sum(statistics.median(queued or caught) for queued, caught in buckets)
+            # A bucket's copies move the same bytes every step: their own time is its queued samples' (a caught-up
+            # device runs them at the host's pace, 3-5x their own on 2 x H200; a host-paced step loses that pace
+            # whole through the paced path, paced.PacedSpans); a bucket with none yet adds nothing.
+            self._copy_module[key] = sum(statistics.median(queued) for queued, _ in buckets if queued)
+            self._copy_unqueued[key] = sum(not queued for queued, _ in buckets)
             self.copy_ms = sum(self._copy_module.values())
 
     def forget_copies(self, probe: Any) -> None:
@@ -143,6 +151,7 @@ class RunComm(Measure):
         self._copy_pending = deque(item for item in self._copy_pending if item[0] != key)
         self._copy_buckets.pop(key, None)
         self._copy_module.pop(key, None)
+        self._copy_unqueued.pop(key, None)
         self._copy_counts.pop(key, None)
         self.copy_ms = sum(self._copy_module.values()) if self._copy_module else None
 
@@ -150,6 +159,11 @@ class RunComm(Measure):
     def copy_samples(self) -> int:
         """Sampled end-of-backwards whose copies were read, over the modules still timed."""
         return sum(self._copy_counts.values())
+
+    @property
+    def copy_unqueued(self) -> int:
+        """Buckets whose copies no sample saw queued (every sample caught up with the host): no estimate of theirs."""
+        return sum(self._copy_unqueued.values())
 
     def module_copy_ms(self, probe: Any) -> float:
         """The copies' estimate of one module's split (ms; 0.0 before any)."""

@@ -269,14 +269,30 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
         del arm3.callback
 
 
+class DeviceKindClock:
+    """The host clock's arithmetic under a device's kind: samples read as a device's (caught up or queued)."""
+
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        from phase_timer.timing.clock import HostClock
+
+        self._host = HostClock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+
 def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_launches() -> None:
     """A bucket's copies on a sampled backward: where the device caught up with the host, the marks hold the mode's
     Python between the copies (200 small copies: 4.25 ms apart on the device, 4.3 on the host, 0.8 ms of which in
-    the copies' own calls); that Python is taken off.  Where the device had not reached the first mark (every copy
-    queued), or the marks are further apart on the device than on the host, the marks hold the copies' own time."""
+    the copies' own calls); that Python is taken off, and what is left is the pace of DDP's launches, not the copies'
+    own time: the estimate takes no such sample.  Where the device had not reached the first mark (every copy
+    queued), or the marks are further apart on the device than on the host, the marks hold the copies' own time.
+    On the host clock the copies run as the host makes them: every sample is their own time."""
     from phase_timer.timing.clock import HostClock
 
-    clock = HostClock()
+    clock = DeviceKindClock()
     ms = 1_000_000
     paced = Copies(0, int(4.25 * ms), int(4.3 * ms), int(0.8 * ms), True)
     assert paced.ms(clock) == pytest.approx(0.8)  # 4.25 - (4.3 - 0.8) = 0.75, never below the calls' own 0.8
@@ -291,31 +307,40 @@ def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_lau
     run = comm.RunComm()
     run.add_copies(object(), [paced, queued], clock)
     run.resolve_copies()
-    assert run.copy_ms == pytest.approx(0.8 + 4.25)
+    assert run.copy_ms == pytest.approx(4.25) and run.copy_unqueued == 1  # the caught-up bucket adds nothing
+    assert "1 buckets' copies ran only at the host's pace" in comm_run.copy_note(run)
+    run = comm.RunComm()
+    run.add_copies(object(), [paced, queued], HostClock())
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.8 + 4.25) and run.copy_unqueued == 0
 
 
 def test_a_bucket_caught_up_by_the_device_takes_its_queued_samples() -> None:
     """Each bucket's estimate is its own: where the device caught up with the host among a bucket's copies on one
-    sample (the mode's pace, read at best as the copies' own calls' host time), the same bucket's samples whose
-    copies were all queued (their time back to back) stand for it; a bucket with none keeps its caught ones."""
-    from phase_timer.timing.clock import HostClock
-
-    clock, ms = HostClock(), 1_000_000
+    sample (the pace of DDP's launches, 3-5x the copies' own time on 2 x H200), the same bucket's samples whose
+    copies were all queued (their time back to back) stand for it; a bucket with none adds nothing yet (a
+    host-paced step loses its span's host time whole, the copies' pace in it: ``paced.PacedSpans``)."""
+    clock, ms = DeviceKindClock(), 1_000_000
     queued = Copies(0, int(0.1 * ms), int(0.55 * ms), int(0.3 * ms), False)  # 22 copies queued: 0.1 ms on the device
     paced = Copies(0, int(0.52 * ms), int(0.52 * ms), int(0.29 * ms), True)  # caught up: read as 0.29 at best
     run, probe = comm.RunComm(), object()
     run.add_copies(probe, [queued, paced], clock)
     run.resolve_copies()
-    assert run.copy_ms == pytest.approx(0.1 + 0.29)  # bucket 2 has no queued sample yet
+    assert run.copy_ms == pytest.approx(0.1) and run.copy_unqueued == 1  # bucket 2 has no queued sample yet
     run.add_copies(probe, [paced, queued], clock)
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.1 + 0.1) and run.copy_samples == 2  # each bucket's queued sample
+    assert run.copy_unqueued == 0
     run.add_copies(probe, [queued, queued, queued], clock)  # DDP rebuilt its buckets: three now
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.3)
-    run.add_copies(object(), [paced], clock)  # a second module: its own buckets, summed with the first's
+    second = object()
+    run.add_copies(second, [paced], clock)  # a second module: its own buckets, summed with the first's
     run.resolve_copies()
-    assert run.copy_ms == pytest.approx(0.3 + 0.29)
+    assert run.copy_ms == pytest.approx(0.3) and run.copy_unqueued == 1
+    run.add_copies(second, [queued], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.3 + 0.1) and run.copy_unqueued == 0
 
 
 
@@ -482,20 +507,16 @@ PACED = [("switch", WAIT), ("switch", "backward")]  # a span ended in Python, af
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_the_usual_path_stays_the_engine_s_own_switch_until_a_sample_shows_a_host_paced_device(monkeypatch,
-                                                                                                native) -> None:
+def test_the_paced_path_asks_from_the_first_backward_until_the_device_is_behind(monkeypatch, native) -> None:
+    """On a device the span's start is the Python one from the first synced backward (its host time noted, both
+    questions asked); PACED_OFF answers "behind" in a row turn it into the engine's own switch, and a sample whose
+    last bucket's copies the device caught up with turns it back.  A sample whose copies all queued (the device
+    still in a wait when the host had launched them: a rank waiting for its peers) takes nothing and turns nothing."""
     probe, engine, backward = paced_probe(monkeypatch, native)
-    assert start_queued(probe) is probe._to_wait and not probe._paced  # off: no Python frame
-    # the usual path, off: the engine's switch; the span ends at the door's switch (nothing asked, nothing taken)
-    assert backward(2.5) == [("switch", WAIT), ("switch", "optimizer")]
-    # a span ended in Python whose copies were not timed: the device reached its start, but no sample says more
-    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
-    # a sampled backward: the device had caught up with the host at its last bucket's copies: 2.5 ms taken off
-    assert backward(2.5, kept_up=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
     assert probe._paced and start_queued(probe) == probe._paced_start
-    # now the usual path notes the span's host time at both ends, and ends it after DDP's end-of-backward
-    assert backward(1.25) == [*PACED, ("add_host", WAIT, -1.25), ("switch", "optimizer")]
-    assert (probe.paced_steps, probe.paced_ms) == (2, 3.75)
+    assert backward(2.5) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
+    assert backward(2.0, kept_up=False) == [*PACED, ("switch", "optimizer")] and probe._paced
+    assert (probe.paced_steps, probe.paced_ms) == (1, 2.5)
     # a device behind the host (it had not begun the span): nothing taken; PACED_OFF such backwards in a row: off
     engine.behind_is = True
     for _ in range(comm_paced.PACED_OFF - 1):
@@ -508,14 +529,25 @@ def test_the_usual_path_stays_the_engine_s_own_switch_until_a_sample_shows_a_hos
         backward(2.0)
     assert not probe._paced and start_queued(probe) is probe._to_wait
     assert backward(2.0) == [("switch", WAIT), ("switch", "optimizer")]
-    # on again; a sample whose last bucket's copies the device had not caught up with (a rank whose device still
-    # waits for its peers when the host has launched them all): off at once, nothing taken
+    # off: a span ended in Python with no sample of the copies asks nothing; a queued sample turns nothing
     engine.behind_is = False
-    backward(2.0, kept_up=True)
-    assert probe._paced
-    assert backward(2.0, kept_up=False) == [*PACED, ("switch", "optimizer")]
-    assert not probe._paced and start_queued(probe) is probe._to_wait
+    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    assert backward(2.5, kept_up=False) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    # a sampled backward whose device had caught up with the host at its last bucket's copies: on, 2.5 ms taken
+    assert backward(2.5, kept_up=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
+    assert probe._paced and start_queued(probe) == probe._paced_start
+    assert backward(1.25) == [*PACED, ("add_host", WAIT, -1.25), ("switch", "optimizer")]
+    assert probe.paced_steps == 4
     probe.bind(None)
+
+
+def test_the_paced_path_starts_off_where_nothing_could_be_taken(monkeypatch) -> None:
+    """On the host clock (no device to ask), and under ``find_unused_parameters`` (DDP reads its used-parameter map
+    on the host inside the span), a module's start is the engine's own switch from the first backward."""
+    for kw in ({"kind": "host"}, {"find_unused_parameters": True}):
+        probe, _, _ = paced_probe(monkeypatch, **kw)
+        assert not probe._paced and start_queued(probe) is probe._to_wait
+        probe.bind(None)
 
 
 def test_the_span_loses_the_host_s_time_in_it_less_ddp_s_copies(monkeypatch) -> None:
@@ -533,6 +565,7 @@ def test_with_bucket_views_the_answer_itself_turns_the_module_on(monkeypatch) ->
     """No copies to time (``gradient_as_bucket_view=True``): a span that ends in Python anyway (a sampled or composed
     backward's) and finds the device at its start turns the module on."""
     probe, engine, backward = paced_probe(monkeypatch, gradient_as_bucket_view=True)
+    probe._pace(False)  # off (PACED_OFF answers "behind" in a row)
     engine.behind_is = True
     assert backward(0.25, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
     engine.behind_is = False
@@ -813,10 +846,11 @@ def test_a_caught_up_ddp_run_on_gloo_still_adds_up_and_never_reads_below_zero(tm
         assert run.counts[comm_run.COMM_SAMPLES] >= 6 and run.counts[comm_run.COMM_WAIT_MS] >= 0.0
 
 
-def test_a_module_whose_copies_are_timed_asks_nothing_until_a_sample_turns_it_on(monkeypatch) -> None:
-    """DDP's defaults (copies into ``.grad``): only a sample of the copies turns the question on, so a backward
-    that ends in Python without one (a composed hook's, every step) asks the device nothing while it is off."""
+def test_a_module_whose_copies_are_timed_asks_nothing_once_off_until_a_sample_turns_it_on(monkeypatch) -> None:
+    """DDP's defaults (copies into ``.grad``), turned off: only a sample of the copies turns the question on again,
+    so a backward that ends in Python without one (a composed hook's, every step) asks the device nothing."""
     probe, engine, backward = paced_probe(monkeypatch)
+    probe._pace(False)  # off (PACED_OFF answers "behind" in a row)
     assert probe._copying and not probe._paced
     engine.calls.clear()
     engine.behind_is = False  # were it asked, the device had caught up
