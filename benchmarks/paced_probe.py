@@ -7,8 +7,8 @@ host reaches the next optimizer step, where the rank did not wait for a peer, an
 every third step, so rank 0 waits in its end-of-backward on those steps (and, its peer behind, on some others).
 On rank 0 the probe wraps ``PacedSpans._settle`` (the span's end, on the host): it records an event there (after
 the engine's own mark), notes the engine's answer to the first question (behind at the span's start?), the host's
-ms in the span and what the correction held; from step 6 on it keeps the paced path on (``--force 1``), so every
-synced backward is asked; at the optimizer's step pre-hook it queries that event (never a wait).  Per step:
+ms in the span and what the correction held; from step 6 on it turns the paced path back on where it is off
+(``--force 1``; a tree that asks from the first backward keeps it on itself until PACED_OFF answers "behind"); at the optimizer's step pre-hook it queries that event (never a wait).  Per step:
 planted (rank 1 slept), behind, done at the optimizer, paced, the ms the correction took or held, the host's ms,
 phase-timer's ``backward.comm_wait``; then the counts of (planted, done, behind).  ``--cpu``: the plumbing alone
 (gloo; no device: no answers)."""
@@ -68,7 +68,7 @@ def main() -> None:
         behind = engine.behind()
         ms = original(self, engine, h1, kept_up)
         if args.force and not self._paced and state["step"] >= 6:
-            self._pace(True)  # after the original: a sample's kept_up False would turn it off again at once
+            self._pace(True)  # after the original: on again where PACED_OFF (or, on older trees, a sample) turned it off
         # a tree that asks the second question holds [mark, ms, taken] until the optimizer step (read there, below)
         rows.append({"step": state["step"], "pt_step": timer._bounds._step, "behind": behind,
                      "host_ms": (h1 - h0) / 1e6 if h0 else None, "taken": 0.0 if isinstance(ms, list) else (ms or 0.0),

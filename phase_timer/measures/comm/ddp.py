@@ -41,8 +41,8 @@ median over its last samples whose copies were all queued before the device reac
 back), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
 stays in ``backward``.  A sample whose device caught up with the host among a bucket's copies holds the pace of
 DDP's launches (and the mode's Python, which ``copies.Copies.ms`` takes off), not their own time, and adds nothing:
-such a step's span loses the host's time in it whole on the paced path below, and a bucket no sample saw queued
-adds nothing (the table says so).  (A static graph's first-iteration
+such a step's span loses the host's time in it whole on the paced path below where its questions say the device
+kept pace, and a bucket no sample saw queued adds nothing (the table says so).  (A static graph's first-iteration
 all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
@@ -112,14 +112,14 @@ class DdpComm(PacedSpans):
         self._engine: Any = None  # the core's engine while bound
         self._to_wait: Any = None  # its switch to the wait: a final callback with no Python frame
         self._start: Any = None  # what the hook queues on a usual synced backward: _to_wait, or _paced_start
-        self._paced = False  # the device caught up with the host inside the span: its host time is noted
+        self._paced = False  # the paced path: the span's host time noted, the device asked (PacedSpans)
         self._copying = False  # DDP copies into .grad (timed on sampled backwards, which say whether it is paced)
         self._cold = 0  # synced backwards in a row since the paced path last saw the device caught up
         self._h0: int | None = None  # perf_counter_ns at the open span's start, where noted
         self.paced_steps = 0  # backwards whose host time in the span was taken off the wait, while bound
         self.paced_ms = 0.0  # and how much in all (ms)
         self.paced_waiting = 0  # host-paced spans whose device was still in them at the next optimizer step
-        self._deferred: tuple[list[Any], Any, bool] | None = None  # the last span's second question, unasked
+        self._deferred: tuple[list[Any], Any, bool, int, float] | None = None  # the last span's second question
         self._opt_hooks: tuple[Any, Any] | None = None  # the global optimizer step hooks that ask it, while paced
         self._in_step = False  # between an optimizer step's pre- and post-hook (a closure's backward)
         self._asking = True  # the second question can be asked (a torch with global hooks; no failure asking it)

@@ -5,7 +5,8 @@ Where the device catches up with the host inside the span (a host-paced backward
 while the host still launches DDP's copies, ~13 µs each on an H200 host), the span also holds the device's idle
 between those launches, which no collective causes and no mark separates from a wait.  Two questions a step take it
 off: had the device reached the span's start when the host left the span, and had it passed the span's end when the
-host reached the next optimizer step? Where both say yes, on a module seen to be host-paced, the device ran what the
+host reached the next optimizer step, no later after the span than the host's own time in it? Where both say yes,
+the device ran what the
 span holds as the host launched it, and the wait is taken as the span less the host's time in it: the step's wait
 loses that host time less DDP's copies (which come off every step later), where positive, on its own row (an
 ``add_host`` on the open record: ``backward`` keeps it, the phases still add up; a window and a step line stop at
@@ -19,9 +20,10 @@ is ``engine.behind()`` asked right after that switch (one query of the span's st
 clock no answer, nothing taken): :meth:`PacedSpans._settle`; the second a mark queued after the span's end, queried
 by torch's global optimizer step hooks (:meth:`PacedSpans._decide`), held only while the module is host-paced (a
 span inside the step, a closure's backward, is asked at its post-hook).  A span whose step reaches no optimizer step
-before the next span begins (a synced micro-batch) keeps its wait whole; a host that syncs between the span and the
-step (``GradScaler.step``'s inf check, a logged ``loss.item()``) finds the span done either way, and takes the
-correction as the first question alone does.  That costs a Python frame at each end, two marks and two queries a
+before the next span begins (a synced micro-batch) keeps its wait whole; so does one whose host took longer after it
+than its own time in it to reach the step (a sync before the step: ``GradScaler.step``'s inf check, a logged
+``loss.item()``; or the loop's own work): such a host finds the span done either way, a rank that waited for its
+peer included, so the answer tells nothing (a host-paced device is done at once).  That costs a Python frame at each end, two marks and two queries a
 backward and two frames an optimizer step (~3-4 µs of Python on a CPU core).  On a device the module asks from its
 first synced backward (no used-parameter map read inside the span, both questions askable), so a rank whose steps
 turn host-paced later in the run (a loaded host, a peer's lag that comes and goes) has them corrected; a device-bound
@@ -30,14 +32,14 @@ loop, whose host is further ahead at the span's start than its own time in the s
 sampled backward's copies whose last bucket the device had caught up with (every wait was over before the host had
 launched the copies; a rank whose device waits for its peers is still in a wait there) turn it on again, or, with no
 copies to time (bucket views), the answer itself on a span that ends in Python anyway (a sampled backward's, a
-composed hook's).  A sample whose copies all queued takes nothing and turns nothing.  Never under
+composed hook's).  A sample whose last bucket's copies queued takes nothing and turns nothing.  Never under
 ``find_unused_parameters``: DDP reads its used-parameter map on the host inside the span.  A device-bound loop's
 wait is the span, as without the questions.
 
 Why it matters beside DDP's copies: on a host-paced step the device runs the copies at the pace of their launches
 (3-5x their own time, 200 small copies on 2 x H200), and the span less the host's time takes that pace off whole;
-the copies' estimate taken off every step (``run.RunComm``) is their own time alone, from samples whose copies all
-queued, which is what a step whose device is behind or waiting spends on them.
+the copies' estimate taken off every step (``run.RunComm``) is their own time alone (``copies.Copies.own``), which is
+what a step whose device is behind or waiting spends on them.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ class PacedSpans:
     the switch between that path and the engine's own (the state is :class:`~phase_timer.measures.comm.ddp.DdpComm`'s)."""
 
     def _paced_start(self) -> None:
-        """The wait begins on a host-paced module (the usual path's start once :meth:`_settle` saw the device catch
-        up): its host time is noted, and its end queued after DDP's end-of-backward."""
+        """The wait begins on the paced path (the usual path's start while the module asks, :meth:`_pace`): its host
+        time is noted, and its end queued after DDP's end-of-backward."""
         engine = self._engine
         if engine is None:
             return
@@ -113,7 +115,8 @@ class PacedSpans:
         whose last bucket the device had caught up with (``kept_up``: every wait was over before the host had
         launched the copies, where a rank that waits for its peers has its device still in a wait) turn it on; a
         module whose copies are never timed (bucket views), the answer itself on a span that ends in Python anyway
-        (a sampled backward's, a composed hook's).  ``kept_up`` False (every copy queued) takes nothing.  Never under ``find_unused_parameters``: DDP reads its used-parameter map on the
+        (a sampled backward's, a composed hook's).  ``kept_up`` False (the last bucket's copies queued: the device
+        still in a wait when the host had launched them) takes nothing.  Never under ``find_unused_parameters``: DDP reads its used-parameter map on the
         host inside the span, whose host time then holds the device's wait.  Returns what :meth:`_defer` holds for
         the second question (None: nothing to take)."""
         h0, self._h0 = self._h0, None
@@ -128,24 +131,27 @@ class PacedSpans:
                 if self._cold >= PACED_OFF:
                     self._pace(False)
             return None
-        if kept_up is False:  # every copy queued: the device waited past the host's launches (a peer's lag)
+        if kept_up is False:  # the last bucket's copies queued: the device waited past the host's launches
             self._cold = 0
             return None
-        if not self._paced:  # a sample caught up, or (bucket views) the answer itself: on
+        if not self._paced:  # a sample caught up, or (bucket views) the answer itself: on, where it can be asked
+            if not self._asking:
+                return None
             self._pace(True)
         self._cold = 0
         run = self._run
-        ms = (h1 - h0) / 1e6 - (run.module_copy_ms(self) if run is not None else 0.0)
+        host_ms = (h1 - h0) / 1e6
+        ms = host_ms - (run.module_copy_ms(self) if run is not None else 0.0)
         if ms <= 0:
             return None
-        return self._defer(ms)
+        return self._defer(ms, h1, host_ms)
 
-    def _defer(self, ms: float) -> list[Any] | None:
-        """The second question (:meth:`_decide`): a mark queued now, after the span's end, and ``ms`` to take if the
-        device has passed it when the host reaches the optimizer step; at its pre-hook, or, for a span inside that
-        step (a closure's backward: Lightning's automatic optimization, ``LBFGS``), at its post-hook.  Held as
-        ``[mark, ms, taken]``, taken None until decided (a sample's exposed wait, :meth:`DdpComm._resolve`, waits for
-        it)."""
+    def _defer(self, ms: float, h1: int, host_ms: float) -> list[Any] | None:
+        """The second question (:meth:`_decide`): a mark queued now, after the span's end (the host left it at
+        ``h1``, having spent ``host_ms`` in it), and ``ms`` to take if the device has passed it when the host reaches
+        the optimizer step; at its pre-hook, or, for a span inside that step (a closure's backward: Lightning's
+        automatic optimization, ``LBFGS``), at its post-hook.  Held as ``[mark, ms, taken]``, taken None until
+        decided (a sample's exposed wait, :meth:`DdpComm._resolve`, waits for it)."""
         core = self._core
         if core is None or not self._asking:
             return None
@@ -153,7 +159,7 @@ class PacedSpans:
             self._opt_hooks = _hook_optimizers(self)
         clock = core.clock
         held = [clock.mark(), ms, None]
-        self._deferred = (held, clock, self._in_step)
+        self._deferred = (held, clock, self._in_step, h1, host_ms)
         return held
 
     def _at_optimizer(self, post: bool) -> None:
@@ -177,11 +183,15 @@ class PacedSpans:
 
     def _decide(self) -> None:
         """Had the device passed the span's end when the host reached this optimizer step (one query, never a
-        wait)?  Yes: the host-paced span's wait loses the host's time in it, on the record still open.  No: the
-        device was still in the span, waiting for a collective: nothing is taken (``paced_waiting``).  A host that
-        waited for the device between the two (a sync before the step: ``GradScaler.step``'s inf check, a logged
-        ``loss.item()``) finds it done either way, and takes the correction as the first question alone did."""
-        (held, clock, _), self._deferred = self._deferred, None
+        wait)?  Yes, with the host there no later after the span than its own time in the span: the host-paced
+        span's wait loses the host's time in it, on the record still open.  No: the device was still in the span,
+        waiting for a collective: nothing is taken (``paced_waiting``).  A host that took longer than the span's own
+        time to reach the step (a sync before it: ``GradScaler.step``'s inf check, a logged ``loss.item()``; or
+        the loop's own work) would find the span done either way, a device that waited for a peer's collective
+        included: that answer tells nothing, and nothing is taken (``paced_waiting``) -- a host-paced device is done
+        at once, where a rank waiting for its peer is not."""
+        reached = time.perf_counter_ns()
+        (held, clock, _, h1, host_ms), self._deferred = self._deferred, None
         held[2] = 0.0  # decided, whatever follows (a sample's exposed wait never waits on a failed question)
         try:
             done = clock.done(held[0])
@@ -190,7 +200,7 @@ class PacedSpans:
         engine, ms = self._engine, held[1]
         if engine is None:
             return
-        if not done:
+        if not done or (reached - h1) / 1e6 > host_ms:
             self.paced_waiting += 1
             return
         engine.add_host(WAIT, -ms)
@@ -203,7 +213,7 @@ class PacedSpans:
         its wait stays whole."""
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
-            held, clock, _ = deferred
+            held, clock = deferred[0], deferred[1]
             held[2] = 0.0
             clock.release([held[0]])
 

@@ -17,8 +17,8 @@ WAIT = comm_label(BACKWARD)
 COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"
 CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
 PREFIX = "comm"
-#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP queued samples (the copies' own time, back
-#: to back), summed over the buckets.
+#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP samples of the copies' own time (queued, back
+#: to back, or slower than their launches: ``Copies.own``), summed over the buckets.
 COPY_KEEP = 3
 
 
@@ -26,10 +26,14 @@ def copy_note(run: RunComm) -> str | None:
     """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
     if run.copy_ms is not None:
         unqueued = run.copy_unqueued
+        paced = ((f"{unqueued} buckets'" if unqueued != 1 else "1 bucket's") + " copies ran at the pace of DDP's launches on "
+                 "every sample (the device had caught up with the host): their own time is not known, nothing is "
+                 "taken for them, and a step whose copies queue keeps them in backward.comm_wait")
+        if not run.copy_ms and unqueued:
+            return f"DDP's copies into .grad, sampled on {run.copy_samples} backwards: {paced}"
         return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
                 f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait"
-                + (f" ({unqueued} buckets' copies ran only at the host's pace on those samples: their own time is "
-                   "not known, and a step whose copies queue holds it in the wait)" if unqueued else ""))
+                + (f"; {paced}" if unqueued else ""))
     if run.copy and run.untimed_copies:
         return ("DDP's copies into .grad are inside backward.comm_wait (a parameter without a gradient on this rank, "
                 "under find_unused_parameters=True: DDP's wait for its used-parameter map falls "
@@ -102,7 +106,7 @@ class RunComm(Measure):
         self._copy_buckets: dict[int, list[tuple[deque[float], deque[float]]]] = {}
         #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed).
         self._copy_module: dict[int, float] = {}
-        #: A module's split (its id) -> its buckets with no queued sample yet (their copies' own time unknown).
+        #: A module's split (its id) -> its buckets with no sample of their own time yet (only caught-up ones).
         self._copy_unqueued: dict[int, int] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
@@ -132,15 +136,16 @@ class RunComm(Measure):
             if buckets is None or len(buckets) != len(pairs):  # DDP rebuilt its buckets: their samples start anew
                 buckets = self._copy_buckets[key] = [(deque(maxlen=COPY_KEEP), deque(maxlen=COPY_KEEP)) for _ in pairs]
             device = clock.kind != "host"  # on the host clock the copies run as the host makes them: their own time
-            for pair, (queued, caught) in zip(pairs, buckets):
-                (caught if pair.caught and device else queued).append(pair.ms(clock))
+            for pair, (own, paced) in zip(pairs, buckets):
+                (own if pair.own(clock) or not device else paced).append(pair.ms(clock))
             clock.release([m for pair in pairs for m in (pair.start, pair.end)])
             self._copy_counts[key] = self._copy_counts.get(key, 0) + 1
-            # A bucket's copies move the same bytes every step: their own time is its queued samples' (a caught-up
-            # device runs them at the host's pace, 3-5x their own on 2 x H200; a host-paced step loses that pace
-            # whole through the paced path, paced.PacedSpans); a bucket with none yet adds nothing.
-            self._copy_module[key] = sum(statistics.median(queued) for queued, _ in buckets if queued)
-            self._copy_unqueued[key] = sum(not queued for queued, _ in buckets)
+            # A bucket's copies move the same bytes every step: their own time is its samples' that hold it
+            # (Copies.own: queued, or slower than their launches); a device that caught up with the host runs them
+            # at the pace of DDP's launches, 3-5x their own on 2 x H200, which a host-paced step loses whole where
+            # the paced path's questions say so (paced.PacedSpans); a bucket with no such sample adds nothing.
+            self._copy_module[key] = float(sum(statistics.median(own) for own, _ in buckets if own))
+            self._copy_unqueued[key] = sum(not own for own, _ in buckets)
             self.copy_ms = sum(self._copy_module.values())
 
     def forget_copies(self, probe: Any) -> None:
@@ -216,7 +221,8 @@ class RunComm(Measure):
         out = out or {}
         return {"collectives_ms": out.get("collectives_ms"), "exposed_ms": out.get("exposed_ms"),
                 "samples": out.get("samples", 0), "hidden_share": out.get("hidden_share"), "hook": self.hook,
-                "copies_ms": self.copy_ms, "copy_samples": self.copy_samples}
+                "copies_ms": self.copy_ms, "copy_samples": self.copy_samples,
+                "copies_unqueued": self.copy_unqueued}
 
     def as_dict(self) -> dict[str, float] | None:
         n = self.counts.get(COMM_SAMPLES, 0.0)

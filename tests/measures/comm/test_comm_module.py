@@ -308,7 +308,19 @@ def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_lau
     run.add_copies(object(), [paced, queued], clock)
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(4.25) and run.copy_unqueued == 1  # the caught-up bucket adds nothing
-    assert "1 buckets' copies ran only at the host's pace" in comm_run.copy_note(run)
+    assert "; 1 bucket's copies ran at the pace of DDP's launches" in comm_run.copy_note(run)
+    assert run.summary()["copies_unqueued"] == 1
+    run = comm.RunComm()
+    run.add_copies(object(), [slow, paced], clock)  # caught up, but slower than its launches: its own time
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.07) and run.copy_unqueued == 1
+    run = comm.RunComm()
+    run.add_copies(object(), [paced, part], clock)  # every bucket caught up: nothing known, nothing taken
+    run.resolve_copies()
+    assert run.copy_ms == 0.0 and isinstance(run.copy_ms, float) and run.copy_unqueued == 2
+    note = comm_run.copy_note(run)
+    assert note.startswith("DDP's copies into .grad, sampled on 1 backwards: 2 buckets' copies ran at the pace")
+    assert "taken off" not in note
     run = comm.RunComm()
     run.add_copies(object(), [paced, queued], HostClock())
     run.resolve_copies()
@@ -471,7 +483,8 @@ def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms:
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
-    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None, step: bool = True) -> list[tuple]:
+    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None, step: bool = True,
+                 gap_ms: float = 0.0) -> list[tuple]:
         """One synced backward whose span the host spends ``host_ms`` in: the parameter's hook (``python``: a span
         begun in Python, a composed hook's; ``kept_up``: a sampled one, its copies timed), then the final callbacks
         in autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end); then
@@ -488,6 +501,8 @@ def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms:
             if callback == probe._split and kept_up is not None:
                 probe._copies = SampledCopies(kept_up)  # the mode pushed for DDP's end-of-backward
             ns.at += host_ms  # DDP's end-of-backward: its waits and copies, launched
+        ns.at -= host_ms  # the host reaches the optimizer step right after the span (the loop above added one more)
+        ns.at += gap_ms  # ... or this long after it (a sync before the step, the loop's own work)
         if step:
             opt.step()  # torch's global optimizer pre-hooks first, then the door's: its switch
             engine.switch("optimizer")
@@ -538,6 +553,18 @@ def test_the_paced_path_asks_from_the_first_backward_until_the_device_is_behind(
     assert probe._paced and start_queued(probe) == probe._paced_start
     assert backward(1.25) == [*PACED, ("add_host", WAIT, -1.25), ("switch", "optimizer")]
     assert probe.paced_steps == 4
+    probe.bind(None)
+
+
+def test_a_host_that_reaches_the_optimizer_step_late_tells_nothing_and_keeps_the_wait(monkeypatch) -> None:
+    """The second question's "done" says the device kept pace only where the host reached the step promptly: a
+    host that took longer after the span than its own time in it (a sync before the step: ``GradScaler.step``'s
+    inf check, a logged ``loss.item()``) would find a rank that waited for its peer done as well."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    assert ("add_host", WAIT, -2.5) in backward(2.5, gap_ms=2.5)  # no later than the span's own time: taken
+    calls = backward(2.5, gap_ms=4.0)  # the host waited for the device before its step: kept whole
+    assert not [c for c in calls if c[0] == "add_host"] and probe.paced_waiting == 1
+    assert (probe.paced_steps, probe.paced_ms) == (1, 2.5) and probe._paced
     probe.bind(None)
 
 
