@@ -24,6 +24,9 @@ runs; with 8 x 1024 on an H200 the backward is paced by the host, see ``docs/ben
 - ``fsdp2``: ``fully_shard`` on every block and the root: forward's and backward's waits.
 - ``copies10`` / ``copies200``: DDP defaults on 10 and 200 parameter tensors (Linear layers): the copies'
   estimate against the profiler's copy time under DDP's ``copy_bucket_to_grad``.
+- ``paced200``: the 200 tensors on 2 x 128 tokens a rank (a host-paced backward: the device runs out of work while
+  the host launches DDP's copies), rank 1 sleeping 20 ms before every third forward: rank 0's host-paced spans,
+  some of them waits for rank 1 (the host-paced correction's two questions, ``paced.PacedSpans``).
 
 The truth (``nccl_truth.py``), per rank and step, is the profiler's union-of-intervals rule on the same steps (a
 marker kernel at each iteration's start cuts them): NCCL's kernels outside every other kernel, memcpy and memset
@@ -81,7 +84,7 @@ from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.phases import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
 CASES = ("ddp_default", "ddp_view", "ddp_one", "ddp_late", "ddp_straggler", "data_straggler", "eval_rank0",
-         "fsdp2", "copies10", "copies200")
+         "fsdp2", "copies10", "copies200", "paced200")
 MARKER = "pt_step_marker"
 #: --span-kernels: a tiny kernel before and after each wait phase-timer marks, FSDP2's and DDP's (a diagnosis: which
 #: exposed collectives fall outside phase-timer's spans; the two kernels are work too, ~2 us each)
@@ -254,8 +257,8 @@ class SlowLoader:
 
 def build(case: str, args: argparse.Namespace, device: torch.device, rank: int) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    if case.startswith("copies"):
-        net: nn.Module = Linears(args.vocab, args.width, int(case.removeprefix("copies")))
+    if case.startswith(("copies", "paced")):
+        net: nn.Module = Linears(args.vocab, args.width, int(case.removeprefix("copies").removeprefix("paced")))
     else:
         late = rank == 1 and case in ("ddp_late", "ddp_straggler")
         net = GPT(args.vocab, args.width, args.depth, args.seq, (0.015 if case == "ddp_late" else 0.02) if late else 0.0)
@@ -280,7 +283,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     net, model = build(case, args, device, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(4)]
+    batch, seq = (2, 128) if case == "paced200" else (args.batch, args.seq)  # paced200: a host-paced backward
+    data = [torch.randint(0, args.vocab, (batch, seq), generator=g) for _ in range(4)]
     data = SlowLoader([data[i % 4] for i in range(args.steps)], 0.02 if case == "data_straggler" and rank == 1 else 0)
     timer = phase_timer.attach(model, opt, data, log_dir=tempfile.mkdtemp(), window=args.window,
                                warmup_steps=args.warmup, copy_to_device=True, summary=False, per_step=True,
@@ -314,6 +318,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
             prof.start()
         if prof is not None and i >= first:
             torch.cuda._sleep(100)  # the marker kernel: step i begins here on the compute stream
+        if case == "paced200" and rank == 1 and i % 3 == 0:
+            time.sleep(0.02)  # rank 0 waits for this one in its next all-reduce
         with autocast:
             loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
         loss.backward()
@@ -334,9 +340,14 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     run_comm = comm_run.find(core)
     copy_ms = run_comm.copy_ms if run_comm is not None else None
-    # the host-paced spans' correction (ddp.DdpComm._settle): backwards corrected, ms taken in all, and on at the end
-    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced] if probe is not None
-             and hasattr(probe, "paced_steps") else None)
+    # each bucket's last copies samples (ms): those the device ran queued, and those it caught up with the host in
+    copy_buckets = [[[round(v, 3) for v in queued], [round(v, 3) for v in caught]]
+                    for buckets in getattr(run_comm, "_copy_buckets", {}).values() for queued, caught in buckets] \
+        if run_comm is not None else []
+    # the host-paced spans' correction (paced.PacedSpans): backwards corrected, ms taken in all, on at the end, and
+    # the spans the second question kept whole (the device still in them at the optimizer step)
+    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced, getattr(probe, "paced_waiting", None)]
+             if probe is not None and hasattr(probe, "paced_steps") else None)
     plan = getattr(timer._bounds, "flops", None)  # the FLOP plan the boundaries count with (None: none)
     counted = plan is not None and getattr(plan, "counted", None)
     pt_peak = core.memory.peak_allocated_mb if core.memory is not None else None
@@ -379,7 +390,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
     phases = {p: t.mean for p, t in totals.phases.items()} if totals is not None else {}
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
-    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, paced=paced, where=where,
+    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, copy_buckets=copy_buckets, paced=paced, where=where,
                 span_kernels=[ddp_marks.begins, ddp_marks.ends, ddp_marks.at_return, ddp_marks.odd,
                               sum(COMM_PARTS.keys() & raw.keys() != set() for raw, _ in steps.values()), len(steps)]
                 if ddp_marks is not None else None,
@@ -451,15 +462,18 @@ def copies_text(r: dict) -> str:
     queued = [row for row in rows if (row.get("prof_copies_queued") or 0) >= 0.95]
     return (f"copies estimate {fmt(r['copy_ms'])} vs profiler's own {fmt(median(rows, 'prof_copies'))}, back to back "
             f"{fmt(median(queued, 'prof_copies_run'))} on the {len(queued)} steps they ran queued, "
-            f"{fmt(median(rows, 'prof_copies_run'))} over all (ms, medians)")
+            f"{fmt(median(rows, 'prof_copies_run'))} over all (ms, medians)"
+            + "".join(f"; bucket {k}: queued samples {q or '-'}, caught-up {c or '-'}"
+                      for k, (q, c) in enumerate(r.get("copy_buckets") or [])))
 
 
 def paced_text(paced: list | None) -> str:
     """The host-paced spans' correction over the run: how many backwards lost how much of their wait."""
     if not paced:
         return "host-paced correction: none"
-    n, ms, on = paced
-    return f"host-paced correction on {n} backwards, {ms:.3f} ms in all ({'on' if on else 'off'} at the end)"
+    n, ms, on, waiting = (list(paced) + [None])[:4]
+    kept = f", {waiting} kept whole (still in the span at the optimizer step)" if waiting is not None else ""
+    return f"host-paced correction on {n} backwards, {ms:.3f} ms in all ({'on' if on else 'off'} at the end){kept}"
 
 
 def main() -> None:

@@ -79,8 +79,8 @@ def test_the_copies_estimate_holds_on_a_model_of_200_parameter_tensors(case):
     """Issue 47: with many small parameters DDP launches many small copies, a bucket each here.  Where the device
     is behind the host (a batch the device takes longer over than the host takes to launch it), each bucket's
     copies, between two marks, read their own time and a queued launch gap (at most 3 us) each.  (Where the
-    device has caught up with the host, the copies run at the host's pace, which the marks hold:
-    docs/benchmarks.md.)"""
+    device has caught up with the host, the copies run at the pace of DDP's launches, which the marks hold and the
+    estimate does not take: docs/design.md.)"""
     from benchmarks.comm_truth import cycles_per_ms, run
 
     case("view")  # the process group is up

@@ -967,9 +967,9 @@ def test_the_gate_is_sized_per_group_from_the_sleep_the_sample_needed_and_bounde
     want = (5.0 - 0.1) * mod.GATE_MARGIN + mod.GATE_PAD_MS
     assert gate.by_group == {0: pytest.approx(want)} and gate.length(0) == pytest.approx(want)
     assert gate.length(3) == pytest.approx(want)  # a group not read yet: the last sized
-    measure, sample = _planted_gate_sample(9.0)  # the last mark 2 ms late: uncovered, so longer
+    measure, sample = _planted_gate_sample(9.0)  # the last mark 2 ms late: uncovered, so longer, the margin doubled
     sample.values()
-    assert measure.gate.length(0) == pytest.approx((5.0 + 2.0) * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    assert measure.gate.length(0) == pytest.approx((5.0 + 2.0) * 2 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
     gate = G(HostClock(), cuda=False)
     assert gate.length(0) == mod.GATE_FIRST_MS  # nothing sized, no pilot
     assert gate.length(0, host_ms=20.0) == pytest.approx(20.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)  # the pilot's
@@ -978,8 +978,9 @@ def test_the_gate_is_sized_per_group_from_the_sleep_the_sample_needed_and_bounde
     assert gate.length(2, host_ms=20.0) == mod.GATE_MIN_MS and gate.capped == 0  # sized once: the pilot is not used
     gate.size(2, 60.0, 90.0, 90.0, True)  # 30 ms late after a 60 ms sleep: over the cap
     assert gate.length(2) == mod.GATE_MAX_MS and gate.capped == 1
-    gate.bound(4.0)  # a 4 ms step: no gate past 4 x the margin + the pad
-    assert gate.length(2) == pytest.approx(4.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and gate.length(1) == mod.GATE_MIN_MS
+    gate.bound(4.0)  # a 4 ms step: no gate past 4 x the margin (doubled by the late sample) + the pad
+    assert gate.margin == 2 * mod.GATE_MARGIN
+    assert gate.length(2) == pytest.approx(4.0 * gate.margin + mod.GATE_PAD_MS) and gate.length(1) == mod.GATE_MIN_MS
 
 
 def test_a_group_is_futile_only_where_the_hosts_time_grew_with_the_sleep():
@@ -990,15 +991,52 @@ def test_a_group_is_futile_only_where_the_hosts_time_grew_with_the_sleep():
     first group futile on an H200 and never read it)."""
     G = mod._Gate
     gate = G(HostClock(), cuda=False)
-    gate.size(0, 10.0, 13.0, 12.0, True)  # late: the next sleep longer
-    assert gate.length(0) == pytest.approx(13.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and not gate.futile
+    gate.size(0, 10.0, 13.0, 12.0, True)  # late: the next sleep longer (the margin doubled)
+    assert gate.length(0) == pytest.approx(13.0 * 2 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and not gate.futile
     gate.size(0, 16.5, 17.0, 12.5, True)  # late again, the host's time the same: still sized, not futile
-    assert not gate.futile and gate.length(0) == pytest.approx(17.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    assert not gate.futile and gate.length(0) == pytest.approx(17.0 * mod.GATE_MARGIN_MAX + mod.GATE_PAD_MS)
     gate.size(0, 21.5, 22.0, 18.0, True)  # 5 ms more sleep, the host 5.5 ms later to its last mark: it waited
     assert gate.futile == {0} and gate.length(0) == mod.GATE_MIN_MS
+    assert gate.margin == mod.GATE_MARGIN_MAX  # a futile group's late marks move no margin
     gate.size(1, 10.0, 13.0, 12.0, True)
     gate.size(1, 16.5, 12.0, 16.0, False)  # a longer sleep that covered it: no futile group, however the host moved
-    assert gate.futile == {0} and gate.length(1) == pytest.approx(12.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    assert gate.futile == {0} and gate.length(1) == pytest.approx(12.0 * mod.GATE_MARGIN_MAX + mod.GATE_PAD_MS)
+
+
+def test_a_late_mark_widens_every_groups_margin_and_covered_samples_ease_it_back():
+    """The host's time to a sample's last mark moves between samples on a loaded host (up to 2.5x on a 4 x H200
+    host): a mark queued late doubles the run's margin for every group's next gate (up to GATE_MARGIN_MAX), so a
+    host that moved once is covered when it moves again; GATE_EASE samples in a row with every mark in time halve
+    it, down to GATE_MARGIN, so a quiet host keeps the least gate.  The cap (the step period with the margin) moves
+    with it."""
+    gate = mod._Gate(HostClock(), cuda=False)
+    gate.bound(20.0)
+    gate.size(0, 10.0, 8.0, 9.0, False)  # covered: the least margin
+    assert gate.margin == mod.GATE_MARGIN and gate.length(0) == pytest.approx(8.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    gate.size(1, 10.0, 20.0, 20.0, True)  # group 1's host moved to 20 ms past a 10 ms gate: late
+    assert gate.margin == 2 * mod.GATE_MARGIN and not gate.futile
+    assert gate.length(1) == pytest.approx(20.0 * gate.margin + mod.GATE_PAD_MS)
+    # every group's next gate, the ones sized before the miss too, and a group not yet read
+    assert gate.length(0) == pytest.approx(8.0 * gate.margin + mod.GATE_PAD_MS)
+    assert gate.length(5) == pytest.approx(20.0 * gate.margin + mod.GATE_PAD_MS)
+    assert gate.by_group == {0: gate.length(0), 1: gate.length(1)}
+    assert gate.cap == pytest.approx(20.0 * gate.margin + mod.GATE_PAD_MS)
+    gate.size(2, 10.0, 30.0, 30.0, True)
+    assert gate.margin == mod.GATE_MARGIN_MAX  # never past the most
+    for i in range(mod.GATE_EASE - 1):
+        gate.size(0, 20.0, 8.0, 9.0, False)
+        assert gate.margin == mod.GATE_MARGIN_MAX, i
+    gate.size(0, 20.0, 8.0, 9.0, False)  # the GATE_EASE-th covered in a row: halved, for every group
+    assert gate.margin == pytest.approx(mod.GATE_MARGIN_MAX / 2)
+    assert gate.length(0) == pytest.approx(8.0 * gate.margin + mod.GATE_PAD_MS)
+    assert gate.length(2) == gate.cap == pytest.approx(20.0 * gate.margin + mod.GATE_PAD_MS)  # 30 ms needed: capped
+    for _ in range(mod.GATE_EASE - 1):
+        gate.size(0, 20.0, 8.0, 9.0, False)
+    gate.size(1, 20.0, 25.0, 21.0, True)  # a late one (the host not held by the sleep) resets the count, doubles
+    assert gate.margin == mod.GATE_MARGIN_MAX and gate.covered == 0 and not gate.futile
+    for _ in range(3 * mod.GATE_EASE):
+        gate.size(0, 20.0, 8.0, 9.0, False)
+    assert gate.margin == mod.GATE_MARGIN  # never below the least
 
 
 def test_a_late_samples_need_counts_only_the_spans_the_device_ran_back_to_back():
@@ -1020,7 +1058,7 @@ def test_a_late_samples_need_counts_only_the_spans_the_device_ran_back_to_back()
     sample.forward = [("0", 0, 1), ("1", 2, 3)]
     vals = sample.values()
     assert vals == {} and sample.uncovered == 2
-    assert measure.gate.length(0) == pytest.approx(9.5 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    assert measure.gate.length(0) == pytest.approx(9.5 * 2 * mod.GATE_MARGIN + mod.GATE_PAD_MS)  # late: doubled
     assert measure.gate.last[0] == (pytest.approx(5.0), pytest.approx(9.5), True)
 
 

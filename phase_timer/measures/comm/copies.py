@@ -18,6 +18,13 @@ class Copies(NamedTuple):
     launch_ns: int
     caught: bool
 
+    def own(self, clock: Any) -> bool:
+        """Whether :meth:`ms` is the copies' own time: every copy was queued before it ran (the device had not reached
+        the first mark when the last copy was launched), or the marks are further apart on the device than on the
+        host (by more than ``PACE_SLACK_MS`` and ``PACE_SLACK`` of it: the copies took longer than their launches)."""
+        return (not self.caught
+                or clock.elapsed_ms(self.start, self.end) > self.host_ns / 1e6 * (1 + PACE_SLACK) + PACE_SLACK_MS)
+
     def ms(self, clock: Any) -> float:
         """The copies' time as DDP runs them, with no mode in its end-of-backward (both marks done).
 

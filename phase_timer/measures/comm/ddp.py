@@ -37,11 +37,12 @@ parameters copy changes from step to step.  A sampled backward that saw that cop
 copies are not timed from then on (they stay in ``backward.comm_wait``, and the table says so); a model whose
 every parameter gets a gradient on every rank (the 🤗 Trainer's default runs with ``find_unused_parameters``)
 has its copies timed as under DDP's defaults.  The copies' time is each bucket's
-median over its last samples (those whose copies were all queued before the device reached them, where it has
-any), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
-stays in ``backward``.  (On a sampled backward the mode's own host time, a few µs a copy, paces the copies where
-the device has caught up with the host: there the mode's Python is taken off the marks' time,
-``copies.Copies.ms``, an estimate a bucket's queued samples replace.)  (A static graph's first-iteration
+median over its last samples whose copies were all queued before the device reached them (their own time, back to
+back), summed; it is taken off each step's ``backward.comm_wait`` (never below zero) when its window is made, and
+stays in ``backward``.  A sample whose device caught up with the host among a bucket's copies holds the pace of
+DDP's launches (and the mode's Python, which ``copies.Copies.ms`` takes off), not their own time, and adds nothing:
+such a step's span loses the host's time in it whole on the paced path below where its questions say the device
+kept pace, and a bucket no sample saw queued adds nothing (the table says so).  (A static graph's first-iteration
 all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
@@ -73,7 +74,7 @@ from typing import Any
 
 from phase_timer._env import warn
 from phase_timer.measures.comm.copies import _ACTIVE, _copy_marker, _pop_mode, _push_mode
-from phase_timer.measures.comm.paced import PacedSpans
+from phase_timer.measures.comm.paced import PacedSpans, register_optimizer_step_pre_hook
 from phase_timer.measures.comm.run import COMM_MS, COMM_SAMPLES, COMM_WAIT_MS, WAIT, RunComm
 from phase_timer.measures.comm.run import of as run_of
 from phase_timer.patches import Patches
@@ -111,16 +112,21 @@ class DdpComm(PacedSpans):
         self._engine: Any = None  # the core's engine while bound
         self._to_wait: Any = None  # its switch to the wait: a final callback with no Python frame
         self._start: Any = None  # what the hook queues on a usual synced backward: _to_wait, or _paced_start
-        self._paced = False  # the device caught up with the host inside the span: its host time is noted
+        self._paced = False  # the paced path: the span's host time noted, the device asked (PacedSpans)
         self._copying = False  # DDP copies into .grad (timed on sampled backwards, which say whether it is paced)
         self._cold = 0  # synced backwards in a row since the paced path last saw the device caught up
         self._h0: int | None = None  # perf_counter_ns at the open span's start, where noted
         self.paced_steps = 0  # backwards whose host time in the span was taken off the wait, while bound
         self.paced_ms = 0.0  # and how much in all (ms)
+        self.paced_waiting = 0  # host-paced spans whose device was still in them at the next optimizer step
+        self._deferred: tuple[list[Any], Any, bool, int, float] | None = None  # the last span's second question
+        self._opt_hooks: tuple[Any, Any] | None = None  # the global optimizer step hooks that ask it, while paced
+        self._in_step = False  # between an optimizer step's pre- and post-hook (a closure's backward)
+        self._asking = True  # the second question can be asked (a torch with global hooks; no failure asking it)
         self._spans: list[list[Any]] | bool | None = None  # this backward's sample: [launch, end] a bucket (False: not)
         self._open: tuple[list[list[Any]], Any] | None = None  # a sampled span begun: (spans, its start)
         self._synced = 0  # synced backwards split while bound
-        self._pending: deque[tuple[list[list[Any]], Any, Any, float]] = deque()  # samples not resolved yet
+        self._pending: deque[tuple[list[list[Any]], Any, Any, list[Any] | None]] = deque()  # samples unresolved
         self._device = False
         self.user_hook: str | None = None  # the name of the user's hook composed, if any
         import torch
@@ -206,13 +212,19 @@ class DdpComm(PacedSpans):
 
     def bind(self, core: Any) -> None:
         """Time into ``core``'s records from now on (None: stop; a composed hook then only forwards)."""
+        self._unhook_optimizer()  # a question of the last binding's is not this one's
         self._core = core
         self._run = run_of(core) if core is not None else None
         self._engine = core._engine if core is not None else None
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
-        self._start, self._paced, self._cold, self._h0 = self._to_wait, False, 0, None
         self._copying = not getattr(self.ddp, "gradient_as_bucket_view", True)
-        self.paced_steps, self.paced_ms = 0, 0.0
+        self.paced_steps, self.paced_ms, self.paced_waiting = 0, 0.0, 0
+        self._asking = register_optimizer_step_pre_hook is not None
+        self._device = core is not None and core.clock.kind != "host"
+        # the paced path's questions from the first synced backward (a device, both questions askable, no
+        # used-parameter map read inside the span), until PACED_OFF answers "behind" in a row
+        on = self._device and self._asking and not self._find_unused()
+        self._start, self._paced, self._cold, self._h0 = self._paced_start if on else self._to_wait, on, 0, None
         run = self._run
         if run is not None:
             run.hook = self.user_hook
@@ -222,7 +234,6 @@ class DdpComm(PacedSpans):
         self._spans, self._open, self._synced, self._copy_taken = None, None, 0, 0
         self.copy_host_ns = []
         self._pending.clear()
-        self._device = core is not None and core.clock.kind != "host"
         self._arm()
         self._schedule(0 if self._untimeable() else COPY_LEARN)
 
@@ -340,6 +351,7 @@ class DdpComm(PacedSpans):
         engine = self._engine
         if engine is None:
             return
+        self._drop_deferred()
         engine.switch(WAIT)
         self._h0 = time.perf_counter_ns()
         if spans:
@@ -377,9 +389,9 @@ class DdpComm(PacedSpans):
         w1 = self._now() if opened is not None else None  # a composed hook's sample ends here too (copies in)
         h1 = time.perf_counter_ns()
         engine.switch(BACKWARD)
-        paced = self._settle(engine, h1, kept_up)
+        held = self._settle(engine, h1, kept_up)
         if opened is not None:
-            self._pending.append((*opened, w1, paced))
+            self._pending.append((*opened, w1, held))
         if self._pending:
             self._resolve(engine)
 
@@ -411,11 +423,13 @@ class DdpComm(PacedSpans):
         return pairs[-1].caught
 
     def _resolve(self, engine: Any) -> None:
-        """Sampled backwards whose events are all done (never waits), carried on the open record."""
+        """Sampled backwards whose events are all done and whose host-paced question is answered (never waits),
+        carried on the open record."""
         while self._pending:
-            spans, w0, w1, paced = self._pending[0]
-            if any(end is None for _, end in spans):
+            spans, w0, w1, held = self._pending[0]
+            if any(end is None for _, end in spans) or held is not None and held[2] is None:
                 return
+            paced = held[2] if held is not None else 0.0
             if self._device and not (w1.query() and all(end.query() for _, end in spans)):
                 return
             self._pending.popleft()

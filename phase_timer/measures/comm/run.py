@@ -17,16 +17,23 @@ WAIT = comm_label(BACKWARD)
 COMM_MS, COMM_WAIT_MS, COMM_SAMPLES = "comm_ms", "comm_wait_ms", "comm_samples"
 CARRIED = (COMM_MS, COMM_WAIT_MS, COMM_SAMPLES)
 PREFIX = "comm"
-#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP samples (its queued ones where it has any),
-#: summed over the buckets.
+#: DDP's copies' estimate: each bucket's median over its last COPY_KEEP samples of the copies' own time (queued, back
+#: to back, or slower than their launches: ``Copies.own``), summed over the buckets.
 COPY_KEEP = 3
 
 
 def copy_note(run: RunComm) -> str | None:
     """What the table says of DDP's copies inside the wait's span (None: none timed, none expected)."""
     if run.copy_ms is not None:
+        unqueued = run.copy_unqueued
+        paced = ((f"{unqueued} buckets'" if unqueued != 1 else "1 bucket's") + " copies ran at the pace of DDP's launches on "
+                 "every sample (the device had caught up with the host): their own time is not known, nothing is "
+                 "taken for them, and a step whose copies queue keeps them in backward.comm_wait")
+        if not run.copy_ms and unqueued:
+            return f"DDP's copies into .grad, sampled on {run.copy_samples} backwards: {paced}"
         return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
-                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait")
+                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait"
+                + (f"; {paced}" if unqueued else ""))
     if run.copy and run.untimed_copies:
         return ("DDP's copies into .grad are inside backward.comm_wait (a parameter without a gradient on this rank, "
                 "under find_unused_parameters=True: DDP's wait for its used-parameter map falls "
@@ -99,6 +106,8 @@ class RunComm(Measure):
         self._copy_buckets: dict[int, list[tuple[deque[float], deque[float]]]] = {}
         #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed).
         self._copy_module: dict[int, float] = {}
+        #: A module's split (its id) -> its buckets with no sample of their own time yet (only caught-up ones).
+        self._copy_unqueued: dict[int, int] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
         #: buckets' medians, summed, over the modules), or None.
@@ -126,13 +135,17 @@ class RunComm(Measure):
             buckets = self._copy_buckets.get(key)
             if buckets is None or len(buckets) != len(pairs):  # DDP rebuilt its buckets: their samples start anew
                 buckets = self._copy_buckets[key] = [(deque(maxlen=COPY_KEEP), deque(maxlen=COPY_KEEP)) for _ in pairs]
-            for pair, (queued, caught) in zip(pairs, buckets):
-                (caught if pair.caught else queued).append(pair.ms(clock))
+            device = clock.kind != "host"  # on the host clock the copies run as the host makes them: their own time
+            for pair, (own, paced) in zip(pairs, buckets):
+                (own if pair.own(clock) or not device else paced).append(pair.ms(clock))
             clock.release([m for pair in pairs for m in (pair.start, pair.end)])
             self._copy_counts[key] = self._copy_counts.get(key, 0) + 1
-            # A bucket's copies move the same bytes every step: its queued samples where it has any (a caught-up
-            # device runs them at the host's pace, which the estimate can only bound), else its others.
-            self._copy_module[key] = sum(statistics.median(queued or caught) for queued, caught in buckets)
+            # A bucket's copies move the same bytes every step: their own time is its samples' that hold it
+            # (Copies.own: queued, or slower than their launches); a device that caught up with the host runs them
+            # at the pace of DDP's launches, 3-5x their own on 2 x H200, which a host-paced step loses whole where
+            # the paced path's questions say so (paced.PacedSpans); a bucket with no such sample adds nothing.
+            self._copy_module[key] = float(sum(statistics.median(own) for own, _ in buckets if own))
+            self._copy_unqueued[key] = sum(not own for own, _ in buckets)
             self.copy_ms = sum(self._copy_module.values())
 
     def forget_copies(self, probe: Any) -> None:
@@ -143,6 +156,7 @@ class RunComm(Measure):
         self._copy_pending = deque(item for item in self._copy_pending if item[0] != key)
         self._copy_buckets.pop(key, None)
         self._copy_module.pop(key, None)
+        self._copy_unqueued.pop(key, None)
         self._copy_counts.pop(key, None)
         self.copy_ms = sum(self._copy_module.values()) if self._copy_module else None
 
@@ -150,6 +164,11 @@ class RunComm(Measure):
     def copy_samples(self) -> int:
         """Sampled end-of-backwards whose copies were read, over the modules still timed."""
         return sum(self._copy_counts.values())
+
+    @property
+    def copy_unqueued(self) -> int:
+        """Buckets whose copies no sample saw queued (every sample caught up with the host): no estimate of theirs."""
+        return sum(self._copy_unqueued.values())
 
     def module_copy_ms(self, probe: Any) -> float:
         """The copies' estimate of one module's split (ms; 0.0 before any)."""
@@ -202,7 +221,8 @@ class RunComm(Measure):
         out = out or {}
         return {"collectives_ms": out.get("collectives_ms"), "exposed_ms": out.get("exposed_ms"),
                 "samples": out.get("samples", 0), "hidden_share": out.get("hidden_share"), "hook": self.hook,
-                "copies_ms": self.copy_ms, "copy_samples": self.copy_samples}
+                "copies_ms": self.copy_ms, "copy_samples": self.copy_samples,
+                "copies_unqueued": self.copy_unqueued}
 
     def as_dict(self) -> dict[str, float] | None:
         n = self.counts.get(COMM_SAMPLES, 0.0)

@@ -9,14 +9,21 @@ from typing import Any
 import torch
 
 #: CUDA: a sample's gate (``_Gate``), per group: the run's first one's length without the host's time of the step
-#: before (GATE_FIRST_MS; with it, that times GATE_MARGIN plus GATE_PAD_MS); then, from the group's last sample read,
+#: before (GATE_FIRST_MS; with it, that times the margin plus GATE_PAD_MS); then, from the group's last sample read,
 #: the sleep that would have left every mark queued in time (the host's time to each mark less the device's time
-#: known to be its own before it, at most) times GATE_MARGIN plus GATE_PAD_MS, within
-#: [GATE_MIN_MS, GATE_MAX_MS] and never past the run's median step period (times the margin, plus the pad) once a
-#: window has been read; the SM clock's rate assumed until a sleep is measured (cycles a ms).  (Whether a sample
-#: has a gate at all: ``times.GATE``.)
+#: known to be its own before it, at most) times the margin plus GATE_PAD_MS, within [GATE_MIN_MS, GATE_MAX_MS] and
+#: never past the run's median step period (times the margin, plus the pad) once a window has been read; the SM
+#: clock's rate assumed until a sleep is measured (cycles a ms).  (Whether a sample has a gate at all: ``times.GATE``.)
+#:
+#: The margin is the run's, GATE_MARGIN at first, applied at each gate's length: a sample with a mark queued late
+#: (its gate short of the host's time) doubles it, up to GATE_MARGIN_MAX, for every group's next gate, and GATE_EASE
+#: samples in a row read with every mark in time halve it again, down to GATE_MARGIN.  A host whose time to a
+#: sample's last mark moves by up to ~2.5x between two samples of a group (a shared or loaded host) is then covered
+#: from the sample after its first miss, and a quiet host keeps the least gate.
 GATE_FIRST_MS = 10.0
 GATE_MARGIN = 1.25
+GATE_MARGIN_MAX = 3.0
+GATE_EASE = 8
 GATE_PAD_MS = 0.25
 GATE_MIN_MS = 0.5
 GATE_MAX_MS = 100.0
@@ -36,9 +43,13 @@ class _Gate:
         self.side = torch.cuda.Stream(self.device, priority=-1) if cuda else None
         rate = getattr(torch.cuda.get_device_properties(self.device), "clock_rate", 0) if cuda else 0  # kHz: cycles a ms
         self.cycles_per_ms = float(rate) if rate else GATE_CYCLES_PER_MS
-        self.ms: float | None = None  # the last length sized (a group not yet read takes it); None: none sized yet
-        self.by_group: dict[int, float] = {}
-        self.cap = GATE_MAX_MS  # lowered to the run's step period (with the margin) once a window is read
+        #: per group: the sleep its last sample read needed (the margin and the pad are applied at each length, so a
+        #: margin the run widened reaches every group's next gate)
+        self.need: dict[int, float] = {}
+        self.last_need: float | None = None  # the last need read (a group not yet read takes it); None: none yet
+        self.margin = GATE_MARGIN  # the run's margin: doubled by a late sample, halved by GATE_EASE covered in a row
+        self.covered = 0  # samples read in a row with every mark in time
+        self.period: float | None = None  # the run's median step period, once a window is read (:meth:`bound`)
         self.capped = 0  # gates sized at the cap
         #: per group: its last sample's sleep, the host's ms from the gate to its last mark, and whether a mark was late
         self.last: dict[int, tuple[float, float, bool]] = {}
@@ -53,10 +64,34 @@ class _Gate:
         margin, or GATE_FIRST_MS without one."""
         if group in self.futile:
             return GATE_MIN_MS
-        ms = self.by_group.get(group, self.ms)
-        if ms is None:
-            ms = GATE_FIRST_MS if host_ms is None else max(GATE_MIN_MS, host_ms * GATE_MARGIN + GATE_PAD_MS)
-        return min(self.cap, ms)
+        need = self.need.get(group, self.last_need)
+        if need is None:
+            if host_ms is None:
+                return min(self.cap, GATE_FIRST_MS)
+            need = host_ms
+        return self._sized(need)
+
+    def _sized(self, need_ms: float) -> float:
+        """A need with the run's margin and the pad, within [GATE_MIN_MS, the cap]."""
+        return min(self.cap, max(GATE_MIN_MS, need_ms * self.margin + GATE_PAD_MS))
+
+    @property
+    def by_group(self) -> dict[int, float]:
+        """Each group read so far: the length of its next gate."""
+        return {g: self.length(g) for g in self.need}
+
+    @property
+    def ms(self) -> float | None:
+        """The length a group not yet read would take (the last need read, sized now); None before any read."""
+        return None if self.last_need is None else self._sized(self.last_need)
+
+    @property
+    def cap(self) -> float:
+        """No gate longer than the run's step period with the run's margin, plus the pad (:meth:`bound`);
+        GATE_MAX_MS before a window."""
+        if self.period is None:
+            return GATE_MAX_MS
+        return min(GATE_MAX_MS, max(GATE_MIN_MS, self.period * self.margin + GATE_PAD_MS))
 
     def hold(self, group: int, host_ms: float | None = None) -> tuple[int, Any, Any, int]:
         """Queue the gate: (host ns, the sleep's first mark, its last, cycles).  No sync: a launch and a stream wait."""
@@ -82,23 +117,34 @@ class _Gate:
         The host's own time does not depend on the sleep, unless the host waits for the device inside the step (a
         sync, or a launch queue filled while the device sleeps): where a sleep longer by a ms or more than the
         group's last, itself late, left a mark late again and the host's time to its last mark grew by half the
-        difference or more, the group is :attr:`futile`."""
+        difference or more, the group is :attr:`futile`.
+
+        Kept is the need (:attr:`need`); the margin and the pad are applied at each :meth:`length`.  A late mark on a
+        group that is not futile doubles the run's margin (up to GATE_MARGIN_MAX), for every group's next gate: the
+        host's time moved past the last margin, and may again; GATE_EASE samples in a row with every mark in time
+        halve it (down to GATE_MARGIN)."""
         last = self.last.get(group)
         self.last[group] = (slept_ms, host_ms, late)
         if late and last is not None and last[2]:
             more = slept_ms - last[0]
             if more >= 1.0 and host_ms - last[1] >= more / 2:
                 self.futile.add(group)
-        want = need_ms * GATE_MARGIN + GATE_PAD_MS
-        self.ms = self.by_group[group] = min(self.cap, max(GATE_MIN_MS, want))
-        self.capped += want > self.cap
+        if late and group not in self.futile:
+            self.margin, self.covered = min(GATE_MARGIN_MAX, self.margin * 2), 0
+        elif not late:
+            self.covered += 1
+            if self.covered >= GATE_EASE and self.margin > GATE_MARGIN:
+                self.margin, self.covered = max(GATE_MARGIN, self.margin / 2), 0
+        self.need[group] = self.last_need = need_ms
+        self.capped += need_ms * self.margin + GATE_PAD_MS > self.cap
 
     def bound(self, period_ms: float) -> None:
-        """No gate longer than the run's step period with the margin: within a step the host cannot fall further
-        behind the device than the step's own time (the margin is for the hooks' host time), and a longer sleep would
-        only be waited for (a sync inside the step waits for it, whatever its length)."""
+        """No gate longer than the run's step period with the run's margin: within a step the host falls no further
+        behind the device than the step's own time, but for the hooks' host time and a host whose time moved (what
+        the margin covers), and a longer sleep would only be waited for (a sync inside the step waits for it,
+        whatever its length)."""
         if period_ms > 0:
-            self.cap = min(GATE_MAX_MS, max(GATE_MIN_MS, period_ms * GATE_MARGIN + GATE_PAD_MS))
+            self.period = period_ms
 
     def calibrate(self, slept_ms: float, cycles: int) -> None:
         """The SM clock's rate from a sleep's measured length (the device's clock moves with its boost)."""

@@ -269,14 +269,30 @@ def test_the_c_hook_decides_as_the_python_one() -> None:
         del arm3.callback
 
 
+class DeviceKindClock:
+    """The host clock's arithmetic under a device's kind: samples read as a device's (caught up or queued)."""
+
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        from phase_timer.timing.clock import HostClock
+
+        self._host = HostClock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+
 def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_launches() -> None:
     """A bucket's copies on a sampled backward: where the device caught up with the host, the marks hold the mode's
     Python between the copies (200 small copies: 4.25 ms apart on the device, 4.3 on the host, 0.8 ms of which in
-    the copies' own calls); that Python is taken off.  Where the device had not reached the first mark (every copy
-    queued), or the marks are further apart on the device than on the host, the marks hold the copies' own time."""
+    the copies' own calls); that Python is taken off, and what is left is the pace of DDP's launches, not the copies'
+    own time: the estimate takes no such sample.  Where the device had not reached the first mark (every copy
+    queued), or the marks are further apart on the device than on the host, the marks hold the copies' own time.
+    On the host clock the copies run as the host makes them: every sample is their own time."""
     from phase_timer.timing.clock import HostClock
 
-    clock = HostClock()
+    clock = DeviceKindClock()
     ms = 1_000_000
     paced = Copies(0, int(4.25 * ms), int(4.3 * ms), int(0.8 * ms), True)
     assert paced.ms(clock) == pytest.approx(0.8)  # 4.25 - (4.3 - 0.8) = 0.75, never below the calls' own 0.8
@@ -291,31 +307,52 @@ def test_copies_paced_by_the_mode_s_python_are_read_at_the_pace_of_their_own_lau
     run = comm.RunComm()
     run.add_copies(object(), [paced, queued], clock)
     run.resolve_copies()
-    assert run.copy_ms == pytest.approx(0.8 + 4.25)
+    assert run.copy_ms == pytest.approx(4.25) and run.copy_unqueued == 1  # the caught-up bucket adds nothing
+    assert "; 1 bucket's copies ran at the pace of DDP's launches" in comm_run.copy_note(run)
+    assert run.summary()["copies_unqueued"] == 1
+    run = comm.RunComm()
+    run.add_copies(object(), [slow, paced], clock)  # caught up, but slower than its launches: its own time
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.07) and run.copy_unqueued == 1
+    run = comm.RunComm()
+    run.add_copies(object(), [paced, part], clock)  # every bucket caught up: nothing known, nothing taken
+    run.resolve_copies()
+    assert run.copy_ms == 0.0 and isinstance(run.copy_ms, float) and run.copy_unqueued == 2
+    note = comm_run.copy_note(run)
+    assert note.startswith("DDP's copies into .grad, sampled on 1 backwards: 2 buckets' copies ran at the pace")
+    assert "taken off" not in note
+    run = comm.RunComm()
+    run.add_copies(object(), [paced, queued], HostClock())
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.8 + 4.25) and run.copy_unqueued == 0
 
 
 def test_a_bucket_caught_up_by_the_device_takes_its_queued_samples() -> None:
     """Each bucket's estimate is its own: where the device caught up with the host among a bucket's copies on one
-    sample (the mode's pace, read at best as the copies' own calls' host time), the same bucket's samples whose
-    copies were all queued (their time back to back) stand for it; a bucket with none keeps its caught ones."""
-    from phase_timer.timing.clock import HostClock
-
-    clock, ms = HostClock(), 1_000_000
+    sample (the pace of DDP's launches, 3-5x the copies' own time on 2 x H200), the same bucket's samples whose
+    copies were all queued (their time back to back) stand for it; a bucket with none adds nothing yet (a
+    host-paced step loses its span's host time whole, the copies' pace in it: ``paced.PacedSpans``)."""
+    clock, ms = DeviceKindClock(), 1_000_000
     queued = Copies(0, int(0.1 * ms), int(0.55 * ms), int(0.3 * ms), False)  # 22 copies queued: 0.1 ms on the device
     paced = Copies(0, int(0.52 * ms), int(0.52 * ms), int(0.29 * ms), True)  # caught up: read as 0.29 at best
     run, probe = comm.RunComm(), object()
     run.add_copies(probe, [queued, paced], clock)
     run.resolve_copies()
-    assert run.copy_ms == pytest.approx(0.1 + 0.29)  # bucket 2 has no queued sample yet
+    assert run.copy_ms == pytest.approx(0.1) and run.copy_unqueued == 1  # bucket 2 has no queued sample yet
     run.add_copies(probe, [paced, queued], clock)
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.1 + 0.1) and run.copy_samples == 2  # each bucket's queued sample
+    assert run.copy_unqueued == 0
     run.add_copies(probe, [queued, queued, queued], clock)  # DDP rebuilt its buckets: three now
     run.resolve_copies()
     assert run.copy_ms == pytest.approx(0.3)
-    run.add_copies(object(), [paced], clock)  # a second module: its own buckets, summed with the first's
+    second = object()
+    run.add_copies(second, [paced], clock)  # a second module: its own buckets, summed with the first's
     run.resolve_copies()
-    assert run.copy_ms == pytest.approx(0.3 + 0.29)
+    assert run.copy_ms == pytest.approx(0.3) and run.copy_unqueued == 1
+    run.add_copies(second, [queued], clock)
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.3 + 0.1) and run.copy_unqueued == 0
 
 
 
@@ -364,11 +401,30 @@ class PacedEngine:
         self.calls.append(("add_host", phase, ms))
 
 
+class PacedClock:
+    """A device clock whose marks the test says are done or not (``done_is``: the span's end passed by the next
+    optimizer step), and which counts the marks not yet released."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.done_is, self.live, self.asked = kind, True, set(), 0
+        self._n = 0
+
+    def mark(self) -> int:
+        self._n += 1
+        self.live.add(self._n)
+        return self._n
+
+    def done(self, mark: int) -> bool:
+        self.asked += 1
+        return self.done_is
+
+    def release(self, marks: list) -> None:
+        self.live.difference_update(marks)
+
+
 class PacedCore:
     def __init__(self, engine: PacedEngine, kind: str = "cuda") -> None:
-        from types import SimpleNamespace
-
-        self._engine, self.clock = engine, SimpleNamespace(kind=kind)
+        self._engine, self.clock = engine, PacedClock(kind)
         self.run = comm.RunComm()
         self.measures = [self.run]
 
@@ -425,10 +481,14 @@ def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms:
         core.run.add_copies(probe, [Copies(0, ms, ms, ms, False)], HostClock())
         core.run.resolve_copies()
 
-    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None) -> list[tuple]:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+    def backward(host_ms: float, python: bool = False, kept_up: bool | None = None, step: bool = True,
+                 gap_ms: float = 0.0) -> list[tuple]:
         """One synced backward whose span the host spends ``host_ms`` in: the parameter's hook (``python``: a span
         begun in Python, a composed hook's; ``kept_up``: a sampled one, its copies timed), then the final callbacks
-        in autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end)."""
+        in autograd's order (DDP's end-of-backward, queued before ours ran, is between our start and our end); then
+        (``step``) a real optimizer step, whose global pre-hooks run before the door's switch."""
         engine.calls.clear()
         engine.current = "backward"
         if python or kept_up is not None:
@@ -441,10 +501,15 @@ def paced_probe(monkeypatch, native: bool = True, kind: str = "cuda", copies_ms:
             if callback == probe._split and kept_up is not None:
                 probe._copies = SampledCopies(kept_up)  # the mode pushed for DDP's end-of-backward
             ns.at += host_ms  # DDP's end-of-backward: its waits and copies, launched
-        engine.switch("optimizer")  # the door: backward() returned
+        ns.at -= host_ms  # the host reaches the optimizer step right after the span (the loop above added one more)
+        ns.at += gap_ms  # ... or this long after it (a sync before the step, the loop's own work)
+        if step:
+            opt.step()  # torch's global optimizer pre-hooks first, then the door's: its switch
+            engine.switch("optimizer")
         probe._schedule(0)  # the next sample where the test says
         return [c for c in engine.calls if c[0] != "behind"]
 
+    backward.clock = core.clock
     return probe, engine, backward
 
 
@@ -457,20 +522,16 @@ PACED = [("switch", WAIT), ("switch", "backward")]  # a span ended in Python, af
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_the_usual_path_stays_the_engine_s_own_switch_until_a_sample_shows_a_host_paced_device(monkeypatch,
-                                                                                                native) -> None:
+def test_the_paced_path_asks_from_the_first_backward_until_the_device_is_behind(monkeypatch, native) -> None:
+    """On a device the span's start is the Python one from the first synced backward (its host time noted, both
+    questions asked); PACED_OFF answers "behind" in a row turn it into the engine's own switch, and a sample whose
+    last bucket's copies the device caught up with turns it back.  A sample whose copies all queued (the device
+    still in a wait when the host had launched them: a rank waiting for its peers) takes nothing and turns nothing."""
     probe, engine, backward = paced_probe(monkeypatch, native)
-    assert start_queued(probe) is probe._to_wait and not probe._paced  # off: no Python frame
-    # the usual path, off: the engine's switch; the span ends at the door's switch (nothing asked, nothing taken)
-    assert backward(2.5) == [("switch", WAIT), ("switch", "optimizer")]
-    # a span ended in Python whose copies were not timed: the device reached its start, but no sample says more
-    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
-    # a sampled backward: the device had caught up with the host at its last bucket's copies: 2.5 ms taken off
-    assert backward(2.5, kept_up=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
     assert probe._paced and start_queued(probe) == probe._paced_start
-    # now the usual path notes the span's host time at both ends, and ends it after DDP's end-of-backward
-    assert backward(1.25) == [*PACED, ("add_host", WAIT, -1.25), ("switch", "optimizer")]
-    assert (probe.paced_steps, probe.paced_ms) == (2, 3.75)
+    assert backward(2.5) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
+    assert backward(2.0, kept_up=False) == [*PACED, ("switch", "optimizer")] and probe._paced
+    assert (probe.paced_steps, probe.paced_ms) == (1, 2.5)
     # a device behind the host (it had not begun the span): nothing taken; PACED_OFF such backwards in a row: off
     engine.behind_is = True
     for _ in range(comm_paced.PACED_OFF - 1):
@@ -483,14 +544,37 @@ def test_the_usual_path_stays_the_engine_s_own_switch_until_a_sample_shows_a_hos
         backward(2.0)
     assert not probe._paced and start_queued(probe) is probe._to_wait
     assert backward(2.0) == [("switch", WAIT), ("switch", "optimizer")]
-    # on again; a sample whose last bucket's copies the device had not caught up with (a rank whose device still
-    # waits for its peers when the host has launched them all): off at once, nothing taken
+    # off: a span ended in Python with no sample of the copies asks nothing; a queued sample turns nothing
     engine.behind_is = False
-    backward(2.0, kept_up=True)
-    assert probe._paced
-    assert backward(2.0, kept_up=False) == [*PACED, ("switch", "optimizer")]
-    assert not probe._paced and start_queued(probe) is probe._to_wait
+    assert backward(2.5, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    assert backward(2.5, kept_up=False) == [*PACED, ("switch", "optimizer")] and not probe._paced
+    # a sampled backward whose device had caught up with the host at its last bucket's copies: on, 2.5 ms taken
+    assert backward(2.5, kept_up=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
+    assert probe._paced and start_queued(probe) == probe._paced_start
+    assert backward(1.25) == [*PACED, ("add_host", WAIT, -1.25), ("switch", "optimizer")]
+    assert probe.paced_steps == 4
     probe.bind(None)
+
+
+def test_a_host_that_reaches_the_optimizer_step_late_tells_nothing_and_keeps_the_wait(monkeypatch) -> None:
+    """The second question's "done" says the device kept pace only where the host reached the step promptly: a
+    host that took longer after the span than its own time in it (a sync before the step: ``GradScaler.step``'s
+    inf check, a logged ``loss.item()``) would find a rank that waited for its peer done as well."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    assert ("add_host", WAIT, -2.5) in backward(2.5, gap_ms=2.5)  # no later than the span's own time: taken
+    calls = backward(2.5, gap_ms=4.0)  # the host waited for the device before its step: kept whole
+    assert not [c for c in calls if c[0] == "add_host"] and probe.paced_waiting == 1
+    assert (probe.paced_steps, probe.paced_ms) == (1, 2.5) and probe._paced
+    probe.bind(None)
+
+
+def test_the_paced_path_starts_off_where_nothing_could_be_taken(monkeypatch) -> None:
+    """On the host clock (no device to ask), and under ``find_unused_parameters`` (DDP reads its used-parameter map
+    on the host inside the span), a module's start is the engine's own switch from the first backward."""
+    for kw in ({"kind": "host"}, {"find_unused_parameters": True}):
+        probe, _, _ = paced_probe(monkeypatch, **kw)
+        assert not probe._paced and start_queued(probe) is probe._to_wait
+        probe.bind(None)
 
 
 def test_the_span_loses_the_host_s_time_in_it_less_ddp_s_copies(monkeypatch) -> None:
@@ -508,6 +592,7 @@ def test_with_bucket_views_the_answer_itself_turns_the_module_on(monkeypatch) ->
     """No copies to time (``gradient_as_bucket_view=True``): a span that ends in Python anyway (a sampled or composed
     backward's) and finds the device at its start turns the module on."""
     probe, engine, backward = paced_probe(monkeypatch, gradient_as_bucket_view=True)
+    probe._pace(False)  # off (PACED_OFF answers "behind" in a row)
     engine.behind_is = True
     assert backward(0.25, python=True) == [*PACED, ("switch", "optimizer")] and not probe._paced
     engine.behind_is = False
@@ -536,17 +621,144 @@ def test_on_the_host_clock_nothing_is_known_and_nothing_taken(monkeypatch) -> No
 
 def test_a_composed_hook_s_sample_loses_what_its_step_loses(monkeypatch) -> None:
     """A composed hook's wait ends in Python every backward: the same rule there, and the sampled exposed wait
-    (``comm_wait_ms``, for the hidden share) loses what the step's wait lost, never below zero."""
+    (``comm_wait_ms``, for the hidden share) loses what the step's wait lost, never below zero: once the optimizer
+    step answered, so on the next backward's record (a sample is carried on the open record)."""
     probe, engine, backward = paced_probe(monkeypatch, kind="host")
     probe._device = False  # the samples on the host clock (perf_counter_ns, the test's), ...
     engine.behind_is = False  # ... the answer a device's
     probe._pace(True)
-    for host_ms in (3.0, 1.0):
+    taken = [c for c in backward(0.0, python=True) if c[0] == "add_host"]
+    assert taken == []  # nothing in the span: nothing to take, and no sample before it
+    for host_ms in (3.0, 1.0, 2.0):
         probe._spans = [[0, 0]]  # one bucket's collective, done at once
         calls = backward(host_ms, python=True)
         assert ("add_host", WAIT, -host_ms) in calls
-        # the sample's span (its start to its end, the host's time here) less what was taken: 0, never below
-        assert ("add_host", comm_run.COMM_WAIT_MS, 0.0) in calls
+        if host_ms != 3.0:  # the sample before: its span (the host's time here) less what was taken: 0, never below
+            assert ("add_host", comm_run.COMM_WAIT_MS, 0.0) in calls
+    assert len(probe._pending) == 1  # the last one: resolved on the next backward's record
+
+
+def test_a_host_paced_span_whose_device_is_still_in_it_at_the_optimizer_step_keeps_its_wait(monkeypatch) -> None:
+    """Issue 47: a rank whose device reached the span's start while the host was in it, then waited there for a
+    slower peer's collective, still runs the span when the host reaches its optimizer step: the wait is the span,
+    nothing taken (``paced_waiting``).  A host-paced span's device has passed it by then: the host's time comes off.
+    A span whose step reaches no optimizer step before the next span begins keeps its wait whole, and every mark
+    asked is released."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    clock = backward.clock
+    probe._pace(True)
+    assert ("add_host", WAIT, -2.5) in backward(2.5)  # passed by the optimizer step: taken
+    clock.done_is = False  # the device still waits in the span at the optimizer step
+    calls = backward(2.5)
+    assert not [c for c in calls if c[0] == "add_host"] and (probe.paced_steps, probe.paced_waiting) == (1, 1)
+    assert probe._paced  # a module still host-paced: a waiting rank's span is a step's, not the module's
+    clock.done_is = True
+    assert not [c for c in backward(2.5, step=False) if c[0] == "add_host"]  # a synced micro-batch: no step yet
+    asked = clock.asked
+    assert ("add_host", WAIT, -1.0) in backward(1.0)  # the next span began: the micro-batch's wait stayed whole
+    assert clock.asked == asked + 1 and probe.paced_steps == 2 and not clock.live
+    probe._pace(False)  # off: the optimizer hooks go
+    assert probe._opt_hooks is None
+    probe.bind(None)
+
+
+def test_a_span_inside_the_optimizer_step_is_asked_at_its_post_hook(monkeypatch) -> None:
+    """A closure's backward (Lightning's automatic optimization, LBFGS) runs inside ``optimizer.step``, after its
+    pre-hooks: its question is asked at the step's post-hook, on the same record, never at the next step's pre-hook
+    (a step late, where a waiting device has long passed the span)."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    clock = backward.clock
+    probe._pace(True)
+    assert ("add_host", WAIT, -2.5) in backward(2.5)  # the first span is outside a step: it installs the hooks
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    seen: list[list[tuple]] = []
+
+    def closure():  # noqa: ANN202
+        seen.append(backward(2.0, step=False))  # the span, inside the step: nothing asked yet
+        return None
+
+    clock.done_is = False  # the device waits in the span when the host ends the step
+    engine.calls.clear()
+    opt.step(closure)
+    assert not [c for c in seen[0] if c[0] == "add_host"]
+    assert not [c for c in engine.calls if c[0] == "add_host"] and probe.paced_waiting == 1 and not clock.live
+    clock.done_is = True
+    engine.calls.clear()
+    opt.step(closure)
+    assert [c for c in engine.calls if c[0] == "add_host"] == [("add_host", WAIT, -2.0)] and not clock.live
+    probe.bind(None)
+
+
+def test_the_optimizer_hooks_hold_the_module_weakly() -> None:
+    """Torch's global hook table holds ours for as long as a module is host-paced; a timer never closed must not keep
+    the module (and its GPU memory) alive through it, and a dead one's hooks do nothing."""
+    import gc
+    import weakref
+
+    class Spans(comm_paced.PacedSpans):
+        def __init__(self) -> None:
+            self.asked: list[bool] = []
+
+        def _at_optimizer(self, post: bool) -> None:
+            self.asked.append(post)
+
+    spans = Spans()
+    hooks = comm_paced._hook_optimizers(spans)
+    try:
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        opt.step()
+        assert spans.asked == [False, True]
+        ref = weakref.ref(spans)
+        del spans
+        gc.collect()
+        assert ref() is None
+        opt.step()  # the hooks of a module gone: nothing, and the step runs
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
+def test_a_failure_asking_at_the_optimizer_step_warns_once_and_the_step_goes_on(monkeypatch) -> None:
+    """A query that raises (a device in error) inside torch's global optimizer pre-hooks: the optimizer step runs,
+    one warning says the wait is no longer corrected, nothing is taken from then on, and the hook is not taken off
+    while torch goes through its hooks (that would fail the step itself)."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    clock = backward.clock
+    probe._pace(True)
+
+    def broken(mark):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    clock.done = broken
+    with pytest.warns(RuntimeWarning, match="no longer corrected") as seen:
+        calls = backward(2.5)  # the optimizer step inside ran
+        assert ("switch", "optimizer") in calls and not [c for c in calls if c[0] == "add_host"]
+        for _ in range(3):
+            assert not [c for c in backward(2.5) if c[0] == "add_host"]
+    assert len([w for w in seen if "no longer corrected" in str(w.message)]) == 1
+    assert probe.paced_steps == 0 and probe._opt_hooks is not None and not clock.live
+    probe.bind(None)
+    assert probe._opt_hooks is None
+
+
+def test_a_failed_question_never_holds_a_composed_hook_s_samples(monkeypatch) -> None:
+    """A composed hook's sample waits for its span's question before it is resolved: a question that failed is
+    decided (nothing taken), so the samples after it still resolve and none is held for the rest of the run."""
+    probe, engine, backward = paced_probe(monkeypatch, kind="host")
+    probe._device = False
+    engine.behind_is = False
+    probe._pace(True)
+
+    def broken(mark):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA error")
+
+    backward.clock.done = broken
+    with pytest.warns(RuntimeWarning, match="no longer corrected"):
+        for _ in range(4):
+            probe._spans = [[0, 0]]
+            calls = backward(1.0, python=True)
+    assert len(probe._pending) <= 1  # the newest only, waiting for the next backward
+    assert ("add_host", comm_run.COMM_WAIT_MS, 1.0) in calls  # the sample before: its span whole, nothing taken
 
 
 def test_both_engines_take_a_negative_host_value_off_the_wait_alone() -> None:
@@ -661,10 +873,11 @@ def test_a_caught_up_ddp_run_on_gloo_still_adds_up_and_never_reads_below_zero(tm
         assert run.counts[comm_run.COMM_SAMPLES] >= 6 and run.counts[comm_run.COMM_WAIT_MS] >= 0.0
 
 
-def test_a_module_whose_copies_are_timed_asks_nothing_until_a_sample_turns_it_on(monkeypatch) -> None:
-    """DDP's defaults (copies into ``.grad``): only a sample of the copies turns the question on, so a backward
-    that ends in Python without one (a composed hook's, every step) asks the device nothing while it is off."""
+def test_a_module_whose_copies_are_timed_asks_nothing_once_off_until_a_sample_turns_it_on(monkeypatch) -> None:
+    """DDP's defaults (copies into ``.grad``), turned off: only a sample of the copies turns the question on again,
+    so a backward that ends in Python without one (a composed hook's, every step) asks the device nothing."""
     probe, engine, backward = paced_probe(monkeypatch)
+    probe._pace(False)  # off (PACED_OFF answers "behind" in a row)
     assert probe._copying and not probe._paced
     engine.calls.clear()
     engine.behind_is = False  # were it asked, the device had caught up
