@@ -27,6 +27,9 @@ runs; with 8 x 1024 on an H200 the backward is paced by the host, see ``docs/ben
 - ``paced200``: the 200 tensors on 2 x 128 tokens a rank (a host-paced backward: the device runs out of work while
   the host launches DDP's copies), rank 1 sleeping 20 ms before every third forward: rank 0's host-paced spans,
   some of them waits for rank 1 (the host-paced correction's two questions, ``paced.PacedSpans``).
+- ``paced200_sync``: the same, each rank reading its loss (``loss.item()``, a logged loss) between ``backward()``
+  and the optimizer step: the host waits for the device there, so the second question's "done" tells nothing,
+  and rank 0's waits stay whole (``paced.PacedSpans._decide``'s host-late rule).
 
 The truth (``nccl_truth.py``), per rank and step, is the profiler's union-of-intervals rule on the same steps (a
 marker kernel at each iteration's start cuts them): NCCL's kernels outside every other kernel, memcpy and memset
@@ -84,7 +87,7 @@ from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.phases import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
 CASES = ("ddp_default", "ddp_view", "ddp_one", "ddp_late", "ddp_straggler", "data_straggler", "eval_rank0",
-         "fsdp2", "copies10", "copies200", "paced200")
+         "fsdp2", "copies10", "copies200", "paced200", "paced200_sync")
 MARKER = "pt_step_marker"
 #: --span-kernels: a tiny kernel before and after each wait phase-timer marks, FSDP2's and DDP's (a diagnosis: which
 #: exposed collectives fall outside phase-timer's spans; the two kernels are work too, ~2 us each)
@@ -258,7 +261,7 @@ class SlowLoader:
 def build(case: str, args: argparse.Namespace, device: torch.device, rank: int) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     if case.startswith(("copies", "paced")):
-        net: nn.Module = Linears(args.vocab, args.width, int(case.removeprefix("copies").removeprefix("paced")))
+        net: nn.Module = Linears(args.vocab, args.width, int("".join(c for c in case if c.isdigit())))
     else:
         late = rank == 1 and case in ("ddp_late", "ddp_straggler")
         net = GPT(args.vocab, args.width, args.depth, args.seq, (0.015 if case == "ddp_late" else 0.02) if late else 0.0)
@@ -283,7 +286,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     net, model = build(case, args, device, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(rank)
-    batch, seq = (2, 128) if case == "paced200" else (args.batch, args.seq)  # paced200: a host-paced backward
+    batch, seq = (2, 128) if case.startswith("paced") else (args.batch, args.seq)  # paced: a host-paced backward
     data = [torch.randint(0, args.vocab, (batch, seq), generator=g) for _ in range(4)]
     data = SlowLoader([data[i % 4] for i in range(args.steps)], 0.02 if case == "data_straggler" and rank == 1 else 0)
     timer = phase_timer.attach(model, opt, data, log_dir=tempfile.mkdtemp(), window=args.window,
@@ -318,13 +321,15 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
             prof.start()
         if prof is not None and i >= first:
             torch.cuda._sleep(100)  # the marker kernel: step i begins here on the compute stream
-        if case == "paced200" and rank == 1 and i % 3 == 0:
+        if case.startswith("paced") and rank == 1 and i % 3 == 0:
             time.sleep(0.02)  # rank 0 waits for this one in its next all-reduce
         with autocast:
             loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
         loss.backward()
         if ddp_marks is not None:
             ddp_marks.backward_returned()  # first thing: the usual path's span ended at backward()'s return
+        if case == "paced200_sync":
+            loss.item()  # the benchmark's: a logged loss before the step, the host waits for the device
         opt.step()
         opt.zero_grad(set_to_none=True)
         if case == "eval_rank0" and rank == 0 and i % 6 == 5:

@@ -213,10 +213,10 @@ def test_the_two_gpu_script_runs_splits_and_adds_up_on_the_cpu() -> None:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "benchmarks", "comm_nccl.py"), "--cpu", "--cases",
-           "ddp_straggler,fsdp2,data_straggler,eval_rank0"]
+           "ddp_straggler,fsdp2,data_straggler,eval_rank0,paced200_sync"]
     _, rows = _run(cmd)
     by = {(r["case"], r["rank"]): r for r in rows}
-    assert all(r["adds_up"] for r in rows) and len(rows) == 8
+    assert all(r["adds_up"] for r in rows) and len(rows) == 10
     # rank 1 sleeps 20 ms in forward: rank 0 waits for it in DDP's all-reduce, rank 1 does not
     assert by["ddp_straggler", 0]["backward_wait"] >= 15.0 > by["ddp_straggler", 1]["backward_wait"]
     assert all(by["fsdp2", r]["forward_wait"] is not None and by["fsdp2", r]["backward_wait"] for r in (0, 1))
