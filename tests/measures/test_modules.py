@@ -169,9 +169,9 @@ def test_planted_modules_are_named_and_measured_within_5_percent(tmp_path):
         # with the module's own ops (its Linear: 0.1-0.3 ms on a busy 2-core host), as the module times its whole
         # forward and backward itself; the least sample (a busy host's hiccups)
         assert min(raw) == pytest.approx(statistics.median(body), rel=0.05), (raw, body, own)
-    # ... and each is only its own: the other sleeper is not in it.
-    assert rows["slow_fwd"]["backward_ms"] < 0.05 * SLEEP_S * 1e3
-    assert rows["slow_bwd"]["forward_ms"] < 0.05 * SLEEP_S * 1e3
+    # ... and each is only its own: the other sleeper (5 ms) is not in it, only its Linear (0.1-0.3 ms on a busy host)
+    assert rows["slow_fwd"]["backward_ms"] < 0.2 * SLEEP_S * 1e3
+    assert rows["slow_bwd"]["forward_ms"] < 0.2 * SLEEP_S * 1e3
     assert rows["head"]["forward_ms"] < 1.0 and rows["head"]["backward_ms"] < 1.0
     # Shares of the run's mean phases: the sleeper is most of its phase (a sampled step's sleep may outlast the mean).
     assert 0.8 < rows["slow_fwd"]["share_of_forward"] < 1.1
