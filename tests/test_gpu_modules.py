@@ -1,5 +1,6 @@
 """Which module on a real CUDA device: each top-level module's forward and backward against the profiler's kernel
-intervals grouped by module, on the same steps; and the sampled step's host cost.
+intervals grouped by module, on the same steps (a 6 x 512 GPT and GPT-2-124M's shape); and the sampled step's host
+cost.
 
 Run with ``pytest -m gpu tests/test_gpu_modules.py -s``; skipped without CUDA.  Each test prints its figures
 (``MODULES`` lines).
@@ -15,8 +16,8 @@ at the end of the kernel before it, so each is within 2% or 0.05 ms of the truth
 The sampled steps are measured as a training run meets them at their worst: the device idle when each begins (a
 synchronize before it), so that without the gate the device would catch up with the host's hooks and each span would
 hold the device's wait for the host's launches (``transformer.wte``'s forward read 0.495 ms against 0.006 ms before
-the gate).  A sample hooks one group of rows (``measures/modules/tree.py``'s ``Tree.groups``; this 6-layer model's tree
-is 3 groups), so the test takes two cycles of them under the profiler: the first sizes each group's gate (a group's
+the gate).  A sample hooks one group of rows (``measures/modules/tree.py``'s ``Tree.groups``; the 6-layer model's tree
+is 3 groups, GPT-2-124M's shape 5), so the test takes two cycles of them under the profiler: the first sizes each group's gate (a group's
 first gate is ``GATE_FIRST_MS``; then what its last sample read needed), and in the second every top-level row must be
 read (covered) and agree with its own step's kernels.
 """
@@ -33,16 +34,26 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-TOP = ["transformer.wte", "transformer.wpe", "transformer.h[0-5]", "transformer.ln_f", "lm_head"]
+#: The models compared: a 6 x 512 GPT (32k vocabulary, 8 x 512 tokens) and GPT-2-124M's shape (12 x 768, its
+#: 50,257-token vocabulary, 8 x 1024 tokens), as (layers, width, heads, vocab, seq, batch).
+SIZES = {"6x512": (6, 512, 8, 32768, 512, 8), "gpt2-124m": (12, 768, 12, 50257, 1024, 8)}
 
 
-def _model() -> tuple[Any, Any, Any]:
+def _top(layers: int) -> list[str]:
+    return ["transformer.wte", "transformer.wpe", f"transformer.h[0-{layers - 1}]", "transformer.ln_f", "lm_head"]
+
+
+TOP = _top(6)
+
+
+def _model(size: str = "6x512") -> tuple[Any, Any, Any]:
     from benchmarks.modules_cost import GPT
 
+    layers, width, heads, vocab, seq, batch = SIZES[size]
     torch.manual_seed(0)
-    model = GPT(layers=6, width=512, heads=8, vocab=32768, seq=512).cuda()
+    model = GPT(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    idx = torch.randint(0, 32768, (8, 512), device="cuda")
+    idx = torch.randint(0, vocab, (batch, seq), device="cuda")
     return model, opt, idx
 
 
@@ -102,11 +113,13 @@ def _truth(trace: dict, steps: dict[str, int]) -> dict[str, dict[str, float]]:
     return out
 
 
-def test_each_top_level_module_agrees_with_the_profilers_kernels(tmp_path):
+@pytest.mark.parametrize("size", list(SIZES))
+def test_each_top_level_module_agrees_with_the_profilers_kernels(tmp_path, size):
     from phase_timer.measures import modules
     from phase_timer.timing.clock import make_clock
 
-    model, opt, idx = _model()
+    model, opt, idx = _model(size)
+    TOP = _top(SIZES[size][0])
     measure = modules.make([model], True, make_clock(torch.device("cuda")), warmup_steps=0, owner="test")
     groups = len(measure.groups)
     keys = {m: k for m, k in measure.tree.modules() if k in TOP}
@@ -140,14 +153,14 @@ def test_each_top_level_module_agrees_with_the_profilers_kernels(tmp_path):
     steps = {k: next(i for i in range(groups, 2 * groups) if parts[i] == part_of[k]) for k in TOP}
     with open(path) as f:
         truth = _truth(json.load(f), steps)
-    print("MODULES gate", {"first cycle": first, "second": {g: round(v, 3) for g, v in measure.gate.by_group.items()},
+    print("MODULES", size, "gate", {"first cycle": first, "second": {g: round(v, 3) for g, v in measure.gate.by_group.items()},
                            "cycles_per_ms": round(measure.gate.cycles_per_ms), "uncovered": measure.uncovered,
                            "futile": sorted(measure.gate.futile), "parts": parts})
     assert sorted(parts.values()) == sorted(list(range(groups)) * 2)
     assert measure.uncovered == 0 and measure.complete
     for key in TOP:
         got, want = rows[key], truth[key]
-        print("MODULES", key, {k: round(got[k], 4) for k in ("forward_ms", "backward_ms")},
+        print("MODULES", size, key, {k: round(got[k], 4) for k in ("forward_ms", "backward_ms")},
               {k: round(v, 4) for k, v in want.items()})
         for phase in ("forward_ms", "backward_ms"):
             assert abs(got[phase] - want[phase]) <= max(0.02 * want[phase], 0.05), (key, phase, got[phase], want[phase])

@@ -992,22 +992,23 @@ def test_the_gate_is_sized_per_group_from_the_sleep_the_sample_needed_and_bounde
     measure, sample = _planted_gate_sample(6.9)  # every mark in time; mark 3 needed 6.9 - 2 ms of busy = 4.9 ms
     sample.values()
     gate = measure.gate
-    want = (5.0 - 0.1) * mod.GATE_MARGIN + mod.GATE_PAD_MS
+    want = (5.0 - 0.1) * mod.GATE_MARGIN_START + mod.GATE_PAD_MS  # the run's first samples: the starting margin
     assert gate.by_group == {0: pytest.approx(want)} and gate.length(0) == pytest.approx(want)
     assert gate.length(3) == pytest.approx(want)  # a group not read yet: the last sized
     measure, sample = _planted_gate_sample(9.0)  # the last mark 2 ms late: uncovered, so longer, the margin doubled
     sample.values()
-    assert measure.gate.length(0) == pytest.approx((5.0 + 2.0) * 2 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    assert measure.gate.margin == min(mod.GATE_MARGIN_MAX, 2 * mod.GATE_MARGIN_START)
+    assert measure.gate.length(0) == pytest.approx((5.0 + 2.0) * measure.gate.margin + mod.GATE_PAD_MS)
     gate = G(HostClock(), cuda=False)
     assert gate.length(0) == mod.GATE_FIRST_MS  # nothing sized, no pilot
-    assert gate.length(0, host_ms=20.0) == pytest.approx(20.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)  # the pilot's
+    assert gate.length(0, host_ms=20.0) == pytest.approx(20.0 * mod.GATE_MARGIN_START + mod.GATE_PAD_MS)  # the pilot's
     gate.size(1, 5.0, -35.0, 2.0, False)  # the device was 40 ms behind the host at the worst mark: no gate needed
     assert gate.length(1) == mod.GATE_MIN_MS and gate.length(0) == mod.GATE_MIN_MS
     assert gate.length(2, host_ms=20.0) == mod.GATE_MIN_MS and gate.capped == 0  # sized once: the pilot is not used
     gate.size(2, 60.0, 90.0, 90.0, True)  # 30 ms late after a 60 ms sleep: over the cap
     assert gate.length(2) == mod.GATE_MAX_MS and gate.capped == 1
     gate.bound(4.0)  # a 4 ms step: no gate past 4 x the margin (doubled by the late sample) + the pad
-    assert gate.margin == 2 * mod.GATE_MARGIN
+    assert gate.margin == min(mod.GATE_MARGIN_MAX, 2 * mod.GATE_MARGIN_START)
     assert gate.length(2) == pytest.approx(4.0 * gate.margin + mod.GATE_PAD_MS) and gate.length(1) == mod.GATE_MIN_MS
 
 
@@ -1019,8 +1020,9 @@ def test_a_group_is_futile_only_where_the_hosts_time_grew_with_the_sleep():
     first group futile on an H200 and never read it)."""
     G = mod._Gate
     gate = G(HostClock(), cuda=False)
-    gate.size(0, 10.0, 13.0, 12.0, True)  # late: the next sleep longer (the margin doubled)
-    assert gate.length(0) == pytest.approx(13.0 * 2 * mod.GATE_MARGIN + mod.GATE_PAD_MS) and not gate.futile
+    gate.size(0, 10.0, 13.0, 12.0, True)  # late: the next sleep longer (the margin doubled, to the most)
+    assert gate.margin == min(mod.GATE_MARGIN_MAX, 2 * mod.GATE_MARGIN_START)
+    assert gate.length(0) == pytest.approx(13.0 * gate.margin + mod.GATE_PAD_MS) and not gate.futile
     gate.size(0, 16.5, 17.0, 12.5, True)  # late again, the host's time the same: still sized, not futile
     assert not gate.futile and gate.length(0) == pytest.approx(17.0 * mod.GATE_MARGIN_MAX + mod.GATE_PAD_MS)
     gate.size(0, 21.5, 22.0, 18.0, True)  # 5 ms more sleep, the host 5.5 ms later to its last mark: it waited
@@ -1033,13 +1035,17 @@ def test_a_group_is_futile_only_where_the_hosts_time_grew_with_the_sleep():
 
 def test_a_late_mark_widens_every_groups_margin_and_covered_samples_ease_it_back():
     """The host's time to a sample's last mark moves between samples on a loaded host (up to 2.5x on a 4 x H200
-    host): a mark queued late doubles the run's margin for every group's next gate (up to GATE_MARGIN_MAX), so a
-    host that moved once is covered when it moves again; GATE_EASE samples in a row with every mark in time halve
-    it, down to GATE_MARGIN, so a quiet host keeps the least gate.  The cap (the step period with the margin) moves
-    with it."""
+    host): the run starts at GATE_MARGIN_START, so a host that moves before any mark was late is covered; GATE_EASE
+    samples in a row with every mark in time halve it, down to GATE_MARGIN, so a quiet host keeps the least gate; a
+    mark queued late doubles the run's margin for every group's next gate (up to GATE_MARGIN_MAX), so a host that
+    moved once is covered when it moves again.  The cap (the step period with the margin) moves with it."""
     gate = mod._Gate(HostClock(), cuda=False)
     gate.bound(20.0)
-    gate.size(0, 10.0, 8.0, 9.0, False)  # covered: the least margin
+    assert gate.margin == mod.GATE_MARGIN_START > mod.GATE_MARGIN
+    assert gate.cap == pytest.approx(20.0 * mod.GATE_MARGIN_START + mod.GATE_PAD_MS)
+    for i in range(mod.GATE_EASE):  # covered from the start: the starting margin, then (the GATE_EASE-th) the least
+        assert gate.margin == mod.GATE_MARGIN_START, i
+        gate.size(0, 10.0, 8.0, 9.0, False)
     assert gate.margin == mod.GATE_MARGIN and gate.length(0) == pytest.approx(8.0 * mod.GATE_MARGIN + mod.GATE_PAD_MS)
     gate.size(1, 10.0, 20.0, 20.0, True)  # group 1's host moved to 20 ms past a 10 ms gate: late
     assert gate.margin == 2 * mod.GATE_MARGIN and not gate.futile
@@ -1086,7 +1092,8 @@ def test_a_late_samples_need_counts_only_the_spans_the_device_ran_back_to_back()
     sample.forward = [("0", 0, 1), ("1", 2, 3)]
     vals = sample.values()
     assert vals == {} and sample.uncovered == 2
-    assert measure.gate.length(0) == pytest.approx(9.5 * 2 * mod.GATE_MARGIN + mod.GATE_PAD_MS)  # late: doubled
+    assert measure.gate.margin == min(mod.GATE_MARGIN_MAX, 2 * mod.GATE_MARGIN_START)  # late: doubled
+    assert measure.gate.length(0) == pytest.approx(9.5 * measure.gate.margin + mod.GATE_PAD_MS)
     assert measure.gate.last[0] == (pytest.approx(5.0), pytest.approx(9.5), True)
 
 
@@ -1203,7 +1210,7 @@ def test_a_gated_sample_and_the_step_after_it_are_untimed_and_the_first_gate_is_
     sampled = [i + 1 for i, h in enumerate(hooked) if h]  # steps begun, 1-based
     assert len(sampled) >= 3 and measure.samples == len(sampled) and measure.uncovered == 0
     assert gate.hosts[0] is not None and gate.hosts[0] > 0  # the pilot's: the step before the first sample
-    assert gate.asked[0] == pytest.approx(gate.hosts[0] * mod.GATE_MARGIN + mod.GATE_PAD_MS)
+    assert gate.asked[0] == pytest.approx(gate.hosts[0] * mod.GATE_MARGIN_START + mod.GATE_PAD_MS)
     # then each gate is one sized from a read sample, never the pilot's again; every sample had its pilot (a sample
     # the verdict's sampled step defers has that step for its pilot)
     assert gate.unsized == [True] + [False] * (len(sampled) - 1) and all(h is not None for h in gate.hosts)

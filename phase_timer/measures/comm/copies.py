@@ -38,10 +38,9 @@ class Copies(NamedTuple):
         launches runs the copies at about that pace; where the copies' own time lies between that pace and the
         mode's, the estimate reads low by the difference (``backward.comm_wait`` high by as much)."""
         span = clock.elapsed_ms(self.start, self.end)
-        host = self.host_ns / 1e6
-        if not self.caught or span > host * (1 + PACE_SLACK) + PACE_SLACK_MS:
+        if self.own(clock):
             return span
-        launch = self.launch_ns / 1e6
+        host, launch = self.host_ns / 1e6, self.launch_ns / 1e6
         return min(span, max(launch, span - (host - launch)))
 
 

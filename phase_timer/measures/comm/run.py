@@ -106,8 +106,6 @@ class RunComm(Measure):
         self._copy_buckets: dict[int, list[tuple[deque[float], deque[float]]]] = {}
         #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed).
         self._copy_module: dict[int, float] = {}
-        #: A module's split (its id) -> its buckets with no sample of their own time yet (only caught-up ones).
-        self._copy_unqueued: dict[int, int] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
         #: buckets' medians, summed, over the modules), or None.
@@ -145,7 +143,6 @@ class RunComm(Measure):
             # at the pace of DDP's launches, 3-5x their own on 2 x H200, which a host-paced step loses whole where
             # the paced path's questions say so (paced.PacedSpans); a bucket with no such sample adds nothing.
             self._copy_module[key] = float(sum(statistics.median(own) for own, _ in buckets if own))
-            self._copy_unqueued[key] = sum(not own for own, _ in buckets)
             self.copy_ms = sum(self._copy_module.values())
 
     def forget_copies(self, probe: Any) -> None:
@@ -156,7 +153,6 @@ class RunComm(Measure):
         self._copy_pending = deque(item for item in self._copy_pending if item[0] != key)
         self._copy_buckets.pop(key, None)
         self._copy_module.pop(key, None)
-        self._copy_unqueued.pop(key, None)
         self._copy_counts.pop(key, None)
         self.copy_ms = sum(self._copy_module.values()) if self._copy_module else None
 
@@ -168,7 +164,7 @@ class RunComm(Measure):
     @property
     def copy_unqueued(self) -> int:
         """Buckets whose copies no sample saw queued (every sample caught up with the host): no estimate of theirs."""
-        return sum(self._copy_unqueued.values())
+        return sum(not own for buckets in self._copy_buckets.values() for own, _ in buckets)
 
     def module_copy_ms(self, probe: Any) -> float:
         """The copies' estimate of one module's split (ms; 0.0 before any)."""

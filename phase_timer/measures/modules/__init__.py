@@ -60,7 +60,8 @@ from __future__ import annotations
 # The names below are the package's; each is read in the module that defines it (patch it there: ``times.DENSE``,
 # ``tree.GROUP_MODULES``, ``gate.GATE_MARGIN``), and these are copies.
 from phase_timer.measures.modules.gate import (GATE_CYCLES_PER_MS, GATE_EASE, GATE_FIRST_MS, GATE_MARGIN,
-                                               GATE_MARGIN_MAX, GATE_MAX_MS, GATE_MIN_MS, GATE_PAD_MS, _Gate)
+                                               GATE_MARGIN_MAX, GATE_MARGIN_START, GATE_MAX_MS, GATE_MIN_MS,
+                                               GATE_PAD_MS, _Gate)
 from phase_timer.measures.modules.sample import Sample, _oldest
 from phase_timer.measures.modules.times import (ACT_EVERY, DENSE, DENSE_GAP, GAP, GAP_MEAN, GATE, HOST_DENSE,
                                                 NOT_COMPILED_NOTE, PREFIX, RAW_KEPT, SEED, TABLE_TOP, ModuleTimes, make)
@@ -68,8 +69,8 @@ from phase_timer.measures.modules.tree import (DEFAULT_SEARCH, GROUP_MODULES, VO
                                                check_modules, compiled_module, module_kind, tag_key)
 
 __all__ = ["ACT_EVERY", "DEFAULT_SEARCH", "DENSE", "DENSE_GAP", "GAP", "GAP_MEAN", "GATE", "GATE_CYCLES_PER_MS",
-           "GATE_EASE", "GATE_FIRST_MS", "GATE_MARGIN", "GATE_MARGIN_MAX", "GATE_MAX_MS", "GATE_MIN_MS", "GATE_PAD_MS",
-           "GROUP_MODULES", "HOST_DENSE",
+           "GATE_EASE", "GATE_FIRST_MS", "GATE_MARGIN", "GATE_MARGIN_MAX", "GATE_MARGIN_START", "GATE_MAX_MS",
+           "GATE_MIN_MS", "GATE_PAD_MS", "GROUP_MODULES", "HOST_DENSE",
            "NOT_COMPILED_NOTE", "PREFIX", "RAW_KEPT", "SEED", "TABLE_TOP", "VOCAB_OUTPUTS", "Entry", "ModuleTimes",
            "Sample", "Tree", "_Gate", "_oldest", "build_tree", "check_modules", "compiled_module", "make",
            "module_kind", "tag_key"]
