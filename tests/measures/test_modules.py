@@ -1273,3 +1273,91 @@ def test_a_calls_backward_ends_at_its_oldest_node_which_autograd_runs_after_all_
     measure.close(True)
     measure.window({})
     assert checked >= 3 * 3 and all(r["backward_ms"] is not None for r in measure.rows().values() if r["calls"])
+
+
+
+class _Tied(nn.Module):
+    """An embedding and a head that share its weight (nanoGPT's tie), with a planted backward between them."""
+
+    def __init__(self, vocab: int, width: int, then: Any = None) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.mid = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.then = then
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.mid(self.wte(idx))
+        if self.then is not None:
+            x = _OnBackward.apply(x, self.then)
+        return self.head(torch.tanh(x)).logsumexp(-1).mean()
+
+
+class _DeviceLike(HostClock):
+    """The host's marks under a device's name: the sample hooks as on a device (no gate: not CUDA)."""
+
+    kind = "device"
+
+
+def _moved_ends(monkeypatch: pytest.MonkeyPatch, model: nn.Module, rows: Any, clock: Any) -> tuple[Any, set[str]]:
+    """One sample of ``rows``: the measure, and the rows whose backward end moved past their oldest node's."""
+    at: dict[int, int] = {}
+    ends = mod.Sample._ends
+
+    def spy(self: Any, calls: list[Any], state: Any) -> Any:
+        hook = ends(self, calls, state)
+
+        def seen(gi: Any, go: Any) -> None:
+            hook(gi, go)
+            at.update({id(c): c.end for c in calls})
+
+        return seen
+
+    monkeypatch.setattr(mod.Sample, "_ends", spy)
+    measure = ModuleTimes([model], True, clock=clock, warmup_steps=0)
+    measure.groups = [frozenset(rows)]
+    measure._visits = measure._clean = measure._acts = [0]
+    measure.begin(1, 0)
+    sample = measure.sample
+    model(torch.randint(0, model.wte.num_embeddings, (2, 8))).backward()
+    moved = {c.key for c in sample.calls if id(c) in at and c.end != at[id(c)]}
+    measure.close(True)
+    measure.window({})
+    return measure, moved
+
+
+def test_a_calls_backward_end_moves_past_the_gradient_sums_to_the_parameters_node_run_next(monkeypatch):
+    """Autograd's engine sums a node's gradients into the buffers of the nodes they feed after the node's
+    post-hook, in the node's own evaluation (a tied weight's two gradients, in the embedding's): the profiler counts
+    them there (a GPT-2's `wte` backward read 0.107 ms, 28%, short of it on an H200 without them).  On a device's
+    clock the end moves to the first parameter's node the oldest node made ready, which the engine runs next: the
+    embedding's.  The middle Linear's oldest node (its input's reshape) feeds no parameter's node: its end stays.  The
+    tied head's oldest node feeds the shared weight's node, which waits for the embedding's gradient and runs after
+    other rows' marks: its end stays."""
+    torch.manual_seed(0)
+    measure, moved = _moved_ends(monkeypatch, _Tied(vocab=256, width=16), {"wte", "mid", "head"}, _DeviceLike())
+    assert moved == {"wte"} and measure.nodes == 3 + 3 + 2  # + the weight's node, fed by wte's and head's oldest
+    assert all(measure.rows()[k]["backward_ms"] is not None for k in ("wte", "mid", "head"))
+    # on the host's clock the sums run inline, in the gap: no parameter's node is hooked, no end moves
+    measure, moved = _moved_ends(monkeypatch, _Tied(vocab=256, width=16), {"wte", "mid", "head"}, HostClock())
+    assert moved == set() and measure.nodes == 3 + 3  # each row's output node and its oldest
+
+
+@pytest.mark.parametrize("after_ns", [None, 10**12])
+def test_a_calls_end_never_moves_to_a_shared_weights_node_that_ran_behind_other_nodes(monkeypatch, after_ns):
+    """The tied head's oldest node (its weight's transpose) feeds the shared weight's node, which waits for the
+    embedding's gradient: hooked alone, no mark is taken before that node runs, after the whole backward below the
+    head (here a planted 30 ms).  AFTER_NS keeps the head's end at its oldest node; without it (``after_ns``
+    10**12) the head's backward would hold the 30 ms."""
+    if after_ns is not None:
+        monkeypatch.setattr("phase_timer.measures.modules.sample.AFTER_NS", after_ns)
+    torch.manual_seed(0)
+    model = _Tied(vocab=256, width=16, then=lambda: time.sleep(0.03))
+    measure, moved = _moved_ends(monkeypatch, model, {"head"}, _DeviceLike())
+    assert measure.nodes == 3  # the head's output node, its oldest, and the tied weight's node it feeds
+    got = measure.rows()["head"]["backward_ms"]
+    if after_ns is None:
+        assert moved == set() and got < 15.0, got
+    else:
+        assert moved == {"head"} and got >= 30.0, got

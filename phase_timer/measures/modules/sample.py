@@ -17,6 +17,12 @@ from phase_timer.measures.modules.tree import Tree
 #: Bytes a MiB (the activations' unit).
 MB = float(1 << 20)
 
+#: On a device's clock, a call's backward end moves past the gradient sums autograd makes after its oldest node
+#: (:meth:`Sample._after`) only where a parameter's node it feeds runs within this many host ns of that node's end:
+#: the engine runs a parameter's node it made ready next, after launching the sums (tens of µs); one that waited for
+#: another gradient ran behind other nodes' evaluations.
+AFTER_NS = 200_000
+
 
 # -- one sampled step ------------------------------------------------------------------------------
 
@@ -247,7 +253,8 @@ class Sample:
         call's outputs), so on one device the call's oldest node runs after all of its others.  A node shared by
         nested calls carries one hook and one mark for all of them.  The oldest is found by :func:`_oldest`, a search
         that follows the oldest next node first and stops at the call's first sequence number: a path through the
-        graph, not a walk of all of it."""
+        graph, not a walk of all of it.  On a device's clock, a pre-hook too on each parameter's node (AccumulateGrad)
+        the oldest node feeds: the first to run may move the end past the engine's sums (:meth:`_after`)."""
         starts: dict[Any, list[_Call]] = {}
         lasts: dict[Any, list[_Call]] = {}
         for call in nest:
@@ -262,9 +269,18 @@ class Sample:
         handles = self.handles
         for node, calls in starts.items():
             handles.append(node.register_prehook(self._begins(calls)))
+        n = len(starts)
+        device = self.m.clock.kind != "host"  # on the host's clock the sums run inline, in the gap itself
         for node, calls in lasts.items():
-            handles.append(node.register_hook(self._ends(calls)))
-        self.nodes += len(starts) + len(lasts)
+            # the parameters' nodes it feeds (AccumulateGrad: ``variable``)
+            params = [nxt for nxt, _ in node.next_functions if nxt is not None and hasattr(nxt, "variable")] \
+                if device else []
+            state: list[Any] | None = [None, 0] if params else None
+            handles.append(node.register_hook(self._ends(calls, state)))
+            for nxt in params:
+                handles.append(nxt.register_prehook(self._after(calls, state)))
+            n += 1 + len(params)
+        self.nodes += n
         self.calls.extend(nest)
 
     def _begins(self, calls: list[_Call]) -> Callable[[Any], None]:
@@ -280,16 +296,49 @@ class Sample:
 
         return begins
 
-    def _ends(self, calls: list[_Call]) -> Callable[[Any, Any], None]:
+    def _ends(self, calls: list[_Call], state: list[Any] | None) -> Callable[[Any, Any], None]:
+        """The post-hook on the calls' oldest node: their end mark (into ``state`` too, with its host ns, where the
+        node feeds parameters' nodes: :meth:`_after`)."""
+
         def ends(grad_inputs: Any, grad_outputs: Any) -> None:
             try:
                 mark = self._mark()
                 for c in calls:
                     c.end = mark
+                if state is not None:
+                    state[0], state[1] = mark, self.host[mark]
             except Exception as err:  # noqa: BLE001 - as above
                 self.fail(err)
 
         return ends
+
+    def _after(self, calls: list[_Call], state: list[Any]) -> Callable[[Any], None]:
+        """The pre-hook on a parameter's node (AccumulateGrad) that the calls' oldest node feeds: the first of them
+        to run moves the calls' end past what autograd's engine did after that node's post-hook, in the same node's
+        evaluation -- the sums of its gradients into the buffers of the nodes they feed (a tied weight's two
+        gradients, a residual's input gradient): the profiler counts them in the node's evaluation, and they are
+        the call's gradient for its inputs and parameters.  The engine runs a ready parameter's node before any
+        other (the highest priority), so one that the oldest node made ready runs right after it, once the sums are
+        launched; one that waited for another gradient (a weight shared with an op that ran earlier in forward: a
+        tied head's) runs after that op's backward.  So the end moves only where no mark was taken since it and
+        the parameter's node runs within AFTER_NS of it (on a device's clock alone: :meth:`_backward_hooks`)."""
+
+        def after(grad_outputs: Any) -> None:
+            try:
+                end = state[0]
+                if end is None:
+                    return
+                state[0] = None  # the first parameter's node to run, alone
+                if end != len(self.marks) - 1 or time.perf_counter_ns() - state[1] > AFTER_NS:
+                    return
+                mark = self._mark()
+                for c in calls:
+                    if c.end == end:
+                        c.end = mark
+            except Exception as err:  # noqa: BLE001 - as above
+                self.fail(err)
+
+        return after
 
     def fail(self, err: Exception) -> None:
         if self.failed is None:
