@@ -1,6 +1,6 @@
 """Which module on a real CUDA device: each top-level module's forward and backward against the profiler's kernel
-intervals grouped by module, on the same steps (a 6 x 512 GPT and GPT-2-124M's shape); and the sampled step's host
-cost.
+intervals grouped by module, on the same steps (a 6 x 512 GPT and GPT-2-124M's shape); and the sampled step's
+host cost.
 
 Run with ``pytest -m gpu tests/test_gpu_modules.py -s``; skipped without CUDA.  Each test prints its figures
 (``MODULES`` lines).
@@ -17,9 +17,9 @@ The sampled steps are measured as a training run meets them at their worst: the 
 synchronize before it), so that without the gate the device would catch up with the host's hooks and each span would
 hold the device's wait for the host's launches (``transformer.wte``'s forward read 0.495 ms against 0.006 ms before
 the gate).  A sample hooks one group of rows (``measures/modules/tree.py``'s ``Tree.groups``; the 6-layer model's tree
-is 3 groups, GPT-2-124M's shape 5), so the test takes two cycles of them under the profiler: the first sizes each group's gate (a group's
-first gate is ``GATE_FIRST_MS``; then what its last sample read needed), and in the second every top-level row must be
-read (covered) and agree with its own step's kernels.
+is 3 groups, GPT-2-124M's shape 5), so the test takes two cycles of them under the profiler: the first sizes each
+group's gate (a group's first gate is ``GATE_FIRST_MS``; then what its last sample read needed), and in the second
+every top-level row must be read (covered) and agree with its own step's kernels.
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ SIZES = {"6x512": (6, 512, 8, 32768, 512, 8), "gpt2-124m": (12, 768, 12, 50257, 
 
 def _top(layers: int) -> list[str]:
     return ["transformer.wte", "transformer.wpe", f"transformer.h[0-{layers - 1}]", "transformer.ln_f", "lm_head"]
-
-
-TOP = _top(6)
 
 
 def _model(size: str = "6x512") -> tuple[Any, Any, Any]:
@@ -119,10 +116,10 @@ def test_each_top_level_module_agrees_with_the_profilers_kernels(tmp_path, size)
     from phase_timer.timing.clock import make_clock
 
     model, opt, idx = _model(size)
-    TOP = _top(SIZES[size][0])
+    top = _top(SIZES[size][0])
     measure = modules.make([model], True, make_clock(torch.device("cuda")), warmup_steps=0, owner="test")
     groups = len(measure.groups)
-    keys = {m: k for m, k in measure.tree.modules() if k in TOP}
+    keys = {m: k for m, k in measure.tree.modules() if k in top}
     part_of = {k: i for i, g in enumerate(measure.groups) for k in g}
     for _ in range(5):
         _step(model, opt, idx)
@@ -150,15 +147,17 @@ def test_each_top_level_module_agrees_with_the_profilers_kernels(tmp_path, size)
         h.remove()
     measure.end(None)
     rows = measure.rows()
-    steps = {k: next(i for i in range(groups, 2 * groups) if parts[i] == part_of[k]) for k in TOP}
+    steps = {k: next(i for i in range(groups, 2 * groups) if parts[i] == part_of[k]) for k in top}
     with open(path) as f:
         truth = _truth(json.load(f), steps)
-    print("MODULES", size, "gate", {"first cycle": first, "second": {g: round(v, 3) for g, v in measure.gate.by_group.items()},
-                           "cycles_per_ms": round(measure.gate.cycles_per_ms), "uncovered": measure.uncovered,
-                           "futile": sorted(measure.gate.futile), "parts": parts})
+    second = {g: round(v, 3) for g, v in measure.gate.by_group.items()}
+    print("MODULES", size, "gate", {"first cycle": first, "second": second,
+                                    "cycles_per_ms": round(measure.gate.cycles_per_ms),
+                                    "uncovered": measure.uncovered, "futile": sorted(measure.gate.futile),
+                                    "parts": parts})
     assert sorted(parts.values()) == sorted(list(range(groups)) * 2)
     assert measure.uncovered == 0 and measure.complete
-    for key in TOP:
+    for key in top:
         got, want = rows[key], truth[key]
         print("MODULES", size, key, {k: round(got[k], 4) for k in ("forward_ms", "backward_ms")},
               {k: round(v, 4) for k, v in want.items()})

@@ -166,7 +166,8 @@ def _measures(config: Options, core: TimingCore, device: Any, models: Sequence[A
     elif config.mfu:  # the host clock with no peak: said once, with how to get it
         out.append(MfuNote("MFU: not measured on the host clock (no device peak to read FLOPs against): pass "
                            "peak_tflops= (this CPU's dense peak) for MFU, or flops_per_step= as well"))
-    mods = make_modules(list(models), config.modules, core.clock, warmup_steps=config.warmup_steps, owner=config.owner)
+    mods = make_modules(list(models), config.modules, core.clock, warmup_steps=config.warmup_steps, owner=config.owner,
+                        ranks=core.ranks)
     if mods is not None:
         out.append(mods)
     out.append(Syncs())

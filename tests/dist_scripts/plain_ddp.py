@@ -34,19 +34,38 @@ from helpers import HostHours, SleepyData  # noqa: E402
 _CLOCK: HostHours | None = None
 
 
+class Pause(nn.Module):
+    """The slow rank's sleep in forward, a module of its own (``--modules`` names it)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)  # on CUDA: the GPU idles inside forward, as a slow host would make it
+            if _CLOCK is not None:
+                _CLOCK.jump(1000 * self.seconds)
+        return x
+
+
 class Net(nn.Module):
     def __init__(self, width: int, forward_sleep_s: float, depth: int = 1) -> None:
         super().__init__()
         hidden = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())]
         self.body = nn.Sequential(nn.Linear(32, width), nn.ReLU(), *hidden, nn.Linear(width, 1))
-        self.forward_sleep_s = forward_sleep_s
+        self.pause = Pause(forward_sleep_s)
+
+    @property
+    def forward_sleep_s(self) -> float:
+        return self.pause.seconds
+
+    @forward_sleep_s.setter
+    def forward_sleep_s(self, seconds: float) -> None:
+        self.pause.seconds = seconds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.forward_sleep_s:
-            time.sleep(self.forward_sleep_s)  # on CUDA: the GPU idles inside forward, as a slow host would make it
-            if _CLOCK is not None:
-                _CLOCK.jump(1000 * self.forward_sleep_s)
-        return self.body(x)
+        return self.body(self.pause(x))
 
 
 def main() -> None:
@@ -73,6 +92,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--profile-syncs", action="store_true", help="CUDA: count sync calls in the profiler's trace")
     p.add_argument("--no-timer", action="store_true")
+    p.add_argument("--modules", action="store_true", help="which module on (modules=True)")
     p.add_argument("--bench-from", type=int, default=0, help="report ms per step from this step to the end")
     p.add_argument("--fake-memory-extra", type=float, default=None,
                    help="plant a fake allocator on every rank (1000 MB held); the slow rank holds this many MB more")
@@ -114,7 +134,7 @@ def main() -> None:
         timer_memory.reader_for = lambda clock: (fake.read, fake.info)
     timer = phase_timer.attach(
         ddp, opt, loader, copy_to_device=True, log_dir=args.log_dir, window=args.window, warmup_steps=2,
-        rank_timeout_s=args.rank_timeout, enabled=not args.no_timer,
+        rank_timeout_s=args.rank_timeout, enabled=not args.no_timer, modules=args.modules,
     )
     prof = None
     if args.profile_syncs:

@@ -250,3 +250,31 @@ def test_a_rank_holding_more_memory_is_named_through_the_rank_exchange(tmp_path:
     assert peaks == {"0": pytest.approx(1000), "1": pytest.approx(3048)}
     found = {d["kind"]: d for d in [data["diagnosis"], *data["diagnosis"]["secondary"]]}
     assert found["MEMORY_RANK_IMBALANCE"]["evidence"]["rank"] == 1
+
+
+def test_which_module_names_the_module_where_the_slow_rank_loses_its_time(tmp_path: pytest.TempPathFactory) -> None:
+    """Rank 1 sleeps 30 ms (and plants 30 hours) in its ``pause`` module's forward; with ``modules=True`` every rank
+    samples the same steps and reports its rows to rank zero, whose table and summary name ``pause`` as where rank 1
+    loses its forward's time, against rank 0's own reading of the same module."""
+    proc, result = torchrun("--log-dir", str(tmp_path), "--slow-forward", "0.03", "--planted-hours", "--steps", "23",
+                            "--window", "5", "--modules")
+    import jsonschema
+
+    from phase_timer.outputs.run_summary import schema
+
+    with open(os.path.join(result["log_dir"], "phase_timer_summary.json")) as f:
+        data = json.load(f)
+    jsonschema.validate(data, schema())
+    block = data["modules"]["ranks"]
+    assert sorted(block["per_rank"]) == ["0", "1"]
+    assert (hours(block["per_rank"]["0"]["pause"]["forward_ms"]), hours(block["per_rank"]["1"]["pause"]["forward_ms"])) \
+        == (0, 30)
+    (slow,) = block["slow"]  # forward's alone: rank 0's longer backward (its wait for rank 1) is in no module
+    assert (slow["rank"], slow["phase"], slow["module"]) == (1, "forward", "pause"), slow
+    assert hours(slow["module_gap_ms"]) == 30
+    assert slow["module_others_ms"] == block["per_rank"]["0"]["pause"]["forward_ms"]
+    line = next(l for l in result["summary"].splitlines() if l.startswith("modules ("))
+    assert "every rank: rank 1's forward" in line and "of it in pause" in line, line
+    print(line)
+    # rank 1's own rows stay its own: rank zero's table rows are rank 0's
+    assert data["modules"]["rows"]["pause"]["forward_ms"] == block["per_rank"]["0"]["pause"]["forward_ms"]

@@ -1275,7 +1275,6 @@ def test_a_calls_backward_ends_at_its_oldest_node_which_autograd_runs_after_all_
     assert checked >= 3 * 3 and all(r["backward_ms"] is not None for r in measure.rows().values() if r["calls"])
 
 
-
 class _Tied(nn.Module):
     """An embedding and a head that share its weight (nanoGPT's tie), with a planted backward between them."""
 
@@ -1337,27 +1336,120 @@ def test_a_calls_backward_end_moves_past_the_gradient_sums_to_the_parameters_nod
     other rows' marks: its end stays."""
     torch.manual_seed(0)
     measure, moved = _moved_ends(monkeypatch, _Tied(vocab=256, width=16), {"wte", "mid", "head"}, _DeviceLike())
-    assert moved == {"wte"} and measure.nodes == 3 + 3 + 2  # + the weight's node, fed by wte's and head's oldest
+    # each row's output node and its oldest; the weight's node, fed by wte's and head's oldest; head's input's node
+    assert moved == {"wte"} and measure.nodes == 3 + 3 + 2 + 1
     assert all(measure.rows()[k]["backward_ms"] is not None for k in ("wte", "mid", "head"))
     # on the host's clock the sums run inline, in the gap: no parameter's node is hooked, no end moves
     measure, moved = _moved_ends(monkeypatch, _Tied(vocab=256, width=16), {"wte", "mid", "head"}, HostClock())
-    assert moved == set() and measure.nodes == 3 + 3  # each row's output node and its oldest
+    assert moved == set() and measure.nodes == 3 + 3
 
 
-@pytest.mark.parametrize("after_ns", [None, 10**12])
-def test_a_calls_end_never_moves_to_a_shared_weights_node_that_ran_behind_other_nodes(monkeypatch, after_ns):
+def _no_close(self: Any, state: Any) -> Any:
+    return lambda grad_outputs: None
+
+
+@pytest.mark.parametrize("guards", ["all", "inputs", "none"])
+def test_a_calls_end_never_moves_to_a_shared_weights_node_that_ran_behind_other_nodes(monkeypatch, guards):
     """The tied head's oldest node (its weight's transpose) feeds the shared weight's node, which waits for the
     embedding's gradient: hooked alone, no mark is taken before that node runs, after the whole backward below the
-    head (here a planted 30 ms).  AFTER_NS keeps the head's end at its oldest node; without it (``after_ns``
-    10**12) the head's backward would hold the 30 ms."""
-    if after_ns is not None:
-        monkeypatch.setattr("phase_timer.measures.modules.sample.AFTER_NS", after_ns)
+    head (here a planted 30 ms).  The head's input's node runs first (the engine's next ready node) and keeps the end
+    at the oldest node; AFTER_NS keeps it too (``inputs``: AFTER_NS lifted, that guard alone); without either
+    (``none``) the head's backward would hold the 30 ms."""
+    if guards != "all":
+        monkeypatch.setattr("phase_timer.measures.modules.sample.AFTER_NS", 10**12)
+    if guards == "none":
+        monkeypatch.setattr(mod.Sample, "_close", _no_close)
     torch.manual_seed(0)
     model = _Tied(vocab=256, width=16, then=lambda: time.sleep(0.03))
     measure, moved = _moved_ends(monkeypatch, model, {"head"}, _DeviceLike())
-    assert measure.nodes == 3  # the head's output node, its oldest, and the tied weight's node it feeds
+    assert measure.nodes == 4  # the head's output node, its oldest, the tied weight's node it feeds, its input's
     got = measure.rows()["head"]["backward_ms"]
-    if after_ns is None:
+    if guards != "none":
         assert moved == set() and got < 15.0, got
     else:
         assert moved == {"head"} and got >= 30.0, got
+
+
+def test_a_calls_end_never_moves_past_a_mark_taken_since(monkeypatch):
+    """Every row hooked, the other two guards lifted: the tied head's end stays, for the rows' marks taken before the
+    shared weight's node runs (the embedding's end moves, as the engine runs that node right after it)."""
+    monkeypatch.setattr("phase_timer.measures.modules.sample.AFTER_NS", 10**12)
+    monkeypatch.setattr(mod.Sample, "_close", _no_close)
+    torch.manual_seed(0)
+    _, moved = _moved_ends(monkeypatch, _Tied(vocab=256, width=16), {"wte", "mid", "head"}, _DeviceLike())
+    assert moved == {"wte"}
+
+def _rank_totals(phase_ms: dict[int, dict[str, float]], rows: dict[int, dict[str, dict[str, float]]]) -> Any:
+    """Rank zero's totals of every rank: each phase's mean over 10 steps, and each rank's leaf rows as its reports
+    sum them (two samples of each, the same values)."""
+    from phase_timer.distributed.ranks import RankTotals
+    from phase_timer.measures.modules.ranks import report_key
+
+    totals = RankTotals(world_size=len(phase_ms))
+    for rank, phases in phase_ms.items():
+        counts: dict[str, float] = {}
+        for row, vals in rows[rank].items():
+            for name, v in vals.items():
+                counts[report_key(row, name)] = 2 * v
+                counts[report_key(row, name) + "#"] = 2.0
+        totals.put(rank, {"s": 10, "p": {p: [10 * v, 10] for p, v in phases.items()}, "c": counts})
+    return totals
+
+
+def test_rank_zero_names_the_module_where_the_slow_rank_loses_its_time():
+    """The slow rank in a phase is the one furthest above the other ranks' median (not a median that counts it:
+    with two ranks that would halve the gap); its module is the leaf row furthest above the other ranks' median of
+    that row, named only where it holds a quarter of the gap or more.  A gap outside the modules (a rank that
+    waited in a collective) names none."""
+    from phase_timer.measures.modules import ranks as mod_ranks
+
+    rows = {r: {"h": {"forward_ms": 4.0, "backward_ms": 8.0}, "head": {"forward_ms": 1.0, "backward_ms": 2.0}}
+            for r in range(4)}
+    rows[2]["h"]["backward_ms"] = 17.5  # rank 2's blocks lose 9.5 ms in backward
+    phases = {r: {"forward": 6.0, "backward": 12.0} for r in range(4)}
+    phases[2]["backward"] = 22.0
+    phases[3]["forward"] = 6.2  # within the ranks' noise: nothing named in forward
+    totals = _rank_totals(phases, rows)
+    (found,) = mod_ranks.slow_modules(totals, {"h", "head"})
+    assert (found["rank"], found["phase"], found["module"]) == (2, "backward", "h")
+    assert found["rank_ms"] == 22.0 and found["others_ms"] == 12.0
+    assert found["module_ms"] == 17.5 and found["module_others_ms"] == 8.0 and found["module_gap_ms"] == 9.5
+    assert mod_ranks.text([found]) == ("every rank: rank 2's backward 10.00 ms a step above the other ranks' median "
+                                       "(12.00), 9.50 of it in h (17.50 ms against 8.00)")
+    assert mod_ranks.block(totals, {"h", "head"})["per_rank"]["2"]["h"] == {"forward_ms": 4.0, "backward_ms": 17.5}
+    # two ranks: the gap against the other rank, whole
+    two = _rank_totals({0: phases[0], 1: phases[2]}, {0: rows[0], 1: rows[2]})
+    (found,) = mod_ranks.slow_modules(two)
+    assert (found["rank"], found["others_ms"], found["module_gap_ms"]) == (1, 12.0, 9.5)
+    # rank 1 waited 10 ms for the others inside backward, outside every module: no module named
+    waited = {r: {"forward": 6.0, "backward": 22.0 if r == 1 else 12.0} for r in range(4)}
+    assert mod_ranks.slow_modules(_rank_totals(waited, {r: rows[0] for r in range(4)})) == []
+    # one process, or no rows reported: nothing
+    assert mod_ranks.slow_modules(_rank_totals({0: phases[0]}, {0: rows[0]})) == []
+    assert mod_ranks.text([]) is None
+
+
+def test_a_ranks_report_carries_its_leaf_rows_read_since_the_last_one():
+    """Each window report carries the leaf rows read since the last (their sums and counts): rank zero's exchange
+    sums them per rank; a parent row is not sent (its children's sum holds it), and nothing twice."""
+    from phase_timer.measures.modules.ranks import PREFIX, report_key
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 1))
+    measure = ModuleTimes([model], 2, clock=HostClock(), warmup_steps=0)
+    measure.groups = [frozenset(measure.tree.entries)]
+    measure._visits = measure._clean = measure._acts = [0]
+    assert measure.report() == {}
+    measure.begin(1, 0)
+    model(torch.randn(2, 4)).sum().backward()
+    measure.close(True)
+    measure.window({})
+    sent = measure.report()
+    leaves = set(measure.leaves())
+    rows = measure.rows()
+    assert leaves and leaves < set(rows)  # a parent row read, not sent
+    assert {k[len(PREFIX):].rsplit("|", 1)[0] for k in sent} == leaves
+    for key in leaves:
+        for name in ("forward_ms", "backward_ms"):
+            assert sent[report_key(key, name)] == pytest.approx(rows[key][name])
+            assert sent[report_key(key, name) + "#"] == 1.0
+    assert measure.report() == {}  # sent once

@@ -18,7 +18,9 @@ What a hook does, on the run's clock (CUDA events on the current stream; the hos
   pre-hook (``Node.register_prehook``) on its output nodes and a post-hook (``Node.register_hook``) on its oldest
   node (:func:`_oldest`: autograd runs a device's ready nodes newest first, so the oldest is the call's last), one a
   node for all the nested calls that share it.  The backward is from the first output node about to run to the
-  oldest done: the gradients for its outputs, then those for its inputs and parameters.  Full backward hooks
+  oldest done (on a device's clock, past the sums of the oldest's gradients autograd's engine makes after it, at the
+  first parameter's node it feeds, where that runs next: :meth:`Sample._after`): the gradients for its outputs, then
+  those for its inputs and parameters.  Full backward hooks
   (``register_full_backward_hook``) are not used: they wrap inputs and outputs in a ``BackwardHookFunction`` that
   makes an in-place op on an output fail.  Tensors the module uses without making them (a cache made earlier) are
   outside it, as they should be.
@@ -49,8 +51,7 @@ and at the run's end after the engine's drain; nothing here waits for the device
 
 Cost: on a sample, for its group's modules, two hooks a module put into its hook dicts, a search for each call's
 oldest node, two marks a module call and one a hooked node in backward (a 12-layer GPT-2's default tree, bf16
-autocast: 65 modules, 116 node hooks and 244 marks when all are hooked; a group's sample 25.6 node hooks and 51.2
-marks on average);
+autocast, five groups: a group's sample 45.8 node hooks and 63.8 marks on average);
 ``benchmarks/modules_cost.py`` measures a sample's host time per group and the amortized cost a step.
 ``docs/modules.md`` says what is measured and what is not.
 """

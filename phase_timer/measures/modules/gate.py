@@ -18,9 +18,9 @@ import torch
 #: The margin is the run's, applied at each gate's length: GATE_MARGIN_START at first, so that a host whose time to a
 #: group's sample moves by up to 2x before any mark was late is covered; GATE_EASE samples in a row read with every
 #: mark in time halve it, down to GATE_MARGIN; a sample with a mark queued late (its gate short of the host's time)
-#: doubles it, up to GATE_MARGIN_MAX, for every group's next gate.  A host whose time to a sample's last mark moves by
-#: up to ~2.5x between two samples of a group (a shared or loaded host) is covered from the run's first samples and
-#: again from the sample after a miss, and a quiet host keeps the least gate after its first GATE_EASE samples.
+#: doubles it, up to GATE_MARGIN_MAX, for every group's next gate, so that a host whose time moves by up to ~2.5x
+#: between two samples of a group (a shared or loaded host) is covered again from the sample after a miss.  A quiet
+#: host keeps the least gate after its first GATE_EASE samples.
 GATE_FIRST_MS = 10.0
 GATE_MARGIN = 1.25
 GATE_MARGIN_START = 2.5
@@ -49,7 +49,7 @@ class _Gate:
         #: margin the run widened reaches every group's next gate)
         self.need: dict[int, float] = {}
         self.last_need: float | None = None  # the last need read (a group not yet read takes it); None: none yet
-        self.margin = GATE_MARGIN_START  # the run's margin: halved by GATE_EASE covered in a row, doubled by a late sample
+        self.margin = GATE_MARGIN_START  # the run's: halved by GATE_EASE covered in a row, doubled by a late sample
         self.covered = 0  # samples read in a row with every mark in time
         self.period: float | None = None  # the run's median step period, once a window is read (:meth:`bound`)
         self.capped = 0  # gates sized at the cap

@@ -19,9 +19,16 @@ MB = float(1 << 20)
 
 #: On a device's clock, a call's backward end moves past the gradient sums autograd makes after its oldest node
 #: (:meth:`Sample._after`) only where a parameter's node it feeds runs within this many host ns of that node's end:
-#: the engine runs a parameter's node it made ready next, after launching the sums (tens of µs); one that waited for
-#: another gradient ran behind other nodes' evaluations.
+#: the engine runs a parameter's node it made ready next, after launching the sums (tens of µs); one that waits for
+#: another gradient runs behind other nodes' evaluations.
 AFTER_NS = 200_000
+
+#: A parameter's node (AccumulateGrad), by type (a node of a custom Function may have a ``variable`` of its own).
+_ACCUMULATE = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+
+def _is_param_node(node: Any) -> bool:
+    return isinstance(node, _ACCUMULATE) if _ACCUMULATE is not None else hasattr(node, "variable")
 
 
 # -- one sampled step ------------------------------------------------------------------------------
@@ -96,13 +103,15 @@ def _oldest(outs: list[Any], lo: int, hi: int) -> Any:
 
 
 class _Call:
-    """One call's backward: the nodes its forward made (``lo <= seq < hi``), its outputs' nodes; the first output
-    node about to run (``begin``) and the last node done (``end``), as indices into the sample's marks."""
+    """One call's backward: the nodes its forward made (``lo <= seq < hi``), its outputs' nodes, its inputs' nodes
+    (on a device's clock: the nodes its gradients for its inputs feed); the first output node about to run (``begin``)
+    and its backward's end (``end``: after its oldest node, :meth:`Sample._after`), as indices into the sample's
+    marks."""
 
-    __slots__ = ("key", "lo", "hi", "outs", "begin", "end")
+    __slots__ = ("key", "lo", "hi", "outs", "ins", "begin", "end")
 
-    def __init__(self, key: str, lo: int, hi: int, outs: list[Any]) -> None:
-        self.key, self.lo, self.hi, self.outs = key, lo, hi, outs
+    def __init__(self, key: str, lo: int, hi: int, outs: list[Any], ins: list[Any] | None = None) -> None:
+        self.key, self.lo, self.hi, self.outs, self.ins = key, lo, hi, outs, ins or []
         self.begin: int | None = None
         self.end: int | None = None
 
@@ -143,7 +152,8 @@ class Sample:
         self.handles: list[Any] = []
         self.direct: list[tuple[dict, dict, dict, int]] = []  # the hooks put straight into modules' dicts
         self.keys: dict[int, str] = {}  # id(module) -> its row, while the hooks are on
-        self.stack: list[tuple[int, int, int, int, int]] = []  # id(module), mark, seq at its begin, task, allocated
+        #: id(module), mark, seq at its begin, task, allocated, its inputs' nodes (a device's clock; else None)
+        self.stack: list[tuple[int, int, int, int, int, list[Any] | None]] = []
         self.forward: list[tuple[str, int, int]] = []  # row, first mark, last mark (indices into marks)
         self.recompute: list[tuple[str, int, int]] = []
         self.calls: list[_Call] = []
@@ -156,6 +166,9 @@ class Sample:
         self.moved = False  # marks went to another stream mid-sample: the gate's check cannot be made
         self.host_ns = 0
         self.nodes = 0  # autograd node hooks put on
+        #: A device's clock: a call's backward end may move past autograd's sums (:meth:`_after`); on the host's
+        #: clock the sums run inline, between the hooks, and a later end would hold the host's own work for them.
+        self.device = getattr(measure.clock, "kind", None) != "host"
         self.failed: str | None = None
         self.uncovered = 0  # spans the gate did not cover (not read)
 
@@ -216,13 +229,14 @@ class Sample:
             if read is not None:
                 before = read()
                 self.reads += 1
-            self.stack.append((id(module), self._mark(), _seq_now(), _graph_task(), before))
+            ins = [t.grad_fn for t in _tensors(args, []) if t.grad_fn is not None] if self.device else None
+            self.stack.append((id(module), self._mark(), _seq_now(), _graph_task(), before, ins))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self.stack
         if not stack or stack[-1][0] != id(module):  # a call whose pre-hook failed, or an odd nesting: skip it
             return
-        _, begin, lo, task, before = stack.pop()
+        _, begin, lo, task, before, ins = stack.pop()
         end = self._mark()
         key = self.keys[id(module)]
         if task != -1:  # inside a backward: checkpointing's recompute, never forward's (nor its allocations)
@@ -241,7 +255,7 @@ class Sample:
                 if fn is not None and lo <= fn._sequence_nr() < hi and fn not in outs:
                     outs.append(fn)
             if outs:
-                self.nest.append(_Call(key, lo, hi, outs))
+                self.nest.append(_Call(key, lo, hi, outs, ins))
         if not stack and self.nest:  # the outermost hooked call ended: its backward hooks and every call's under it
             nest, self.nest = self.nest, []
             self._backward_hooks(nest)
@@ -254,7 +268,8 @@ class Sample:
         nested calls carries one hook and one mark for all of them.  The oldest is found by :func:`_oldest`, a search
         that follows the oldest next node first and stops at the call's first sequence number: a path through the
         graph, not a walk of all of it.  On a device's clock, a pre-hook too on each parameter's node (AccumulateGrad)
-        the oldest node feeds: the first to run may move the end past the engine's sums (:meth:`_after`)."""
+        the oldest node feeds, and on each node of its inputs: the first parameter's node to run, unless one of the
+        inputs' nodes ran first, moves the end past the engine's sums (:meth:`_after`)."""
         starts: dict[Any, list[_Call]] = {}
         lasts: dict[Any, list[_Call]] = {}
         for call in nest:
@@ -270,16 +285,21 @@ class Sample:
         for node, calls in starts.items():
             handles.append(node.register_prehook(self._begins(calls)))
         n = len(starts)
-        device = self.m.clock.kind != "host"  # on the host's clock the sums run inline, in the gap itself
         for node, calls in lasts.items():
-            # the parameters' nodes it feeds (AccumulateGrad: ``variable``)
-            params = [nxt for nxt, _ in node.next_functions if nxt is not None and hasattr(nxt, "variable")] \
-                if device else []
+            params = [nxt for nxt, _ in node.next_functions if nxt is not None and _is_param_node(nxt)] \
+                if self.device else []
             state: list[Any] | None = [None, 0] if params else None
             handles.append(node.register_hook(self._ends(calls, state)))
-            for nxt in params:
-                handles.append(nxt.register_prehook(self._after(calls, state)))
-            n += 1 + len(params)
+            n += 1
+            if state is not None:
+                for nxt in params:
+                    handles.append(nxt.register_prehook(self._after(calls, state)))
+                ins = {i for c in calls for i in c.ins} - set(params)
+                for i in ins:
+                    handles.append(i.register_prehook(self._close(state)))
+                n += len(params) + len(ins)
+        for call in nest:
+            call.ins = []  # as the outputs' nodes: none kept
         self.nodes += n
         self.calls.extend(nest)
 
@@ -319,9 +339,12 @@ class Sample:
         gradients, a residual's input gradient): the profiler counts them in the node's evaluation, and they are
         the call's gradient for its inputs and parameters.  The engine runs a ready parameter's node before any
         other (the highest priority), so one that the oldest node made ready runs right after it, once the sums are
-        launched; one that waited for another gradient (a weight shared with an op that ran earlier in forward: a
-        tied head's) runs after that op's backward.  So the end moves only where no mark was taken since it and
-        the parameter's node runs within AFTER_NS of it (on a device's clock alone: :meth:`_backward_hooks`)."""
+        launched; one that waits for another gradient (a weight shared with an op that ran earlier in forward: a
+        tied head's) runs after that op's backward, and after the nodes of the call's inputs, which the engine
+        runs next where they are ready (:meth:`_close`).  So the end moves only where no mark was taken since it, no
+        node of the call's inputs ran since, and the parameter's node runs within AFTER_NS of it (on a device's clock
+        alone: :meth:`_backward_hooks`).  A parameter's own tensor hooks (``register_hook`` on it) run before this
+        pre-hook: their work is in the call's backward."""
 
         def after(grad_outputs: Any) -> None:
             try:
@@ -333,12 +356,20 @@ class Sample:
                     return
                 mark = self._mark()
                 for c in calls:
-                    if c.end == end:
-                        c.end = mark
+                    c.end = mark
             except Exception as err:  # noqa: BLE001 - as above
                 self.fail(err)
 
         return after
+
+    def _close(self, state: list[Any]) -> Callable[[Any], None]:
+        """The pre-hook on a node of the calls' inputs: it ran after their oldest node and before any parameter's
+        node that node feeds, which then waits for another gradient: the end stays (:meth:`_after`)."""
+
+        def close(grad_outputs: Any) -> None:
+            state[0] = None
+
+        return close
 
     def fail(self, err: Exception) -> None:
         if self.failed is None:

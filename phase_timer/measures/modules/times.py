@@ -14,6 +14,9 @@ from torch import nn
 from phase_timer._env import warn
 from phase_timer.measure import Measure
 from phase_timer.measures.modules.gate import _Gate
+from phase_timer.measures.modules.ranks import block as rank_block
+from phase_timer.measures.modules.ranks import report_key, slow_modules
+from phase_timer.measures.modules.ranks import text as rank_text
 from phase_timer.measures.modules.sample import Sample
 from phase_timer.measures.modules.tree import build_tree, tag_key
 
@@ -80,8 +83,12 @@ class ModuleTimes(Measure):
 
     def __init__(self, models: Iterable[nn.Module], spec: Any = True, *, clock: Any,
                  allocated: Callable[[], int] | None = None, warmup_steps: int = 0, owner: str = "attach",
-                 dense: int = DENSE, gate: bool = False) -> None:
+                 dense: int = DENSE, gate: bool = False, ranks: Any = None) -> None:
         self.spec = spec
+        #: The rank exchange (``distributed.ranks.RankExchange``; None: one process): each rank's rows reach rank
+        #: zero with its window reports (:meth:`report`), and rank zero names the slow rank's module (``ranks.py``).
+        self.ranks = ranks
+        self._sent: dict[str, float] = {}  # the leaf rows' sums (and counts) read since the last report
         self.clock = clock
         #: The allocator's allocated bytes now (no sync); None: activations are not measured (the CPU).
         self.allocated = allocated
@@ -90,6 +97,8 @@ class ModuleTimes(Measure):
         self.uncovered = 0  # spans a gate did not cover (not read)
         self.nodes = 0  # autograd node hooks put on, over the samples
         self.tree = build_tree(list(models), spec, owner)  # the models are not kept: the tree holds its modules weakly
+        parents = {e.parent for e in self.tree.entries.values()}
+        self._leaf_keys = frozenset(k for k in self.tree.entries if k not in parents)  # the rows a rank reports
         #: The groups of rows a sample hooks, in turn (:meth:`Tree.groups`); per group, its samples taken (a dropped
         #: step's is taken again next), those read with every span covered (or on a step where none of its modules
         #: ran), and those read that read the allocator.
@@ -240,10 +249,15 @@ class ModuleTimes(Measure):
             self.samples += 1
             self._clean[sample.part] += not sample.uncovered
             self._acts[sample.part] += sample.read is not None
+            sent = self._sent
             for key, row in vals.items():
                 stats = self.stats.setdefault(key, {})
                 for name, v in row.items():
                     stats.setdefault(name, _Stat()).add(v)
+                    if (name == "forward_ms" or name == "backward_ms") and key in self._leaf_keys:
+                        k = report_key(key, name)
+                        sent[k] = sent.get(k, 0.0) + v
+                        sent[k + "#"] = sent.get(k + "#", 0.0) + 1.0
             self._window.update(vals)
         self._pending = keep
 
@@ -267,6 +281,16 @@ class ModuleTimes(Measure):
         self._window = {}
         self.own_ns += time.perf_counter_ns() - t0
         return out
+
+    def report(self) -> dict[str, float]:
+        """This rank's leaf rows read since its last report: their summed forward and backward ms, and counts (the
+        rows the table's modules line shows; their sums never count a time twice)."""
+        sent, self._sent = self._sent, {}
+        return sent
+
+    def _rank_totals(self) -> Any:
+        """Rank zero's totals of every rank (None: one process, or another rank)."""
+        return getattr(self.ranks, "totals", None) if self.ranks is not None else None
 
     def end(self, totals: Any) -> list[str]:
         self._read(final=True)
@@ -369,6 +393,10 @@ class ModuleTimes(Measure):
         act = sorted(((r["activation_mb"], k) for k, r in rows.items() if r["activation_mb"] is not None), reverse=True)
         if act:
             text += "; activations: " + ", ".join(f"{k} {v:.0f} MB" for v, k in act[:TABLE_TOP])
+        totals = self._rank_totals()
+        slow = rank_text(slow_modules(totals, set(rows))) if totals is not None else None
+        if slow is not None:
+            text += f"; {slow}"
         if note is not None:
             text += f"; {note}"
         return text
@@ -378,7 +406,7 @@ class ModuleTimes(Measure):
             return None
         rows = self.rows()
         cost = self.host_cost()
-        return {
+        out = {
             "spec": self.spec if not isinstance(self.spec, tuple) else list(self.spec),
             "clock": getattr(self.clock, "kind", None),
             "samples": self.samples,
@@ -394,13 +422,18 @@ class ModuleTimes(Measure):
             "note": self.note(),
             "cost": cost,
         }
+        totals = self._rank_totals()
+        if totals is not None:  # rank zero of a distributed run: every rank's rows, and the slow rank's module
+            out["ranks"] = rank_block(totals, set(out["leaves"]))
+        return out
 
 
 def _pct(v: float) -> str:
     return f"{100 * v:.0f}%"
 
 
-def make(models: Sequence[nn.Module], spec: Any, clock: Any, *, warmup_steps: int, owner: str) -> ModuleTimes | None:
+def make(models: Sequence[nn.Module], spec: Any, clock: Any, *, warmup_steps: int, owner: str,
+         ranks: Any = None) -> ModuleTimes | None:
     """The measure for a run (None: ``modules=False`` or no model).  On CUDA, activations from the allocator's
     counters (``torch._C._cuda_memoryStats``: no sync); a separate instance of the run's clock, so that the core's
     stream bookkeeping never sees a module's mark."""
@@ -418,4 +451,4 @@ def make(models: Sequence[nn.Module], spec: Any, clock: Any, *, warmup_steps: in
         own_clock = type(clock)(clock.device)
     dense = DENSE if getattr(clock, "kind", None) != "host" else HOST_DENSE
     return ModuleTimes(models, spec, clock=own_clock, allocated=allocated, warmup_steps=warmup_steps, owner=owner,
-                       dense=dense, gate=cuda and GATE)
+                       dense=dense, gate=cuda and GATE, ranks=ranks)
