@@ -89,6 +89,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--depth", type=int, default=1)
     p.add_argument("--fsdp", action="store_true", help="FullyShardedDataParallel instead of DDP")
+    p.add_argument("--fsdp2", action="store_true", help="FSDP2 (fully_shard on each Linear and the root) instead of DDP")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--profile-syncs", action="store_true", help="CUDA: count sync calls in the profiler's trace")
     p.add_argument("--no-timer", action="store_true")
@@ -117,6 +118,13 @@ def main() -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         ddp = FullyShardedDataParallel(model, device_id=device if cuda else None)
+    elif args.fsdp2:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.body:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        ddp = fully_shard(model)
     else:
         ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)

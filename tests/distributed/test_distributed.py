@@ -252,12 +252,14 @@ def test_a_rank_holding_more_memory_is_named_through_the_rank_exchange(tmp_path:
     assert found["MEMORY_RANK_IMBALANCE"]["evidence"]["rank"] == 1
 
 
-def test_which_module_names_the_module_where_the_slow_rank_loses_its_time(tmp_path: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_which_module_names_the_module_where_the_slow_rank_loses_its_time(tmp_path: pytest.TempPathFactory,
+                                                                          wrap: str) -> None:
     """Rank 1 sleeps 30 ms (and plants 30 hours) in its ``pause`` module's forward; with ``modules=True`` every rank
     samples the same steps and reports its rows to rank zero, whose table and summary name ``pause`` as where rank 1
-    loses its forward's time, against rank 0's own reading of the same module."""
+    loses its forward's time, against rank 0's own reading of the same module: under DDP and under FSDP2."""
     proc, result = torchrun("--log-dir", str(tmp_path), "--slow-forward", "0.03", "--planted-hours", "--steps", "23",
-                            "--window", "5", "--modules")
+                            "--window", "5", "--modules", *(["--fsdp2"] if wrap == "fsdp2" else []))
     import jsonschema
 
     from phase_timer.outputs.run_summary import schema
