@@ -1348,16 +1348,16 @@ def _no_close(self: Any, state: Any) -> Any:
     return lambda grad_outputs: None
 
 
-@pytest.mark.parametrize("guards", ["all", "inputs", "none"])
+@pytest.mark.parametrize("guards", ["all", "inputs", "after", "none"])
 def test_a_calls_end_never_moves_to_a_shared_weights_node_that_ran_behind_other_nodes(monkeypatch, guards):
     """The tied head's oldest node (its weight's transpose) feeds the shared weight's node, which waits for the
     embedding's gradient: hooked alone, no mark is taken before that node runs, after the whole backward below the
     head (here a planted 30 ms).  The head's input's node runs first (the engine's next ready node) and keeps the end
-    at the oldest node; AFTER_NS keeps it too (``inputs``: AFTER_NS lifted, that guard alone); without either
-    (``none``) the head's backward would hold the 30 ms."""
-    if guards != "all":
+    at the oldest node; AFTER_NS keeps it too (``inputs``: AFTER_NS lifted, that guard alone; ``after``: the inputs'
+    guard lifted, AFTER_NS alone); without either (``none``) the head's backward would hold the 30 ms."""
+    if guards in ("inputs", "none"):
         monkeypatch.setattr("phase_timer.measures.modules.sample.AFTER_NS", 10**12)
-    if guards == "none":
+    if guards in ("after", "none"):
         monkeypatch.setattr(mod.Sample, "_close", _no_close)
     torch.manual_seed(0)
     model = _Tied(vocab=256, width=16, then=lambda: time.sleep(0.03))
