@@ -27,6 +27,9 @@ runs; with 8 x 1024 on an H200 the backward is paced by the host, see ``docs/ben
 - ``paced200``: the 200 tensors on 2 x 128 tokens a rank (a host-paced backward: the device runs out of work while
   the host launches DDP's copies), rank 1 sleeping 20 ms before every third forward: rank 0's host-paced spans,
   some of them waits for rank 1 (the host-paced correction's two questions, ``paced.PacedSpans``).
+- ``host200``: the 200 tensors on 2 x 128 tokens a rank, no rank sleeping: every rank steadily host-paced, so its
+  split coasts (``paced.PacedSpans._coast_start``: the steady host time taken unasked, one backward in COAST_EVERY
+  asked).
 - ``paced200_sync``: the same, each rank reading its loss (``loss.item()``, a logged loss) between ``backward()``
   and the optimizer step: the host waits for the device there, so the second question's "done" tells nothing,
   and rank 0's waits stay whole (``paced.PacedSpans._decide``'s host-late rule).
@@ -87,7 +90,7 @@ from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.phases import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
 CASES = ("ddp_default", "ddp_view", "ddp_one", "ddp_late", "ddp_straggler", "data_straggler", "eval_rank0",
-         "fsdp2", "copies10", "copies200", "paced200", "paced200_sync")
+         "fsdp2", "copies10", "copies200", "paced200", "paced200_sync", "host200")
 MARKER = "pt_step_marker"
 #: --span-kernels: a tiny kernel before and after each wait phase-timer marks, FSDP2's and DDP's (a diagnosis: which
 #: exposed collectives fall outside phase-timer's spans; the two kernels are work too, ~2 us each)
@@ -260,7 +263,7 @@ class SlowLoader:
 
 def build(case: str, args: argparse.Namespace, device: torch.device, rank: int) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    if case.startswith(("copies", "paced")):
+    if case.startswith(("copies", "paced", "host")):
         net: nn.Module = Linears(args.vocab, args.width, int("".join(c for c in case if c.isdigit())))
     else:
         late = rank == 1 and case in ("ddp_late", "ddp_straggler")
@@ -286,7 +289,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     net, model = build(case, args, device, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(rank)
-    batch, seq = (2, 128) if case.startswith("paced") else (args.batch, args.seq)  # paced: a host-paced backward
+    batch, seq = (2, 128) if case.startswith(("paced", "host")) else (args.batch, args.seq)  # a host-paced backward
     data = [torch.randint(0, args.vocab, (batch, seq), generator=g) for _ in range(4)]
     data = SlowLoader([data[i % 4] for i in range(args.steps)], 0.02 if case == "data_straggler" and rank == 1 else 0)
     timer = phase_timer.attach(model, opt, data, log_dir=tempfile.mkdtemp(), window=args.window,
@@ -351,7 +354,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
         if run_comm is not None else []
     # the host-paced spans' correction (paced.PacedSpans): backwards corrected, ms taken in all, on at the end, and
     # the spans the second question kept whole (the device still in them at the optimizer step)
-    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced, getattr(probe, "paced_waiting", None)]
+    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced, getattr(probe, "paced_waiting", None),
+              getattr(probe, "coasted_steps", None)]
              if probe is not None and hasattr(probe, "paced_steps") else None)
     plan = getattr(timer._bounds, "flops", None)  # the FLOP plan the boundaries count with (None: none)
     counted = plan is not None and getattr(plan, "counted", None)
@@ -476,9 +480,11 @@ def paced_text(paced: list | None) -> str:
     """The host-paced spans' correction over the run: how many backwards lost how much of their wait."""
     if not paced:
         return "host-paced correction: none"
-    n, ms, on, waiting = (list(paced) + [None])[:4]
+    n, ms, on, waiting, coasted = (list(paced) + [None, None])[:5]
     kept = f", {waiting} kept whole (still in the span at the optimizer step)" if waiting is not None else ""
-    return f"host-paced correction on {n} backwards, {ms:.3f} ms in all ({'on' if on else 'off'} at the end){kept}"
+    coast = f", {coasted} of them coasted (unasked)" if coasted is not None else ""
+    return (f"host-paced correction on {n} backwards{coast}, {ms:.3f} ms in all ({'on' if on else 'off'} at the "
+            f"end){kept}")
 
 
 def main() -> None:

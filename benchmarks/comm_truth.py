@@ -102,6 +102,21 @@ def spin_hook(which: str, cycles: int):
     return hook
 
 
+class _Timed:
+    """``target`` with ``names``' calls timed by ``timed(fn, name)`` (single timers, ``"engine."``-style keys), the
+    rest read through; ``extra`` attributes set on the proxy (a core whose clock is timed)."""
+
+    def __init__(self, target: object, names: tuple[str, ...], timed, **extra: object) -> None:  # noqa: ANN001
+        self._target = target
+        for name in names:
+            setattr(self, name, timed(getattr(target, name), f"{type(target).__name__}.{name}"))
+        for k, v in extra.items():
+            setattr(self, k, v)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._target, name)
+
+
 def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: int, batch: int) -> dict:
     torch.manual_seed(0)
     body = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).cuda()
@@ -121,26 +136,51 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     if case == "lb_core":  # phase-timer on, the split taken off: what the split alone costs a step
         for probe in timer.__dict__.pop("_comm"):
             probe.remove()
-    # lb_timed: ns a call of the split's hook (0, inner timer; 2, outer) and of its final callback (1; 3)
+    # lb_timed: ns a call of the split's hook (0, inner timer; 2, outer) and of its final callback (1; 3).
+    # lb_paced: ns a call, by name (inner and outer timer), of the host-paced path's parts (paced.PacedSpans)
     spent: list[list[int]] = [[], [], [], []]
-    if case == "lb_timed":
+    parts: dict[str, list[int]] = {}
+    paced_probe = None
+    if case in ("lb_timed", "lb_paced"):
         probe = timer._comm[0]
 
         def timed(fn, k):  # noqa: ANN001, ANN202
+            into = spent[k] if isinstance(k, int) else parts.setdefault(k, [])
+
             def call(*args):  # noqa: ANN002, ANN202
                 t = time.perf_counter_ns()
-                fn(*args)
-                spent[k].append(time.perf_counter_ns() - t)
+                out = fn(*args)
+                into.append(time.perf_counter_ns() - t)
+                return out
 
             return call
+
+        def nested(fn, name):  # noqa: ANN001, ANN202
+            return timed(timed(fn, name), name + "/outer")
 
         # the parameter's hook as armed (C: phase_timer._native.Arm), its queued switch too, each in two timers
         from phase_timer._native import Arm
 
         probe._handle.remove()
-        armed = Arm(probe._engine, "backward", model, "require_forward_param_sync", probe._queue_callback,
-                    timed(timed(probe._to_wait, 1), 3))
-        probe._handle = probe._param.register_post_accumulate_grad_hook(timed(timed(armed, 0), 2))
+        if case == "lb_timed":
+            start = timed(timed(probe._to_wait, 1), 3)
+            hook = lambda armed: timed(timed(armed, 0), 2)  # noqa: E731
+        else:  # instance attributes: the path calls them through self
+            hook = lambda armed: nested(armed, "hook")  # noqa: E731
+            for name in ("_paced_start", "_coast_start", "_paced_end", "_settle", "_defer", "_decide",
+                         "_drop_deferred"):
+                setattr(probe, name, nested(getattr(probe, name), name.strip("_")))
+            probe._engine = _Timed(probe._engine, ("switch", "behind", "add_host"), timed)
+            probe._core = _Timed(probe._core, (), timed, clock=_Timed(probe._core.clock, ("mark", "done", "release"),
+                                                                         timed))
+            at_optimizer = probe._at_optimizer
+            pre, post = nested(lambda: at_optimizer(False), "opt_pre"), nested(lambda: at_optimizer(True), "opt_post")
+            probe._at_optimizer = lambda is_post: post() if is_post else pre()
+            start = probe._paced_start
+            paced_probe = probe
+        armed = Arm(probe._engine, "backward", model, "require_forward_param_sync", probe._queue_callback, start)
+        probe._armed, probe._start = armed, start
+        probe._handle = probe._param.register_post_accumulate_grad_hook(hook(armed))
     sampled = None
     if case == "lb_sampled":  # every synced backward's copies timed (the run's schedule: one in COPY_EVERY or more)
         sampled = timer._comm[0]
@@ -165,6 +205,8 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     if profile:
         prof.stop()
     run_comm = comm.run.find(timer.core) if timer.core is not None else None
+    paced = ((paced_probe.paced_steps, paced_probe.coasted_steps, paced_probe.paced_waiting, paced_probe._paced)
+             if paced_probe is not None else None)
     totals = timer.close()
     n = steps - warm
     truth = timeline(prof.events() if profile else [], n, ("spin", "sleep", "nccl"))  # the planted and the real
@@ -181,6 +223,7 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
         wall=t_wall, copies=truth["copies"] if profile else float("nan"),
         copies_run=truth["copies_run"] if profile else float("nan"),
         split_us=[sorted(v)[len(v) // 2] / 1e3 if v else 0.0 for v in spent],
+        parts={k: (sorted(v)[len(v) // 2] / 1e3, len(v)) for k, v in parts.items()}, paced=paced,
     )
 
 
@@ -211,6 +254,8 @@ def main() -> None:
     p.add_argument("--cases", default="late,early,late_view,early_view,default,view,ddp_off,bare")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--lb-steps", type=int, default=400)
+    p.add_argument("--calls-only", action="store_true", help="only the split's calls' own host time (the usual path "
+                   "and the host-paced one), no profiled case and no wall-time comparison")
     p.add_argument("--out")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -222,45 +267,46 @@ def main() -> None:
     say(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; DDP world 1 (NCCL); {args.depth} x "
         f"Linear({args.width}) fp32, batch {args.batch}, one bucket a layer; spin {args.spin_ms} ms; "
         f"{args.steps} steps, the last {args.steps - 5} timed and profiled")
-    rows = [run(c, args.steps, args.spin_ms, cpm, args.width, args.depth, args.batch) for c in args.cases.split(",")]
-    # Launch-bound (the host's cost shows): 32 small layers, a bucket each; DDP without phase-timer, with it
-    # but the split taken off, and with both; interleaved, the median of the rounds' wall time a step.
-    lb: dict[str, list[float]] = {"lb_off": [], "lb_core": [], "lb_on": [], "lb_sampled": []}
-    sampled_us = []
-    for _ in range(args.rounds):
-        for c in lb:
-            r = run(c, args.lb_steps, 0, cpm, 256, 32, 64)
-            lb[c].append(r["wall"])
-            if r["sampled_us"] is not None:
-                sampled_us.append(r["sampled_us"])
-    say(f"{'case':11} {'comm_wait ms':>12} {'stream ms':>9} {'diff ms':>8} {'analyzers ms':>12} {'DDP copies ms':>13} "
-        f"{'back to back':>12} "
-        f"{'copies taken':>12} {'comm kernels ms':>15} {'collectives ms':>14} {'hidden':>7} {'backward ms':>11} "
-        f"{'step ms':>8} {'wall ms':>8} {'syncs':>5}")
-    for r in rows:
-        c = r["comm"] or {}
-        if r["case"].endswith("off"):
-            r["backward"] = r["step"] = float("nan")
-        wait = r["wait"]
-        diff = f"{wait - r['stream']:+8.3f}" if wait is not None else f"{'-':>8}"
-        taken = r["copy_ms"] if r["copy_ms"] is not None else float("nan")
-        say(f"{r['case']:11} {wait if wait is not None else float('nan'):12.3f} {r['stream']:9.3f} {diff} "
-            f"{r['truth']:12.3f} {r['copies']:13.3f} {r['copies_run']:12.3f} {taken:12.3f} {r['spin']:15.3f} "
-            f"{c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
-            f"{r['backward']:11.3f} {r['step']:8.3f} {r['wall']:8.3f} {r['syncs']:5d}")
-    med = {c: sorted(v)[len(v) // 2] for c, v in lb.items()}
-    say(f"launch-bound DDP (32 x Linear(256), batch 64, 32 buckets), {args.lb_steps - 5} steps x {args.rounds} rounds, "
-        f"median wall ms a step: without phase-timer {med['lb_off']:.4f}, with it but no split {med['lb_core']:.4f}, "
-        f"with both {med['lb_on']:.4f}: the split {1e3 * (med['lb_on'] - med['lb_core']):+.1f} us a step, "
-        f"everything phase-timer does {1e3 * (med['lb_on'] - med['lb_off']):+.1f} us; every backward's copies timed "
-        f"{med['lb_sampled']:.4f}: a sampled backward {1e3 * (med['lb_sampled'] - med['lb_on']):+.1f} us")
-    us = sorted(sampled_us)[len(sampled_us) // 2]
-    say(f"a sampled end-of-backward's host time (its copies timed; DDP's own end-of-backward in), median of the rounds' "
-        f"medians: {us:.0f} us; the next is {max(comm.ddp.COPY_EVERY, int(us * 1e3 / comm.ddp.COPY_BUDGET_NS))} synced "
-        f"backwards later (at least {comm.ddp.COPY_EVERY}, and its host time / {comm.ddp.COPY_BUDGET_NS} ns): "
-        f"{us / max(comm.ddp.COPY_EVERY, us * 1e3 / comm.ddp.COPY_BUDGET_NS):.2f} us a backward spread")
-    for c, v in lb.items():
-        say(f"  {c} rounds: {' '.join(f'{x:.4f}' for x in v)}")
+    if not args.calls_only:
+        rows = [run(c, args.steps, args.spin_ms, cpm, args.width, args.depth, args.batch) for c in args.cases.split(",")]
+        # Launch-bound (the host's cost shows): 32 small layers, a bucket each; DDP without phase-timer, with it
+        # but the split taken off, and with both; interleaved, the median of the rounds' wall time a step.
+        lb: dict[str, list[float]] = {"lb_off": [], "lb_core": [], "lb_on": [], "lb_sampled": []}
+        sampled_us = []
+        for _ in range(args.rounds):
+            for c in lb:
+                r = run(c, args.lb_steps, 0, cpm, 256, 32, 64)
+                lb[c].append(r["wall"])
+                if r["sampled_us"] is not None:
+                    sampled_us.append(r["sampled_us"])
+        say(f"{'case':11} {'comm_wait ms':>12} {'stream ms':>9} {'diff ms':>8} {'analyzers ms':>12} {'DDP copies ms':>13} "
+            f"{'back to back':>12} "
+            f"{'copies taken':>12} {'comm kernels ms':>15} {'collectives ms':>14} {'hidden':>7} {'backward ms':>11} "
+            f"{'step ms':>8} {'wall ms':>8} {'syncs':>5}")
+        for r in rows:
+            c = r["comm"] or {}
+            if r["case"].endswith("off"):
+                r["backward"] = r["step"] = float("nan")
+            wait = r["wait"]
+            diff = f"{wait - r['stream']:+8.3f}" if wait is not None else f"{'-':>8}"
+            taken = r["copy_ms"] if r["copy_ms"] is not None else float("nan")
+            say(f"{r['case']:11} {wait if wait is not None else float('nan'):12.3f} {r['stream']:9.3f} {diff} "
+                f"{r['truth']:12.3f} {r['copies']:13.3f} {r['copies_run']:12.3f} {taken:12.3f} {r['spin']:15.3f} "
+                f"{c.get('collectives_ms', float('nan')):14.3f} {c.get('hidden_share', float('nan')):7.2f} "
+                f"{r['backward']:11.3f} {r['step']:8.3f} {r['wall']:8.3f} {r['syncs']:5d}")
+        med = {c: sorted(v)[len(v) // 2] for c, v in lb.items()}
+        say(f"launch-bound DDP (32 x Linear(256), batch 64, 32 buckets), {args.lb_steps - 5} steps x {args.rounds} rounds, "
+            f"median wall ms a step: without phase-timer {med['lb_off']:.4f}, with it but no split {med['lb_core']:.4f}, "
+            f"with both {med['lb_on']:.4f}: the split {1e3 * (med['lb_on'] - med['lb_core']):+.1f} us a step, "
+            f"everything phase-timer does {1e3 * (med['lb_on'] - med['lb_off']):+.1f} us; every backward's copies timed "
+            f"{med['lb_sampled']:.4f}: a sampled backward {1e3 * (med['lb_sampled'] - med['lb_on']):+.1f} us")
+        us = sorted(sampled_us)[len(sampled_us) // 2]
+        say(f"a sampled end-of-backward's host time (its copies timed; DDP's own end-of-backward in), median of the rounds' "
+            f"medians: {us:.0f} us; the next is {max(comm.ddp.COPY_EVERY, int(us * 1e3 / comm.ddp.COPY_BUDGET_NS))} synced "
+            f"backwards later (at least {comm.ddp.COPY_EVERY}, and its host time / {comm.ddp.COPY_BUDGET_NS} ns): "
+            f"{us / max(comm.ddp.COPY_EVERY, us * 1e3 / comm.ddp.COPY_BUDGET_NS):.2f} us a backward spread")
+        for c, v in lb.items():
+            say(f"  {c} rounds: {' '.join(f'{x:.4f}' for x in v)}")
     parts = [run("lb_timed", args.lb_steps, 0, cpm, 256, 32, 64)["split_us"] for _ in range(args.rounds)]
     alone = [2 * p[0] - p[2] + 2 * p[1] - p[3] for p in parts]  # the hook and the callback, each 2 x inner - outer
     k = sorted(range(len(parts)), key=lambda i: alone[i])[len(parts) // 2]
@@ -269,6 +315,28 @@ def main() -> None:
         f"the median round of {args.rounds}): the parameter's hook {hook:.1f} us (outer {parts[k][2]:.1f}), the "
         f"final callback that starts the wait {cb:.1f} us (outer {parts[k][3]:.1f}); inner timers {hook + cb:.1f} "
         f"us, the calls alone (2 x inner - outer) {alone[k]:.1f} us; rounds, alone: {' '.join(f'{a:.1f}' for a in alone)}")
+    # The host-paced path (paced.PacedSpans), as a launch-bound loop keeps it (its device keeps pace): the start in
+    # Python, its end, two optimizer hooks a step; each call alone (2 x inner - outer), beside the usual path's
+    runs = [run("lb_paced", args.lb_steps, 0, cpm, 256, 32, 64) for _ in range(args.rounds)]
+
+    def alone_us(r: dict, name: str) -> float:
+        (inner, n), (outer, _) = r["parts"].get(name, (0.0, 0)), r["parts"].get(name + "/outer", (0.0, 0))
+        return (2 * inner - outer) * n / max(1, r["parts"]["hook"][1])  # a synced backward's share
+
+    top = ("hook", "paced_start", "coast_start", "paced_end", "opt_pre", "opt_post")
+    totals_us = [sum(alone_us(r, n) for n in top) for r in runs]
+    k2 = sorted(range(len(runs)), key=lambda i: totals_us[i])[len(runs) // 2]
+    r = runs[k2]
+    say(f"the host-paced path's own host time a synced backward (the same nested timers, each call alone, a synced "
+        f"backward's share of its calls; the median round of {args.rounds}): "
+        + ", ".join(f"{n} {alone_us(r, n):.1f} us ({r['parts'].get(n, (0, 0))[1]} calls)"
+                    for n in (*top, "settle", "defer", "decide", "drop_deferred"))
+        + "; the C calls inside (one timer each, medians, a synced backward's share): "
+        + ", ".join(f"{n} {v[0] * v[1] / max(1, r['parts']['hook'][1]):.1f} us ({v[1]} calls)"
+                    for n, v in sorted(r["parts"].items()) if "." in n)
+        + f"; the path's calls {totals_us[k2]:.1f} us a step against the usual path's {alone[k]:.1f}: "
+        f"{totals_us[k2] - alone[k]:+.1f} us; (corrected, of them coasted, waiting, on) at the end {r['paced']}; rounds: "
+        + " ".join(f"{a:.1f}" for a in totals_us))
     dist.destroy_process_group()
     if args.out:
         with open(args.out, "w") as f:

@@ -23,8 +23,17 @@ span inside the step, a closure's backward, is asked at its post-hook).  A span 
 before the next span begins (a synced micro-batch) keeps its wait whole; so does one whose host took longer after it
 than its own time in it to reach the step (a sync before the step: ``GradScaler.step``'s inf check, a logged
 ``loss.item()``; or the loop's own work): such a host finds the span done either way, a rank that waited for its
-peer included, so the answer tells nothing (a host-paced device is done at once).  That costs a Python frame at each end, two marks and two queries a
-backward and two frames an optimizer step (~3-4 µs of Python on a CPU core).  On a device the module asks from its
+peer included, so the answer tells nothing (a host-paced device is done at once).  An asked backward costs a Python
+frame at each end, two marks and two queries (each ``cuEventQuery`` ~12 µs of host time on an H100 host: the driver
+submits the queued work) and two frames an optimizer step: ~60 µs of host time against the usual path's ~8
+(``benchmarks/comm_truth.py``, ``docs/benchmarks.md``).  So a steadily host-paced module coasts: ``STEADY`` asked
+backwards in a row whose host time was taken, and the next ``COAST_EVERY - 1`` lose the median of those spans' host
+time (less the copies) with no question asked (:meth:`PacedSpans._coast_start`: one Python frame, the engine's switch
+and one ``add_host``), then one is asked again, and an answer that takes nothing stops the coasting (every backward
+is asked until ``STEADY`` in a row are taken again).  A coasted step's wait is off by its host time's difference from
+the median (the host's jitter), and a rank that waits for a peer on a coasted step (a wait that comes once, between
+two asked backwards) reads low by that host time on that step; a peer's lag that recurs (every third step, a rank
+that evaluates alone) keeps the module asking.  On a device the module asks from its
 first synced backward (no used-parameter map read inside the span, both questions askable), so a rank whose steps
 turn host-paced later in the run (a loaded host, a peer's lag that comes and goes) has them corrected; a device-bound
 loop, whose host is further ahead at the span's start than its own time in the span, answers "behind", and
@@ -69,6 +78,10 @@ log = logging.getLogger(__name__)
 #: A host-paced module's wait start is a Python callback (the span's host time noted at both ends) until this many
 #: synced backwards in a row on which the device had not reached the span's start when the host left it.
 PACED_OFF = 64
+#: STEADY asked spans in a row whose host time was taken (the device kept pace on each, no wait past the host's
+#: launches) start coasting: COAST_EVERY - 1 synced backwards take the median of those spans' host time unasked, then
+#: one is asked again (:meth:`PacedSpans._coast_start`).
+STEADY, COAST_EVERY = 16, 16
 
 
 class PacedSpans:
@@ -126,13 +139,14 @@ class PacedSpans:
         if behind is None:
             return None
         if behind:
+            self._steady = 0
             if self._paced:
                 self._cold += 1
                 if self._cold >= PACED_OFF:
                     self._pace(False)
             return None
         if kept_up is False:  # the last bucket's copies queued: the device waited past the host's launches
-            self._cold = 0
+            self._cold = self._steady = 0
             return None
         if not self._paced:  # a sample caught up, or (bucket views) the answer itself: on, where it can be asked
             if not self._asking:
@@ -202,11 +216,16 @@ class PacedSpans:
             return
         if not done or (reached - h1) / 1e6 > host_ms:
             self.paced_waiting += 1
+            self._steady = 0
             return
         engine.add_host(WAIT, -ms)
         held[2] = ms
         self.paced_steps += 1
         self.paced_ms += ms
+        self._steady += 1
+        self._hosts.append(host_ms)
+        if self._steady >= STEADY and self._inner is None:
+            self._coasting()
 
     def _drop_deferred(self) -> None:
         """A span begins (or the binding changes) with the last one's question unasked (no optimizer step since):
@@ -216,16 +235,50 @@ class PacedSpans:
             held, clock = deferred[0], deferred[1]
             held[2] = 0.0
             clock.release([held[0]])
+            self._steady = 0
 
     def _pace(self, on: bool) -> None:
         """The usual path's start from the next synced backward: a Python callback that notes the span's host time
         (``on``), or the engine's own switch."""
-        self._paced, self._cold = on, 0
-        self._start = self._paced_start if on else self._to_wait
-        if Arm is not None and isinstance(self._armed, Arm):
-            self._armed.callback = self._start
+        self._paced, self._cold, self._steady, self._coast = on, 0, 0, 0
+        self._set_start(self._paced_start if on else self._to_wait)
         if not on:
             self._unhook_optimizer()
+
+    def _set_start(self, start: Any) -> None:
+        """The usual path's start from the next synced backward: ``start`` (the Arm's callback, or what
+        ``DdpComm._began`` queues)."""
+        self._start = start
+        if Arm is not None and isinstance(self._armed, Arm):
+            self._armed.callback = start
+
+    def _coasting(self) -> None:
+        """STEADY asked spans in a row kept pace and were taken (at an optimizer step's hook, :meth:`_decide`): the
+        next COAST_EVERY - 1 synced backwards coast (:meth:`_coast_start`), taking those spans' median host time."""
+        hosts = sorted(self._hosts)
+        self._coast_ms = hosts[len(hosts) // 2]
+        self._coast = COAST_EVERY - 1
+        self._set_start(self._coast_start)
+
+    def _coast_start(self) -> None:
+        """The wait begins on a coasting module (steadily host-paced): the span loses the steady host time less the
+        module's copies, unasked -- no host time noted, no mark, no query (a span's end is backward's return, as on
+        the usual path; the optimizer hooks stay, with nothing to ask: a closure's step keeps ``_in_step``); the last of COAST_EVERY - 1 such backwards makes the next one an
+        asked one (:meth:`_paced_start`), whose answers keep the module coasting or stop it."""
+        engine = self._engine
+        if engine is None:
+            return
+        engine.switch(WAIT)
+        run = self._run
+        ms = self._coast_ms - (run.module_copy_ms(self) if run is not None else 0.0)
+        if ms > 0:
+            engine.add_host(WAIT, -ms)
+            self.paced_steps += 1
+            self.paced_ms += ms
+            self.coasted_steps += 1
+        self._coast -= 1
+        if self._coast <= 0:
+            self._set_start(self._paced_start)
 
     def _unhook_optimizer(self) -> None:
         """The global optimizer hooks off (the last question, if any, unasked: that wait stays whole)."""

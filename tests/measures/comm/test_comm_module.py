@@ -556,6 +556,62 @@ def test_the_paced_path_asks_from_the_first_backward_until_the_device_is_behind(
     probe.bind(None)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_steadily_host_paced_module_coasts_on_its_median_host_time_and_asks_one_backward_in_coast_every(
+        monkeypatch, native) -> None:
+    """STEADY asked spans in a row whose host time was taken start coasting: the next COAST_EVERY - 1 synced
+    backwards lose the median of those spans' host time (less the copies) with no question, no mark and no host
+    time noted (the usual path's span, ended by backward's return); then one is asked, and its answers keep the
+    module coasting or stop it.  An answer that takes nothing (behind, or still waiting at the optimizer step)
+    starts the count anew."""
+    probe, engine, backward = paced_probe(monkeypatch, native, copies_ms=0.5)
+    clock = backward.clock
+    hosts = [2.4, 2.5, 2.6] * comm_paced.STEADY  # the median of any STEADY in a row of these is 2.5
+    for i in range(comm_paced.STEADY - 1):
+        assert backward(hosts[i]) == [*PACED, ("add_host", WAIT, pytest.approx(-(hosts[i] - 0.5))),
+                                      ("switch", "optimizer")]
+    engine.behind_is = True  # one answer that takes nothing: the count starts anew
+    backward(2.5)
+    engine.behind_is = False
+    for i in range(comm_paced.STEADY - 1):
+        backward(hosts[i])
+    assert start_queued(probe) == probe._paced_start  # STEADY - 1 in a row since: still asking
+    backward(hosts[comm_paced.STEADY - 1])
+    assert start_queued(probe) == probe._coast_start and probe.coasted_steps == 0
+    asked, marks = clock.asked, clock._n
+    for _ in range(comm_paced.COAST_EVERY - 1):  # the host's time in each span differs: the median is taken
+        calls = backward(9.0)
+        assert calls == [("switch", WAIT), ("add_host", WAIT, pytest.approx(-2.0)), ("switch", "optimizer")]
+    assert ("behind",) not in engine.calls and (clock.asked, clock._n) == (asked, marks) and not clock.live
+    assert probe.coasted_steps == comm_paced.COAST_EVERY - 1
+    assert start_queued(probe) == probe._paced_start  # the next one is asked
+    assert backward(3.0) == [*PACED, ("add_host", WAIT, pytest.approx(-2.5)), ("switch", "optimizer")]
+    assert start_queued(probe) == probe._coast_start  # it kept pace: coasting again
+    for _ in range(comm_paced.COAST_EVERY - 1):
+        backward(2.5)
+    clock.done_is = False  # the asked one's device still waits for a peer at the optimizer step: nothing taken
+    assert backward(2.5) == [*PACED, ("switch", "optimizer")] and probe.paced_waiting == 1
+    assert start_queued(probe) == probe._paced_start  # asking every backward again
+    clock.done_is = True
+    assert backward(2.5) == [*PACED, ("add_host", WAIT, pytest.approx(-2.0)), ("switch", "optimizer")]
+    assert start_queued(probe) == probe._paced_start
+    assert probe.coasted_steps == 2 * (comm_paced.COAST_EVERY - 1)
+    assert probe.paced_steps == (comm_paced.STEADY - 1) + comm_paced.STEADY + 2 + probe.coasted_steps  # asked + coasted
+    probe.bind(None)
+    assert (probe._coast, probe._steady, probe.coasted_steps) == (0, 0, 0)
+
+
+def test_a_composed_hook_s_module_never_coasts(monkeypatch) -> None:
+    """A module with the user's comm hook composed begins every span in Python (``_split``): it asks every backward,
+    however steady."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    probe._inner = lambda state, bucket: None  # composed: _began queues _split
+    for _ in range(comm_paced.STEADY + comm_paced.COAST_EVERY):
+        assert backward(2.5, python=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
+    assert probe.coasted_steps == 0 and probe._coast == 0
+    probe.bind(None)
+
+
 def test_a_host_that_reaches_the_optimizer_step_late_tells_nothing_and_keeps_the_wait(monkeypatch) -> None:
     """The second question's "done" says the device kept pace only where the host reached the step promptly: a
     host that took longer after the span than its own time in it (a sync before the step: ``GradScaler.step``'s
