@@ -74,7 +74,7 @@ from typing import Any
 
 from phase_timer._env import warn
 from phase_timer.measures.comm.copies import _ACTIVE, _copy_marker, _pop_mode, _push_mode
-from phase_timer.measures.comm.paced import STEADY, PacedSpans, register_optimizer_step_pre_hook
+from phase_timer.measures.comm.paced import PacedSpans, register_optimizer_step_pre_hook
 from phase_timer.measures.comm.run import COMM_MS, COMM_SAMPLES, COMM_WAIT_MS, WAIT, RunComm
 from phase_timer.measures.comm.run import of as run_of
 from phase_timer.patches import Patches
@@ -121,9 +121,7 @@ class DdpComm(PacedSpans):
         self.paced_waiting = 0  # host-paced spans whose device was still in them at the next optimizer step
         self.coasted_steps = 0  # of paced_steps, those taken from the steady host time, unasked (PacedSpans._coast)
         self._steady = 0  # asked spans in a row whose host time was taken (PacedSpans: STEADY of them start coasting)
-        self._hosts: deque[float] = deque(maxlen=STEADY)  # those spans' host ms (their median is the coasted one)
         self._coast = 0  # coasted synced backwards left before the next asked one (0: not coasting)
-        self._coast_ms = 0.0  # the host ms a coasted span loses (less the copies): the median of _hosts
         self._deferred: tuple[list[Any], Any, bool, int, float] | None = None  # the last span's second question
         self._opt_hooks: tuple[Any, Any] | None = None  # the global optimizer step hooks that ask it, while paced
         self._in_step = False  # between an optimizer step's pre- and post-hook (a closure's backward)
@@ -225,7 +223,6 @@ class DdpComm(PacedSpans):
         self._copying = not getattr(self.ddp, "gradient_as_bucket_view", True)
         self.paced_steps, self.paced_ms, self.paced_waiting, self.coasted_steps = 0, 0.0, 0, 0
         self._steady, self._coast = 0, 0
-        self._hosts.clear()
         self._asking = register_optimizer_step_pre_hook is not None
         self._device = core is not None and core.clock.kind != "host"
         # the paced path's questions from the first synced backward (a device, both questions askable, no

@@ -27,16 +27,17 @@ peer included, so the answer tells nothing (a host-paced device is done at once)
 frame at each end, two marks and two queries (each ``cuEventQuery`` ~12 µs of host time on an H100 host: the driver
 submits the queued work) and two frames an optimizer step: ~60 µs of host time against the usual path's ~8
 (``benchmarks/comm_truth.py``, ``docs/benchmarks.md``).  So a steadily host-paced module coasts: ``STEADY`` asked
-backwards in a row whose host time was taken, and the next ``COAST_EVERY - 1`` lose the median of those spans' host
-time (less the copies) with no question asked (:meth:`PacedSpans._coast_start`: one Python frame, the engine's switch
-and one ``add_host``), then one is asked again, and an answer that takes nothing stops the coasting (every backward
-is asked until ``STEADY`` in a row are taken again).  A coasted step's wait is off by its host time's difference from
-the median (the host's jitter), and a rank that waits for a peer on a coasted step (a wait that comes once, between
-two asked backwards) reads low by that host time on that step; a peer's lag that recurs (every third step, a rank
-that evaluates alone) keeps the module asking.  On a device the module asks from its
-first synced backward (no used-parameter map read inside the span, both questions askable), so a rank whose steps
-turn host-paced later in the run (a loaded host, a peer's lag that comes and goes) has them corrected; a device-bound
-loop, whose host is further ahead at the span's start than its own time in the span, answers "behind", and
+backwards in a row whose host time was taken, and the next ``COAST_EVERY - 1`` each lose their own span's host time
+(less the copies) with no question asked (:meth:`PacedSpans._coast_start`, :meth:`PacedSpans._coast_end`: the two
+frames and the engine's two switches, no mark, no query), then one is asked again, and an answer that takes nothing
+stops the coasting (every backward is asked until ``STEADY`` in a row are taken again).  A rank that waits for a peer
+on a coasted step (a wait that comes once, between two asked backwards) reads low by its host time in the span on
+that step; a peer's lag that recurs (every third step, a rank that evaluates alone) keeps the module asking.  A
+coasted span ends after DDP's end-of-backward too, as an asked one: ended at backward's return, it also holds the
+host's time from there to that return, where the device idles (such spans read 0.8-2.0 ms a step over the blocked
+rule on 2 x H200, ``comm_nccl.py``'s ``host200``).  On a device the module asks from its first synced backward (no
+used-parameter map read inside the span, both questions askable), so a rank whose steps turn host-paced later in
+the run (a loaded host, a peer's lag that comes and goes) has them corrected; a device-bound loop, whose host is further ahead at the span's start than its own time in the span, answers "behind", and
 ``PACED_OFF`` such answers in a row turn the usual path back into the engine's own switch (no Python frame).  Off, a
 sampled backward's copies whose last bucket the device had caught up with (every wait was over before the host had
 launched the copies; a rank whose device waits for its peers is still in a wait there) turn it on again, or, with no
@@ -79,8 +80,8 @@ log = logging.getLogger(__name__)
 #: synced backwards in a row on which the device had not reached the span's start when the host left it.
 PACED_OFF = 64
 #: STEADY asked spans in a row whose host time was taken (the device kept pace on each, no wait past the host's
-#: launches) start coasting: COAST_EVERY - 1 synced backwards take the median of those spans' host time unasked, then
-#: one is asked again (:meth:`PacedSpans._coast_start`).
+#: launches) start coasting: COAST_EVERY - 1 synced backwards lose their own host time unasked, then one is asked
+#: again (:meth:`PacedSpans._coast_start`).
 STEADY, COAST_EVERY = 16, 16
 
 
@@ -223,7 +224,6 @@ class PacedSpans:
         self.paced_steps += 1
         self.paced_ms += ms
         self._steady += 1
-        self._hosts.append(host_ms)
         if self._steady >= STEADY and self._inner is None:
             self._coasting()
 
@@ -254,31 +254,41 @@ class PacedSpans:
 
     def _coasting(self) -> None:
         """STEADY asked spans in a row kept pace and were taken (at an optimizer step's hook, :meth:`_decide`): the
-        next COAST_EVERY - 1 synced backwards coast (:meth:`_coast_start`), taking those spans' median host time."""
-        hosts = sorted(self._hosts)
-        self._coast_ms = hosts[len(hosts) // 2]
+        next COAST_EVERY - 1 synced backwards coast (:meth:`_coast_start`), taken as kept pace unasked."""
         self._coast = COAST_EVERY - 1
         self._set_start(self._coast_start)
 
     def _coast_start(self) -> None:
-        """The wait begins on a coasting module (steadily host-paced): the span loses the steady host time less the
-        module's copies, unasked -- no host time noted, no mark, no query (a span's end is backward's return, as on
-        the usual path; the optimizer hooks stay, with nothing to ask: a closure's step keeps ``_in_step``); the last of COAST_EVERY - 1 such backwards makes the next one an
-        asked one (:meth:`_paced_start`), whose answers keep the module coasting or stop it."""
+        """The wait begins on a coasting module (steadily host-paced): its host time noted and its end queued, as on
+        the asked path, but no question asked -- no mark, no query (:meth:`_coast_end`); the last of COAST_EVERY - 1
+        such backwards makes the next one an asked one (:meth:`_paced_start`), whose answers keep the module coasting
+        or stop it."""
         engine = self._engine
         if engine is None:
             return
+        self._drop_deferred()
         engine.switch(WAIT)
+        self._h0 = time.perf_counter_ns()
+        self._queue_callback(self._coast_end)
+        self._coast -= 1
+        if self._coast <= 0:
+            self._set_start(self._paced_start)
+
+    def _coast_end(self) -> None:
+        """After DDP's end-of-backward, on a coasting module: the wait ends here, as :meth:`_paced_end`'s does, and
+        loses its host time less the module's copies, unasked."""
+        h1 = time.perf_counter_ns()
+        engine, h0, self._h0 = self._engine, self._h0, None
+        if engine is None or engine.current != WAIT or h0 is None:
+            return
+        engine.switch(BACKWARD)
         run = self._run
-        ms = self._coast_ms - (run.module_copy_ms(self) if run is not None else 0.0)
+        ms = (h1 - h0) / 1e6 - (run.module_copy_ms(self) if run is not None else 0.0)
         if ms > 0:
             engine.add_host(WAIT, -ms)
             self.paced_steps += 1
             self.paced_ms += ms
             self.coasted_steps += 1
-        self._coast -= 1
-        if self._coast <= 0:
-            self._set_start(self._paced_start)
 
     def _unhook_optimizer(self) -> None:
         """The global optimizer hooks off (the last question, if any, unasked: that wait stays whole)."""

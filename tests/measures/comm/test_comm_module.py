@@ -557,36 +557,33 @@ def test_the_paced_path_asks_from_the_first_backward_until_the_device_is_behind(
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_a_steadily_host_paced_module_coasts_on_its_median_host_time_and_asks_one_backward_in_coast_every(
-        monkeypatch, native) -> None:
+def test_a_steadily_host_paced_module_coasts_unasked_and_asks_one_backward_in_coast_every(monkeypatch, native) -> None:
     """STEADY asked spans in a row whose host time was taken start coasting: the next COAST_EVERY - 1 synced
-    backwards lose the median of those spans' host time (less the copies) with no question, no mark and no host
-    time noted (the usual path's span, ended by backward's return); then one is asked, and its answers keep the
-    module coasting or stop it.  An answer that takes nothing (behind, or still waiting at the optimizer step)
-    starts the count anew."""
+    backwards each lose their own span's host time (less the copies), the span ended in Python after DDP's
+    end-of-backward as an asked one's, with no question, no mark and no optimizer-step answer; then one is asked,
+    and its answers keep the module coasting or stop it.  An answer that takes nothing (behind, or still waiting at
+    the optimizer step) starts the count anew."""
     probe, engine, backward = paced_probe(monkeypatch, native, copies_ms=0.5)
     clock = backward.clock
-    hosts = [2.4, 2.5, 2.6] * comm_paced.STEADY  # the median of any STEADY in a row of these is 2.5
-    for i in range(comm_paced.STEADY - 1):
-        assert backward(hosts[i]) == [*PACED, ("add_host", WAIT, pytest.approx(-(hosts[i] - 0.5))),
-                                      ("switch", "optimizer")]
+    for _ in range(comm_paced.STEADY - 1):
+        assert backward(2.5) == [*PACED, ("add_host", WAIT, pytest.approx(-2.0)), ("switch", "optimizer")]
     engine.behind_is = True  # one answer that takes nothing: the count starts anew
     backward(2.5)
     engine.behind_is = False
-    for i in range(comm_paced.STEADY - 1):
-        backward(hosts[i])
+    for _ in range(comm_paced.STEADY - 1):
+        backward(2.5)
     assert start_queued(probe) == probe._paced_start  # STEADY - 1 in a row since: still asking
-    backward(hosts[comm_paced.STEADY - 1])
+    backward(2.5)
     assert start_queued(probe) == probe._coast_start and probe.coasted_steps == 0
     asked, marks = clock.asked, clock._n
-    for _ in range(comm_paced.COAST_EVERY - 1):  # the host's time in each span differs: the median is taken
-        calls = backward(9.0)
-        assert calls == [("switch", WAIT), ("add_host", WAIT, pytest.approx(-2.0)), ("switch", "optimizer")]
+    for i in range(comm_paced.COAST_EVERY - 1):  # each coasted span loses its own host time
+        host = 2.0 + 0.25 * i
+        assert backward(host) == [*PACED, ("add_host", WAIT, pytest.approx(-(host - 0.5))), ("switch", "optimizer")]
     assert ("behind",) not in engine.calls and (clock.asked, clock._n) == (asked, marks) and not clock.live
     assert probe.coasted_steps == comm_paced.COAST_EVERY - 1
     assert start_queued(probe) == probe._paced_start  # the next one is asked
     assert backward(3.0) == [*PACED, ("add_host", WAIT, pytest.approx(-2.5)), ("switch", "optimizer")]
-    assert start_queued(probe) == probe._coast_start  # it kept pace: coasting again
+    assert clock.asked == asked + 1 and start_queued(probe) == probe._coast_start  # it kept pace: coasting again
     for _ in range(comm_paced.COAST_EVERY - 1):
         backward(2.5)
     clock.done_is = False  # the asked one's device still waits for a peer at the optimizer step: nothing taken
