@@ -31,7 +31,9 @@ there must be none.
 The host cost is measured two ways on a launch-bound DDP (32 small layers, a bucket each): wall time a step
 with and without the split (noisy at the µs scale), and each of the split's calls timed inside two nested
 timers (the inner one times the call, the outer one the call and the inner timer: the call alone is about
-``2 x inner - outer``).  A backward whose copies are timed (one in ``comm.ddp.COPY_EVERY``) is measured by making
+``2 x inner - outer``), on the usual path (``lb_timed``) and on the host-paced one the loop keeps (``lb_paced``:
+``paced.PacedSpans``' asked and coasted backwards, each part and each of its C calls timed; ``--calls-only`` runs these
+alone).  A backward whose copies are timed (one in ``comm.ddp.COPY_EVERY``) is measured by making
 every backward one.
 """
 
@@ -264,9 +266,10 @@ def main() -> None:
     torch.cuda.set_device(0)
     cpm = cycles_per_ms()
     say(code_line())
-    say(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; DDP world 1 (NCCL); {args.depth} x "
-        f"Linear({args.width}) fp32, batch {args.batch}, one bucket a layer; spin {args.spin_ms} ms; "
-        f"{args.steps} steps, the last {args.steps - 5} timed and profiled")
+    say(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; DDP world 1 (NCCL); "
+        + ("the split's calls alone (--calls-only)" if args.calls_only else
+           f"{args.depth} x Linear({args.width}) fp32, batch {args.batch}, one bucket a layer; spin {args.spin_ms} ms; "
+           f"{args.steps} steps, the last {args.steps - 5} timed and profiled"))
     if not args.calls_only:
         rows = [run(c, args.steps, args.spin_ms, cpm, args.width, args.depth, args.batch) for c in args.cases.split(",")]
         # Launch-bound (the host's cost shows): 32 small layers, a bucket each; DDP without phase-timer, with it
