@@ -102,7 +102,8 @@ class PacedSpans:
         engine = self._engine
         if engine is None:
             return
-        self._drop_deferred()
+        if self._deferred is not None:
+            self._drop_deferred()
         engine.switch(WAIT)
         self._h0 = time.perf_counter_ns()
         self._queue_callback(end)
@@ -229,10 +230,8 @@ class PacedSpans:
             self.paced_waiting += 1
             self._unsteady()
             return
-        engine.add_host(WAIT, -ms)
+        self._take(engine, ms)
         held[2] = ms
-        self.paced_steps += 1
-        self.paced_ms += ms
         self._steady += 1
         if self._steady >= STEADY and self._inner is None:
             self._coasting()
@@ -281,7 +280,8 @@ class PacedSpans:
         the asked path, but no question asked -- no mark, no query (:meth:`_coast_end`); the last of COAST_EVERY - 1
         such backwards makes the next one an asked one (:meth:`_paced_start`), whose answers keep the module coasting
         or stop it."""
-        self._drop_deferred()  # a sample's question left unanswered: no longer steady (_unsteady), this one is asked
+        if self._deferred is not None:  # a sample's question unanswered: no longer steady (_unsteady), this one asked
+            self._drop_deferred()
         if not self._coast:
             self._begin(self._paced_end)
             return
@@ -301,10 +301,14 @@ class PacedSpans:
         run = self._run
         ms = (h1 - h0) / 1e6 - (run.module_copy_ms(self) if run is not None else 0.0)
         if ms > 0:
-            engine.add_host(WAIT, -ms)
-            self.paced_steps += 1
-            self.paced_ms += ms
+            self._take(engine, ms)
             self.coasted_steps += 1
+
+    def _take(self, engine: Any, ms: float) -> None:
+        """The span's wait loses ``ms`` of host time, on the record still open (its own row, not ``backward``'s)."""
+        engine.add_host(WAIT, -ms)
+        self.paced_steps += 1
+        self.paced_ms += ms
 
     def _unhook_optimizer(self) -> None:
         """The global optimizer hooks off (the last question, if any, unasked: that wait stays whole)."""
