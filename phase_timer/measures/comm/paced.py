@@ -5,46 +5,48 @@ Where the device catches up with the host inside the span (a host-paced backward
 while the host still launches DDP's copies, ~13 µs each on an H200 host), the span also holds the device's idle
 between those launches, which no collective causes and no mark separates from a wait.  Two questions a step take it
 off: had the device reached the span's start when the host left the span, and had it passed the span's end when the
-host reached the next optimizer step, no later after the span than the host's own time in it? Where both say yes,
-the device ran what the
-span holds as the host launched it, and the wait is taken as the span less the host's time in it: the step's wait
-loses that host time less DDP's copies (which come off every step later), where positive, on its own row (an
-``add_host`` on the open record: ``backward`` keeps it, the phases still add up; a window and a step line stop at
-zero).  A device that reached the span's start but waits, past it, for a collective that outlasts the host's
-launches (a rank waiting for a slower peer) is still in the span when the host reaches its optimizer step: nothing
-is taken (2 x H200, DDP, 200 parameter tensors, a peer sleeping every third step: the span's end was done at the
-optimizer step on no step of those that waited 2-39 ms, and on the host-paced ones that waited ~1.5 ms).  A device
-still behind the host at the span's start, caught up inside it, reads as much low.  The host's time is noted at both
-ends of the span (``perf_counter_ns``), the span ends in a callback after DDP's end-of-backward; the first question
-is ``engine.behind()`` asked right after that switch (one query of the span's start mark, never a wait; on the host
-clock no answer, nothing taken): :meth:`PacedSpans._settle`; the second a mark queued after the span's end, queried
-by torch's global optimizer step hooks (:meth:`PacedSpans._decide`), held only while the module is host-paced (a
-span inside the step, a closure's backward, is asked at its post-hook).  A span whose step reaches no optimizer step
-before the next span begins (a synced micro-batch) keeps its wait whole; so does one whose host took longer after it
-than its own time in it to reach the step (a sync before the step: ``GradScaler.step``'s inf check, a logged
-``loss.item()``; or the loop's own work): such a host finds the span done either way, a rank that waited for its
-peer included, so the answer tells nothing (a host-paced device is done at once).  An asked backward costs a Python
-frame at each end, two marks and two queries (each ``cuEventQuery`` ~12 µs of host time on an H100 host: the driver
-submits the queued work) and two frames an optimizer step: ~60 µs of host time against the usual path's ~8
+host reached the next optimizer step, no later after the span than the host's own time in it?  Where both say yes,
+the device ran what the span holds as the host launched it, and the wait is taken as the span less the host's time
+in it: the step's wait loses that host time less DDP's copies (which come off every step later), where positive, on
+its own row (an ``add_host`` on the open record: ``backward`` keeps it, the phases still add up; a window and a step
+line stop at zero).  A device that reached the span's start but waits, past it, for a collective that outlasts the
+host's launches (a rank waiting for a slower peer) is still in the span when the host reaches its optimizer step:
+nothing is taken (2 x H200, DDP, 200 parameter tensors, a peer sleeping every third step: the span's end was done at
+the optimizer step on no step of those that waited 2-39 ms, and on the host-paced ones that waited ~1.5 ms).  A
+device still behind the host at the span's start, caught up inside it, reads as much low.  The host's time is noted
+at both ends of the span (``perf_counter_ns``), the span ends in a callback after DDP's end-of-backward; the first
+question is ``engine.behind()`` asked right after that switch (one query of the span's start mark, never a wait; on
+the host clock no answer, nothing taken): :meth:`PacedSpans._settle`; the second a mark queued after the span's end,
+queried by torch's global optimizer step hooks (:meth:`PacedSpans._decide`), held only while the module is
+host-paced (a span inside the step, a closure's backward, is asked at its post-hook).  A span whose step reaches no
+optimizer step before the next span begins (a synced micro-batch) keeps its wait whole; so does one whose host took
+longer after it than its own time in it to reach the step (a sync before the step: ``GradScaler.step``'s inf check,
+a logged ``loss.item()``; or the loop's own work): such a host finds the span done either way, a rank that waited
+for its peer included, so the answer tells nothing (a host-paced device is done at once).  An asked backward costs a
+Python frame at each end, two marks and two queries (each ``cuEventQuery`` ~12 µs of host time on an H100 host: the
+driver submits the queued work) and two frames an optimizer step: ~60 µs of host time against the usual path's ~8
 (``benchmarks/comm_truth.py``, ``docs/benchmarks.md``).  So a steadily host-paced module coasts: ``STEADY`` asked
 backwards in a row whose host time was taken, and the next ``COAST_EVERY - 1`` each lose their own span's host time
 (less the copies) with no question asked (:meth:`PacedSpans._coast_start`, :meth:`PacedSpans._coast_end`: the two
 frames and the engine's two switches, no mark, no query), then one is asked again, and an answer that takes nothing
-stops the coasting (every backward is asked until ``STEADY`` in a row are taken again).  A rank that waits for a peer
-on a coasted step (a wait that comes once, between two asked backwards) reads low by its host time in the span on
-that step; a peer's lag that recurs (every third step, a rank that evaluates alone) keeps the module asking.  A
-coasted span ends after DDP's end-of-backward too, as an asked one: ended at backward's return, it also holds the
-host's time from there to that return, where the device idles (such spans read 0.8-2.0 ms a step over the blocked
-rule on 2 x H200, ``comm_nccl.py``'s ``host200``).  On a device the module asks from its first synced backward (no
-used-parameter map read inside the span, both questions askable), so a rank whose steps turn host-paced later in
-the run (a loaded host, a peer's lag that comes and goes) has them corrected; a device-bound loop, whose host is further ahead at the span's start than its own time in the span, answers "behind", and
-``PACED_OFF`` such answers in a row turn the usual path back into the engine's own switch (no Python frame).  Off, a
-sampled backward's copies whose last bucket the device had caught up with (every wait was over before the host had
-launched the copies; a rank whose device waits for its peers is still in a wait there) turn it on again, or, with no
-copies to time (bucket views), the answer itself on a span that ends in Python anyway (a sampled backward's, a
-composed hook's).  A sample whose last bucket's copies queued takes nothing and turns nothing.  Never under
-``find_unused_parameters``: DDP reads its used-parameter map on the host inside the span.  A device-bound loop's
-wait is the span, as without the questions.
+stops the coasting (every backward is asked until ``STEADY`` in a row are taken again).  A rank that waits for a
+peer on a coasted step (a wait that comes once, between two asked backwards) reads low by its host time in the span
+on that step; a peer's lag that recurs (every third step, a rank that evaluates alone) keeps the module asking.
+Likewise a device that falls behind its host, a second synced backward before the step's optimizer step, or a host
+that reaches the step late after the span (a ``loss.item()`` between them), on a coasted backward: a coasted span
+asks none of that and loses its host time all the same, until the next asked one.  A coasted span ends after DDP's
+end-of-backward too, as an asked one: ended at backward's return, it also holds the host's time from there to that
+return, where the device idles (such spans read 0.8-2.0 ms a step over the blocked rule on 2 x H200,
+``comm_nccl.py``'s ``host200``).  On a device the module asks from its first synced backward (no used-parameter map
+read inside the span, both questions askable), so a rank whose steps turn host-paced later in the run (a loaded
+host, a peer's lag that comes and goes) has them corrected; a device-bound loop, whose host is further ahead at the
+span's start than its own time in the span, answers "behind", and ``PACED_OFF`` such answers in a row turn the usual
+path back into the engine's own switch (no Python frame).  Off, a sampled backward's copies whose last bucket the
+device had caught up with (every wait was over before the host had launched the copies; a rank whose device waits
+for its peers is still in a wait there) turn it on again, or, with no copies to time (bucket views), the answer
+itself on a span that ends in Python anyway (a sampled backward's, a composed hook's).  A sample whose last bucket's
+copies queued takes nothing and turns nothing.  Never under ``find_unused_parameters``: DDP reads its used-parameter
+map on the host inside the span.  A device-bound loop's wait is the span, as without the questions.
 
 Why it matters beside DDP's copies: on a host-paced step the device runs the copies at the pace of their launches
 (3-5x their own time, 200 small copies on 2 x H200), and the span less the host's time takes that pace off whole;
@@ -92,13 +94,19 @@ class PacedSpans:
     def _paced_start(self) -> None:
         """The wait begins on the paced path (the usual path's start while the module asks, :meth:`_pace`): its host
         time is noted, and its end queued after DDP's end-of-backward."""
+        self._begin(self._paced_end)
+
+    def _begin(self, end: Any) -> None:
+        """A span begins in Python: the last span's question, unasked, dropped (its wait whole); the switch to the
+        wait; the host time noted; ``end`` queued after DDP's end-of-backward (queued before this one ran)."""
         engine = self._engine
         if engine is None:
             return
-        self._drop_deferred()
+        if self._deferred is not None:
+            self._drop_deferred()
         engine.switch(WAIT)
         self._h0 = time.perf_counter_ns()
-        self._queue_callback(self._paced_end)
+        self._queue_callback(end)
 
     def _paced_end(self) -> None:
         """After DDP's end-of-backward, on a host-paced module: the wait ends here (nothing is enqueued between
@@ -140,14 +148,15 @@ class PacedSpans:
         if behind is None:
             return None
         if behind:
-            self._steady = 0
+            self._unsteady()
             if self._paced:
                 self._cold += 1
                 if self._cold >= PACED_OFF:
                     self._pace(False)
             return None
         if kept_up is False:  # the last bucket's copies queued: the device waited past the host's launches
-            self._cold = self._steady = 0
+            self._cold = 0
+            self._unsteady()
             return None
         if not self._paced:  # a sample caught up, or (bucket views) the answer itself: on, where it can be asked
             if not self._asking:
@@ -157,9 +166,10 @@ class PacedSpans:
         run = self._run
         host_ms = (h1 - h0) / 1e6
         ms = host_ms - (run.module_copy_ms(self) if run is not None else 0.0)
-        if ms <= 0:
-            return None
-        return self._defer(ms, h1, host_ms)
+        held = self._defer(ms, h1, host_ms) if ms > 0 else None
+        if held is None:  # nothing to take: no answer that took the host time
+            self._unsteady()
+        return held
 
     def _defer(self, ms: float, h1: int, host_ms: float) -> list[Any] | None:
         """The second question (:meth:`_decide`): a mark queued now, after the span's end (the host left it at
@@ -190,6 +200,7 @@ class PacedSpans:
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             # the hooks stay, no-ops, until the path turns (torch is going through its global hooks: no removal)
             self._asking = False
+            self._unsteady()
             try:
                 warn(log, f"phase-timer: a host-paced wait is no longer corrected ({type(err).__name__}: {err}); "
                           "backward.comm_wait holds the whole span from here", 4)
@@ -217,12 +228,10 @@ class PacedSpans:
             return
         if not done or (reached - h1) / 1e6 > host_ms:
             self.paced_waiting += 1
-            self._steady = 0
+            self._unsteady()
             return
-        engine.add_host(WAIT, -ms)
+        self._take(engine, ms)
         held[2] = ms
-        self.paced_steps += 1
-        self.paced_ms += ms
         self._steady += 1
         if self._steady >= STEADY and self._inner is None:
             self._coasting()
@@ -235,7 +244,7 @@ class PacedSpans:
             held, clock = deferred[0], deferred[1]
             held[2] = 0.0
             clock.release([held[0]])
-            self._steady = 0
+            self._unsteady()
 
     def _pace(self, on: bool) -> None:
         """The usual path's start from the next synced backward: a Python callback that notes the span's host time
@@ -252,6 +261,14 @@ class PacedSpans:
         if Arm is not None and isinstance(self._armed, Arm):
             self._armed.callback = start
 
+    def _unsteady(self) -> None:
+        """An answer that takes nothing (or a question that can no longer be asked): the count of taken answers
+        starts anew, and a coasting module asks from its next synced backward."""
+        self._steady = 0
+        if self._coast:
+            self._coast = 0
+            self._set_start(self._paced_start)
+
     def _coasting(self) -> None:
         """STEADY asked spans in a row kept pace and were taken (at an optimizer step's hook, :meth:`_decide`): the
         next COAST_EVERY - 1 synced backwards coast (:meth:`_coast_start`), taken as kept pace unasked."""
@@ -263,15 +280,14 @@ class PacedSpans:
         the asked path, but no question asked -- no mark, no query (:meth:`_coast_end`); the last of COAST_EVERY - 1
         such backwards makes the next one an asked one (:meth:`_paced_start`), whose answers keep the module coasting
         or stop it."""
-        engine = self._engine
-        if engine is None:
+        if self._deferred is not None:  # a sample's question unanswered: no longer steady (_unsteady), this one asked
+            self._drop_deferred()
+        if not self._coast:
+            self._begin(self._paced_end)
             return
-        self._drop_deferred()
-        engine.switch(WAIT)
-        self._h0 = time.perf_counter_ns()
-        self._queue_callback(self._coast_end)
+        self._begin(self._coast_end)
         self._coast -= 1
-        if self._coast <= 0:
+        if not self._coast:
             self._set_start(self._paced_start)
 
     def _coast_end(self) -> None:
@@ -285,10 +301,14 @@ class PacedSpans:
         run = self._run
         ms = (h1 - h0) / 1e6 - (run.module_copy_ms(self) if run is not None else 0.0)
         if ms > 0:
-            engine.add_host(WAIT, -ms)
-            self.paced_steps += 1
-            self.paced_ms += ms
+            self._take(engine, ms)
             self.coasted_steps += 1
+
+    def _take(self, engine: Any, ms: float) -> None:
+        """The span's wait loses ``ms`` of host time, on the record still open (its own row, not ``backward``'s)."""
+        engine.add_host(WAIT, -ms)
+        self.paced_steps += 1
+        self.paced_ms += ms
 
     def _unhook_optimizer(self) -> None:
         """The global optimizer hooks off (the last question, if any, unasked: that wait stays whole)."""

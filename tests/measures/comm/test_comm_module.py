@@ -579,7 +579,8 @@ def test_a_steadily_host_paced_module_coasts_unasked_and_asks_one_backward_in_co
     for i in range(comm_paced.COAST_EVERY - 1):  # each coasted span loses its own host time
         host = 2.0 + 0.25 * i
         assert backward(host) == [*PACED, ("add_host", WAIT, pytest.approx(-(host - 0.5))), ("switch", "optimizer")]
-    assert ("behind",) not in engine.calls and (clock.asked, clock._n) == (asked, marks) and not clock.live
+        assert ("behind",) not in engine.calls  # engine.calls holds this backward's alone
+    assert (clock.asked, clock._n) == (asked, marks) and not clock.live
     assert probe.coasted_steps == comm_paced.COAST_EVERY - 1
     assert start_queued(probe) == probe._paced_start  # the next one is asked
     assert backward(3.0) == [*PACED, ("add_host", WAIT, pytest.approx(-2.5)), ("switch", "optimizer")]
@@ -596,6 +597,46 @@ def test_a_steadily_host_paced_module_coasts_unasked_and_asks_one_backward_in_co
     assert probe.paced_steps == (comm_paced.STEADY - 1) + comm_paced.STEADY + 2 + probe.coasted_steps  # asked + coasted
     probe.bind(None)
     assert (probe._coast, probe._steady, probe.coasted_steps) == (0, 0, 0)
+
+
+def test_any_answer_that_takes_nothing_stops_the_coasting_at_once(monkeypatch) -> None:
+    """While coasting, a sampled backward's answer that takes nothing (its copies queued: the device waited past the
+    host's launches), a failure asking at the optimizer step, or a span with nothing to take, makes the very next
+    synced backward an asked one, and the count of taken answers starts anew."""
+    probe, engine, backward = paced_probe(monkeypatch, copies_ms=0.5)
+    clock = backward.clock
+
+    def coast() -> None:  # asked backwards until coasting, then one coasted
+        for _ in range(comm_paced.STEADY):
+            if start_queued(probe) == probe._coast_start:
+                break
+            backward(2.5)
+        assert start_queued(probe) == probe._coast_start
+        backward(2.5)  # one coasted
+        assert probe._coast == comm_paced.COAST_EVERY - 2
+
+    coast()
+    assert backward(2.5, kept_up=False) == [*PACED, ("switch", "optimizer")]  # a sample: the device waited
+    assert start_queued(probe) == probe._paced_start and (probe._coast, probe._steady) == (0, 0)
+    asked = clock.asked
+    backward(2.5)
+    assert clock.asked == asked + 1  # asked
+    coast()
+    assert backward(0.25) == [*PACED, ("switch", "optimizer")]  # coasted, but nothing to take (0.25 - 0.5 < 0)
+    assert start_queued(probe) == probe._coast_start  # a coasted span's own host time asks nothing
+    backward(0.25, kept_up=True)  # a sample that caught up, with nothing to take: no answer took the host time
+    assert start_queued(probe) == probe._paced_start and probe._steady == 0
+    coast()
+
+    def fails(mark: int) -> bool:
+        raise RuntimeError("device in error")
+
+    backward(2.5, kept_up=True)  # a sample whose question is asked at the optimizer step
+    clock.done = fails
+    with pytest.warns(RuntimeWarning, match="no longer corrected"):
+        backward(2.5, kept_up=True)
+    assert not probe._asking and start_queued(probe) == probe._paced_start and probe._coast == 0
+    probe.bind(None)
 
 
 def test_a_composed_hook_s_module_never_coasts(monkeypatch) -> None:
