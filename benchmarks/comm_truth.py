@@ -225,7 +225,7 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
         wall=t_wall, copies=truth["copies"] if profile else float("nan"),
         copies_run=truth["copies_run"] if profile else float("nan"),
         split_us=[sorted(v)[len(v) // 2] / 1e3 if v else 0.0 for v in spent],
-        parts={k: (sorted(v)[len(v) // 2] / 1e3, len(v)) for k, v in parts.items()}, paced=paced,
+        parts={k: (sorted(v)[len(v) // 2] / 1e3, len(v)) for k, v in parts.items() if v}, paced=paced,  # called parts
     )
 
 

@@ -198,8 +198,12 @@ def test_the_sampled_step_host_cost_and_the_amortized_cost(tmp_path):
     print("MODULES cost", {k: round(v, 2) for k, v in cost.items()})
     print("MODULES breakdown", {k: round(v, 1) for k, v in breakdown(args, reps=60).items()})
     assert cost["samples_read"] == args.reps and cost["groups"] == 5
-    # over a 10,000-step run, its dense samples counted (modules_cost.RUN_STEPS), and over the mean gap alone
-    assert cost["amortized_us_per_step"] <= 5.0 and cost["amortized_long_us"] <= 5.0
+    # what a sample does on CUDA: every group's rows, a mark at each hooked call, the allocator read on one sample in
+    # ACT_EVERY, its own host time counted by the measure; the figures (the ≤ 5 µs a step target) are the
+    # benchmark's, recorded in benchmarks/results/modules_cost_*.txt: a test checks behaviour, not timings
+    assert cost["rows"] == 10 and cost["hooked_modules"] > cost["rows"]
+    assert cost["marks"] > 0 and cost["node_hooks"] > 0 and cost["reads"] > 0 and cost["own_us"] > 0
+    assert cost["run_samples"] > cost["run_steps"] / cost["gap_mean"]  # the dense first samples are counted
 
 
 def test_no_sync_on_a_sampled_step():
