@@ -28,6 +28,7 @@ import torch
 
 import phase_timer.timing.engine
 from phase_timer.timing.clock import CudaClock, HostClock, NativeCudaClock
+from phase_timer.measures.memory import Memory
 from phase_timer.run.core import TimingCore
 from phase_timer.outputs.sinks import BackgroundSink, SummaryWriterSink, open_event_file
 
@@ -140,7 +141,8 @@ def core_step(n: int, sink: str, window: int, clock_type: type, engine: str = "C
 
         sinks.append(BackgroundSink(SummaryWriterSink(SummaryWriter(tmp), owned=True), "tensorboard"))
     with python_engine() if engine == "Python" else contextlib.nullcontext():
-        core = TimingCore(clock_type(), sinks, window=window, warmup_steps=0, max_pending=64)
+        clock = clock_type()  # memory per phase listens, as on a door's core
+        core = TimingCore(clock, sinks, window=window, warmup_steps=0, max_pending=64, measures=Memory.listening(clock))
     assert (type(core._engine).__name__ == "PyEngine") == (engine == "Python" or clock_type is CudaClock)
     cuda = clock_type is not HostClock
     x = torch.randn(256, 256, device="cuda") if cuda else None
@@ -196,7 +198,9 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
         b.FLIGHT_EVERY = 1 if mode == "in flight" else 10**9
         dense, mm.DENSE = mm.DENSE, 10**9  # memory: every step read (in its mode)
         try:
-            core = TimingCore(clock_type(), [], window=50, warmup_steps=0, max_pending=64, memory=mode == "memory")
+            clock = clock_type()
+            core = TimingCore(clock, [], window=50, warmup_steps=0, max_pending=64,
+                              measures=Memory.listening(clock) if mode == "memory" else [])
             bounds = Boundaries(core)
             state = {"i": 0}
             count = None

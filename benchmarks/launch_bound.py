@@ -38,6 +38,7 @@ import phase_timer.timing.engine  # noqa: E402
 from benchmarks.host_cost import print_and_save, python_engine  # noqa: E402
 from benchmarks.models import LAUNCH_BOUND, Cycle, make_batches, make_model, plain_step  # noqa: E402
 from phase_timer.timing.clock import make_clock  # noqa: E402
+from phase_timer.measures.memory import Memory  # noqa: E402
 from phase_timer.run.core import TimingCore  # noqa: E402
 from phase_timer.outputs.sinks import open_event_file  # noqa: E402
 
@@ -288,7 +289,9 @@ def main() -> None:
 
     def core_only(lag: int) -> Callable[[], None]:
         sink = open_event_file(tempfile.mkdtemp(), per_step=False)
-        core = cores[lag] = TimingCore(make_clock(DEV), [sink], window=50, warmup_steps=0, max_pending=64, poll_lag=lag)
+        clock = make_clock(DEV)  # memory per phase listens, as on a door's core
+        core = cores[lag] = TimingCore(clock, [sink], window=50, warmup_steps=0, max_pending=64, poll_lag=lag,
+                                       measures=Memory.listening(clock))
 
         def run() -> None:
             for i, batch in enumerate(loader):

@@ -401,7 +401,7 @@ def test_a_hot_loop_times_every_step_with_the_resolver_thread():
     marks[-1].synchronize()  # HOST-DEVICE SYNC: the test's own, before the loop
     device_ns = marks[0].elapsed_time(marks[-1]) * 1e6 / 200  # the device's time for one step's five marks
     pace_ns = int(1.5 * device_ns)
-    core = TimingCore(NativeCudaClock(), [], window=50, warmup_steps=0, max_pending=64, memory=False)
+    core = TimingCore(NativeCudaClock(), [], window=50, warmup_steps=0, max_pending=64)
     assert core._engine.threaded
     n = 5000
     now = time.perf_counter_ns

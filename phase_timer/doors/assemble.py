@@ -123,7 +123,7 @@ def start_core(
         clock, out.sinks, window=window, warmup_steps=config.warmup_steps, max_pending=config.max_pending,
         per_step=config.per_step, nvtx=config.nvtx,
         trace=config.make_trace(out.log_dir or out.summary_dir or trace_dir, clock.kind) if rank_zero else None,
-        ranks=ranks, memory=False,  # registered below, with the others
+        ranks=ranks,  # the measures, memory's too, are registered below
     )
     # The run's directory for memory_snapshot's file (rank zero's; the others learn it through the store, as they
     # learn where to write their own summary should they run out of memory).

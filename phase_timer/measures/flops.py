@@ -25,7 +25,6 @@ without ``set_stance`` (< 2.6) cannot count safely once anything is compiled: it
 from __future__ import annotations
 
 import contextlib
-import operator
 import dataclasses
 import logging
 import threading
@@ -46,9 +45,6 @@ COUNTED, GIVEN = "counted", "given"
 #: Distinct batch shapes counted at most; after that a new shape is not counted (each count costs an
 #: untimed step, so a loader whose every batch has its own length must not count every step).
 MAX_SHAPES = 8
-#: A batch's signature names at most this many tensors; a larger batch's signature ends with "...".
-_MAX_LEAVES = 64
-_MAX_DEPTH = 6
 #: torch.compile(module) warns that ModuleTracker's global hooks (FlopCounterMode's) fire twice: harmless here.
 _GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
 
@@ -121,58 +117,10 @@ def check_peak_arg(owner: str, value: Any, name: str = "peak_tflops") -> float |
     return None if value is None else float(value)
 
 
-_SHAPE = operator.attrgetter("shape")
-
-
-def signature(batch: Any) -> tuple[Any, ...]:
-    """The shapes of the tensors in ``batch`` (nested dicts, lists, tuples, dataclasses), and where they sit:
-    equal signatures mean equal FLOPs.  Reads only host metadata (no sync); other leaves give their type."""
-    kind = type(batch)
-    if kind is torch.Tensor:
-        return (batch.shape,)
-    # The usual batches, a dict or a tuple of tensors, in one pass of C-level calls: a door calls this every
-    # step.  (An item without .shape, a nested one: the walk below.  An array's .shape is a shape too.)
-    try:
-        if kind is dict:
-            return (*batch, *map(_SHAPE, batch.values()))
-        if kind is tuple or kind is list:
-            return (len(batch), *map(_SHAPE, batch))
-    except AttributeError:
-        pass
-    out: list[Any] = []
-    _walk(batch, out, 0)
-    return tuple(out)
-
-
-def _walk(obj: Any, out: list[Any], depth: int) -> None:
-    if len(out) >= _MAX_LEAVES:
-        if out[-1] != "...":
-            out.append("...")
-        return
-    if isinstance(obj, torch.Tensor):
-        out.append(obj.shape)
-    elif depth >= _MAX_DEPTH:
-        out.append(type(obj).__name__)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            out.append(key if isinstance(key, (str, int)) else type(key).__name__)
-            _walk(value, out, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        out.append(len(obj))
-        for value in obj:
-            _walk(value, out, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            out.append(f.name)
-            _walk(getattr(obj, f.name), out, depth + 1)
-    else:
-        out.append(type(obj).__name__)
-
-
 class FlopCounter:
     """One run's FLOP counts: one per batch signature, counted on a step the door chooses.
 
-    A door, at a step's first boundary (before the forward), with ``sig = signature(batch)``::
+    A door, at a step's first boundary (before the forward), with ``sig = signature(batch)`` (``phase_timer.signature``)::
 
         flops = counter.known(sig)              # the count for this shape, or the given one, or None
         if counter.wants(sig) and <this step may go untimed>:

@@ -305,6 +305,10 @@ class Syncs(Measure):
         self.other_threads = 0
         self.paused = 0
 
+    def census(self, phase_now: Any) -> SyncCensus:
+        """A census for the boundaries to start and stop (``phase_now()``: the phase that runs)."""
+        return SyncCensus(phase_now)
+
     def add(self, census: SyncCensus, step: int) -> None:
         """What the census heard on warm-up step ``step``."""
         if census.status == "not run":

@@ -1,8 +1,8 @@
 """The boundaries' side of what a batch holds: its samples and tokens (throughput) and, at a step's first batch,
 its FLOPs (the FLOP plan), both counted from shapes on the host, never from values: no sync.
 
-The counter and the plan are the core's measures' (``measures/throughput.py``, ``measures/step_flops.py``); a shape
-not yet counted is counted on its step, which goes untimed (the boundaries' ``_count_step`` swaps in the counting
+The counter and the plan are the core's measures' (``measures/throughput.py``, ``measures/step_flops.py``), found
+by their summary blocks' keys (``throughput``, ``flops``): the run imports no measure.  A shape not yet counted is counted on its step, which goes untimed (the boundaries' ``_count_step`` swaps in the counting
 step's class, ``run/sampled.py``).
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phase_timer.measures.flops import signature
-from phase_timer.measures.step_flops import FlopPlan
-from phase_timer.measures.throughput import BatchCounter, RunThroughput
+from phase_timer.signature import signature
 
 
 class BatchCounts:
@@ -20,10 +18,12 @@ class BatchCounts:
 
     __slots__ = ()
 
-    def _find_counts(self, measures: Any) -> None:
-        #: Throughput's counter and the FLOP plan, among the core's measures (None: not counted).
-        self.counter: BatchCounter | None = next((m.counter for m in measures if isinstance(m, RunThroughput)), None)
-        self.flops: FlopPlan | None = next((m for m in measures if isinstance(m, FlopPlan)), None)
+    def _find_counts(self, core: Any) -> None:
+        #: Throughput's counter (``throughput.BatchCounter``) and the FLOP plan (``step_flops.FlopPlan``), the core's
+        #: measures' (None: not counted).
+        throughput = core.measure("throughput")
+        self.counter: Any = throughput.counter if throughput is not None else None
+        self.flops: Any = core.measure("flops")
 
     def count_batch(self, batch: Any, step_batch: Any = None, samples: bool = True) -> None:
         """A batch was handed over (after :meth:`batch`): its samples and tokens, and at a step's first batch

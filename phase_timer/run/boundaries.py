@@ -20,7 +20,7 @@ from typing import Any
 from phase_timer._env import native_wanted, warn_once
 from phase_timer.run.core import TimingCore
 from phase_timer.timing.engine import POLL_EVERY
-from phase_timer.measures.flops import signature
+from phase_timer.signature import signature
 from phase_timer.phases import BACKWARD, BETWEEN, FETCH, FORWARD, H2D, IDLE, OPTIMIZER, PAUSED, after_end
 from phase_timer.run.batch_counts import BatchCounts
 from phase_timer.run.census_steps import CensusSteps
@@ -135,11 +135,11 @@ class Boundaries(BatchCounts, MemorySteps, CensusSteps, ModuleSteps):
         self._samples = 0  # sampled steps started
         self._sample_in = warmup + sample_gap(self._rng, 0) - 1  # closes until the next sampled step begins
         core.signals.sample_gap = sum(SAMPLE_GAP) / 2  # what a long run pays for them (the own-cost line)
-        self._plan_memory(core.measures)  # memory (CUDA only): a memory step reads the allocator at each boundary
+        self._plan_memory(core)  # memory (CUDA only): a memory step reads the allocator at each boundary
         self._step = 0  # the step index the door gave the last step begun
         self._plan_census(core, warmup)  # the sync census (device clock): on the last warm-up step
-        self._plan_modules(core.measures)  # which module: hooks on the model on its sampled steps
-        self._find_counts(core.measures)  # what counts each batch: throughput's counter and the FLOP plan
+        self._plan_modules(core)  # which module: hooks on the model on its sampled steps
+        self._find_counts(core)  # what counts each batch: throughput's counter and the FLOP plan
         self._hot(core._engine)
 
     def _hot(self, engine: Any, native: bool = True) -> None:

@@ -1,8 +1,9 @@
 """The boundaries' side of the sync census: on the last warm-up step, from the close before it to its own.
 
-The census itself (:class:`phase_timer.measures.syncs.SyncCensus`) turns torch's sync debug mode on and hears
-each host-device sync in the phase the boundaries say runs, and what it heard goes to the measure that listens to
-the core (:class:`phase_timer.measures.syncs.Syncs`; a core without one runs no census); :class:`CensusSteps`
+The census itself (:class:`phase_timer.measures.syncs.SyncCensus`, made by the measure that listens to the core,
+:class:`phase_timer.measures.syncs.Syncs`, the core's ``syncs``; a core without one runs no census) turns torch's
+sync debug mode on and hears each host-device sync in the phase the boundaries say runs, and what it heard goes back
+to that measure; :class:`CensusSteps`
 starts and stops it at the closes, on the boundaries' slots (``_census``; ``_census_at``: the close, 1-based, at which it starts, then stops,
 which the C boundaries read to leave that close to the methods).
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from phase_timer.measures.syncs import SyncCensus, Syncs
 
 
 class CensusSteps:
@@ -21,9 +21,9 @@ class CensusSteps:
 
     def _plan_census(self, core: Any, warmup: int) -> None:
         """Where the census runs (device clock, two warm-up steps at least), or why it does not."""
-        self._census: SyncCensus | None = None
+        self._census: Any = None
         self._census_at = -1
-        syncs = core.measure(Syncs.key)
+        syncs = core.measure("syncs")
         if syncs is None:  # no measure listens for it
             return
         if core.clock.kind == "host":
@@ -31,7 +31,7 @@ class CensusSteps:
         elif warmup < 2:
             syncs.status = f"not run: it needs a warm-up step after the first (warmup_steps={warmup} < 2)"
         else:
-            self._census, self._census_at = SyncCensus(self.now), warmup - 1
+            self._census, self._census_at = syncs.census(self.now), warmup - 1
 
     def _census_unless_running(self) -> None:
         """No step follows the next close: a census not yet running is not started there."""
@@ -51,4 +51,4 @@ class CensusSteps:
         census, self._census, self._census_at = self._census, None, -1
         if census is not None:
             census.stop()
-            self.core.measure(Syncs.key).add(census, self.core.warmup_steps)
+            self.core.measure("syncs").add(census, self.core.warmup_steps)

@@ -20,7 +20,6 @@ from phase_timer.timing.clock import Clock
 from phase_timer.diagnosis import Diagnosis, Signals, diagnose
 from phase_timer.timing.engine import POLL_EVERY, make_engine
 from phase_timer.measure import Measure
-from phase_timer.measures.memory import Memory, MemoryTracker, tracker_of
 from phase_timer.outputs.table import files_line, format_own_cost, run_table
 from phase_timer.outputs.tags import (
     IN_FLIGHT_TAG,
@@ -69,7 +68,6 @@ class TimingCore:
         nvtx: bool = False,
         trace: TraceWriter | None = None,
         ranks: RankExchange | None = None,
-        memory: bool = True,
         measures: Sequence[Measure] = (),
     ) -> None:
         self.clock = clock
@@ -82,12 +80,10 @@ class TimingCore:
         self._window_size = window
         self._warmup = warmup_steps
         self.totals = RunTotals()
-        #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called: ``measures``, after
-        #: memory per phase with ``memory=True`` (a core made by hand reads it, as the doors' do; their assembly
-        #: passes False and registers it with the others) where the device has an allocator to read.
-        found = Memory.start(clock, ranks) if memory else None
-        self.measures: list[Measure] = [found] if found is not None else []
-        self.measures += measures
+        #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called: ``measures`` (the
+        #: doors' assembly registers them, ``doors/assemble.py``; a core made by hand that reads memory per phase is
+        #: given ``measures.memory.Memory.start(clock)``).  The core imports none: it finds one by its key.
+        self.measures: list[Measure] = list(measures)
         self._rows: list[tuple[int, dict[str, float]]] = []  # values of steps the windows have not reached yet
         #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.
         self.series = WindowSeries()
@@ -465,22 +461,24 @@ class TimingCore:
             return None
         return files_line(self.log_dir, self.outputs_missing, self.summary_path)
 
-    # -- memory per phase, as a caller holding the core reads it (the Memory measure's) ---------------------
+    # -- memory per phase, as a caller holding the core reads it (the ``memory`` measure's) -----------------
     @property
-    def memory(self) -> MemoryTracker | None:
-        """The memory measure's tracker (None: memory not read, as on the host clock or with ``memory=False``)."""
-        return tracker_of(self.measures)
+    def memory(self) -> Any:
+        """The memory measure's tracker (``measures.memory.MemoryTracker``; None: memory not read, as on the host
+        clock, with ``memory=False``, or on a core made without the measure)."""
+        found = self.measure("memory")
+        return found.tracker if found is not None else None
 
     def memory_summary(self) -> dict | None:
         """Memory per phase as the summary file and the rules read it (None: not read)."""
-        found = self.measure(Memory.key)
+        found = self.measure("memory")
         return found.summary() if found is not None else None
 
     @property
     def memory_us_per_step(self) -> float | None:
         """Memory's share of the own cost: all its host time, over the steps begun (None: not read)."""
-        found = self.measure(Memory.key)
-        return found.us_per_step(self.steps_begun) if isinstance(found, Memory) else None
+        found = self.measure("memory")
+        return found.us_per_step(self.steps_begun) if found is not None else None
 
     def own_cost_line(self) -> str | None:
         """"phase-timer's own host time: X µs/step (Y% of period): ordinary steps ...", or None before a sampled step."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from phase_timer.measures.memory import tracker_of
 from phase_timer.outputs.tags import memory_scalars
 
 
@@ -21,9 +20,10 @@ class MemorySteps:
 
     __slots__ = ()
 
-    def _plan_memory(self, measures: Any) -> None:
-        """The Memory measure's tracker among the core's measures (None: memory is not read)."""
-        self._mem = tracker_of(measures)
+    def _plan_memory(self, core: Any) -> None:
+        """The Memory measure's tracker (``memory.MemoryTracker``), the core's ``memory`` (None: memory is not read)."""
+        memory = core.measure("memory")
+        self._mem = memory.tracker if memory is not None else None
         self._mem_on = False  # this step is a memory step
         self._mem_due = self._mem.next_due if self._mem is not None else 0
 

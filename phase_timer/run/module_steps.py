@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from phase_timer.measures.modules import ModuleTimes
-
 #: ``_mod_due`` when no sample will come (off, failed, or no model to hook).
 NEVER = 1 << 62
 
@@ -25,9 +23,10 @@ class ModuleSteps:
 
     __slots__ = ()
 
-    def _plan_modules(self, measures: Any) -> None:
-        """The modules measure among the core's measures, and the first step Python is wanted for."""
-        self._mods: ModuleTimes | None = next((m for m in measures if isinstance(m, ModuleTimes)), None)
+    def _plan_modules(self, core: Any) -> None:
+        """The modules measure (``modules.ModuleTimes``), the core's ``modules``, and the first step Python is wanted
+        for."""
+        self._mods: Any = core.measure("modules")
         self._mod_on = False
         self._mod_after = 0  # the step (begun) after a gated sample, untimed too; 0: none
         self._mod_due = self._mod_wants()

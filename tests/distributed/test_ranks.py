@@ -487,7 +487,7 @@ def test_each_rank_sends_its_own_data_wait_s_exposed_part_on_a_device_clock(stor
 
     namespace = f"phase_timer/exposed/{device}"
     cores = [TimingCore(FakeClock(tick_ms=1.0) if device else HostClock(), [], window=5, warmup_steps=0,
-                        max_pending=64, memory=False, ranks=RankExchange(store.clone(), r, 2, namespace))
+                        max_pending=64, ranks=RankExchange(store.clone(), r, 2, namespace))
              for r in range(2)]
     for step in range(20):
         for rank, core in enumerate(cores):

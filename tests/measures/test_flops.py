@@ -19,10 +19,10 @@ from phase_timer.measures.flops import (
     check_flops_arg,
     check_peak_arg,
     gpt2_flops_per_token,
-    signature,
 )
 from phase_timer.measures.mfu import format_mfu, format_no_flops, format_no_peak, mfu, mfu_advice, step_mfu
 from phase_timer.measures.peaks import Peak, peak_tflops, precision_key, tf32_allowed
+from phase_timer.signature import signature
 
 M = 8  # rows of the batch
 WIDTHS = (16, 32, 32, 4)  # a stack of three Linear layers: 16 -> 32 -> 32 -> 4

@@ -33,6 +33,11 @@ pytestmark = pytest.mark.timeout(300)
 ACT, TEMP = 100.0, 512.0  # MB: what forward keeps for backward; a temporary planted in one phase
 
 
+
+def with_memory(clock, sinks, **kw) -> TimingCore:
+    """A core made by hand with memory per phase listening (the doors' assembly registers it with the others)."""
+    return TimingCore(clock, sinks, measures=memory_mod.Memory.listening(clock), **kw)
+
 @pytest.fixture
 def fake(monkeypatch) -> FakeAllocator:
     """The allocator every timer made in the test reads (also on the host clock, where memory is otherwise absent)."""
@@ -73,7 +78,7 @@ def drive(bounds: Boundaries, fake: FakeAllocator, steps: int, *, temp_in: str |
 
 
 def timed(fake: FakeAllocator, steps: int, *, warmup: int = 5, **kw) -> TimingCore:
-    core = TimingCore(HostClock(), [ListSink()], window=50, warmup_steps=warmup, max_pending=8)
+    core = with_memory(HostClock(), [ListSink()], window=50, warmup_steps=warmup, max_pending=8)
     drive(Boundaries(core), fake, steps, **kw)
     core.finish()
     return core
@@ -113,7 +118,7 @@ def test_a_peak_set_after_a_step_and_before_the_next_is_between_steps(fake):
 
 
 def test_a_peak_set_on_a_step_not_read_is_between_samples(fake, monkeypatch):
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
     bounds = Boundaries(core)
     read_at = []
     orig = core.memory.begin
@@ -132,7 +137,7 @@ def test_a_peak_set_on_a_step_not_read_is_between_samples(fake, monkeypatch):
 def test_memory_steps_are_dense_first_then_one_in_about_64_and_never_the_verdicts(fake, monkeypatch):
     import phase_timer.run.boundaries as b
 
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
     bounds = Boundaries(core)
     memory_steps, verdict_steps = [], []
     orig = core.memory.begin
@@ -154,7 +159,7 @@ def test_memory_steps_are_dense_first_then_one_in_about_64_and_never_the_verdict
 
 def test_a_memory_steps_scalars_go_to_the_sinks_at_its_step(fake):
     sink = ListSink()
-    core = TimingCore(HostClock(), [sink], window=50, warmup_steps=0, max_pending=8)
+    core = with_memory(HostClock(), [sink], window=50, warmup_steps=0, max_pending=8)
     drive(Boundaries(core), fake, 5)
     core.finish()
     rows = [(step, s) for step, s in sink.writes if "phase_memory/step_begin_mb" in s]
@@ -312,7 +317,7 @@ def test_memory_is_absent_on_the_host_clock_and_with_memory_false(tmp_path):
     summary = json.load(open(timer.summary_path))
     table = timer.last_summary.rsplit("\nfiles: ", 1)[0]  # (the files line names the test's directory)
     assert summary["memory"] is None and "memory" not in table
-    assert TimingCore(HostClock(), [], window=5, warmup_steps=0, max_pending=2, memory=False).memory is None
+    assert TimingCore(HostClock(), [], window=5, warmup_steps=0, max_pending=2).memory is None
 
 
 def test_memory_must_be_a_bool():
@@ -434,13 +439,13 @@ def test_memorys_host_time_is_counted_in_the_own_cost(fake):
     assert own["memory_us_per_step"] == pytest.approx(mem_us)
     parts = own["ordinary_us"] + own["windows_us_per_step"] + own["sampling_us_per_step"] + mem_us
     assert core.own_us_per_step == pytest.approx(parts)
-    off = TimingCore(HostClock(), [], window=5, warmup_steps=0, max_pending=2, memory=False)
+    off = TimingCore(HostClock(), [], window=5, warmup_steps=0, max_pending=2)
     assert off.memory_us_per_step is None
 
 
 # -- what the review found: the run's end, a user's reset, steps that never end, pauses, user phases ----
 def test_a_spike_after_the_last_memory_step_is_in_the_runs_peak(fake):
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
     drive(Boundaries(core), fake, 300, temp_in="forward", temp_at={298})
     mem = core.memory_summary()  # the run's end reads the counters once
     assert mem["peak_allocated_mb"] == pytest.approx(1260 + ACT + TEMP)
@@ -448,7 +453,7 @@ def test_a_spike_after_the_last_memory_step_is_in_the_runs_peak(fake):
 
 
 def test_a_users_reset_of_the_peak_neither_lowers_the_runs_peak_nor_fakes_a_new_one(fake):
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
     bounds = Boundaries(core)
     drive(bounds, fake, 3, temp_in="forward", temp_at={1}, finish=False)  # a 512 MB peak at step 1, read (dense)
     for i in range(3, 103):
@@ -461,7 +466,7 @@ def test_a_users_reset_of_the_peak_neither_lowers_the_runs_peak_nor_fakes_a_new_
 
 
 def test_a_step_that_never_ends_stops_reading(fake):
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=0, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=0, max_pending=8)
     bounds = Boundaries(core)
     for i in range(500):  # batches that never step: micro-batches of one endless step
         bounds.fetch()
@@ -473,7 +478,7 @@ def test_a_step_that_never_ends_stops_reading(fake):
 
 
 def test_a_peak_in_a_pause_is_the_pauses(fake):
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=5, max_pending=8)
     bounds = Boundaries(core)
     drive(bounds, fake, 40, finish=False)
     bounds.pause()  # validation, on a step that was not read
@@ -484,7 +489,7 @@ def test_a_peak_in_a_pause_is_the_pauses(fake):
 
 
 def test_a_peak_in_a_user_phase_is_named_after_it(fake):
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=0, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=0, max_pending=8)
     bounds = Boundaries(core)
     for i in range(6):
         bounds.fetch()
@@ -502,7 +507,7 @@ def test_a_peak_in_a_user_phase_is_named_after_it(fake):
 
 
 def test_memory_between_micro_batches_is_idle_not_the_optimizers(fake):
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=0, max_pending=8)
+    core = with_memory(HostClock(), [], window=50, warmup_steps=0, max_pending=8)
     bounds = Boundaries(core)
     for i in range(6):
         for micro in range(2):
@@ -527,7 +532,7 @@ def test_memory_values_reach_the_sinks_in_step_order(fake):
     from tests.fakes import FakeClock
 
     sink = ListSink()
-    core = TimingCore(FakeClock(lag=3), [sink], window=5, warmup_steps=0, max_pending=16)
+    core = with_memory(FakeClock(lag=3), [sink], window=5, warmup_steps=0, max_pending=16)
     drive(Boundaries(core), fake, 60)
     core.finish()
     steps = [s for s, _ in sink.writes]

@@ -501,7 +501,7 @@ def _core(measures: list[Any]) -> Any:
     from phase_timer.run.core import TimingCore
     from phase_timer.timing.clock import HostClock
 
-    return TimingCore(HostClock(), [], window=10, warmup_steps=0, max_pending=8, memory=False, measures=measures)
+    return TimingCore(HostClock(), [], window=10, warmup_steps=0, max_pending=8, measures=measures)
 
 
 def test_the_error_is_the_measures_its_summary_block_and_the_verdicts_keyword():

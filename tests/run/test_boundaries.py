@@ -193,7 +193,9 @@ def _replay(ops: list[tuple], native: bool, seed: int, memory: bool) -> tuple[li
     if memory:  # memory steps too (their boundaries read an allocator: a fake one here)
         memory_mod.reader_for = lambda clock: (alloc.read, alloc.info)
     try:
-        core = TimingCore(HostClock(), [Collect()], window=7, warmup_steps=3, max_pending=64, per_step=True)
+        clock = HostClock()
+        core = TimingCore(clock, [Collect()], window=7, warmup_steps=3, max_pending=64, per_step=True,
+                          measures=memory_mod.Memory.listening(clock))
     finally:
         memory_mod.reader_for = reader_for
     assert (core.memory is not None) == memory

@@ -90,7 +90,7 @@ def test_each_part_of_the_line_is_what_was_planted(planted, steps, monkeypatch):
     # the line holds over the run that an ordinary last step's close does not: about 1 in 100 schedules of 600 steps.)
     monkeypatch.setattr(boundaries_mod, "random", SimpleNamespace(Random=lambda: random.Random(0)))
     clock = HourMarks(planted["hours"])
-    core = TimingCore(clock, [], window=10, warmup_steps=5, max_pending=8)
+    core = TimingCore(clock, [], window=10, warmup_steps=5, max_pending=8, measures=memory_mod.Memory.listening(clock))
     bounds = Boundaries(core)
     marks_before = None
     for i in range(steps):
@@ -158,7 +158,7 @@ def test_the_line_agrees_with_host_costs_figure_for_the_same_loop():
     """host_cost.py's figure for a step through the boundaries is the whole loop's time a step (the loop does
     nothing else); the line's estimate of the same run is phase-timer's own share of it: at most about all of it,
     and most of it (the rest is the loop's own calls).  The sampled steps alone read 3-5x the whole loop here."""
-    core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=64, memory=False)
+    core = TimingCore(HostClock(), [], window=50, warmup_steps=5, max_pending=64)
     bounds = Boundaries(core)
     state = {"i": 0}
 

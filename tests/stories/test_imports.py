@@ -140,3 +140,13 @@ def test_every_folder_of_the_package_is_a_layer():
 def test_no_module_imports_from_a_layer_above_its_own():
     ups = upward_imports(import_graph())
     assert not ups, "imports up the layers (docs/design.md's map):\n" + "\n".join(ups)
+
+
+def test_the_run_finds_its_measures_by_key_and_imports_none():
+    # The boundaries and the core take the memory tracker, the counters, the census and the modules measure from
+    # the core's measures by their summary blocks' keys (``core.measure("memory")``): no module of run/ imports one
+    # of measures/ (the run's conclusion, conclude.py, still reaches them through diagnosis/ and outputs/).
+    graph = import_graph()
+    direct = sorted(f"{src} -> {dst}" for src, dsts in graph.items() if src.startswith("phase_timer.run.")
+                    for dst in dsts if dst.startswith("phase_timer.measures."))
+    assert direct == []
