@@ -169,7 +169,7 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
             hook = lambda armed: timed(timed(armed, 0), 2)  # noqa: E731
         else:  # instance attributes: the path calls them through self
             hook = lambda armed: nested(armed, "hook")  # noqa: E731
-            for name in ("_paced_start", "_coast_start", "_paced_end", "_settle", "_defer", "_decide",
+            for name in ("_paced_start", "_coast_start", "_paced_end", "_coast_end", "_settle", "_defer", "_decide",
                          "_drop_deferred"):
                 setattr(probe, name, nested(getattr(probe, name), name.strip("_")))
             probe._engine = _Timed(probe._engine, ("switch", "behind", "add_host"), timed)
@@ -326,7 +326,7 @@ def main() -> None:
         (inner, n), (outer, _) = r["parts"].get(name, (0.0, 0)), r["parts"].get(name + "/outer", (0.0, 0))
         return (2 * inner - outer) * n / max(1, r["parts"]["hook"][1])  # a synced backward's share
 
-    top = ("hook", "paced_start", "coast_start", "paced_end", "opt_pre", "opt_post")
+    top = ("hook", "paced_start", "coast_start", "paced_end", "coast_end", "opt_pre", "opt_post")
     totals_us = [sum(alone_us(r, n) for n in top) for r in runs]
     k2 = sorted(range(len(runs)), key=lambda i: totals_us[i])[len(runs) // 2]
     r = runs[k2]

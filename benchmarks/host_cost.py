@@ -205,7 +205,8 @@ def sampling_rows(n: int, clock_type: type, repeats: int = 5) -> list[str]:
             state = {"i": 0}
             count = None
             if mode == "counts":  # the steady state of throughput and FLOPs: a shape counted before, carried
-                from phase_timer.measures.flops import StepFlops, signature
+                from phase_timer.measures.flops import StepFlops
+                from phase_timer.signature import signature
                 from phase_timer.measures.step_flops import FlopPlan
                 from phase_timer.measures.throughput import BatchCounter
 
