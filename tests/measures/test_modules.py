@@ -449,7 +449,9 @@ def test_a_module_called_twice_sums_its_calls(tmp_path):
     timer = train(Twice(planted), n=14, tmp=tmp_path)
     row = summary(timer)["modules"]["rows"]["shared"]
     assert row["calls"] == 2
-    assert 2 * min(planted.forward_ms) <= row["forward_ms"] <= 2 * max(planted.forward_ms) + 1.0
+    # both calls summed, not one and not a third: the sleeps are 5 ms each, so the bounds hold whatever a loaded
+    # 2-core host adds on the host clock around them (in a full suite it added 1.2-1.4 ms to the pair, alone 0.2)
+    assert 2 * min(planted.forward_ms) <= row["forward_ms"] < 3 * min(planted.forward_ms)
     assert row["backward_ms"] is not None
 
 
