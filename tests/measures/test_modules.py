@@ -449,7 +449,9 @@ def test_a_module_called_twice_sums_its_calls(tmp_path):
     timer = train(Twice(planted), n=14, tmp=tmp_path)
     row = summary(timer)["modules"]["rows"]["shared"]
     assert row["calls"] == 2
-    assert 2 * min(planted.forward_ms) <= row["forward_ms"] <= 2 * max(planted.forward_ms) + 1.0
+    # both calls summed, not one and not a third: the sleeps are 5 ms each, so the bounds hold whatever a loaded
+    # 2-core host adds on the host clock around them (one sampled step here; 1.2-1.8 ms over the pair in some runs)
+    assert 2 * min(planted.forward_ms) <= row["forward_ms"] < 3 * min(planted.forward_ms)
     assert row["backward_ms"] is not None
 
 
@@ -470,9 +472,11 @@ def test_checkpointing_recompute_is_reported_as_such_and_never_in_forward(tmp_pa
     planted = Planted()
     timer = train(Checkpointed(planted, reentrant), n=14, tmp=tmp_path)
     row = summary(timer)["modules"]["rows"]["slow"]
-    assert min(planted.forward_ms) <= row["forward_ms"] <= max(planted.forward_ms) + 1.0  # once, not twice
+    # once, not twice: one 5 ms sleep, whatever a loaded 2-core host adds around it on the host clock (one sampled
+    # step here; 1-2 ms in some full-suite runs)
+    assert min(planted.forward_ms) <= row["forward_ms"] < 2 * min(planted.forward_ms)
     # the recompute holds the sleep and checkpoint's own bookkeeping around the module's ops (a fraction of a ms)
-    assert min(planted.forward_ms) <= row["recompute_ms"] <= max(planted.forward_ms) + 1.0
+    assert min(planted.forward_ms) <= row["recompute_ms"] < 2 * min(planted.forward_ms)
     if reentrant:  # the first forward ran without grad: no backward of its own
         assert row["backward_ms"] is None
     else:  # the graph is kept: its backward holds its recompute
