@@ -1,6 +1,6 @@
-"""INPUT_BOUND's advice, applied to planted loaders: the figures behind ``tests/measures/test_input_advice.py`` (issue 36).
+"""INPUT_BOUND's advice, applied to planted loaders: the figures behind ``tests/diagnosis/test_input_advice.py`` (issue 36).
 
-The tests' own scenarios (their loaders and loop, ``tests/measures/test_input_advice.py``): each planted loader runs once
+The tests' own scenarios (their loaders and loop, ``tests/diagnosis/test_input_advice.py``): each planted loader runs once
 for its advice, then as it was and as advised, interleaved ``--pairs`` times; each run's median ``period`` is
 printed, and the training thread's share queued for a core in the runs without workers (at 10% or more the tests
 skip the comparison: other processes were taking the cores).
@@ -30,7 +30,7 @@ def _case(name: str):
     import torch
     from torch.utils.data import BatchSampler, SequentialSampler, TensorDataset
 
-    from tests.measures.test_input_advice import STEPS, CpuItems, SleepyItems
+    from tests.diagnosis.test_input_advice import STEPS, CpuItems, SleepyItems
 
     if name == "cpu":
         return (lambda: CpuItems(8 * (STEPS + 1), 1000.0)), 8, {}, "workers"
@@ -45,7 +45,7 @@ def _case(name: str):
 
 
 def run_case(name: str, pairs: int, tmp: pathlib.Path) -> list[str]:
-    from tests.measures.test_input_advice import _period, _queued, _run
+    from tests.diagnosis.test_input_advice import _period, _queued, _run
 
     make, bs, was, apply = _case(name)
     d = _run(tmp / f"{name}-first", make(), bs, **was).diagnosis
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a line for the file: how the machine was shared, say")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # torch's note on more workers than cores: the advice means it
-    lines = [code_line(), f"tests/measures/test_input_advice.py's planted loaders, {os.cpu_count()} cores, {args.pairs} "
+    lines = [code_line(), f"tests/diagnosis/test_input_advice.py's planted loaders, {os.cpu_count()} cores, {args.pairs} "
              "interleaved pairs each", *([args.note] if args.note else []), ""]
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.cases.split(","):

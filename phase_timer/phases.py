@@ -132,3 +132,10 @@ def exposed_wait(sums: dict[str, float], counts: dict[str, int], steps: int) -> 
         return None
     between = sum(v for p, v in sums.items() if p == BETWEEN or p.startswith(BETWEEN_PREFIX))
     return min(wait / steps, max(0.0, period / counts["period"] - (step + between) / steps))
+
+
+#: Memory's peak phase when the allocator's peak at phase-timer's first read was never passed afterwards (a label the
+#: memory measure writes and the table and the memory rules read).
+BEFORE = "before the first sampled step"
+BEFORE_NOTE = ("set before phase-timer's first read: earlier work in this process; torch.cuda.reset_peak_memory_stats() "
+               "before training makes the peak this run's")

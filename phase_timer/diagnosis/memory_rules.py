@@ -10,7 +10,7 @@ from phase_timer.diagnosis.finding import (
     CREEP_HIGH_STEPS, CREEP_MIN_MB, CREEP_POINTS, CREEP_RISING, Diagnosis, FILL_SHARE, FRAG_MIN_MB, FRAG_RATIO,
     HEADROOM_SHARE, IMBALANCE_MIN_MB, IMBALANCE_SHARE, PRESSURE_HIGH, PRESSURE_SHARE, _pct,
 )
-from phase_timer.measures.memory import BEFORE, BEFORE_NOTE
+from phase_timer.phases import BEFORE, BEFORE_NOTE
 
 
 def memory_findings(mem: dict[str, Any] | None) -> list[Diagnosis]:

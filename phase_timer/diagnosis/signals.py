@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from phase_timer.measures.cpu_use import CpuUse
+from phase_timer.diagnosis.cpu_use import CpuUse
 from phase_timer.diagnosis.finding import SPIKE_MAX, SPIKE_P90, STRAGGLER_MARGIN, WAIT_PHASES
 from phase_timer.diagnosis.run_change import RankShifts
 from phase_timer.phases import BETWEEN, BETWEEN_PREFIX, FETCH, TOTALS, exposed_wait
@@ -46,7 +46,7 @@ class Signals:
         #: The model is sharded with FSDP2 (``fully_shard``): COMM_BOUND gives its advice (set by comm/fsdp.py).
         self.fsdp2 = False
         #: The CPU time of the training process, its training thread and the loader's workers, read at a few
-        #: window ends (``phase_timer.measures.cpu_use``): what the INPUT_BOUND advice is made of.
+        #: window ends (``phase_timer.diagnosis.cpu_use``): what the INPUT_BOUND advice is made of.
         self.cpu = CpuUse()
         #: Each window's per-phase medians in step order (the core's ``stats.WindowSeries``) and, on rank zero
         #: of a distributed run, each window's slowest rank a phase: what RUN_CHANGED reads.

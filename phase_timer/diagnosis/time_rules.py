@@ -12,9 +12,8 @@ from phase_timer.diagnosis.finding import (
     PACED_RATIO, SPIKE_MAX, SPIKE_P90, SPIKY_SHARE, _pct, _severity, phase_share,
 )
 from phase_timer.diagnosis.signals import Signals
-from phase_timer.measures.input_advice import Run, advise
+from phase_timer.diagnosis.input_advice import Run, advise
 from phase_timer.phases import exposed_wait, share_base
-from phase_timer.measures.syncs import Syncs, SyncSite
 
 
 def _input_bound(totals: Any, signals: Signals, ctx: dict[str, Any], clock: str) -> Diagnosis | None:
@@ -130,7 +129,7 @@ def _behind(signals: Signals) -> float | None:
     return signals.behind / signals.behind_checked
 
 
-def _host_bound(totals: Any, signals: Signals, clock: str, syncs: Syncs | None) -> Diagnosis | None:
+def _host_bound(totals: Any, signals: Signals, clock: str, syncs: Any) -> Diagnosis | None:
     flight = _flight(signals) if clock != "host" else None
     ratio = _paced_ratio(totals, signals)
     if flight is None or ratio is None:
@@ -183,7 +182,7 @@ def _run_changed(totals: Any, signals: Signals) -> Diagnosis | None:
     return Diagnosis("RUN_CHANGED", *found) if found is not None else None
 
 
-def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any], syncs: Syncs | None) -> Diagnosis | None:
+def _gpu_bound(totals: Any, signals: Signals, clock: str, ctx: dict[str, Any], syncs: Any) -> Diagnosis | None:
     flight = _flight(signals) if clock != "host" else None
     ratio = _paced_ratio(totals, signals)
     if flight is None:
@@ -245,12 +244,12 @@ def _mfu_impossible(mfu: list[str]) -> Diagnosis | None:
                      (mfu[0],), {})
 
 
-def _stepping(site: SyncSite) -> bool:
+def _stepping(site: Any) -> bool:
     """A sync inside the step (not in the fetch, between steps, or in a pause)."""
     return share_base(site.phase) == "step"
 
 
-def _syncs_said(census: Syncs | None) -> tuple[str, list[str]] | None:
+def _syncs_said(census: Any) -> tuple[str, list[str]] | None:
     """What the census heard, for a verdict about a host that never gets ahead: a clause for ``why``, and
     what to try (each site's known cause first, then what is left when those are off).  None: no census."""
     if census is None or census.status != "done":
@@ -276,7 +275,7 @@ def _syncs_said(census: Syncs | None) -> tuple[str, list[str]] | None:
     return clause, tips
 
 
-def _census_evidence(census: Syncs | None) -> dict[str, Any]:
+def _census_evidence(census: Any) -> dict[str, Any]:
     """The census in a finding's evidence (a run without one: not run)."""
     if census is None:
         return {"sync_census": "not run", "syncs": []}

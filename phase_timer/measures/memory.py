@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 from phase_timer._env import warn
 from phase_timer.measure import Measure
-from phase_timer.phases import BETWEEN, H2D, PAUSED
+from phase_timer.phases import BEFORE, BETWEEN, H2D, PAUSED
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ MAX_READS = 64
 #: Steady samples of the step's begin kept for the creep rule and the summary file (thinned by half when full).
 MAX_POINTS = 256
 MB = float(1 << 20)
-#: The peak's phase when the allocator's peak at phase-timer's first read was never passed afterwards.
-BEFORE = "before the first sampled step"
-BEFORE_NOTE = ("set before phase-timer's first read: earlier work in this process; torch.cuda.reset_peak_memory_stats() "
-               "before training makes the peak this run's")
 #: The peak's phase is kept against rises smaller than this share of the peak, or than PEAK_TOLERANCE_MB (the
 #: larger), but never than PEAK_TOLERANCE_MAX_SHARE of it: the same peak reached again varies by KB to MB
 #: (allocation order, the caching allocator's rounding of blocks), and a small model's phases differ by a few MB.

@@ -1,7 +1,7 @@
 """A run's FLOPs and MFU: which step is counted, every timed step's FLOPs carried with it, the peak.
 
 Every door hands each batch to ``Boundaries.count_batch`` (``run/boundaries.py``).  At a step's
-first batch the boundaries read its signature (``flops.signature``: shapes only, on the host) and
+first batch the boundaries read its signature (``phase_timer.signature``: shapes only, on the host) and
 
 - a signature already counted (or ``flops_per_step=``): the step carries its FLOPs as three host
   values (``flops``, ``flops_forward``, ``flops_backward``), summed over the window's steps

@@ -2,8 +2,9 @@
 its FLOPs (the FLOP plan), both counted from shapes on the host, never from values: no sync.
 
 The counter and the plan are the core's measures' (``measures/throughput.py``, ``measures/step_flops.py``), found
-by their summary blocks' keys (``throughput``, ``flops``): the run imports no measure.  A shape not yet counted is counted on its step, which goes untimed (the boundaries' ``_count_step`` swaps in the counting
-step's class, ``run/sampled.py``).
+by their summary blocks' keys (``throughput``, ``flops``): the run imports no measure.  A shape not yet counted is
+counted on its step, which goes untimed (the boundaries' ``_count_step`` swaps in the counting step's class,
+``run/sampled.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 
-
 class CensusSteps:
     """The census's starts and stops, mixed into the boundaries (no slots of its own: theirs)."""
 

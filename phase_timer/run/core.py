@@ -82,7 +82,7 @@ class TimingCore:
         self.totals = RunTotals()
         #: What listens to the results (:mod:`phase_timer.measure`), in the order it is called: ``measures`` (the
         #: doors' assembly registers them, ``doors/assemble.py``; a core made by hand that reads memory per phase is
-        #: given ``measures.memory.Memory.start(clock)``).  The core imports none: it finds one by its key.
+        #: given ``measures.memory.Memory.listening(clock)``).  The core imports none: it finds one by its key.
         self.measures: list[Measure] = list(measures)
         self._rows: list[tuple[int, dict[str, float]]] = []  # values of steps the windows have not reached yet
         #: Each window's statistics, in bounded memory: the run's own noise, for ``phase-timer compare``.

@@ -66,7 +66,7 @@ def test_input_bound_names_the_loaders_settings():
     d = diagnose(totals(data_wait=10.0, **GPU_STEP), Signals(), clock="cuda",
                  context={"loader": loader_info, "cpu_count": 16, "device_type": "cuda"})
     assert d.kind == "INPUT_BOUND" and d.severity == "medium"
-    # no CPU readings here: it says what it could not tell (tests/measures/test_input_advice.py has the measured cases)
+    # no CPU readings here: it says what it could not tell (tests/diagnosis/test_input_advice.py has the measured cases)
     assert "num_workers=0" in d.next[0] and "could not read the CPU time" in d.next[0]
     assert any("pin_memory=False" in tip for tip in d.next)
     assert d.evidence["share_of_period"] == pytest.approx(10 / 42.5)
@@ -586,7 +586,7 @@ def test_plain_slow_loader_is_input_bound_naming_num_workers(tmp_path, monkeypat
     timer = _plain_run(tmp_path, steps=40, sleep_s=0.002)  # 4 items x 2 planted hours a batch
     d = timer.diagnosis
     assert d.kind == "INPUT_BOUND"
-    assert "num_workers=0" in d.next[0]  # the case it makes of it: tests/measures/test_input_advice.py
+    assert "num_workers=0" in d.next[0]  # the case it makes of it: tests/diagnosis/test_input_advice.py
     assert d.evidence["loader"]["num_workers"] == 0 and d.evidence["share_of_period"] > 0.5
     data = _validated(timer.summary_path)
     assert timer.summary_path == os.path.join(timer.log_dir, FILE_NAME)

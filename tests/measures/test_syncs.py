@@ -17,7 +17,7 @@ import phase_timer.measures.syncs as syncs
 from phase_timer.run.boundaries import FORWARD, Boundaries
 from phase_timer.run.core import TimingCore
 from phase_timer.diagnosis import Signals, diagnose
-from phase_timer.measures.syncs import MESSAGE, SyncCensus
+from phase_timer.measures.syncs import MESSAGE, SyncCensus, Syncs
 from tests.fakes import FakeClock
 
 
@@ -358,3 +358,9 @@ def test_the_report_prints_the_census_as_the_run_did(monkeypatch, tmp_path):
     assert line in summary_lines(data) and "1x forward at measures/test_syncs.py:" in line
     del data["syncs"]  # a version 2 file: no census, no line
     assert not any(x.startswith("host-device syncs") for x in summary_lines(data))
+
+
+def test_a_run_without_the_census_measure_writes_what_a_census_not_run_says():
+    from phase_timer.outputs.run_summary import NO_CENSUS
+
+    assert Syncs().summary() == NO_CENSUS

@@ -163,9 +163,8 @@ class PacedSpans:
                 return None
             self._pace(True)
         self._cold = 0
-        run = self._run
         host_ms = (h1 - h0) / 1e6
-        ms = host_ms - (run.module_copy_ms(self) if run is not None else 0.0)
+        ms = self._own_ms(host_ms)
         held = self._defer(ms, h1, host_ms) if ms > 0 else None
         if held is None:  # nothing to take: no answer that took the host time
             self._unsteady()
@@ -298,11 +297,15 @@ class PacedSpans:
         if engine is None or engine.current != WAIT or h0 is None:
             return
         engine.switch(BACKWARD)
-        run = self._run
-        ms = (h1 - h0) / 1e6 - (run.module_copy_ms(self) if run is not None else 0.0)
+        ms = self._own_ms((h1 - h0) / 1e6)
         if ms > 0:
             self._take(engine, ms)
             self.coasted_steps += 1
+
+    def _own_ms(self, host_ms: float) -> float:
+        """What a span's wait can lose: the host's time in it less the module's copies (they come off every step)."""
+        run = self._run
+        return host_ms - (run.module_copy_ms(self) if run is not None else 0.0)
 
     def _take(self, engine: Any, ms: float) -> None:
         """The span's wait loses ``ms`` of host time, on the record still open (its own row, not ``backward``'s)."""

@@ -2,7 +2,7 @@
 would help, or that none would.
 
 The model, per step (ms): the loop waits ``D`` (``data_wait``) of a ``period`` ``P``; the rest, ``S = P - D``, is
-the step.  Where the wait goes is read from the CPU clocks (:mod:`phase_timer.measures.cpu_use`): the training thread's time
+the step.  Where the wait goes is read from the CPU clocks (:mod:`phase_timer.diagnosis.cpu_use`): the training thread's time
 asleep (waiting on a read, or on the workers' queue), on a CPU, or queued for one; the workers' CPU time and theirs
 asleep; the cores this process may use (and, named beside the advice, what other processes kept busy).
 

@@ -1,7 +1,7 @@
 """INPUT_BOUND's advice follows what was measured, and followed, it helps (issue 36).
 
-Unit layer: the rule (``phase_timer.measures.input_advice``) on planted measurements -- each case of the model, and each
-place where it says that no loader setting would help; the CPU readings (``phase_timer.measures.cpu_use``) on planted
+Unit layer: the rule (``phase_timer.diagnosis.input_advice``) on planted measurements -- each case of the model, and each
+place where it says that no loader setting would help; the CPU readings (``phase_timer.diagnosis.cpu_use``) on planted
 readings; the loader's settings read through Fabric's wrapper.
 
 End to end, on this CPU machine: planted loaders run for real under ``phase_timer.attach``; the advice is read
@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import phase_timer
-from phase_timer.measures.cpu_use import CpuUse, Reading
+from phase_timer.diagnosis.cpu_use import CpuUse, Reading
 from phase_timer.diagnosis import Signals, diagnose
-from phase_timer.measures.input_advice import HANDOVER_MS, NOTHING, Run, advise
+from phase_timer.diagnosis.input_advice import HANDOVER_MS, NOTHING, Run, advise
 from phase_timer.runinfo import loader_info
 from phase_timer.timing.stats import RunTotals
 
@@ -295,7 +295,7 @@ def test_the_readings_are_taken_at_a_few_windows_only():
 
 
 def test_a_failed_reading_stops_the_readings_and_the_run_goes_on(monkeypatch):
-    import phase_timer.measures.cpu_use as cpu_use
+    import phase_timer.diagnosis.cpu_use as cpu_use
 
     def broken(steps: int, period_ms: float) -> Reading:
         raise OSError("no /proc")
@@ -319,7 +319,7 @@ def test_a_reading_sees_this_threads_dataloader_workers_and_reaps_nothing():
     import multiprocessing
     import subprocess
 
-    from phase_timer.measures.cpu_use import read
+    from phase_timer.diagnosis.cpu_use import read
 
     it = iter(DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=2, num_workers=2))
     other = subprocess.Popen(["sleep", "30"])
