@@ -359,7 +359,7 @@ def scale_new(n: int, fan_in: int, windows: int, kind: str) -> dict[str, Any]:
 
 
 #: The modules the old files import, by their names then, and where each lives today.
-_OLD_NAMES = {"cpu_use": "diagnosis.cpu_use", "input_advice": "diagnosis.input_advice", "memory": "measures.memory",
+_OLD_NAMES = {"cpu_use": "diagnosis.cpu_use", "input_advice": "diagnosis.input_advice", "memory": "phases",
               "stats": "timing.stats", "syncs": "measures.syncs"}
 
 

@@ -974,11 +974,12 @@ def test_a_gpt2_sized_run_reading_the_loss_every_step_gets_its_verdict_from_25_s
     25, 50, 100 and 200 timed steps, against the ground truth (the device's busy share on the profiler's
     timeline).
 
-    Eager, this model issues ~3,500 kernels a micro-batch, so on a slow host the loop is held by the host
-    (HOST_BOUND is then right); Lightning reads the loss inside ``training_step``, mid-step.  Sixteen
-    sequences a micro-batch keep the loop off the host/device balance, where the ground truth itself moves:
-    CUPTI's cost per launch makes a balanced loop read idle under the profiler (4 micro-batches of 8 on an
-    H100 read busy 0.60 there, while without the profiler the device step lasted 0.9-1.2x the host's)."""
+    Eager, this model issues ~3,500 kernels a step at 4 micro-batches (about half at 2), so on a slow host the
+    loop is held by the host (HOST_BOUND is then right); Lightning reads the loss inside ``training_step``,
+    mid-step.  Sixteen sequences a micro-batch double the device's work a launch: at 4 micro-batches of 8 an
+    H100 host's loop sits at the host/device balance, where CUPTI's cost per launch makes it read idle under
+    the profiler (HOST_BOUND alone called for) while without it either verdict is true; at 2 of 16 it leans
+    to the device there (busy ~0.83), and a slower host's reads host-held (~0.64 on a 2 x H200 host)."""
     import phase_timer
     from benchmarks.truth import TinyLM
     from phase_timer import PhaseTimer

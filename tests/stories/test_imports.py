@@ -27,21 +27,30 @@ def _imports(source: str, modules: set[str], package: str = "phase_timer") -> se
                 module = f"{base}.{node.module}" if node.module else base
             else:
                 module = node.module
-            # `from phase_timer import x`, `from phase_timer.cli import x`: the module x, when x is one
-            out |= {f"{module}.{a.name}" for a in node.names} & modules
-            if module in modules:
+            # `from phase_timer import x`, `from phase_timer.cli import x`: the module x, when x is one; the module
+            # itself where a name is its own (a facade's, where facades are modules: what it re-exports)
+            named = {f"{module}.{a.name}" for a in node.names} & modules
+            out |= named
+            if module in modules and len(named) < len(node.names):
                 out.add(module)
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names} & modules
     return out
 
 
-def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    """Every module of the package and of its subpackages (``phase_timer.cli.read``), and what each imports."""
-    files = {".".join(p.relative_to(package.parent).with_suffix("").parts): p
-             for p in package.rglob("*.py") if p.stem != "__init__"}
+def import_graph(package: Path = PACKAGE, facades: bool = False) -> dict[str, set[str]]:
+    """Every module of the package and of its subpackages (``phase_timer.cli.read``), and what each imports;
+    ``facades``: each subpackage's ``__init__.py`` too, as the module of the package's name (``phase_timer.diagnosis``),
+    where a name is imported from it (what it re-exports is then followed)."""
+    files: dict[str, tuple[Path, str]] = {}  # module: (its file, the package its relative imports start from)
+    for p in package.rglob("*.py"):
+        parts = p.relative_to(package.parent).with_suffix("").parts
+        if p.stem != "__init__":
+            files[".".join(parts)] = (p, ".".join(parts[:-1]))
+        elif facades and len(parts) > 2:  # a subpackage's face (the package's own, phase_timer/__init__.py, is the roof)
+            files[".".join(parts[:-1])] = (p, ".".join(parts[:-1]))
     modules = set(files)
-    return {name: _imports(path.read_text(), modules, name.rpartition(".")[0]) - {name} for name, path in files.items()}
+    return {name: _imports(path.read_text(), modules, base) - {name} for name, (path, base) in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -145,8 +154,10 @@ def test_no_module_imports_from_a_layer_above_its_own():
 def test_the_run_finds_its_measures_by_key_and_reaches_none():
     # The boundaries and the core take the memory tracker, the counters, the census and the modules measure from
     # the core's measures by their summary blocks' keys (``core.measure("memory")``): no module of run/ imports one
-    # of measures/, nor anything it imports (the verdict, the files, the ranks' exchange) does.
-    graph = import_graph()
+    # of measures/, nor anything it imports (the verdict, the files, the ranks' exchange) does: through a
+    # subpackage's face too (``from phase_timer.diagnosis import diagnose``).
+    graph = import_graph(facades=True)
+    assert "phase_timer.diagnosis.verdict" in graph["phase_timer.diagnosis"]  # a face's re-exports are followed
     seen: set[str] = set()
     todo = [m for m in graph if m.startswith("phase_timer.run.")]
     while todo:
@@ -154,4 +165,5 @@ def test_the_run_finds_its_measures_by_key_and_reaches_none():
         if m not in seen:
             seen.add(m)
             todo += graph.get(m, ())
+    assert "phase_timer.diagnosis.time_rules" in seen  # reached through run/'s import of the diagnosis's face
     assert sorted(m for m in seen if m.startswith("phase_timer.measures.")) == []
