@@ -7,8 +7,11 @@ missing abstains: a missing signal is never a zero.  The rules come in families,
 - ``finding``: what a finding is (``Diagnosis``, ``KINDS``) and every threshold (``docs/diagnosis.md`` explains each);
 - ``signals``: what the rules read beyond the run totals (``Signals``);
 - ``time_rules``: input, the copy, Lightning's per-batch sync, host or GPU bound, unstable, changed, MFU;
+  ``input_advice`` (INPUT_BOUND's advice) and ``cpu_use`` (the CPU shares it reads);
+- ``run_change``: a phase whose level moved for good partway through the run (RUN_CHANGED);
 - ``rank_rules``: the straggler and exposed communication;
 - ``memory_rules`` and ``oom_rules``: memory, and an out-of-memory error that ended the run;
+- ``module_rules``: which module the verdict names (the one that holds the most of a GPU-bound run's slow phase);
 - ``verdict``: the rules in order, the primary finding and the rest, the verdict as text.
 """
 

@@ -1,2 +1,2 @@
-"""What a run reports beside its phases: throughput, FLOPs and MFU, memory per phase, out-of-memory, exposed
-communication (``comm/``), the sync census, CPU use and the input advice."""
+"""What a run reports beside its phases: throughput, FLOPs and MFU, memory per phase, out-of-memory and its
+snapshot, exposed communication (``comm/``), the sync census, which module (``modules/``)."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 #: The summary file's ``syncs`` block where no census measure listens (a core made without one): what
-#: ``measures.syncs.Syncs().summary()`` says before a census ran (``tests/outputs`` holds the two equal).
+#: ``measures.syncs.Syncs().summary()`` says before a census ran (``tests/measures/test_syncs.py`` holds the two equal).
 NO_CENSUS: dict[str, Any] = {"census": "not run", "step": None, "count": 0, "other_threads": 0, "paused": 0, "sites": []}
 
 
