@@ -27,9 +27,8 @@ runs; with 8 x 1024 on an H200 the backward is paced by the host, see ``docs/ben
 - ``paced200``: the 200 tensors on 2 x 128 tokens a rank (a host-paced backward: the device runs out of work while
   the host launches DDP's copies), rank 1 sleeping 20 ms before every third forward: rank 0's host-paced spans,
   some of them waits for rank 1 (the host-paced correction's two questions, ``paced.PacedSpans``).
-- ``host200``: the 200 tensors on 2 x 128 tokens a rank, no rank sleeping: every rank steadily host-paced, so its
-  split coasts (``paced.PacedSpans._coast_start``: the steady host time taken unasked, one backward in COAST_EVERY
-  asked).
+- ``host200``: the 200 tensors on 2 x 128 tokens a rank, no rank sleeping: every rank steadily host-paced, each
+  backward asked (``paced.PacedSpans``), and the rank whose host is slower waited for by the other.
 - ``paced200_sync``: the same, each rank reading its loss (``loss.item()``, a logged loss) between ``backward()``
   and the optimizer step: the host waits for the device there, so the second question's "done" tells nothing,
   and rank 0's waits stay whole (``paced.PacedSpans._decide``'s host-late rule).
@@ -48,7 +47,8 @@ splits and adds up (``tests/measures/comm/test_comm.py`` runs it).
 
 ``--launches`` adds the blocked rule (``nccl_truth.per_step_blocked``): the queued rule's exposed time only where
 the compute stream has its next kernel queued (from the host's launch call of the kernel that ends each of its
-gaps), not where it idles for the host, as FSDP2's steps do between groups.  The launch calls are the CUDA
+gaps, and the device's launch latency after it: ``nccl_truth.LAUNCH_LATENCY_US``), not where it idles for the host,
+as FSDP2's steps do between groups; the summary line adds the rule with no latency.  The launch calls are the CUDA
 runtime's and driver's, which the profiler's CUDA activity records already (matched to their kernels by
 correlation id): the flag turns on no CPU activity (``--profile-cpu`` does, and combines with it).  Each row then
 ends in ``blocked`` and its diff, and each case and rank gets a summary line of its own.  ``--stream-waits`` (with
@@ -354,8 +354,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
         if run_comm is not None else []
     # the host-paced spans' correction (paced.PacedSpans): backwards corrected, ms taken in all, on at the end, and
     # the spans the second question kept whole (the device still in them at the optimizer step)
-    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced, getattr(probe, "paced_waiting", None),
-              getattr(probe, "coasted_steps", None)]
+    paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced, getattr(probe, "paced_waiting", None)]
              if probe is not None and hasattr(probe, "paced_steps") else None)
     plan = getattr(timer._bounds, "flops", None)  # the FLOP plan the boundaries count with (None: none)
     counted = plan is not None and getattr(plan, "counted", None)
@@ -366,6 +365,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     where: list[dict] = []
     blocked: list[dict] = []
     blocked_start: list[dict] = []
+    blocked_now: list[dict] = []  # the blocked rule with each window opened at the launch call's end (no latency)
     if prof is not None:
         events = prof.events()
         intervals = device_intervals(events)
@@ -374,9 +374,12 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
             activities = device_activities(events)
             blocked = per_step_blocked(activities, launch_times(events), ("nccl",), "spin_kernel")
             blocked_start = per_step_blocked(activities, launch_times(events, at="start"), ("nccl",), "spin_kernel")
+            blocked_now = per_step_blocked(activities, launch_times(events), ("nccl",), "spin_kernel", latency=0.0)
         if args.span_kernels:  # with phase-timer's own rows of the profiled steps: where the outside part lies
             where = exposed_where(intervals, SPAN_BEGIN, SPAN_END,
                                   phases=[steps.get(first + k, ({}, None))[1] for k in range(args.profiled)])
+        if args.dump:  # the raw material of every rule, to study offline (a diagnosis)
+            dump(args.dump, case, rank, events, steps, first, args.profiled)
         if args.trace_dir and rank in (0, 1) and case in args.trace_cases.split(","):
             prof.export_chrome_trace(os.path.join(args.trace_dir, f"{case}_r{rank}.json"))
     rows = []
@@ -393,7 +396,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
                          prof_copies=t.get("copies"), prof_copies_run=t.get("copies_run"),
                          prof_copies_queued=t.get("copies_queued"),
                          blocked=bl.get("blocked"), blocked_unmatched=bl.get("unmatched"), waited=bl.get("waited"),
-                         blocked_at_call_start=blocked_start[k]["blocked"] if k < len(blocked_start) else None))
+                         blocked_at_call_start=blocked_start[k]["blocked"] if k < len(blocked_start) else None,
+                         blocked_no_latency=blocked_now[k]["blocked"] if k < len(blocked_now) else None))
     d = timer.diagnosis
     findings = [d, *d.secondary] if d is not None else []
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
@@ -415,6 +419,21 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
                 straggler_phase=straggler.evidence.get("phase") if straggler is not None else None,
                 straggler_by=straggler.evidence.get("by") if straggler is not None else None,
                 straggler_pauses=straggler.evidence.get("pauses") if straggler is not None else None)
+
+
+def dump(folder: str, case: str, rank: int, events, steps: dict, first: int, profiled: int) -> None:  # noqa: ANN001
+    """--dump: this rank's device activities (kernels, memcpy, memset, CUPTI's sync records; each with its stream
+    and correlation id), the host's launch calls (correlation id -> call start and end, µs) and phase-timer's
+    per-step rows (before DDP's copies came off, and after) of the profiled steps, as ``{case}_r{rank}.json.gz``."""
+    import gzip
+
+    os.makedirs(folder, exist_ok=True)
+    starts = launch_times(events, "start")
+    data = dict(case=case, rank=rank, activities=device_activities(events),
+                launches={k: [starts[k], v] for k, v in launch_times(events).items()},
+                rows=[list(steps.get(first + k, ({}, {}))) for k in range(profiled)], first=first)
+    with gzip.open(os.path.join(folder, f"{case}_r{rank}.json.gz"), "wt") as fh:
+        json.dump(data, fh)
 
 
 def fmt(v: float | None, w: int = 8) -> str:
@@ -445,12 +464,15 @@ def blocked_line(r: dict) -> str:
     ok = sum(abs(blocked_diff(row)) <= max(0.1, 0.02 * row["blocked"]) for row in rows)
     worst = max((blocked_diff(row) for row in rows), key=abs, default=0.0)
     n = len(rows) or 1
-    mean = {k: sum(row[k] or 0.0 for row in rows) / n for k in ("blocked", "truth", "blocked_unmatched",
-                                                                 "blocked_at_call_start")}
+    mean = {k: sum(row.get(k) or 0.0 for row in rows) / n for k in ("blocked", "truth", "blocked_unmatched",
+                                                                     "blocked_at_call_start", "blocked_no_latency")}
+    near = sum(abs(row["wait"] - row["blocked_no_latency"]) <= max(0.1, 0.02 * row["blocked_no_latency"])
+               for row in rows if row.get("blocked_no_latency") is not None)
     line = (f"{r['case']:14} rank {r['rank']}: {ok}/{len(rows)} steps within 0.1 ms or 2% of the blocked rule, "
             f"largest gap {worst:+.3f} ms; blocked {mean['blocked']:.3f} ms a step vs queued {mean['truth']:.3f}; in "
             f"gaps with no launch found {mean['blocked_unmatched']:.3f}; with launches at their call's start "
-            f"{mean['blocked_at_call_start']:.3f}")
+            f"{mean['blocked_at_call_start']:.3f}; with no launch latency {mean['blocked_no_latency']:.3f} ({near}/"
+            f"{len(rows)} within 0.1 ms or 2%)")
     waited = [row for row in rows if row.get("waited") is not None]
     if waited:
         near = sum(abs(row["wait"] - row["waited"]) <= max(0.1, 0.02 * row["waited"]) for row in waited)
@@ -480,10 +502,9 @@ def paced_text(paced: list | None) -> str:
     """The host-paced spans' correction over the run: how many backwards lost how much of their wait."""
     if not paced:
         return "host-paced correction: none"
-    n, ms, on, waiting, coasted = (list(paced) + [None, None])[:5]
+    n, ms, on, waiting = (list(paced) + [None])[:4]
     kept = f", {waiting} kept whole (still in the span at the optimizer step)" if waiting is not None else ""
-    coast = f", {coasted} of them coasted (unasked)" if coasted is not None else ""
-    return (f"host-paced correction on {n} backwards{coast}, {ms:.3f} ms in all ({'on' if on else 'off'} at the "
+    return (f"host-paced correction on {n} backwards, {ms:.3f} ms in all ({'on' if on else 'off'} at the "
             f"end){kept}")
 
 
@@ -515,6 +536,8 @@ def main() -> None:
     p.add_argument("--span-kernels", action="store_true", help="a diagnosis: exposed NCCL inside and outside "
                    "phase-timer's FSDP2 and DDP spans, per step, and where the outside part lies (a tiny kernel "
                    "marks each span's ends on the trace; --cpu: the kernels' count alone, no profiler)")
+    p.add_argument("--dump", help="a folder: each case's and rank's device activities, launch calls and phase-timer "
+                   "rows of the profiled steps, gzipped json (a diagnosis, read offline)")
     p.add_argument("--trace-dir")
     p.add_argument("--trace-cases", default="")
     p.add_argument("--out")
@@ -548,7 +571,8 @@ def main() -> None:
                  "analyzers: compute kernels only; nccl: the collectives' union; copies, run: DDP's copies (device-to-"
                  "device memcpy), their own time and back to back; all ms"
                  + ("; blocked: the queued rule where the compute stream has its next kernel queued (launched by the "
-                    "host: from the launch call's end), not where it idles for the host" if args.launches else ""),
+                    "host: from the launch call's end and the device's launch latency, nccl_truth.LAUNCH_LATENCY_US), "
+                    "not where it idles for the host" if args.launches else ""),
                  f"{'case':14} {'rank':>4} {'step':>4} {'comm_wait':>9} {'before cp':>9} {'queued':>8} "
                  f"{'diff':>8} {'strict':>8} {'diff':>8} {'analyzers':>9} {'nccl':>8} {'copies':>8} {'run':>8} "
                  f"{'step':>8} {'period':>8} {'data_wait':>9}"

@@ -32,7 +32,7 @@ The host cost is measured two ways on a launch-bound DDP (32 small layers, a buc
 with and without the split (noisy at the µs scale), and each of the split's calls timed inside two nested
 timers (the inner one times the call, the outer one the call and the inner timer: the call alone is about
 ``2 x inner - outer``), on the usual path (``lb_timed``) and on the host-paced one the loop keeps (``lb_paced``:
-``paced.PacedSpans``' asked and coasted backwards, each part and each of its C calls timed; ``--calls-only`` runs these
+``paced.PacedSpans``' asked backwards, each part and each of its C calls timed; ``--calls-only`` runs these
 alone).  A backward whose copies are timed (one in ``comm.ddp.COPY_EVERY``) is measured by making
 every backward one.
 """
@@ -169,8 +169,7 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
             hook = lambda armed: timed(timed(armed, 0), 2)  # noqa: E731
         else:  # instance attributes: the path calls them through self
             hook = lambda armed: nested(armed, "hook")  # noqa: E731
-            for name in ("_paced_start", "_coast_start", "_paced_end", "_coast_end", "_settle", "_defer", "_decide",
-                         "_drop_deferred"):
+            for name in ("_paced_start", "_paced_end", "_settle", "_defer", "_decide", "_drop_deferred"):
                 setattr(probe, name, nested(getattr(probe, name), name.strip("_")))
             probe._engine = _Timed(probe._engine, ("switch", "behind", "add_host"), timed)
             probe._core = _Timed(probe._core, (), timed, clock=_Timed(probe._core.clock, ("mark", "done", "release"),
@@ -207,7 +206,7 @@ def run(case: str, steps: int, spin_ms: float, cpm: float, width: int, depth: in
     if profile:
         prof.stop()
     run_comm = comm.run.find(timer.core) if timer.core is not None else None
-    paced = ((paced_probe.paced_steps, paced_probe.coasted_steps, paced_probe.paced_waiting, paced_probe._paced)
+    paced = ((paced_probe.paced_steps, paced_probe.paced_waiting, paced_probe._paced)
              if paced_probe is not None else None)
     totals = timer.close()
     n = steps - warm
@@ -326,7 +325,7 @@ def main() -> None:
         (inner, n), (outer, _) = r["parts"].get(name, (0.0, 0)), r["parts"].get(name + "/outer", (0.0, 0))
         return (2 * inner - outer) * n / max(1, r["parts"]["hook"][1])  # a synced backward's share
 
-    top = ("hook", "paced_start", "coast_start", "paced_end", "coast_end", "opt_pre", "opt_post")
+    top = ("hook", "paced_start", "paced_end", "opt_pre", "opt_post")
     totals_us = [sum(alone_us(r, n) for n in top) for r in runs]
     k2 = sorted(range(len(runs)), key=lambda i: totals_us[i])[len(runs) // 2]
     r = runs[k2]
@@ -338,7 +337,7 @@ def main() -> None:
         + ", ".join(f"{n} {v[0] * v[1] / max(1, r['parts']['hook'][1]):.1f} us ({v[1]} calls)"
                     for n, v in sorted(r["parts"].items()) if "." in n)
         + f"; the path's calls {totals_us[k2]:.1f} us a step against the usual path's {alone[k]:.1f}: "
-        f"{totals_us[k2] - alone[k]:+.1f} us; (corrected, of them coasted, waiting, on) at the end {r['paced']}; rounds: "
+        f"{totals_us[k2] - alone[k]:+.1f} us; (corrected, waiting, on) at the end {r['paced']}; rounds: "
         + " ".join(f"{a:.1f}" for a in totals_us))
     dist.destroy_process_group()
     if args.out:

@@ -33,12 +33,19 @@ hand (``tests/benchmarks/test_nccl_truth.py``).
   launches come from the same ``prof.events()`` (:func:`launch_times`): the profiler's CUDA activity alone
   records the runtime and driver calls (torch 2.11: CPU-side events whose ``FunctionEvent.id`` is CUPTI's
   correlation id, the same as their kernel's; a kernel's ``device_resource_id`` is its stream).  A launch is
-  taken at the call's end: under the profiler a call lasts 5-70 µs and an idle stream starts its kernel ~1 µs
-  after it returns (an H100), so the call's start would count as blocked the host's own time in the call.
+  taken at the call's end, and its latency after it (below): under the profiler a call lasts 5-70 µs, so the
+  call's start would count as blocked the host's own time in the call.
   A stream can also be blocked with no kernel queued: a wait on a collective's event (``cudaStreamWaitEvent``)
   queued while the host has yet to launch what follows.  Where the profile holds CUPTI's synchronization records
   (torch's experimental ``enable_cuda_sync_events``: a ``Stream Wait Event`` on the waiting stream, at the host's
   call), ``waited`` gives the rule with such a wait counted as queued work too.
+- **Launch latency.** A kernel launched on an idle stream starts ~2 µs after the host's call returns (2 x H200,
+  CUDA 13: median 1.7-2.0 µs with no collective running, 2.3 µs beside one, p90 2.5; ``--dump``'s activities):
+  the device's own launch latency, there with or without a collective.  A host-paced backward beside a collective
+  that spins through it (a rank waiting for its peer) has ~600 such launches a step, ~1-2 ms a step that the rule
+  would count as blocked with the window opened at the call's end; its DDP span holds none of it.  So a launch opens
+  its window LAUNCH_LATENCY_US after the call's end (the queued gaps' bound, the same latency between two queued
+  kernels): :func:`per_step_blocked`'s ``latency``.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ Activity = tuple[float, float, str, str, int, int]
 MARKER_MAX_US = 10.0
 #: Two copies this close follow each other on a queued stream (a launch's gap on the device is ~1.3 µs).
 QUEUED_GAP_US = 3.0
+#: A kernel launched on an idle stream starts within this of the host's call's end: the device's own launch latency
+#: (the blocked rule opens a launch's window this late).
+LAUNCH_LATENCY_US = QUEUED_GAP_US
 ANNOTATION_PREFIXES = ("nccl:", "fsdp::", "fsdp:", "record_param_comms", "profilerstep", "ddp::")
 #: CUPTI's synchronization records (``enable_cuda_sync_events``): no device work, the host's call on a stream.
 SYNC_NAMES = ("Stream Wait Event", "Event Sync", "Stream Sync", "Context Sync")
@@ -197,11 +207,12 @@ def _is_marker(iv: Sequence[Any], marker: str) -> bool:
 
 
 def blocked_windows(activities: Sequence[Activity], launches: Mapping[int, float], stream: int,
-                    comm: Sequence[str] = ("nccl",), waits: Sequence[float] = ()
+                    comm: Sequence[str] = ("nccl",), waits: Sequence[float] = (), latency: float = 0.0
                     ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Where ``stream`` (the compute stream) waits with work queued: for each gap between its activities (kernels,
     memcpy and memset, markers too; not annotations, not communication), from the later of the gap's start and
-    the host's launch of the activity that ends the gap (``launches``: correlation id -> µs) to the gap's end;
+    the host's launch of the activity that ends the gap (``launches``: correlation id -> µs) plus ``latency`` (the
+    device's own launch latency) to the gap's end;
     with ``waits`` (host times of the stream's own waits on events), from the first wait queued after the launch
     of the activity before the gap, where that comes sooner.  Second, the gaps whose ending activity has no launch
     in ``launches``: each is among the first as a whole (it counts as the union rule counts it)."""
@@ -219,6 +230,7 @@ def blocked_windows(activities: Sequence[Activity], launches: Mapping[int, float
                 unmatched.append((end, a))
                 windows.append((end, a))
             else:
+                launch += latency
                 i = bisect_left(waits, end if before is None else before)
                 if i < len(waits):
                     launch = min(launch, waits[i])
@@ -237,7 +249,7 @@ def compute_stream(activities: Sequence[Activity], marker: str = "spin_kernel") 
 
 
 def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, float], comm: Sequence[str] = ("nccl",),
-                     marker: str = "spin_kernel") -> list[dict[str, float]]:
+                     marker: str = "spin_kernel", latency: float = LAUNCH_LATENCY_US) -> list[dict[str, float]]:
     """The blocked rule per step (cut as :func:`per_step` cuts them): ``blocked``, the queued rule's exposed
     communication (the collectives' union outside every other activity, the work's gaps of at most QUEUED_GAP_US
     filled) inside the compute stream's :func:`blocked_windows`; ``unmatched``, the part of it in gaps whose
@@ -254,9 +266,9 @@ def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, floa
     is_comm = [any(c in a[2].lower() for c in comm) for a in acts]
     comm_iv = [(a[0], a[1]) for a, c in zip(acts, is_comm) if c]
     work = [(a[0], a[1]) for a, c in zip(acts, is_comm) if not c and not _is_marker(a, marker)]
-    windows, unmatched = blocked_windows(acts, launches, stream, comm)
+    windows, unmatched = blocked_windows(acts, launches, stream, comm, latency=latency)
     waits = [a[1] for a in activities if a[3] == "sync" and a[2] == "Stream Wait Event" and a[4] == stream]
-    waited = blocked_windows(acts, launches, stream, comm, waits)[0] if waits else None
+    waited = blocked_windows(acts, launches, stream, comm, waits, latency)[0] if waits else None
     rows = []
     for lo, hi in zip(starts, [*starts[1:], last]):
         exposed = _minus(_union(_clip(comm_iv, lo, hi)), _union(_clip(work, lo, hi), QUEUED_GAP_US))

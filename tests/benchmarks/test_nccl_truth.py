@@ -138,11 +138,31 @@ def test_a_wait_on_a_collective_with_the_next_kernel_queued_counts_in_full():
 
 
 def test_a_gap_partly_host_paced_counts_only_from_the_launch_on():
-    """(c) B is launched at 300, mid-collective, and waits for it to end at 600: 300..600 is blocked."""
+    """(c) B is launched at 300, mid-collective, and waits for it to end at 600: from its launch and the device's
+    launch latency (3 us) on, 303..600, is blocked."""
     acts, launches = timeline(300, 600)
     row = per_step_blocked(acts, launches)[0]
     assert row["queued"] == pytest.approx(0.5)
-    assert row["blocked"] == pytest.approx(0.3)
+    assert row["blocked"] == pytest.approx(0.297)
+    assert per_step_blocked(acts, launches, latency=0.0)[0]["blocked"] == pytest.approx(0.3)
+
+
+def test_a_host_paced_stream_s_launch_latency_beside_a_spinning_collective_is_not_blocked():
+    """A rank waiting for its peer: a collective spins through a host-paced stretch whose kernels each start 2 us
+    after the host's call returns (the device's own launch latency, there without a collective too) and run 5 us,
+    one every 20 us: no wait of the stream, none blocked; at latency 0 every launch's 2 us would count.  A kernel
+    queued behind the collective (launched at 500, it starts at its end, 1000) still counts from its launch's
+    latency on."""
+    acts = [act(0, 1, 1, "spin_kernel"), act(10, 20, 2), act(20, 1000, 3, NCCL, stream=COMM)]
+    launches = {1: -5.0, 2: 5.0, 3: 15.0}
+    for i in range(20):
+        launches[10 + i] = 40.0 + 20 * i
+        acts.append(act(42 + 20 * i, 47 + 20 * i, 10 + i))
+    acts += [act(1000, 1100, 50), act(2000, 2001, 51, "spin_kernel")]
+    launches |= {50: 500.0, 51: 1990.0}
+    row = per_step_blocked(acts, launches)[0]
+    assert row["blocked"] == pytest.approx(0.497)  # 503..1000: the queued kernel's wait alone
+    assert per_step_blocked(acts, launches, latency=0.0)[0]["blocked"] == pytest.approx(0.497 + 0.003 + 20 * 0.002)
 
 
 def test_annotations_neither_double_count_the_collective_nor_fill_the_compute_stream_s_gap():

@@ -119,9 +119,6 @@ class DdpComm(PacedSpans):
         self.paced_steps = 0  # backwards whose host time in the span was taken off the wait, while bound
         self.paced_ms = 0.0  # and how much in all (ms)
         self.paced_waiting = 0  # host-paced spans whose device was still in them at the next optimizer step
-        self.coasted_steps = 0  # of paced_steps, those taken from the steady host time, unasked (PacedSpans._coast)
-        self._steady = 0  # asked spans in a row whose host time was taken (PacedSpans: STEADY of them start coasting)
-        self._coast = 0  # coasted synced backwards left before the next asked one (0: not coasting)
         self._deferred: tuple[list[Any], Any, bool, int, float] | None = None  # the last span's second question
         self._opt_hooks: tuple[Any, Any] | None = None  # the global optimizer step hooks that ask it, while paced
         self._in_step = False  # between an optimizer step's pre- and post-hook (a closure's backward)
@@ -221,8 +218,7 @@ class DdpComm(PacedSpans):
         self._engine = core._engine if core is not None else None
         self._to_wait = partial(self._engine.switch, WAIT) if core is not None else None
         self._copying = not getattr(self.ddp, "gradient_as_bucket_view", True)
-        self.paced_steps, self.paced_ms, self.paced_waiting, self.coasted_steps = 0, 0.0, 0, 0
-        self._steady, self._coast = 0, 0
+        self.paced_steps, self.paced_ms, self.paced_waiting = 0, 0.0, 0
         self._asking = register_optimizer_step_pre_hook is not None
         self._device = core is not None and core.clock.kind != "host"
         # the paced path's questions from the first synced backward (a device, both questions askable, no

@@ -25,18 +25,11 @@ a logged ``loss.item()``; or the loop's own work): such a host finds the span do
 for its peer included, so the answer tells nothing (a host-paced device is done at once).  An asked backward costs a
 Python frame at each end, two marks and two queries (each ``cuEventQuery`` ~12 µs of host time on an H100 host: the
 driver submits the queued work) and two frames an optimizer step: ~60 µs of host time against the usual path's ~8
-(``benchmarks/comm_truth.py``, ``docs/benchmarks.md``).  So a steadily host-paced module coasts: ``STEADY`` asked
-backwards in a row whose host time was taken, and the next ``COAST_EVERY - 1`` each lose their own span's host time
-(less the copies) with no question asked (:meth:`PacedSpans._coast_start`, :meth:`PacedSpans._coast_end`: the two
-frames and the engine's two switches, no mark, no query), then one is asked again, and an answer that takes nothing
-stops the coasting (every backward is asked until ``STEADY`` in a row are taken again).  A rank that waits for a
-peer on a coasted step (a wait that comes once, between two asked backwards) reads low by its host time in the span
-on that step; a peer's lag that recurs (every third step, a rank that evaluates alone) keeps the module asking.
-Likewise a device that falls behind its host, a second synced backward before the step's optimizer step, or a host
-that reaches the step late after the span (a ``loss.item()`` between them), on a coasted backward: a coasted span
-asks none of that and loses its host time all the same, until the next asked one.  A coasted span ends after DDP's
-end-of-backward too, as an asked one: ended at backward's return, it also holds the host's time from there to that
-return, where the device idles (such spans read 0.8-2.0 ms a step over the blocked rule on 2 x H200,
+(``benchmarks/comm_truth.py``, ``docs/benchmarks.md``).  Every host-paced backward is asked: skipping the questions
+on a steadily host-paced module saves ~12 µs of that (2 x H200) and reads a wait on a skipped backward (a peer late
+once, a device fallen behind, a host late to its optimizer step) low by the span's host time, ~2 ms on 200 parameter
+tensors.  The span ends after DDP's end-of-backward: ended at backward's return, it would also hold the host's time
+from there to that return, where the device idles (0.8-2.0 ms a step over the blocked rule on 2 x H200,
 ``comm_nccl.py``'s ``host200``).  On a device the module asks from its first synced backward (no used-parameter map
 read inside the span, both questions askable), so a rank whose steps turn host-paced later in the run (a loaded
 host, a peer's lag that comes and goes) has them corrected; a device-bound loop, whose host is further ahead at the
@@ -81,10 +74,6 @@ log = logging.getLogger(__name__)
 #: A host-paced module's wait start is a Python callback (the span's host time noted at both ends) until this many
 #: synced backwards in a row on which the device had not reached the span's start when the host left it.
 PACED_OFF = 64
-#: STEADY asked spans in a row whose host time was taken (the device kept pace on each, no wait past the host's
-#: launches) start coasting: COAST_EVERY - 1 synced backwards lose their own host time unasked, then one is asked
-#: again (:meth:`PacedSpans._coast_start`).
-STEADY, COAST_EVERY = 16, 16
 
 
 class PacedSpans:
@@ -92,13 +81,9 @@ class PacedSpans:
     the switch between that path and the engine's own (the state is :class:`~phase_timer.measures.comm.ddp.DdpComm`'s)."""
 
     def _paced_start(self) -> None:
-        """The wait begins on the paced path (the usual path's start while the module asks, :meth:`_pace`): its host
-        time is noted, and its end queued after DDP's end-of-backward."""
-        self._begin(self._paced_end)
-
-    def _begin(self, end: Any) -> None:
-        """A span begins in Python: the last span's question, unasked, dropped (its wait whole); the switch to the
-        wait; the host time noted; ``end`` queued after DDP's end-of-backward (queued before this one ran)."""
+        """The wait begins on the paced path (the usual path's start while the module asks, :meth:`_pace`): the last
+        span's question, unasked, dropped (its wait whole); the switch to the wait; the host time noted; its end
+        queued after DDP's end-of-backward (queued before this one ran)."""
         engine = self._engine
         if engine is None:
             return
@@ -106,7 +91,7 @@ class PacedSpans:
             self._drop_deferred()
         engine.switch(WAIT)
         self._h0 = time.perf_counter_ns()
-        self._queue_callback(end)
+        self._queue_callback(self._paced_end)
 
     def _paced_end(self) -> None:
         """After DDP's end-of-backward, on a host-paced module: the wait ends here (nothing is enqueued between
@@ -148,7 +133,6 @@ class PacedSpans:
         if behind is None:
             return None
         if behind:
-            self._unsteady()
             if self._paced:
                 self._cold += 1
                 if self._cold >= PACED_OFF:
@@ -156,7 +140,6 @@ class PacedSpans:
             return None
         if kept_up is False:  # the last bucket's copies queued: the device waited past the host's launches
             self._cold = 0
-            self._unsteady()
             return None
         if not self._paced:  # a sample caught up, or (bucket views) the answer itself: on, where it can be asked
             if not self._asking:
@@ -165,10 +148,7 @@ class PacedSpans:
         self._cold = 0
         host_ms = (h1 - h0) / 1e6
         ms = self._own_ms(host_ms)
-        held = self._defer(ms, h1, host_ms) if ms > 0 else None
-        if held is None:  # nothing to take: no answer that took the host time
-            self._unsteady()
-        return held
+        return self._defer(ms, h1, host_ms) if ms > 0 else None
 
     def _defer(self, ms: float, h1: int, host_ms: float) -> list[Any] | None:
         """The second question (:meth:`_decide`): a mark queued now, after the span's end (the host left it at
@@ -199,7 +179,6 @@ class PacedSpans:
         except Exception as err:  # noqa: BLE001 - the timer must never break training
             # the hooks stay, no-ops, until the path turns (torch is going through its global hooks: no removal)
             self._asking = False
-            self._unsteady()
             try:
                 warn(log, f"phase-timer: a host-paced wait is no longer corrected ({type(err).__name__}: {err}); "
                           "backward.comm_wait holds the whole span from here", 4)
@@ -227,13 +206,9 @@ class PacedSpans:
             return
         if not done or (reached - h1) / 1e6 > host_ms:
             self.paced_waiting += 1
-            self._unsteady()
             return
         self._take(engine, ms)
         held[2] = ms
-        self._steady += 1
-        if self._steady >= STEADY and self._inner is None:
-            self._coasting()
 
     def _drop_deferred(self) -> None:
         """A span begins (or the binding changes) with the last one's question unasked (no optimizer step since):
@@ -243,12 +218,11 @@ class PacedSpans:
             held, clock = deferred[0], deferred[1]
             held[2] = 0.0
             clock.release([held[0]])
-            self._unsteady()
 
     def _pace(self, on: bool) -> None:
         """The usual path's start from the next synced backward: a Python callback that notes the span's host time
         (``on``), or the engine's own switch."""
-        self._paced, self._cold, self._steady, self._coast = on, 0, 0, 0
+        self._paced, self._cold = on, 0
         self._set_start(self._paced_start if on else self._to_wait)
         if not on:
             self._unhook_optimizer()
@@ -259,48 +233,6 @@ class PacedSpans:
         self._start = start
         if Arm is not None and isinstance(self._armed, Arm):
             self._armed.callback = start
-
-    def _unsteady(self) -> None:
-        """An answer that takes nothing (or a question that can no longer be asked): the count of taken answers
-        starts anew, and a coasting module asks from its next synced backward."""
-        self._steady = 0
-        if self._coast:
-            self._coast = 0
-            self._set_start(self._paced_start)
-
-    def _coasting(self) -> None:
-        """STEADY asked spans in a row kept pace and were taken (at an optimizer step's hook, :meth:`_decide`): the
-        next COAST_EVERY - 1 synced backwards coast (:meth:`_coast_start`), taken as kept pace unasked."""
-        self._coast = COAST_EVERY - 1
-        self._set_start(self._coast_start)
-
-    def _coast_start(self) -> None:
-        """The wait begins on a coasting module (steadily host-paced): its host time noted and its end queued, as on
-        the asked path, but no question asked -- no mark, no query (:meth:`_coast_end`); the last of COAST_EVERY - 1
-        such backwards makes the next one an asked one (:meth:`_paced_start`), whose answers keep the module coasting
-        or stop it."""
-        if self._deferred is not None:  # a sample's question unanswered: no longer steady (_unsteady), this one asked
-            self._drop_deferred()
-        if not self._coast:
-            self._begin(self._paced_end)
-            return
-        self._begin(self._coast_end)
-        self._coast -= 1
-        if not self._coast:
-            self._set_start(self._paced_start)
-
-    def _coast_end(self) -> None:
-        """After DDP's end-of-backward, on a coasting module: the wait ends here, as :meth:`_paced_end`'s does, and
-        loses its host time less the module's copies, unasked."""
-        h1 = time.perf_counter_ns()
-        engine, h0, self._h0 = self._engine, self._h0, None
-        if engine is None or engine.current != WAIT or h0 is None:
-            return
-        engine.switch(BACKWARD)
-        ms = self._own_ms((h1 - h0) / 1e6)
-        if ms > 0:
-            self._take(engine, ms)
-            self.coasted_steps += 1
 
     def _own_ms(self, host_ms: float) -> float:
         """What a span's wait can lose: the host's time in it less the module's copies (they come off every step)."""
