@@ -98,6 +98,10 @@ SYNCED = "require_forward_param_sync"
 #: its last samples, its queued ones first (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is
 #: counted again (not timed).
 COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS = 2, 3, 1024, 1000
+#: A host-paced span kept whole because its device still waited in it at the optimizer step, on a module with a bucket
+#: no sample saw queued: the next synced backward's copies are timed, at most RESAMPLE times a binding
+#: (:meth:`DdpComm._resample`).
+RESAMPLE = 3
 
 
 class DdpComm(PacedSpans):
@@ -144,6 +148,7 @@ class DdpComm(PacedSpans):
         self.copy_host_ns: list[int] = []  # each sampled end-of-backward's host time (DDP's own in), while bound
         self._counts: list[int] | None = None  # DDP's copies a bucket, in its order (counted on a sampled backward)
         self._map_read = False  # a sampled end-of-backward saw DDP read its used-parameter map: copies untimed
+        self._resamples = RESAMPLE  # samples a waiting span may still ask for (_resample), while bound
 
     # -- installation ---------------------------------------------------------------
     @classmethod
@@ -232,6 +237,7 @@ class DdpComm(PacedSpans):
             run.untimed_copies = run.untimed_copies or self._untimeable()
         # a deferral still live (bound anew between _split and _joined) is left to _joined, which pops and replays it
         self._spans, self._open, self._synced, self._copy_taken = None, None, 0, 0
+        self._resamples = RESAMPLE
         self.copy_host_ns = []
         self._pending.clear()
         self._arm()
@@ -270,6 +276,19 @@ class DdpComm(PacedSpans):
             self._armed.due = due
         else:
             self._due = due
+
+    def _resample(self) -> None:
+        """A host-paced span was kept whole: the device still waited in it at the optimizer step (a rank waiting for
+        its peer).  A bucket whose copies no sample saw queued adds nothing to the copies' estimate (its samples all
+        caught up with the host: taken while this rank was host-paced), so a waiting step's span would keep that
+        bucket's copies in its wait; a waiting rank's copies queue behind its waits: the next synced backward's are
+        timed, their own time comes in (at most RESAMPLE such samples a binding; one is ~the end-of-backward's host
+        time with the mode's Python, ms on hundreds of parameters)."""
+        run = self._run
+        if self._resamples > 0 and self._copying and not self._map_read and run is not None \
+                and run.unqueued(self):
+            self._resamples -= 1
+            self._schedule(1)
 
     def remove(self, core: Any = None) -> None:
         """Unbind and take the parameter's hook off, unless another timer (not ``core``) bound it since; the

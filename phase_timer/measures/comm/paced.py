@@ -206,6 +206,8 @@ class PacedSpans:
             return
         if not done or (reached - h1) / 1e6 > host_ms:
             self.paced_waiting += 1
+            if not done:  # the device waits in the span: its copies queue (DdpComm._resample)
+                self._resample()
             return
         self._take(engine, ms)
         held[2] = ms

@@ -166,6 +166,10 @@ class RunComm(Measure):
         """Buckets whose copies no sample saw queued (every sample caught up with the host): no estimate of theirs."""
         return sum(not own for buckets in self._copy_buckets.values() for own, _ in buckets)
 
+    def unqueued(self, probe: Any) -> bool:
+        """Whether one module's copies have a bucket no sample saw queued (its estimate leaves that bucket out)."""
+        return any(not own for own, _ in self._copy_buckets.get(id(probe), ()))
+
     def module_copy_ms(self, probe: Any) -> float:
         """The copies' estimate of one module's split (ms; 0.0 before any)."""
         return self._copy_module.get(id(probe), 0.0)

@@ -577,6 +577,40 @@ def test_a_steadily_host_paced_module_asks_every_backward_and_keeps_a_wait_after
     probe.bind(None)
 
 
+def test_a_waiting_span_has_the_copies_sampled_where_a_bucket_has_no_queued_sample(monkeypatch) -> None:
+    """A host-paced span kept whole because its device still waited in it at the optimizer step (a rank waiting for
+    its peer), on a module with a bucket whose copies no sample saw queued (sampled while host-paced): the next synced
+    backward's copies are timed (its copies queue behind the waits), at most RESAMPLE times a binding.  Not where
+    every bucket has a queued sample, nor where the span was taken, nor where the host reached the step late."""
+    from collections import deque
+
+    probe, engine, backward = paced_probe(monkeypatch, copies_ms=0.5)
+    clock = backward.clock
+    asked: list[int] = []
+    schedule = probe._schedule
+    monkeypatch.setattr(probe, "_schedule", lambda due: (asked.append(due), schedule(due)))
+
+    def sampled(**kw) -> bool:
+        asked.clear()
+        backward(2.5, **kw)
+        return 1 in asked[:-1]  # the harness schedules 0 last
+
+    clock.done_is = False
+    assert not sampled()  # waiting, every bucket queued: nothing to learn
+    probe._run._copy_buckets[id(probe)].append((deque(maxlen=3), deque([0.3], maxlen=3)))  # caught up only
+    assert probe._run.unqueued(probe)
+    clock.done_is = True
+    assert not sampled()  # taken: the device kept pace
+    waiting = probe.paced_waiting
+    assert not sampled(gap_ms=4.0) and probe.paced_waiting == waiting + 1  # kept whole (the host late), device done
+    clock.done_is = False
+    assert [sampled() for _ in range(comm_ddp.RESAMPLE + 2)] == [True] * comm_ddp.RESAMPLE + [False, False]
+    probe.bind(probe._core)  # a new binding: RESAMPLE again
+    probe._run._copy_buckets[id(probe)] = [(deque(maxlen=3), deque([0.3], maxlen=3))]
+    assert sampled()
+    probe.bind(None)
+
+
 def test_a_host_that_reaches_the_optimizer_step_late_tells_nothing_and_keeps_the_wait(monkeypatch) -> None:
     """The second question's "done" says the device kept pace only where the host reached the step promptly: a
     host that took longer after the span than its own time in it (a sync before the step: ``GradScaler.step``'s
