@@ -42,7 +42,9 @@ back), summed; it is taken off each step's ``backward.comm_wait`` (never below z
 stays in ``backward``.  A sample whose device caught up with the host among a bucket's copies holds the pace of
 DDP's launches (and the mode's Python, which ``copies.Copies.ms`` takes off), not their own time, and adds nothing:
 such a step's span loses the host's time in it whole on the paced path below where its questions say the device
-kept pace, and a bucket no sample saw queued adds nothing (the table says so).  (A static graph's first-iteration
+kept pace, and a bucket no sample saw queued adds nothing (the table says so) until a sample sees it queued: a
+host-paced span kept whole because its device still waits in it (a rank waiting for its peer, whose copies queue)
+has the next synced backward's copies timed where a bucket has none queued (``RESAMPLE`` a binding).  (A static graph's first-iteration
 all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
