@@ -40,11 +40,12 @@ hand (``tests/benchmarks/test_nccl_truth.py``).
   (torch's experimental ``enable_cuda_sync_events``: a ``Stream Wait Event`` on the waiting stream, at the host's
   call), ``waited`` gives the rule with such a wait counted as queued work too.
 - **Launch latency.** A kernel launched on an idle stream starts ~2 µs after the host's call returns (2 x H200,
-  CUDA 13: median 1.7-2.0 µs with no collective running, 2.3 µs beside one, p90 2.5; ``--dump``'s activities):
-  the device's own launch latency, there with or without a collective.  A host-paced backward beside a collective
-  that spins through it (a rank waiting for its peer) has ~600 such launches a step, ~1-2 ms a step that the rule
-  would count as blocked with the window opened at the call's end; its DDP span holds none of it.  So a launch opens
-  its window LAUNCH_LATENCY_US after the call's end (the queued gaps' bound, the same latency between two queued
+  CUDA 13: median 1.7-1.9 µs, p90 2.0-2.4, with a collective running meanwhile or not; ``nccl_latency.py`` over
+  ``comm_nccl.py --dump``, ``results/nccl_launch_latency_h200x2.txt``): the device's own launch latency.  A
+  host-paced backward beside a collective that spins through it (a rank waiting for its peer) has ~450-1000 such
+  launches a step, 1.0-2.4 ms a step that the rule would count as blocked with the window opened at the call's end;
+  its DDP span holds none of it.  So a launch opens its window LAUNCH_LATENCY_US after the call's end (the queued
+  gaps' bound, the same latency between two queued
   kernels): :func:`per_step_blocked`'s ``latency``.
 """
 

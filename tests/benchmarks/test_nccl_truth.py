@@ -364,3 +364,35 @@ def test_comm_nccl_leaves_the_untimed_steps_of_module_samples_out_of_its_counts(
     assert "2/3 steps within" in line and "largest gap -1.000" in line
     assert untimed_text(r) == " (2 untimed, left out: steps 30,31)"
     assert untimed_text({"rows": r["rows"][:2]}) == ""
+
+
+def test_the_latency_report_reads_a_dump_s_launch_latencies_and_the_rule_with_and_without_them(tmp_path):
+    """``nccl_latency.py`` on a hand-made ``--dump`` file: 20 host-paced kernels each starting 2 us after its call,
+    beside a collective spinning through them (10 of them) or not (10 more after it); the blocked rule at 3 us
+    counts none of their latency, at none it counts the 10 beside the collective, in 10 windows of <= 3 us."""
+    import gzip
+    import json
+
+    from benchmarks import nccl_latency
+
+    acts = [act(0, 1, 1, "spin_kernel"), act(10, 20, 2), act(20, 230, 3, NCCL, stream=COMM)]
+    launches = {1: -5.0, 2: 5.0, 3: 15.0}
+    for i in range(20):
+        launches[10 + i] = 40.0 + 20 * i
+        acts.append(act(42 + 20 * i, 47 + 20 * i, 10 + i))
+    acts.append(act(2000, 2001, 51, "spin_kernel"))
+    launches[51] = 1990.0
+    path = tmp_path / "case_r0.json.gz"
+    with gzip.open(path, "wt") as fh:
+        json.dump(dict(case="case", rank=0, first=7, activities=acts,
+                       launches={k: [v - 4.0, v] for k, v in launches.items()},
+                       rows=[[{}, {"backward.comm_wait": 0.01}], [{}, {}]]), fh)
+    beside, alone = nccl_latency.latencies([tuple(a) for a in acts], launches)
+    assert beside == pytest.approx([2.0] * 10)
+    assert sorted(alone) == pytest.approx([2.0] * 10 + [5.0, 10.0])  # and the first kernel's, the next marker's
+    row = nccl_latency.per_step([tuple(a) for a in acts], launches)[0]
+    assert row["blocked"] == 0 and row["no_latency"] == pytest.approx(0.020)
+    assert row["short"] == pytest.approx(0.020) and row["short_n"] == 10
+    lines = nccl_latency.report(str(path))
+    assert "a collective running: n=10 p10 2.00 median 2.00 p90 2.00; none: n=12" in lines[0]
+    assert "case rank 0 step 7: blocked    0.000" in lines[1] and lines[1].endswith("phase-timer    0.010")

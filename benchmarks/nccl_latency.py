@@ -1,0 +1,116 @@
+"""The device's launch latency beside a collective, from ``comm_nccl.py --dump`` files: why the blocked rule opens a
+launch's window ``nccl_truth.LAUNCH_LATENCY_US`` after the host's call.
+
+    python benchmarks/nccl_latency.py DUMP.json.gz [...] [--out FILE]
+
+For each dump (one case and rank, its profiled steps): every kernel, memcpy or memset the host launched onto an idle
+compute stream (its launch call ended after the stream's last activity ended), the time from the call's end to its
+start on the device, split by whether a collective ran meanwhile (p10, median, p90, µs); then per step the blocked
+rule as ``comm_nccl.py`` reads it (``latency`` µs after each call) and with no latency, the part of the latter in
+windows of at most LAUNCH_LATENCY_US, and phase-timer's reading of that step (its row in the dump).  A rank whose
+collective spins through a host-paced stretch (a rank waiting for its peer) counts each launch's latency there as
+blocked when the window opens at the call's end: ~600 launches a step on 200 parameter tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.nccl_truth import (  # noqa: E402
+    LAUNCH_LATENCY_US, QUEUED_GAP_US, _clip, _is_marker, _minus, _overlap, _union, blocked_windows, compute_stream)
+from phase_timer.phases import COMM_PARTS  # noqa: E402
+
+
+def load(path: str) -> dict[str, Any]:
+    with gzip.open(path, "rt") as fh:
+        return json.load(fh)
+
+
+def latencies(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") -> tuple[list[float], list[float]]:
+    """µs from each idle-stream launch's call end to its start: (with a collective running meanwhile, without)."""
+    stream = compute_stream(acts)
+    collectives = _union([(a[0], a[1]) for a in acts if comm in a[2].lower()])
+    own = sorted((a[0], a[1], a[5]) for a in acts if a[4] == stream and comm not in a[2].lower())
+    beside, alone = [], []
+    end = None
+    for start, stop, corr in own:
+        launch = launches.get(corr)
+        if end is not None and launch is not None and end < launch < start:
+            (beside if _overlap(launch, start, collectives) > 0 else alone).append(start - launch)
+        end = stop if end is None else max(end, stop)
+    return beside, alone
+
+
+def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") -> list[dict[str, float]]:
+    """Each step's blocked rule at LAUNCH_LATENCY_US and at none, and the no-latency rule's part in windows of at most
+    LAUNCH_LATENCY_US (ms)."""
+    stream = compute_stream(acts)
+    starts = sorted(a[0] for a in acts if _is_marker(a, "spin_kernel"))
+    if stream is None or not starts:
+        return []
+    last = max(a[1] for a in acts)
+    collectives = [(a[0], a[1]) for a in acts if comm in a[2].lower()]
+    work = [(a[0], a[1]) for a in acts if comm not in a[2].lower() and not _is_marker(a, "spin_kernel")]
+    late = blocked_windows(acts, launches, stream, (comm,), latency=LAUNCH_LATENCY_US)[0]
+    now = blocked_windows(acts, launches, stream, (comm,), latency=0.0)[0]
+    short = [w for w in now if w[1] - w[0] <= LAUNCH_LATENCY_US]
+    rows = []
+    for lo, hi in zip(starts, [*starts[1:], last]):
+        exposed = _minus(_union(_clip(collectives, lo, hi)), _union(_clip(work, lo, hi), QUEUED_GAP_US))
+
+        def inside(windows: list[tuple[float, float]]) -> float:
+            merged = _union(_clip(windows, lo, hi))
+            return sum(_overlap(a, b, merged) for a, b in exposed) / 1e3
+
+        rows.append(dict(blocked=inside(late), no_latency=inside(now), short=inside(short),
+                         short_n=sum(1 for a, b in _clip(short, lo, hi) if _overlap(a, b, _union(exposed)) > 0)))
+    return rows
+
+
+def quantiles(values: list[float]) -> str:
+    if len(values) < 10:
+        return f"n={len(values)}"
+    q = statistics.quantiles(values, n=10)
+    return f"n={len(values)} p10 {q[0]:.2f} median {statistics.median(values):.2f} p90 {q[8]:.2f}"
+
+
+def report(path: str) -> list[str]:
+    d = load(path)
+    acts = [tuple(a) for a in d["activities"] if a[3] not in ("annotation", "sync")]
+    launches = {int(k): v[1] for k, v in d["launches"].items()}
+    beside, alone = latencies(acts, launches)
+    name = f"{d['case']} rank {d['rank']}"
+    lines = [f"{name}: idle-stream launch to start (us), a collective running: {quantiles(beside)}; none: "
+             f"{quantiles(alone)}"]
+    for k, row in enumerate(per_step(acts, launches)):
+        final = d["rows"][k][1] if k < len(d["rows"]) else {}
+        wait = sum(final.get(p, 0.0) for p in COMM_PARTS) if final else None
+        pt = "-" if wait is None else f"{wait:8.3f}"
+        lines.append(f"  {name} step {d['first'] + k}: blocked {row['blocked']:8.3f} (latency {LAUNCH_LATENCY_US:g} "
+                     f"us), {row['no_latency']:8.3f} (none), of it {row['short']:6.3f} in {row['short_n']} windows of "
+                     f"<= {LAUNCH_LATENCY_US:g} us; phase-timer {pt}")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("dumps", nargs="+")
+    p.add_argument("--out")
+    args = p.parse_args()
+    lines = [line for path in args.dumps for line in report(path)]
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
