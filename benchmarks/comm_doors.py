@@ -6,8 +6,9 @@
 One case a door, as a user has it: ``comm_nccl.py``'s GPT-2-class LM (148 parameter tensors) under the door's own
 DDP (Lightning's ``DDPStrategy``; the 🤗 Trainer's, through accelerate), bf16, fused AdamW, the callback with
 ``per_step=True``.  A callback of the benchmark's launches a marker kernel at each batch's start and profiles the
-last ``--profiled`` steps (device activity only); the truth is ``nccl_truth.py``'s union-of-intervals rule per
-step.  phase-timer's per-step ``forward.comm_wait + backward.comm_wait`` is read back from its TensorBoard file
+last ``--profiled`` steps (device activity only; ``--prewarm N`` starts it N batches earlier, uncompared); the truth
+is ``nccl_truth.py``'s union-of-intervals rule per step, queued, strict and blocked (the launches matched by
+correlation id, as ``comm_nccl.py --launches``).  phase-timer's per-step ``forward.comm_wait + backward.comm_wait`` is read back from its TensorBoard file
 with tensorboard's reader (rank zero writes it), the last ``--profiled`` steps in order.  Rank zero prints the
 per-step table and a summary line.
 """
@@ -36,15 +37,16 @@ from phase_timer.outputs.tags import step_tag  # noqa: E402
 class Profiled:
     """A marker kernel at each batch's start; the profiler over the last ``n`` of ``total`` batches."""
 
-    def __init__(self, total: int, n: int) -> None:
+    def __init__(self, total: int, n: int, prewarm: int = 0) -> None:
         self.first, self.prof, self.batch = total - n, None, 0
+        self.start = max(0, self.first - prewarm)  # the profiler's start: CUPTI's cost on the host settles first
 
     def begin(self) -> None:
-        if self.batch == self.first:
+        if self.batch == self.start:
             torch.cuda.synchronize()  # the benchmark's: the profiled steps begin on an idle device
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             self.prof.start()
-        if self.prof is not None:
+        if self.prof is not None and self.batch >= self.first:
             torch.cuda._sleep(100)  # the marker: this step begins here on the compute stream
         self.batch += 1
 
@@ -135,10 +137,12 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--prewarm", type=int, default=0, help="start the profiler this many batches before the first "
+                   "compared one (comm_nccl.py's --prewarm)")
     p.add_argument("--out")
     args = p.parse_args()
     log_dir = os.environ.get("COMM_DOORS_LOG_DIR") or tempfile.mkdtemp()
-    prof = Profiled(args.steps, args.profiled)
+    prof = Profiled(args.steps, args.profiled, args.prewarm)
     (lightning_run if args.door == "lightning" else hf_run)(args, log_dir, prof)
     truth = prof.truth()
     if int(os.environ.get("RANK", "0")) != 0:

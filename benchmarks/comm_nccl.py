@@ -319,7 +319,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     for i, tokens in enumerate(timer.loader):
         if args.sample_at is not None and i == args.sample_at - 1 and probe is not None and hasattr(probe, "_schedule"):
             probe._schedule(2)  # the next synced backward after this one has its copies timed (in the trace)
-        if i == first and prof is not None:
+        if i == max(0, first - args.prewarm) and prof is not None:
             torch.cuda.synchronize()  # the benchmark's: the profiled steps begin on an idle device
             prof.start()
         if prof is not None and i >= first:
@@ -458,8 +458,8 @@ def untimed_text(r: dict) -> str:
 
 def blocked_line(r: dict) -> str:
     """One case's and rank's summary under the blocked rule: its steps within 0.1 ms or 2% of the rule, the largest
-    gap, the rule's mean against the queued rule's, the part counted in gaps whose kernel had no launch found, and
-    the rule with each launch at its call's start."""
+    gap, the rule's mean against the queued rule's, the part counted in gaps whose kernel had no launch found, the
+    rule with each launch at its call's start, and the rule with no launch latency (and its steps within)."""
     rows = [row for row in r["rows"] if row.get("blocked") is not None and timed(row)]
     ok = sum(abs(blocked_diff(row)) <= max(0.1, 0.02 * row["blocked"]) for row in rows)
     worst = max((blocked_diff(row) for row in rows), key=abs, default=0.0)
@@ -536,6 +536,9 @@ def main() -> None:
     p.add_argument("--span-kernels", action="store_true", help="a diagnosis: exposed NCCL inside and outside "
                    "phase-timer's FSDP2 and DDP spans, per step, and where the outside part lies (a tiny kernel "
                    "marks each span's ends on the trace; --cpu: the kernels' count alone, no profiler)")
+    p.add_argument("--prewarm", type=int, default=0, help="start the profiler this many steps before the first "
+                   "compared one (no marker there, so none is compared): CUPTI's start slows the host for a few steps, "
+                   "and a device that catches up with a slowed host reads that host time in its span")
     p.add_argument("--dump", help="a folder: each case's and rank's device activities, launch calls and phase-timer "
                    "rows of the profiled steps, gzipped json (a diagnosis, read offline)")
     p.add_argument("--trace-dir")

@@ -9,7 +9,7 @@ start on the device, split by whether a collective ran meanwhile (p10, median, p
 rule as ``comm_nccl.py`` reads it (``latency`` µs after each call) and with no latency, the part of the latter in
 windows of at most LAUNCH_LATENCY_US, and phase-timer's reading of that step (its row in the dump).  A rank whose
 collective spins through a host-paced stretch (a rank waiting for its peer) counts each launch's latency there as
-blocked when the window opens at the call's end: ~600 launches a step on 200 parameter tensors.
+blocked when the window opens at the call's end: ~300-1100 launches a step on 200 parameter tensors.
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ hand (``tests/benchmarks/test_nccl_truth.py``).
   (torch's experimental ``enable_cuda_sync_events``: a ``Stream Wait Event`` on the waiting stream, at the host's
   call), ``waited`` gives the rule with such a wait counted as queued work too.
 - **Launch latency.** A kernel launched on an idle stream starts ~2 µs after the host's call returns (2 x H200,
-  CUDA 13: median 1.7-1.9 µs, p90 2.0-2.4, with a collective running meanwhile or not; ``nccl_latency.py`` over
+  CUDA 13: median 1.7-2.0 µs, p90 2.0-2.4, with a collective running meanwhile or not; ``nccl_latency.py`` over
   ``comm_nccl.py --dump``, ``results/nccl_launch_latency_h200x2.txt``): the device's own launch latency.  A
-  host-paced backward beside a collective that spins through it (a rank waiting for its peer) has ~450-1000 such
+  host-paced backward beside a collective that spins through it (a rank waiting for its peer) has ~300-1100 such
   launches a step, 1.0-2.4 ms a step that the rule would count as blocked with the window opened at the call's end;
   its DDP span holds none of it.  So a launch opens its window LAUNCH_LATENCY_US after the call's end (the queued
   gaps' bound, the same latency between two queued
@@ -208,14 +208,14 @@ def _is_marker(iv: Sequence[Any], marker: str) -> bool:
 
 
 def blocked_windows(activities: Sequence[Activity], launches: Mapping[int, float], stream: int,
-                    comm: Sequence[str] = ("nccl",), waits: Sequence[float] = (), latency: float = 0.0
+                    comm: Sequence[str] = ("nccl",), waits: Sequence[float] = (), latency: float = LAUNCH_LATENCY_US
                     ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Where ``stream`` (the compute stream) waits with work queued: for each gap between its activities (kernels,
     memcpy and memset, markers too; not annotations, not communication), from the later of the gap's start and
     the host's launch of the activity that ends the gap (``launches``: correlation id -> µs) plus ``latency`` (the
     device's own launch latency) to the gap's end;
     with ``waits`` (host times of the stream's own waits on events), from the first wait queued after the launch
-    of the activity before the gap, where that comes sooner.  Second, the gaps whose ending activity has no launch
+    of the activity before the gap, where that comes sooner (a wait's time as recorded, no latency added).  Second, the gaps whose ending activity has no launch
     in ``launches``: each is among the first as a whole (it counts as the union rule counts it)."""
     own = sorted((a, b, corr) for a, b, n, k, s, corr in activities
                  if s == stream and k not in ("annotation", "sync") and not any(c in n.lower() for c in comm))
@@ -257,7 +257,8 @@ def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, floa
     ending activity has no launch in ``launches`` (counted in ``blocked``); ``queued``, the queued rule itself
     (``per_step``'s ``exposed_queued``); and where ``activities`` hold the compute stream's ``Stream Wait Event``
     records, ``waited``, the blocked rule with each of those waits counted as queued work (its record's end); in
-    ms."""
+    ms.  Each launch opens its window ``latency`` µs after its call's end (the device's launch latency, the module's
+    text); a wait's record is not moved (it holds the stream from its call on)."""
     acts = [a for a in activities if a[3] not in ("annotation", "sync")]
     stream = compute_stream(acts, marker)
     if stream is None:

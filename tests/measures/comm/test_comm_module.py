@@ -577,6 +577,20 @@ def test_a_steadily_host_paced_module_asks_every_backward_and_keeps_a_wait_after
     probe.bind(None)
 
 
+def test_a_composed_hook_s_module_asks_every_host_paced_backward(monkeypatch) -> None:
+    """A module with the user's comm hook composed begins every span in Python (``_split``): each host-paced backward
+    is asked (its mark queried at the optimizer step) and its host time taken, however many kept pace in a row."""
+    probe, engine, backward = paced_probe(monkeypatch)
+    probe._inner = lambda state, bucket: None  # composed: _began queues _split
+    clock = backward.clock
+    for i in range(40):
+        asked = clock.asked
+        assert backward(2.5, python=True) == [*PACED, ("add_host", WAIT, -2.5), ("switch", "optimizer")]
+        assert clock.asked == asked + 1, i
+    assert probe.paced_steps == 40 and not clock.live
+    probe.bind(None)
+
+
 def test_a_waiting_span_has_the_copies_sampled_where_a_bucket_has_no_queued_sample(monkeypatch) -> None:
     """A host-paced span kept whole because its device still waited in it at the optimizer step (a rank waiting for
     its peer), on a module with a bucket whose copies no sample saw queued (sampled while host-paced): the next synced
