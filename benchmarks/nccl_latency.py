@@ -18,6 +18,7 @@ import argparse
 import gzip
 import json
 import os
+import pathlib
 import statistics
 import sys
 from typing import Any
@@ -105,11 +106,10 @@ def main() -> None:
     p.add_argument("dumps", nargs="+")
     p.add_argument("--out")
     args = p.parse_args()
-    lines = [line for path in args.dumps for line in report(path)]
-    print("\n".join(lines))
+    text = "\n".join(line for path in args.dumps for line in report(path))
+    print(text)
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+        pathlib.Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
