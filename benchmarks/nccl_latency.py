@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.nccl_truth import (  # noqa: E402
-    LAUNCH_LATENCY_US, QUEUED_GAP_US, _clip, _is_marker, _minus, _overlap, _union, blocked_windows, compute_stream)
+    LAUNCH_LATENCY_US, _clip, _overlap, _union, blocked_windows, compute_stream, step_exposed)
 from phase_timer.phases import COMM_PARTS  # noqa: E402
 
 
@@ -54,25 +54,20 @@ def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") 
     """Each step's blocked rule at LAUNCH_LATENCY_US and at none, and the no-latency rule's part in windows of at most
     LAUNCH_LATENCY_US (ms)."""
     stream = compute_stream(acts)
-    starts = sorted(a[0] for a in acts if _is_marker(a, "spin_kernel"))
-    if stream is None or not starts:
+    if stream is None:
         return []
-    last = max(a[1] for a in acts)
-    collectives = [(a[0], a[1]) for a in acts if comm in a[2].lower()]
-    work = [(a[0], a[1]) for a in acts if comm not in a[2].lower() and not _is_marker(a, "spin_kernel")]
     late = blocked_windows(acts, launches, stream, (comm,), latency=LAUNCH_LATENCY_US)[0]
     now = blocked_windows(acts, launches, stream, (comm,), latency=0.0)[0]
     short = [w for w in now if w[1] - w[0] <= LAUNCH_LATENCY_US]
     rows = []
-    for lo, hi in zip(starts, [*starts[1:], last]):
-        exposed = _minus(_union(_clip(collectives, lo, hi)), _union(_clip(work, lo, hi), QUEUED_GAP_US))
+    for lo, hi, exposed in step_exposed(acts, (comm,)):
 
         def inside(windows: list[tuple[float, float]]) -> float:
             merged = _union(_clip(windows, lo, hi))
             return sum(_overlap(a, b, merged) for a, b in exposed) / 1e3
 
         rows.append(dict(blocked=inside(late), no_latency=inside(now), short=inside(short),
-                         short_n=sum(1 for a, b in _clip(short, lo, hi) if _overlap(a, b, _union(exposed)) > 0)))
+                         short_n=sum(1 for a, b in _clip(short, lo, hi) if _overlap(a, b, exposed) > 0)))
     return rows
 
 

@@ -249,6 +249,22 @@ def compute_stream(activities: Sequence[Activity], marker: str = "spin_kernel") 
     return streams.most_common(1)[0][0] if streams else None
 
 
+def step_exposed(acts: Sequence[Activity], comm: Sequence[str] = ("nccl",), marker: str = "spin_kernel"
+                 ) -> list[tuple[float, float, list[tuple[float, float]]]]:
+    """Each step (cut at the markers, as :func:`per_step` cuts them) as ``(start, end, exposed)``: the queued rule's
+    exposed communication in it, the collectives' union outside every other activity (``acts``: no annotations,
+    no sync records), the work's gaps of at most QUEUED_GAP_US filled."""
+    starts = sorted(a[0] for a in acts if _is_marker(a, marker))
+    if not starts:
+        return []
+    last = max(a[1] for a in acts)
+    is_comm = [any(c in a[2].lower() for c in comm) for a in acts]
+    comm_iv = [(a[0], a[1]) for a, c in zip(acts, is_comm) if c]
+    work = [(a[0], a[1]) for a, c in zip(acts, is_comm) if not c and not _is_marker(a, marker)]
+    return [(lo, hi, _minus(_union(_clip(comm_iv, lo, hi)), _union(_clip(work, lo, hi), QUEUED_GAP_US)))
+            for lo, hi in zip(starts, [*starts[1:], last])]
+
+
 def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, float], comm: Sequence[str] = ("nccl",),
                      marker: str = "spin_kernel", latency: float = LAUNCH_LATENCY_US) -> list[dict[str, float]]:
     """The blocked rule per step (cut as :func:`per_step` cuts them): ``blocked``, the queued rule's exposed
@@ -263,17 +279,11 @@ def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, floa
     stream = compute_stream(acts, marker)
     if stream is None:
         return []
-    starts = sorted(a[0] for a in acts if _is_marker(a, marker))
-    last = max(a[1] for a in acts)
-    is_comm = [any(c in a[2].lower() for c in comm) for a in acts]
-    comm_iv = [(a[0], a[1]) for a, c in zip(acts, is_comm) if c]
-    work = [(a[0], a[1]) for a, c in zip(acts, is_comm) if not c and not _is_marker(a, marker)]
     windows, unmatched = blocked_windows(acts, launches, stream, comm, latency=latency)
     waits = [a[1] for a in activities if a[3] == "sync" and a[2] == "Stream Wait Event" and a[4] == stream]
     waited = blocked_windows(acts, launches, stream, comm, waits, latency)[0] if waits else None
     rows = []
-    for lo, hi in zip(starts, [*starts[1:], last]):
-        exposed = _minus(_union(_clip(comm_iv, lo, hi)), _union(_clip(work, lo, hi), QUEUED_GAP_US))
+    for lo, hi, exposed in step_exposed(acts, comm, marker):
         blocked = _union(_clip(windows, lo, hi))
         lost = _union(_clip(unmatched, lo, hi))
         row = dict(
