@@ -44,7 +44,8 @@ DDP's launches (and the mode's Python, which ``copies.Copies.ms`` takes off), no
 such a step's span loses the host's time in it whole on the paced path below where its questions say the device
 kept pace, and a bucket no sample saw queued adds nothing (the table says so) until a sample sees it queued: a
 host-paced span kept whole because its device still waits in it (a rank waiting for its peer, whose copies queue)
-has the next synced backward's copies timed where a bucket has none queued (``RESAMPLE`` a binding).  (A static graph's first-iteration
+has the next synced backward's copies timed where a bucket has none queued (``RESAMPLE`` a binding), as has a span
+whose device is still behind its host at its end (a device-bound rank's, whose copies queue).  (A static graph's first-iteration
 all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
 backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
 parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
@@ -100,9 +101,9 @@ SYNCED = "require_forward_param_sync"
 #: its last samples, its queued ones first (``run.COPY_KEEP``).  A backward whose buckets do not copy as counted is
 #: counted again (not timed).
 COPY_LEARN, COPY_DENSE, COPY_EVERY, COPY_BUDGET_NS = 2, 3, 1024, 1000
-#: A host-paced span kept whole because its device still waited in it at the optimizer step, on a module with a bucket
-#: no sample saw queued: the next synced backward's copies are timed, at most RESAMPLE times a binding
-#: (:meth:`DdpComm._resample`).
+#: A span whose copies queued (its device behind its host at its end, or still waiting in it at the optimizer step), on
+#: a module with a bucket no sample saw queued: the next synced backward's copies are timed, at most RESAMPLE times a
+#: binding (:meth:`DdpComm._resample`).
 RESAMPLE = 3
 
 
@@ -280,12 +281,13 @@ class DdpComm(PacedSpans):
             self._due = due
 
     def _resample(self) -> None:
-        """A host-paced span was kept whole: the device still waited in it at the optimizer step (a rank waiting for
-        its peer).  A bucket whose copies no sample saw queued adds nothing to the copies' estimate (its samples all
-        caught up with the host: taken while this rank was host-paced), so a waiting step's span would keep that
-        bucket's copies in its wait; a waiting rank's copies queue behind its waits: the next synced backward's are
-        timed, their own time comes in (at most RESAMPLE such samples a binding; one is ~the end-of-backward's host
-        time with the mode's Python, ms on hundreds of parameters)."""
+        """A span whose copies queued: its device was still behind its host at the span's end, or still waited in
+        it at the optimizer step (a rank waiting for its peer).  A bucket whose copies no sample saw queued adds
+        nothing to the copies' estimate (its samples all caught up with the host: taken while this rank was
+        host-paced), so such a step's span keeps that bucket's copies in its wait; a device behind or waiting queues
+        them: the next synced backward's are timed, their own time comes in (at most RESAMPLE such samples a
+        binding, none while a sample of this module is still to resolve; one is ~the end-of-backward's host time
+        with the mode's Python, ms on hundreds of parameters)."""
         run = self._run
         if self._resamples > 0 and self._copying and not self._map_read and run is not None \
                 and run.unqueued(self):

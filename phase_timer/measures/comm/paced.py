@@ -133,6 +133,8 @@ class PacedSpans:
         if behind is None:
             return None
         if behind:
+            if kept_up is None:  # the device behind its host: this span's copies queued (DdpComm._resample)
+                self._resample()
             if self._paced:
                 self._cold += 1
                 if self._cold >= PACED_OFF:

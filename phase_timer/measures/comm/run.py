@@ -167,8 +167,11 @@ class RunComm(Measure):
         return sum(not own for buckets in self._copy_buckets.values() for own, _ in buckets)
 
     def unqueued(self, probe: Any) -> bool:
-        """Whether one module's copies have a bucket no sample saw queued (its estimate leaves that bucket out)."""
-        return any(not own for own, _ in self._copy_buckets.get(id(probe), ()))
+        """Whether one module's copies have a bucket no sample saw queued (its estimate leaves that bucket out), with
+        no sample of its copies still to resolve (that one may bring it in)."""
+        key = id(probe)
+        return not any(item[0] == key for item in self._copy_pending) \
+            and any(not own for own, _ in self._copy_buckets.get(key, ()))
 
     def module_copy_ms(self, probe: Any) -> float:
         """The copies' estimate of one module's split (ms; 0.0 before any)."""

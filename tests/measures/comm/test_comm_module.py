@@ -593,9 +593,10 @@ def test_a_composed_hook_s_module_asks_every_host_paced_backward(monkeypatch) ->
 
 def test_a_waiting_span_has_the_copies_sampled_where_a_bucket_has_no_queued_sample(monkeypatch) -> None:
     """A host-paced span kept whole because its device still waited in it at the optimizer step (a rank waiting for
-    its peer), on a module with a bucket whose copies no sample saw queued (sampled while host-paced): the next synced
-    backward's copies are timed (its copies queue behind the waits), at most RESAMPLE times a binding.  Not where
-    every bucket has a queued sample, nor where the span was taken, nor where the host reached the step late."""
+    its peer), or one whose device was behind its host at the span's end, on a module with a bucket whose copies no
+    sample saw queued (sampled while host-paced): the next synced backward's copies are timed (they queue), at most
+    RESAMPLE times a binding.  Not where every bucket has a queued sample, nor where the span was taken, nor where
+    the host reached the step late, nor while a sample of the module is still to resolve."""
     from collections import deque
 
     probe, engine, backward = paced_probe(monkeypatch, copies_ms=0.5)
@@ -619,6 +620,14 @@ def test_a_waiting_span_has_the_copies_sampled_where_a_bucket_has_no_queued_samp
     assert not sampled(gap_ms=4.0) and probe.paced_waiting == waiting + 1  # kept whole (the host late), device done
     clock.done_is = False
     assert [sampled() for _ in range(comm_ddp.RESAMPLE + 2)] == [True] * comm_ddp.RESAMPLE + [False, False]
+    probe._resamples = comm_ddp.RESAMPLE
+    clock.done_is = True
+    engine.behind_is = True  # a device behind its host at the span's end: its copies queued too
+    assert sampled()
+    probe._run._copy_pending.append((id(probe), [], clock))  # a sample still to resolve: it may bring the bucket in
+    assert not sampled()
+    probe._run._copy_pending.clear()
+    engine.behind_is, clock.done_is = False, False
     probe.bind(probe._core)  # a new binding: RESAMPLE again
     probe._run._copy_buckets[id(probe)] = [(deque(maxlen=3), deque([0.3], maxlen=3))]
     assert sampled()
