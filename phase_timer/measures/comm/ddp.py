@@ -42,13 +42,13 @@ back), summed; it is taken off each step's ``backward.comm_wait`` (never below z
 stays in ``backward``.  A sample whose device caught up with the host among a bucket's copies holds the pace of
 DDP's launches (and the mode's Python, which ``copies.Copies.ms`` takes off), not their own time, and adds nothing:
 such a step's span loses the host's time in it whole on the paced path below where its questions say the device
-kept pace, and a bucket no sample saw queued adds nothing (the table says so) until a sample sees it queued: a
-host-paced span kept whole because its device still waits in it (a rank waiting for its peer, whose copies queue)
-has the next synced backward's copies timed where a bucket has none queued (``RESAMPLE`` a binding), as has a span
-whose device is still behind its host at its end (a device-bound rank's, whose copies queue).  (A static graph's first-iteration
-all-reduce is queued at backward's start, so it runs before the span, in ``backward``.)  Where the split is missed, silently: a
-backward in which the parameter heard gets no gradient (unused that step, frozen after attach); that
-parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
+kept pace, and a bucket no sample saw queued adds nothing (the table says so) until a sample sees it
+queued: a host-paced span kept whole because its device still waits in it (a rank waiting for its peer),
+or one whose device is still behind its host at its end (a device-bound rank's), has the next synced
+backward's copies timed where a bucket has none queued (``RESAMPLE`` a binding): their copies queue.
+(A static graph's first-iteration all-reduce is queued at backward's start, so it runs before the span, in
+``backward``.)  Where the split is missed, silently: a backward in which the parameter heard gets no gradient
+(unused that step, frozen after attach); that parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
 backward and the span would start at that backward's end (so the parameter heard is the shallowest, see
 :meth:`DdpComm.install`).
 
@@ -289,7 +289,8 @@ class DdpComm(PacedSpans):
         binding, none while a sample of this module is still to resolve; one is ~the end-of-backward's host time
         with the mode's Python, ms on hundreds of parameters)."""
         run = self._run
-        if self._resamples > 0 and self._copying and not self._map_read and run is not None \
+        due = self._armed.due if Arm is not None and isinstance(self._armed, Arm) else self._due
+        if self._resamples > 0 and due != 1 and self._copying and not self._map_read and run is not None \
                 and run.unqueued(self):
             self._resamples -= 1
             self._schedule(1)

@@ -195,7 +195,8 @@ class PacedSpans:
         time to reach the step (a sync before it: ``GradScaler.step``'s inf check, a logged ``loss.item()``; or
         the loop's own work) would find the span done either way, a device that waited for a peer's collective
         included: that answer tells nothing, and nothing is taken (``paced_waiting``) -- a host-paced device is done
-        at once, where a rank waiting for its peer is not."""
+        at once, where a rank waiting for its peer is not.  A device still in the span may have DDP's copies sampled
+        on the next synced backward (``DdpComm._resample``)."""
         reached = time.perf_counter_ns()
         (held, clock, _, h1, host_ms), self._deferred = self._deferred, None
         held[2] = 0.0  # decided, whatever follows (a sample's exposed wait never waits on a failed question)

@@ -627,8 +627,14 @@ def test_a_waiting_span_has_the_copies_sampled_where_a_bucket_has_no_queued_samp
     probe._run._copy_pending.append((id(probe), [], clock))  # a sample still to resolve: it may bring the bucket in
     assert not sampled()
     probe._run._copy_pending.clear()
+    schedule(1)  # a sample already due next: none asked for, none of the allowance spent
+    resamples = probe._resamples
+    probe._resample()
+    assert probe._resamples == resamples
+    schedule(0)
     engine.behind_is, clock.done_is = False, False
     probe.bind(probe._core)  # a new binding: RESAMPLE again
+    schedule(0)  # its own first samples (COPY_LEARN) where the test says
     probe._run._copy_buckets[id(probe)] = [(deque(maxlen=3), deque([0.3], maxlen=3))]
     assert sampled()
     probe.bind(None)
