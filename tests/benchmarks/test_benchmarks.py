@@ -144,3 +144,18 @@ def test_the_code_line_names_the_tree_git_names(tmp_path):
     line = code_line()
     clean = not git("status", "--porcelain", "--", "phase_timer")
     assert line.startswith("phase_timer tree ") and (("= HEAD" in line) if clean else ("dirty" in line))
+
+
+def test_the_doors_benchmark_reads_the_copies_estimate_off_rank_zero_s_summary(tmp_path):
+    import json
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.comm_doors import copies_estimate
+    from phase_timer.outputs.run_summary import FILE_NAME
+
+    assert copies_estimate(str(tmp_path)) is None
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / FILE_NAME).write_text(json.dumps({"communication": {"copies_ms": 0.812}}))
+    assert copies_estimate(str(tmp_path)) == 0.812
+    (tmp_path / "run" / FILE_NAME).write_text(json.dumps({"communication": None}))
+    assert copies_estimate(str(tmp_path)) is None

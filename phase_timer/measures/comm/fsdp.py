@@ -111,11 +111,20 @@ def _undone(events: list[Any]) -> list[Any]:
     return [e for e in events if not e.query()]
 
 
-def _wait_early(events: list[Any], work: Any = None) -> None:
-    """An FSDP2 wait, made early: the compute (current) stream waits for each event; an async group's work (a
+def _current_stream(events: list[Any]) -> Any:
+    """The stream FSDP2 waits on (the current one), for CUDA events; None (each event's own default) otherwise.
+    Fetched before the wait's first mark: its Python (microseconds) would otherwise sit between the two marks, and
+    where the device keeps pace with its host a span holds the host's time between its marks."""
+    import torch
+
+    return torch.cuda.current_stream() if events and isinstance(events[0], torch.cuda.Event) else None
+
+
+def _wait_early(events: list[Any], work: Any = None, stream: Any = None) -> None:
+    """An FSDP2 wait, made early: ``stream`` (None: the current one) waits for each event; an async group's work (a
     CPU's: the host waits).  FSDP2's own wait then returns at once."""
     for event in events:
-        event.wait()
+        event.wait(stream)
     if work is not None and hasattr(work, "wait"):
         work.wait()
 
@@ -133,7 +142,9 @@ class FsdpComm:
     backward's end each group's ``finalize_backward`` (inside FSDP2's root final callback) waits for its own
     reduction, the last reduce-scatter's among them: each such wait, made a moment earlier between two marks, is
     ``backward.comm_wait`` too.  A wait for events the device has already passed (a query each, never a wait) gets no
-    marks: it cannot hold the compute stream, and its marks would time only the host's pace on an idle device.  The
+    marks: it cannot hold the compute stream, and its marks would time only the host's pace on an idle device.  Where
+    the device keeps pace with its host, a span still holds the host's time between its two marks: the stream is
+    looked up before the first, so that only the stream's waits (a driver call each) lie between them.  The
     final callback's own Python (the root group's post-backward and reduce-scatter launch, the groups' reshards) is
     ``backward``'s.  At most two marks an all-gather and two a reduce-scatter wait: an FSDP2 module of N groups adds
     up to ~6N marks a step, beside FSDP2's own Python of each group.
@@ -195,7 +206,7 @@ class FsdpComm:
                 event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
                 events = _undone([event]) if event is not None else []
                 if events or work is not None:
-                    _between_marks(engine, phase, _wait_early, events, work)
+                    _between_marks(engine, phase, _wait_early, events, work, _current_stream(events))
             return copy_out(result, *args, **kwargs)
 
         def timed_finalize(group, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -204,7 +215,7 @@ class FsdpComm:
                 events, work = _finalize_waits(group)
                 events = _undone(events)
                 if events or work is not None:
-                    _between_marks(engine, BACKWARD, _wait_early, events, work)
+                    _between_marks(engine, BACKWARD, _wait_early, events, work, _current_stream(events))
             return finalize(group, *args, **kwargs)
 
         functools.update_wrapper(timed_copy_out, copy_out)
@@ -219,7 +230,7 @@ class FsdpComm:
                 if engine is not None and engine.current == BACKWARD:
                     events = _undone(_rs_waits(group))
                     if events:
-                        _between_marks(engine, BACKWARD, _wait_early, events)
+                        _between_marks(engine, BACKWARD, _wait_early, events, None, _current_stream(events))
                 return post_backward(group, *args, **kwargs)
 
             functools.update_wrapper(timed_post_backward, post_backward)

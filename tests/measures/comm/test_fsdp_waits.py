@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from types import SimpleNamespace as NS
 
-from phase_timer.measures.comm.fsdp import _finalize_waits, _rs_waits, _undone
+from phase_timer.measures.comm.fsdp import _between_marks, _current_stream, _finalize_waits, _rs_waits, _undone, _wait_early
 
 
 class Event:
-    def __init__(self, name: str, done: bool = False) -> None:
-        self.name, self.done = name, done
+    def __init__(self, name: str, done: bool = False, log: list | None = None) -> None:
+        self.name, self.done, self.log = name, done, log
+
+    def wait(self, stream: object = None) -> None:
+        self.log.append(("wait", self.name, stream))
 
     def query(self) -> bool:
         return self.done
@@ -73,3 +76,29 @@ def test_a_wait_the_device_has_passed_gets_no_marks() -> None:
     done, pending = Event("done", done=True), Event("pending")
     assert _undone([done, pending]) == [pending]
     assert _undone([done]) == []
+
+
+class Engine:
+    def __init__(self, log: list) -> None:
+        self.log, self.current = log, "forward"
+
+    def switch(self, phase: str) -> None:
+        self.log.append(("mark", phase))
+        self.current = phase
+
+
+def test_between_the_two_marks_only_the_stream_waits_for_each_event_then_the_group_s_work() -> None:
+    """The stream is looked up before the first mark (its Python would sit in the span, which holds the host's time
+    where the device keeps pace); a CPU group's work is waited for by the host, inside the span too."""
+    log: list = []
+    work = NS(wait=lambda: log.append(("work",)))
+    stream = object()
+    events = [Event("a", log=log), Event("b", log=log)]
+    _between_marks(Engine(log), "forward", _wait_early, events, work, stream)
+    assert log == [("mark", "forward.comm_wait"), ("wait", "a", stream), ("wait", "b", stream), ("work",),
+                   ("mark", "forward")]
+
+
+def test_events_that_are_not_cuda_s_wait_on_their_own_default_stream() -> None:
+    assert _current_stream([Event("x")]) is None
+    assert _current_stream([]) is None
