@@ -41,6 +41,7 @@ class Profiled:
     def __init__(self, total: int, n: int, prewarm: int = 0) -> None:
         self.first, self.prof, self.batch = total - n, None, 0
         self.start = max(0, self.first - prewarm)  # the profiler's start: CUPTI's cost on the host settles first
+        self.buckets: list | None = None  # phase-timer's copies samples, each bucket's (the lightning door)
 
     def begin(self) -> None:
         if self.batch == self.start:
@@ -62,6 +63,18 @@ class Profiled:
         for row, bl in zip(rows, blocked):
             row["blocked"] = bl["blocked"]
         return rows
+
+
+def copy_buckets(core) -> list | None:  # noqa: ANN001
+    """Each bucket's last copies samples (ms, as ``comm_nccl.py`` prints them): those the device ran queued, and
+    those it caught up with the host in (None: no core, or no communication measure)."""
+    from phase_timer.measures.comm import run as comm_run
+
+    run = comm_run.find(core) if core is not None else None
+    if run is None:
+        return None
+    return [[[round(v, 3) for v in queued], [round(v, 3) for v in caught]]
+            for buckets in getattr(run, "_copy_buckets", {}).values() for queued, caught in buckets]
 
 
 def copies_estimate(log_dir: str) -> float | None:
@@ -100,15 +113,20 @@ def lightning_run(args: argparse.Namespace, log_dir: str, prof: Profiled) -> Non
         def configure_optimizers(self):  # noqa: ANN202
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
 
+    timer = PhaseTimer(per_step=True, log_every_n_steps=10, log_dir=log_dir)
+
     class Marker(pl.Callback):
         def on_train_batch_start(self, *_a) -> None:  # noqa: ANN002
             prof.begin()
+
+        def on_train_batch_end(self, *_a) -> None:  # noqa: ANN002
+            prof.buckets = copy_buckets(timer.core)
 
     data = torch.utils.data.DataLoader(tokens(args), batch_size=args.batch, shuffle=False)
     trainer = pl.Trainer(accelerator="gpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy="ddp",
                          precision="bf16-mixed", max_steps=args.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[PhaseTimer(per_step=True, log_every_n_steps=10, log_dir=log_dir), Marker()])
+                         callbacks=[timer, Marker()])
     trainer.fit(Module(), data)
 
 
@@ -195,6 +213,8 @@ def main() -> None:
         lines.append(f"{args.door:10} {s:5d} {fmt(series[s], 9)} {fmt(before, 9)} {fmt(t['exposed_queued'])} "
                      f"{fmt(diff)} {fmt(t['exposed_stream'])} {fmt(sdiff)} {fmt(t['exposed'], 9)} "
                      f"{fmt(t.get('blocked'))} {fmt(bdiff)} {fmt(t['copies'])} {fmt(t['copies_run'])}")
+    if prof.buckets is not None:
+        lines.append(f"{args.door}: phase-timer's copies samples, each bucket's [queued, caught-up] (ms): {prof.buckets}")
     lines.append(f"{args.door}: {ok}/{len(truth)} steps within 0.1 ms or 2% of the queued rule ({strict_ok} of the "
                  f"strict, {blocked_ok} of the blocked; per-step values {len(series)}, profiled steps {len(truth)})")
     print("\n".join(lines), flush=True)

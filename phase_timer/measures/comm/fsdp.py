@@ -129,14 +129,57 @@ def _wait_early(events: list[Any], work: Any = None, stream: Any = None) -> None
         work.wait()
 
 
+class _SplitCopy:
+    """FSDP2's split copy (``torch.ops.fsdp.split_with_sizes_copy``), the first kernel a copy-out launches: the
+    copy-out's wait for its all-gather, left pending in ``late`` by the copy-out, is made just before it, between two
+    marks.  Anything else asked of it (``.default``, an overload) is the op's."""
+
+    def __init__(self, op: Any, late: list[Any]) -> None:
+        self._op, self._late = op, late
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._late:
+            self.wait(self._late)
+        return self._op(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._op, name)
+
+    @staticmethod
+    def wait(late: list[Any]) -> None:
+        engine, phase, events, stream = late.pop()
+        _between_marks(engine, phase, _wait_early, events, None, stream)
+
+    @classmethod
+    def wrap(cls, patches: Patches, late: list[Any]) -> _SplitCopy | None:
+        """Put in place (None: this torch has no such op; the copy-out's wait is then made at its start)."""
+        try:
+            import torch
+
+            ops = torch.ops.fsdp
+            op = ops.split_with_sizes_copy
+        except (AttributeError, RuntimeError):
+            return None
+        wrapped = cls(op, late)
+        patches.replace(ops, "split_with_sizes_copy", wrapped)
+        return wrapped
+
+
 class FsdpComm:
     """FSDP2's (``fully_shard``) exposed waits: each all-gather's in ``forward`` and ``backward``, and the
     reduce-scatters' tail at backward's end.
 
     FSDP2 makes the compute stream wait for a group's all-gather (its event; a CPU group's work, the host)
-    just before copying the gathered parameters out (``foreach_all_gather_copy_out``): phase-timer makes that
-    same wait a moment earlier, between two marks (``forward.comm_wait`` or ``backward.comm_wait``), and the
-    copy-out, FSDP2's own compute, follows outside them.  Likewise each group's ``post_backward`` first makes the
+    at the start of copying the gathered parameters out (``foreach_all_gather_copy_out``), then runs the copy-out's
+    Python (each parameter's outputs made, tens to hundreds of µs a group) before its first kernel, the split copy:
+    phase-timer makes that wait itself, between two marks (``forward.comm_wait`` or ``backward.comm_wait``), just
+    before the split copy (FSDP2 handed the result without its event), and the copy-out's kernels follow outside
+    them.  On a device that keeps pace with its host, a wait made at the copy-out's start holds the stream from
+    there, while the host still runs that Python: a collective ending meanwhile would cost the step nothing, and
+    its marks would count it (2 x H200, FSDP2 on a host-paced rank: 1.3-3.4 ms a step over the blocked rule, on the
+    steps whose all-gathers ended in that Python).  Where the device is behind, the place is the same in the
+    stream's order (no kernel between).  (Without the op, or on a CPU group, the wait is made at the copy-out's
+    start.)  Likewise each group's ``post_backward`` first makes the
     compute stream wait for earlier reduce-scatters (FSDP2's bound on their buffers: the one state of torch 2.11,
     for a group with gradients; the oldest of torch 2.13's list) and for its own earlier reduction; and at
     backward's end each group's ``finalize_backward`` (inside FSDP2's root final callback) waits for its own
@@ -199,12 +242,22 @@ class FsdpComm:
             return f"this torch's FSDP2 has no {err}"
         engines = cls._engines
 
+        late: list[tuple[Any, str, list[Any], Any]] = []  # a copy-out's wait, made just before its split copy
+        split = _SplitCopy.wrap(cls._patches, late)
+
         def timed_copy_out(result, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             engine = engines[-1] if engines else None
             phase = engine.current if engine is not None else None
             if phase == "forward" or phase == BACKWARD:
                 event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
                 events = _undone([event]) if event is not None else []
+                if events and work is None and split is not None and hasattr(result, "_replace"):
+                    late.append((engine, phase, events, _current_stream(events)))
+                    try:  # FSDP2 leaves the wait to the split copy's (its event taken out of its hands)
+                        return copy_out(result._replace(all_gather_event=None), *args, **kwargs)
+                    finally:
+                        if late:  # no split copy came: the wait is made all the same
+                            _SplitCopy.wait(late)
                 if events or work is not None:
                     _between_marks(engine, phase, _wait_early, events, work, _current_stream(events))
             return copy_out(result, *args, **kwargs)

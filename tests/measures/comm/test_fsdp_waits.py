@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace as NS
 
+import pytest
+
 from phase_timer.measures.comm.fsdp import _between_marks, _current_stream, _finalize_waits, _rs_waits, _undone, _wait_early
 
 
@@ -102,3 +104,82 @@ def test_between_the_two_marks_only_the_stream_waits_for_each_event_then_the_gro
 def test_events_that_are_not_cuda_s_wait_on_their_own_default_stream() -> None:
     assert _current_stream([Event("x")]) is None
     assert _current_stream([]) is None
+
+
+def test_a_copy_out_s_wait_is_made_just_before_its_split_copy_after_its_python(monkeypatch) -> None:
+    """FSDP2's copy-out gets its result without the event (so it does not wait at its start); the wait, between two
+    marks, comes right before the split copy, its first kernel; what else is asked of the op is the op's."""
+    from typing import NamedTuple
+
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+
+    from phase_timer.measures.comm.fsdp import FsdpComm
+
+    class Result(NamedTuple):
+        all_gather_output: object
+        all_gather_event: object
+        all_gather_work: object
+
+    log: list = []
+
+    class Op:
+        default = "the op's overload"
+
+        def __call__(self, *args, **kwargs):
+            log.append(("split",))
+
+    def copy_out(result, *args, **kwargs):
+        log.append(("copy-out python", result.all_gather_event))
+        torch.ops.fsdp.split_with_sizes_copy("out")
+
+    monkeypatch.setattr(group_mod, "foreach_all_gather_copy_out", copy_out)
+    monkeypatch.setattr(torch.ops.fsdp, "split_with_sizes_copy", Op())
+    engine = Engine(log)
+    FsdpComm._engines.append(engine)
+    assert FsdpComm._wrap() is None
+    try:
+        group_mod.foreach_all_gather_copy_out(Result(None, Event("gather", log=log), None))
+        assert log == [("copy-out python", None), ("mark", "forward.comm_wait"), ("wait", "gather", None),
+                       ("mark", "forward"), ("split",)]
+        assert torch.ops.fsdp.split_with_sizes_copy.default == "the op's overload"
+        log.clear()  # an all-gather the device has passed: FSDP2 keeps its event, no marks
+        done = Event("done", done=True, log=log)
+        group_mod.foreach_all_gather_copy_out(Result(None, done, None))
+        assert log == [("copy-out python", done), ("split",)]
+    finally:
+        FsdpComm._engines.remove(engine)
+        FsdpComm._unwrap()
+    assert group_mod.foreach_all_gather_copy_out is copy_out
+    assert isinstance(torch.ops.fsdp.split_with_sizes_copy, Op)
+
+
+def test_a_copy_out_that_never_reaches_its_split_copy_still_has_the_wait_made(monkeypatch) -> None:
+    from typing import NamedTuple
+
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+
+    from phase_timer.measures.comm.fsdp import FsdpComm
+
+    class Result(NamedTuple):
+        all_gather_event: object
+        all_gather_work: object
+
+    log: list = []
+
+    def copy_out(result, *args, **kwargs):
+        raise RuntimeError("out of memory in the outputs' allocation")
+
+    monkeypatch.setattr(group_mod, "foreach_all_gather_copy_out", copy_out)
+    engine = Engine(log)
+    FsdpComm._engines.append(engine)
+    assert FsdpComm._wrap() is None
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            group_mod.foreach_all_gather_copy_out(Result(Event("gather", log=log), None))
+        assert log == [("mark", "forward.comm_wait"), ("wait", "gather", None), ("mark", "forward")]
+    finally:
+        FsdpComm._engines.remove(engine)
+        FsdpComm._unwrap()
+    assert isinstance(torch.ops.fsdp.split_with_sizes_copy, torch._ops.OpOverloadPacket)  # FSDP2's own, put back
