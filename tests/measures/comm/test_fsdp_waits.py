@@ -5,6 +5,7 @@ reduce-scatter state, torch 2.13's list), on stand-ins for FSDP2's objects: the 
 from __future__ import annotations
 
 from types import SimpleNamespace as NS
+from typing import NamedTuple
 
 import pytest
 
@@ -106,80 +107,119 @@ def test_events_that_are_not_cuda_s_wait_on_their_own_default_stream() -> None:
     assert _current_stream([]) is None
 
 
-def test_a_copy_out_s_wait_is_made_just_before_its_split_copy_after_its_python(monkeypatch) -> None:
-    """FSDP2's copy-out gets its result without the event (so it does not wait at its start); the wait, between two
-    marks, comes right before the split copy, its first kernel; what else is asked of the op is the op's."""
-    from typing import NamedTuple
+class Result(NamedTuple):
+    all_gather_output: object
+    all_gather_event: object
+    all_gather_work: object
 
+
+class Op:
+    """A stand-in for ``torch.ops.fsdp.split_with_sizes_copy``."""
+
+    default = "the op's overload"
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.log.append(("split",))
+
+
+@pytest.fixture
+def wrapped(monkeypatch):
+    """FSDP2's copy-out and split copy replaced by stand-ins that log, then wrapped by phase-timer; yields the log and a
+    setter for the copy-out's body; put back after."""
     import torch
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
+    from phase_timer.measures.comm import fsdp
     from phase_timer.measures.comm.fsdp import FsdpComm
 
-    class Result(NamedTuple):
-        all_gather_output: object
-        all_gather_event: object
-        all_gather_work: object
-
     log: list = []
-
-    class Op:
-        default = "the op's overload"
-
-        def __call__(self, *args, **kwargs):
-            log.append(("split",))
+    body = {"fn": lambda result: torch.ops.fsdp.split_with_sizes_copy("out")}
 
     def copy_out(result, *args, **kwargs):
         log.append(("copy-out python", result.all_gather_event))
-        torch.ops.fsdp.split_with_sizes_copy("out")
+        return body["fn"](result)
 
+    op = Op(log)
     monkeypatch.setattr(group_mod, "foreach_all_gather_copy_out", copy_out)
-    monkeypatch.setattr(torch.ops.fsdp, "split_with_sizes_copy", Op())
+    monkeypatch.setattr(torch.ops.fsdp, "split_with_sizes_copy", op)
+    stream = object()
+    monkeypatch.setattr(fsdp, "_current_stream", lambda events: log.append(("stream lookup",)) or stream)
     engine = Engine(log)
     FsdpComm._engines.append(engine)
     assert FsdpComm._wrap() is None
     try:
-        group_mod.foreach_all_gather_copy_out(Result(None, Event("gather", log=log), None))
-        assert log == [("copy-out python", None), ("mark", "forward.comm_wait"), ("wait", "gather", None),
-                       ("mark", "forward"), ("split",)]
-        assert torch.ops.fsdp.split_with_sizes_copy.default == "the op's overload"
-        log.clear()  # an all-gather the device has passed: FSDP2 keeps its event, no marks
-        done = Event("done", done=True, log=log)
-        group_mod.foreach_all_gather_copy_out(Result(None, done, None))
-        assert log == [("copy-out python", done), ("split",)]
+        yield NS(log=log, body=body, stream=stream, call=group_mod.foreach_all_gather_copy_out)
     finally:
         FsdpComm._engines.remove(engine)
         FsdpComm._unwrap()
-    assert group_mod.foreach_all_gather_copy_out is copy_out
-    assert isinstance(torch.ops.fsdp.split_with_sizes_copy, Op)
+    assert group_mod.foreach_all_gather_copy_out is copy_out  # FSDP2's own (here the stand-ins) put back
+    assert torch.ops.fsdp.split_with_sizes_copy is op
 
 
-def test_a_copy_out_that_never_reaches_its_split_copy_still_has_the_wait_made(monkeypatch) -> None:
-    from typing import NamedTuple
-
+def test_a_copy_out_s_wait_is_made_just_before_its_split_copy_after_its_python(wrapped) -> None:
+    """FSDP2's copy-out gets its result without the event (so it does not wait at its start); the wait, between two
+    marks, comes right before the split copy, its first kernel, on the stream looked up before the first mark; what
+    else is asked of the op is the op's."""
     import torch
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
-    from phase_timer.measures.comm.fsdp import FsdpComm
+    w = wrapped
+    w.call(Result(None, Event("gather", log=w.log), None))
+    assert w.log == [("stream lookup",), ("copy-out python", None), ("mark", "forward.comm_wait"),
+                     ("wait", "gather", w.stream), ("mark", "forward"), ("split",)]
+    assert torch.ops.fsdp.split_with_sizes_copy.default == "the op's overload"
+    w.log.clear()  # an all-gather the device has passed: FSDP2 keeps its event, no marks
+    done = Event("done", done=True, log=w.log)
+    w.call(Result(None, done, None))
+    assert w.log == [("copy-out python", done), ("split",)]
 
-    class Result(NamedTuple):
-        all_gather_event: object
-        all_gather_work: object
 
-    log: list = []
+def test_a_copy_out_that_never_reaches_its_split_copy_still_has_the_wait_made(wrapped) -> None:
+    w = wrapped
 
-    def copy_out(result, *args, **kwargs):
+    def raises(result):
         raise RuntimeError("out of memory in the outputs' allocation")
 
-    monkeypatch.setattr(group_mod, "foreach_all_gather_copy_out", copy_out)
-    engine = Engine(log)
-    FsdpComm._engines.append(engine)
-    assert FsdpComm._wrap() is None
-    try:
-        with pytest.raises(RuntimeError, match="out of memory"):
-            group_mod.foreach_all_gather_copy_out(Result(Event("gather", log=log), None))
-        assert log == [("mark", "forward.comm_wait"), ("wait", "gather", None), ("mark", "forward")]
-    finally:
-        FsdpComm._engines.remove(engine)
-        FsdpComm._unwrap()
-    assert isinstance(torch.ops.fsdp.split_with_sizes_copy, torch._ops.OpOverloadPacket)  # FSDP2's own, put back
+    w.body["fn"] = raises
+    with pytest.raises(RuntimeError, match="out of memory"):
+        w.call(Result(None, Event("gather", log=w.log), None))
+    assert w.log == [("stream lookup",), ("copy-out python", None), ("mark", "forward.comm_wait"),
+                     ("wait", "gather", w.stream), ("mark", "forward")]
+
+
+def test_a_copy_out_that_raises_after_its_split_copy_waits_once(wrapped) -> None:
+    import torch
+
+    w = wrapped
+
+    def split_then_raise(result):
+        torch.ops.fsdp.split_with_sizes_copy("out")
+        raise RuntimeError("after the split")
+
+    w.body["fn"] = split_then_raise
+    with pytest.raises(RuntimeError, match="after the split"):
+        w.call(Result(None, Event("gather", log=w.log), None))
+    assert [e for e in w.log if e[0] == "wait"] == [("wait", "gather", w.stream)]
+    assert w.log.index(("wait", "gather", w.stream)) < w.log.index(("split",))
+
+
+def test_an_async_group_s_work_is_waited_for_at_the_copy_out_s_start(wrapped) -> None:
+    """With a Work (an async group), FSDP2 keeps its event and the early wait is made, as before the split existed."""
+    w = wrapped
+    work = NS(wait=lambda: w.log.append(("work",)))
+    gather = Event("gather", log=w.log)
+    w.call(Result(None, gather, work))
+    assert w.log == [("stream lookup",), ("mark", "forward.comm_wait"), ("wait", "gather", w.stream), ("work",),
+                     ("mark", "forward"), ("copy-out python", gather), ("split",)]
+
+
+def test_torch_s_own_copy_out_calls_the_split_copy_op_by_name() -> None:
+    """The split copy is found where FSDP2's copy-out calls it: a torch whose copy-out stops calling
+    ``torch.ops.fsdp.split_with_sizes_copy`` would leave the deferred wait to the ``finally`` (after its kernels)."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
+
+    assert "torch.ops.fsdp.split_with_sizes_copy(" in inspect.getsource(group_mod.foreach_all_gather_copy_out)
