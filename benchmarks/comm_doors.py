@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.comm_nccl import GPT, fmt  # noqa: E402
+from benchmarks.comm_nccl import GPT, bucket_samples, fmt  # noqa: E402
 from benchmarks.nccl_truth import (  # noqa: E402
     device_activities, device_intervals, launch_times, per_step, per_step_blocked)
 from benchmarks.provenance import code_line  # noqa: E402
@@ -65,18 +65,6 @@ class Profiled:
         return rows
 
 
-def copy_buckets(core) -> list | None:  # noqa: ANN001
-    """Each bucket's last copies samples (ms, as ``comm_nccl.py`` prints them): those the device ran queued, and
-    those it caught up with the host in (None: no core, or no communication measure)."""
-    from phase_timer.measures.comm import run as comm_run
-
-    run = comm_run.find(core) if core is not None else None
-    if run is None:
-        return None
-    return [[[round(v, 3) for v in queued], [round(v, 3) for v in caught]]
-            for buckets in getattr(run, "_copy_buckets", {}).values() for queued, caught in buckets]
-
-
 def copies_estimate(log_dir: str) -> float | None:
     """phase-timer's estimate of DDP's copies a synced backward (its run summary's), or None (none timed).  A step's
     ``comm_wait`` is its span less this, never below zero: ``comm_wait + estimate`` is the span where it is positive."""
@@ -100,6 +88,7 @@ def lightning_run(args: argparse.Namespace, log_dir: str, prof: Profiled) -> Non
     except ImportError:  # pragma: no cover
         import pytorch_lightning as pl  # type: ignore[no-redef]
     from phase_timer import PhaseTimer
+    from phase_timer.measures.comm import run as comm_run
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -120,7 +109,7 @@ def lightning_run(args: argparse.Namespace, log_dir: str, prof: Profiled) -> Non
             prof.begin()
 
         def on_train_batch_end(self, *_a) -> None:  # noqa: ANN002
-            prof.buckets = copy_buckets(timer.core)
+            prof.buckets = bucket_samples(comm_run.find(timer.core)) if timer.core is not None else None
 
     data = torch.utils.data.DataLoader(tokens(args), batch_size=args.batch, shuffle=False)
     trainer = pl.Trainer(accelerator="gpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy="ddp",

@@ -348,10 +348,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     run_comm = comm_run.find(core)
     copy_ms = run_comm.copy_ms if run_comm is not None else None
-    # each bucket's last copies samples (ms): those the device ran queued, and those it caught up with the host in
-    copy_buckets = [[[round(v, 3) for v in queued], [round(v, 3) for v in caught]]
-                    for buckets in getattr(run_comm, "_copy_buckets", {}).values() for queued, caught in buckets] \
-        if run_comm is not None else []
+    copy_buckets = bucket_samples(run_comm) or []
     # the host-paced spans' correction (paced.PacedSpans): backwards corrected, ms taken in all, on at the end, and
     # the spans the second question kept whole (the device still in them at the optimizer step)
     paced = ([probe.paced_steps, round(probe.paced_ms, 3), probe._paced, getattr(probe, "paced_waiting", None)]
@@ -434,6 +431,15 @@ def dump(folder: str, case: str, rank: int, events, steps: dict, first: int, pro
                 rows=[list(steps.get(first + k, ({}, {}))) for k in range(profiled)], first=first)
     with gzip.open(os.path.join(folder, f"{case}_r{rank}.json.gz"), "wt") as fh:
         json.dump(data, fh)
+
+
+def bucket_samples(run_comm) -> list | None:  # noqa: ANN001
+    """Each bucket's last copies samples (ms), over the DDP modules: those the device ran queued, and those it caught
+    up with the host in (None: no communication measure)."""
+    if run_comm is None:
+        return None
+    return [[[round(v, 3) for v in queued], [round(v, 3) for v in caught]]
+            for buckets in getattr(run_comm, "_copy_buckets", {}).values() for queued, caught in buckets]
 
 
 def fmt(v: float | None, w: int = 8) -> str:
