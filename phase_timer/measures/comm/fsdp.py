@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from typing import Any
 
 from phase_timer._env import warn
@@ -129,12 +130,30 @@ def _wait_early(events: list[Any], work: Any = None, stream: Any = None) -> None
         work.wait()
 
 
+def _defers(copy_out: Any) -> bool:
+    """Whether ``copy_out`` is torch's own FSDP2 copy-out, whose first kernel is the split copy it calls by name: only
+    there may its wait be left to the split copy (a copy-out of someone else's, or one that launches anything else
+    first, keeps the wait at its start)."""
+    import inspect
+
+    if getattr(copy_out, "__module__", None) != _COLLECTIVES:
+        return False
+    try:
+        return "torch.ops.fsdp.split_with_sizes_copy(" in inspect.getsource(copy_out)
+    except (OSError, TypeError):
+        return False
+
+
+#: Where torch's FSDP2 defines its copy-out.
+_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+
+
 class _SplitCopy:
     """FSDP2's split copy (``torch.ops.fsdp.split_with_sizes_copy``), the first kernel a copy-out launches: the
-    copy-out's wait for its all-gather, left pending in ``late`` by the copy-out, is made just before it, between two
-    marks.  Anything else asked of it (``.default``, an overload) is the op's."""
+    copy-out's wait for its all-gather, left pending in ``late`` (by thread) by the copy-out, is made just before it,
+    between two marks.  Anything else asked of it (``.default``, an overload) is the op's, and makes no wait."""
 
-    def __init__(self, op: Any, late: list[Any]) -> None:
+    def __init__(self, op: Any, late: dict[int, Any]) -> None:
         self._op, self._late = op, late
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,12 +165,17 @@ class _SplitCopy:
         return getattr(self._op, name)
 
     @staticmethod
-    def wait(late: list[Any]) -> None:
-        engine, phase, events, stream = late.pop()
+    def wait(late: dict[int, Any]) -> bool:
+        """This thread's pending wait made (False: none pending)."""
+        entry = late.pop(threading.get_ident(), None)
+        if entry is None:
+            return False
+        engine, phase, events, stream = entry
         _between_marks(engine, phase, _wait_early, events, None, stream)
+        return True
 
     @classmethod
-    def wrap(cls, patches: Patches, late: list[Any]) -> _SplitCopy | None:
+    def wrap(cls, patches: Patches, late: dict[int, Any]) -> _SplitCopy | None:
         """Put in place (None: this torch has no such op; the copy-out's wait is then made at its start)."""
         try:
             import torch
@@ -178,8 +202,9 @@ class FsdpComm:
     there, while the host still runs that Python: a collective ending meanwhile would cost the step nothing, and
     its marks would count it (2 x H200, FSDP2 on a host-paced rank: 1.3-3.4 ms a step over the blocked rule, on the
     steps whose all-gathers ended in that Python).  Where the device is behind, the place is the same in the
-    stream's order (no kernel between).  (Without the op, or on a CPU group, the wait is made at the copy-out's
-    start.)  Likewise each group's ``post_backward`` first makes the
+    stream's order (no kernel between).  (Without the op, with a copy-out not torch's own (one that may launch
+    something else first), or with an async group's work (a CPU group's), the wait is made at the copy-out's start; a
+    copy-out that returns without its split copy has its wait made then, a warning, and its later waits at its start.)  Likewise each group's ``post_backward`` first makes the
     compute stream wait for earlier reduce-scatters (FSDP2's bound on their buffers: the one state of torch 2.11,
     for a group with gradients; the oldest of torch 2.13's list) and for its own earlier reduction; and at
     backward's end each group's ``finalize_backward`` (inside FSDP2's root final callback) waits for its own
@@ -242,8 +267,8 @@ class FsdpComm:
             return f"this torch's FSDP2 has no {err}"
         engines = cls._engines
 
-        late: list[tuple[Any, str, list[Any], Any]] = []  # a copy-out's wait, made just before its split copy
-        split = _SplitCopy.wrap(cls._patches, late)
+        late: dict[int, tuple[Any, str, list[Any], Any]] = {}  # each thread's copy-out wait, for its split copy
+        defer = [_defers(copy_out) and _SplitCopy.wrap(cls._patches, late) is not None]
 
         def timed_copy_out(result, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
             engine = engines[-1] if engines else None
@@ -251,13 +276,18 @@ class FsdpComm:
             if phase == "forward" or phase == BACKWARD:
                 event, work = getattr(result, "all_gather_event", None), getattr(result, "all_gather_work", None)
                 events = _undone([event]) if event is not None else []
-                if events and work is None and split is not None and hasattr(result, "_replace"):
-                    late.append((engine, phase, events, _current_stream(events)))
+                if events and work is None and defer[0] and hasattr(result, "_replace"):
+                    late[threading.get_ident()] = (engine, phase, events, _current_stream(events))
+                    raised = True
                     try:  # FSDP2 leaves the wait to the split copy's (its event taken out of its hands)
-                        return copy_out(result._replace(all_gather_event=None), *args, **kwargs)
+                        out = copy_out(result._replace(all_gather_event=None), *args, **kwargs)
+                        raised = False
+                        return out
                     finally:
-                        if late:  # no split copy came: the wait is made all the same
-                            _SplitCopy.wait(late)
+                        if _SplitCopy.wait(late) and not raised:  # returned with no split copy: from now on at its start
+                            defer[0] = False
+                            warn(log, "phase-timer: FSDP2's copy-out returned without its split copy; its waits for "
+                                 "all-gathers are made at its start from now on.", 3)
                 if events or work is not None:
                     _between_marks(engine, phase, _wait_early, events, work, _current_stream(events))
             return copy_out(result, *args, **kwargs)

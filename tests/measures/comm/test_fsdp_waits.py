@@ -146,6 +146,7 @@ def wrapped(monkeypatch):
     monkeypatch.setattr(group_mod, "foreach_all_gather_copy_out", copy_out)
     monkeypatch.setattr(torch.ops.fsdp, "split_with_sizes_copy", op)
     stream = object()
+    monkeypatch.setattr(fsdp, "_defers", lambda fn: fn is copy_out)  # the stand-in, taken for torch's own
     monkeypatch.setattr(fsdp, "_current_stream", lambda events: log.append(("stream lookup",)) or stream)
     engine = Engine(log)
     FsdpComm._engines.append(engine)
@@ -215,11 +216,54 @@ def test_an_async_group_s_work_is_waited_for_at_the_copy_out_s_start(wrapped) ->
                      ("mark", "forward"), ("copy-out python", gather), ("split",)]
 
 
-def test_torch_s_own_copy_out_calls_the_split_copy_op_by_name() -> None:
-    """The split copy is found where FSDP2's copy-out calls it: a torch whose copy-out stops calling
-    ``torch.ops.fsdp.split_with_sizes_copy`` would leave the deferred wait to the ``finally`` (after its kernels)."""
-    import inspect
-
+def test_only_torch_s_own_copy_out_leaves_its_wait_to_the_split_copy() -> None:
+    """torch's copy-out calls ``torch.ops.fsdp.split_with_sizes_copy`` by name (a torch whose copy-out stops would keep
+    its wait at the start); someone else's copy-out (a fork's, which may cast the output first) keeps it there."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_mod
 
-    assert "torch.ops.fsdp.split_with_sizes_copy(" in inspect.getsource(group_mod.foreach_all_gather_copy_out)
+    from phase_timer.measures.comm.fsdp import _defers
+
+    assert _defers(group_mod.foreach_all_gather_copy_out)
+
+    def theirs(result, *args, **kwargs):
+        import torch
+
+        torch.ops.fsdp.split_with_sizes_copy(result)
+
+    assert not _defers(theirs)
+
+
+def test_a_copy_out_that_returns_without_its_split_copy_waits_warns_once_and_then_waits_at_its_start(wrapped) -> None:
+    import warnings
+
+    w = wrapped
+    w.body["fn"] = lambda result: None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w.call(Result(None, Event("first", log=w.log), None))
+        second = Event("second", log=w.log)
+        w.call(Result(None, second, None))
+    assert sum("without its split copy" in str(c.message) for c in caught) == 1
+    assert w.log == [("stream lookup",), ("copy-out python", None), ("mark", "forward.comm_wait"),
+                     ("wait", "first", w.stream), ("mark", "forward"),
+                     ("stream lookup",), ("mark", "forward.comm_wait"), ("wait", "second", w.stream),
+                     ("mark", "forward"), ("copy-out python", second)]
+
+
+def test_a_split_copy_on_another_thread_leaves_this_thread_s_pending_wait_alone() -> None:
+    """Forward's copy-outs run on the loop's thread, backward's on autograd's: each thread's split copy makes its own
+    thread's wait only."""
+    import threading
+
+    from phase_timer.measures.comm.fsdp import _SplitCopy
+
+    log: list = []
+    late = {threading.get_ident(): (Engine(log), "forward", [Event("mine", log=log)], None)}
+    split = _SplitCopy(Op(log), late)
+    other = threading.Thread(target=split)
+    other.start()
+    other.join()
+    assert log == [("split",)] and threading.get_ident() in late
+    split()
+    assert log == [("split",), ("mark", "forward.comm_wait"), ("wait", "mine", None), ("mark", "forward"), ("split",)]
+    assert not late
