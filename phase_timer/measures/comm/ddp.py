@@ -48,9 +48,9 @@ or one whose device is still behind its host at its end (a device-bound rank's),
 backward's copies timed where a bucket has none queued (``RESAMPLE`` a binding): their copies queue.
 (A static graph's first-iteration all-reduce is queued at backward's start, so it runs before the span, in
 ``backward``.)  Where the split is missed, silently: a backward in which the parameter heard gets no gradient
-(unused that step, frozen after attach); that parameter inside a reentrant activation checkpoint (``use_reentrant=True``), where its hook runs in a nested
-backward and the span would start at that backward's end (so the parameter heard is the shallowest, see
-:meth:`DdpComm.install`).
+(unused that step, frozen after attach); that parameter inside a reentrant activation checkpoint
+(``use_reentrant=True``), where its hook runs in a nested backward and the span would start at that backward's end
+(so the parameter heard is the shallowest, see :meth:`DdpComm.install`).
 
 Where the device catches up with the host inside the span (a host-paced backward), the wait is taken as the span
 less the host's time in it: :mod:`phase_timer.measures.comm.paced` says when and how.
