@@ -8,7 +8,8 @@ from typing import Any
 
 from phase_timer.diagnosis import format_verdict
 from phase_timer.distributed.rank_view import format_rank_table
-from phase_timer.phases import BEFORE, BEFORE_NOTE, BETWEEN, BETWEEN_PREFIX, COMM_PARTS, HOST_PHASES, ordered, share_base
+from phase_timer.phases import (BEFORE, BEFORE_NOTE, BETWEEN, BETWEEN_PREFIX, COMM_PARTS, HOST_PHASES, ordered,
+                                 share_base)
 from phase_timer.timing.stats import RunTotals
 
 def share_note(clock: str | None = None, phases: Iterable[str] | None = None) -> str:

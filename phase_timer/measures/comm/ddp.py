@@ -288,10 +288,11 @@ class DdpComm(PacedSpans):
         them: the next synced backward's are timed, their own time comes in (at most RESAMPLE such samples a
         binding, none while a sample of this module is still to resolve; one is ~the end-of-backward's host time
         with the mode's Python, ms on hundreds of parameters)."""
+        if self._resamples <= 0 or not self._copying or self._map_read:
+            return
         run = self._run
         due = self._armed.due if Arm is not None and isinstance(self._armed, Arm) else self._due
-        if self._resamples > 0 and due != 1 and self._copying and not self._map_read and run is not None \
-                and run.unqueued(self):
+        if due != 1 and run is not None and run.unqueued(self):
             self._resamples -= 1
             self._schedule(1)
 
