@@ -7,7 +7,8 @@ For each dump (one case and rank, its profiled steps): every kernel, memcpy or m
 compute stream (its launch call ended after the stream's last activity ended), the time from the call's end to its
 start on the device, split by whether a collective ran meanwhile (p10, median, p90, µs); then per step the blocked
 rule as ``comm_nccl.py`` reads it (``latency`` µs after each call) and with no latency, the part of the latter in
-windows of at most LAUNCH_LATENCY_US, and phase-timer's reading of that step (its row in the dump).  A rank whose
+windows of at most LAUNCH_LATENCY_US, the rule less the compute stream's own gaps (``nccl_truth.own_gaps``), and
+phase-timer's reading of that step (its row in the dump), with its steps within 0.1 ms or 2% of either.  A rank whose
 collective spins through a host-paced stretch (a rank waiting for its peer) counts each launch's latency there as
 blocked when the window opens at the call's end: ~300-1100 launches a step on 200 parameter tensors.
 """
@@ -26,7 +27,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.nccl_truth import (  # noqa: E402
-    LAUNCH_LATENCY_US, _clip, _overlap, _union, blocked_windows, compute_stream, step_exposed)
+    LAUNCH_LATENCY_US, OWN_GAP_QUANTILE, _clip, _minus, _overlap, _union, blocked_windows, compute_stream, own_gaps,
+    step_exposed)
 from phase_timer.phases import COMM_PARTS  # noqa: E402
 
 
@@ -51,14 +53,16 @@ def latencies(acts: list[tuple], launches: dict[int, float], comm: str = "nccl")
 
 
 def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") -> list[dict[str, float]]:
-    """Each step's blocked rule at LAUNCH_LATENCY_US and at none, and the no-latency rule's part in windows of at most
-    LAUNCH_LATENCY_US (ms)."""
+    """Each step's blocked rule at LAUNCH_LATENCY_US and at none, the no-latency rule's part in windows of at most
+    LAUNCH_LATENCY_US, and the first less its part in the compute stream's own gaps (``nccl_truth.own_gaps``: a gap
+    between two queued activities no longer than that transition's gaps with no collective beside) (ms)."""
     stream = compute_stream(acts)
     if stream is None:
         return []
     late = blocked_windows(acts, launches, stream, (comm,), latency=LAUNCH_LATENCY_US)[0]
     now = blocked_windows(acts, launches, stream, (comm,), latency=0.0)[0]
     short = [w for w in now if w[1] - w[0] <= LAUNCH_LATENCY_US]
+    mine = own_gaps(acts, launches, stream, (comm,))
     rows = []
     for lo, hi, exposed in step_exposed(acts, (comm,)):
 
@@ -66,7 +70,8 @@ def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") 
             merged = _union(_clip(windows, lo, hi))
             return sum(_overlap(a, b, merged) for a, b in exposed) / 1e3
 
-        rows.append(dict(blocked=inside(late), no_latency=inside(now), short=inside(short),
+        kept = _minus(_union(_clip(late, lo, hi)), _union(_clip(mine, lo, hi)))
+        rows.append(dict(blocked=inside(late), no_latency=inside(now), short=inside(short), less_own=inside(kept),
                          short_n=sum(1 for a, b in _clip(short, lo, hi) if _overlap(a, b, exposed) > 0)))
     return rows
 
@@ -86,13 +91,22 @@ def report(path: str) -> list[str]:
     name = f"{d['case']} rank {d['rank']}"
     lines = [f"{name}: idle-stream launch to start (us), a collective running: {quantiles(beside)}; none: "
              f"{quantiles(alone)}"]
+    waits = []
     for k, row in enumerate(per_step(acts, launches)):
         final = d["rows"][k][1] if k < len(d["rows"]) else {}
         wait = sum(final.get(p, 0.0) for p in COMM_PARTS) if final else None
+        waits.append((wait, row))
         pt = "-" if wait is None else f"{wait:8.3f}"
         lines.append(f"  {name} step {d['first'] + k}: blocked {row['blocked']:8.3f} (latency {LAUNCH_LATENCY_US:g} "
                      f"us), {row['no_latency']:8.3f} (none), of it {row['short']:6.3f} in {row['short_n']} windows of "
-                     f"<= {LAUNCH_LATENCY_US:g} us; phase-timer {pt}")
+                     f"<= {LAUNCH_LATENCY_US:g} us; less the stream's own gaps {row['less_own']:8.3f}; phase-timer {pt}")
+    near = [(abs(w - row["blocked"]) <= max(0.1, 0.02 * row["blocked"]),
+             abs(w - row["less_own"]) <= max(0.1, 0.02 * row["less_own"]))
+            for w, row in waits if w is not None]
+    if near:
+        lines.append(f"  {name}: phase-timer within 0.1 ms or 2% on {sum(a for a, _ in near)}/{len(near)} steps of the "
+                     f"blocked rule, {sum(b for _, b in near)}/{len(near)} of it less the stream's own gaps (each "
+                     f"transition's p{100 * OWN_GAP_QUANTILE:.0f} with no collective beside)")
     return lines
 
 

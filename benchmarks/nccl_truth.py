@@ -242,6 +242,48 @@ def blocked_windows(activities: Sequence[Activity], launches: Mapping[int, float
     return windows, unmatched
 
 
+#: A queued gap no longer than this share of its transition's own gaps (the same kinds either side, no collective
+#: beside) is the device's own: :func:`own_gaps`.
+OWN_GAP_QUANTILE = 0.9
+
+
+def _kind(activity: Activity) -> str:
+    return "memcpy" if activity[3] == "memcpy" else "memset" if activity[3] == "memset" else "kernel"
+
+
+def own_gaps(activities: Sequence[Activity], launches: Mapping[int, float], stream: int,
+             comm: Sequence[str] = ("nccl",), quantile: float = OWN_GAP_QUANTILE,
+             latency: float = LAUNCH_LATENCY_US) -> list[tuple[float, float]]:
+    """The compute stream's gaps between two activities that were both queued (the later launched ``latency`` µs
+    or more before the earlier ended) and no longer than their transition's own gap: the ``quantile`` of that
+    transition's queued gaps (kernel to memcpy, memcpy to kernel, ...) with no collective running beside them, on
+    the same stream.  A collective running in such a gap does not hold the stream: the gap is there without it
+    (2 x H200: a memcpy after a kernel starts 9-16 µs after it, a kernel after a memcpy 4-5 µs, a kernel after a
+    kernel 1.4-3.7 µs, the same with a collective beside or not).  Gaps of a transition never seen without a
+    collective are not among them."""
+    own = sorted(a for a in activities
+                 if a[4] == stream and a[3] not in ("annotation", "sync") and not any(c in a[2].lower() for c in comm))
+    comm_iv = _union((a[0], a[1]) for a in activities
+                     if a[3] not in ("annotation", "sync") and any(c in a[2].lower() for c in comm))
+    gaps: list[tuple[float, float, tuple[str, str], bool]] = []
+    end: float | None = None
+    prev: Activity | None = None
+    for act in own:
+        a, b = act[0], act[1]
+        if end is not None and prev is not None and a > end:
+            launch = launches.get(act[5])
+            if launch is not None and launch + latency <= end:
+                gaps.append((end, a, (_kind(prev), _kind(act)), _overlap(end, a, comm_iv) > 0))
+        if end is None or b > end:
+            end, prev = b, act
+    alone: dict[tuple[str, str], list[float]] = {}
+    for lo, hi, move, beside in gaps:
+        if not beside:
+            alone.setdefault(move, []).append(hi - lo)
+    limit = {m: sorted(v)[min(len(v) - 1, int(quantile * len(v)))] for m, v in alone.items()}
+    return [(lo, hi) for lo, hi, move, beside in gaps if beside and move in limit and hi - lo <= limit[move]]
+
+
 def compute_stream(activities: Sequence[Activity], marker: str = "spin_kernel") -> int | None:
     """The stream the most ``marker`` kernels run on (the markers are launched on the compute stream); None
     without markers."""
@@ -282,6 +324,7 @@ def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, floa
     windows, unmatched = blocked_windows(acts, launches, stream, comm, latency=latency)
     waits = [a[1] for a in activities if a[3] == "sync" and a[2] == "Stream Wait Event" and a[4] == stream]
     waited = blocked_windows(acts, launches, stream, comm, waits, latency)[0] if waits else None
+    gaps = own_gaps(acts, launches, stream, comm, latency=latency)
     rows = []
     for lo, hi, exposed in step_exposed(acts, comm, marker):
         blocked = _union(_clip(windows, lo, hi))
@@ -291,6 +334,8 @@ def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, floa
             unmatched=sum(_overlap(a, b, lost) for a, b in exposed) / 1e3,
             queued=sum(b - a for a, b in exposed) / 1e3,
         )
+        kept = _union(_minus(blocked, _union(_clip(gaps, lo, hi))))
+        row["less_own"] = sum(_overlap(a, b, kept) for a, b in exposed) / 1e3
         if waited is not None:
             held = _union(_clip(waited, lo, hi))
             row["waited"] = sum(_overlap(a, b, held) for a, b in exposed) / 1e3

@@ -396,3 +396,28 @@ def test_the_latency_report_reads_a_dump_s_launch_latencies_and_the_rule_with_an
     lines = nccl_latency.report(str(path))
     assert "a collective running: n=10 p10 2.00 median 2.00 p90 2.00; none: n=12" in lines[0]
     assert "case rank 0 step 7: blocked    0.000" in lines[1] and lines[1].endswith("phase-timer    0.010")
+
+
+def test_the_compute_stream_s_own_gaps_beside_a_collective_come_off_the_rule_and_a_real_wait_stays():
+    """Kernels each followed by a memcpy, all queued at 0: a memcpy starts 12 us after its kernel, with a collective
+    running beside (its first five pairs) or not (the last five).  The blocked rule counts the five 12 us gaps beside
+    the collective; less the stream's own gaps (the kernel-to-memcpy transition's gaps with no collective beside:
+    12 us) none of them.  A 500 us wait for the collective before a memcpy, queued too, stays whole."""
+    from benchmarks.nccl_truth import own_gaps
+
+    acts = [act(0, 1, 1, "spin_kernel"), act(10, 400, 2, NCCL, stream=COMM)]
+    t, corr = 10.0, 10
+    for _ in range(10):
+        acts.append(act(t, t + 50, corr))
+        acts.append(act(t + 62, t + 72, corr + 1, "Memcpy DtoD (Device -> Device)", "memcpy"))
+        t, corr = t + 72, corr + 2
+    acts += [act(800, 1300, 40, NCCL, stream=COMM), act(t + 10, t + 20, 41)]  # the kernel ends at 740+20: the wait
+    acts += [act(1300, 1310, 42, "Memcpy DtoD (Device -> Device)", "memcpy"), act(2000, 2001, 5, "spin_kernel")]
+    launches = {c: 0.0 for c in [1, 2, *range(10, 30), 40, 41, 42]} | {5: 1990.0}
+    stream = compute_stream(acts)
+    gaps = own_gaps(acts, launches, stream)
+    assert len(gaps) == 5 and all(b - a == pytest.approx(12.0) for a, b in gaps)  # the five beside the collective
+    assert all(b <= 400 for a, b in gaps)
+    row = per_step_blocked(acts, launches)[0]
+    assert row["blocked"] == pytest.approx(0.060 + 0.500)  # five 12 us gaps beside the first collective, the wait
+    assert row["less_own"] == pytest.approx(0.500)  # the wait alone: 800..1300
