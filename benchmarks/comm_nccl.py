@@ -394,7 +394,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
                          prof_copies_queued=t.get("copies_queued"),
                          blocked=bl.get("blocked"), blocked_unmatched=bl.get("unmatched"), waited=bl.get("waited"),
                          blocked_at_call_start=blocked_start[k]["blocked"] if k < len(blocked_start) else None,
-                         blocked_no_latency=blocked_now[k]["blocked"] if k < len(blocked_now) else None))
+                         blocked_no_latency=blocked_now[k]["blocked"] if k < len(blocked_now) else None,
+                         blocked_less_own=bl.get("less_own")))
     d = timer.diagnosis
     findings = [d, *d.secondary] if d is not None else []
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
@@ -465,7 +466,8 @@ def untimed_text(r: dict) -> str:
 def blocked_line(r: dict) -> str:
     """One case's and rank's summary under the blocked rule: its steps within 0.1 ms or 2% of the rule, the largest
     gap, the rule's mean against the queued rule's, the part counted in gaps whose kernel had no launch found, the
-    rule with each launch at its call's start, and the rule with no launch latency (and its steps within)."""
+    rule with each launch at its call's start, the rule with no launch latency, and the rule less the compute stream's
+    own gaps (``nccl_truth.own_gaps``), each with its steps within."""
     rows = [row for row in r["rows"] if row.get("blocked") is not None and timed(row)]
     ok = sum(abs(blocked_diff(row)) <= max(0.1, 0.02 * row["blocked"]) for row in rows)
     worst = max((blocked_diff(row) for row in rows), key=abs, default=0.0)
@@ -479,6 +481,11 @@ def blocked_line(r: dict) -> str:
             f"gaps with no launch found {mean['blocked_unmatched']:.3f}; with launches at their call's start "
             f"{mean['blocked_at_call_start']:.3f}; with no launch latency {mean['blocked_no_latency']:.3f} ({near}/"
             f"{len(rows)} within 0.1 ms or 2%)")
+    own = [row for row in rows if row.get("blocked_less_own") is not None]
+    if own:
+        near = sum(abs(row["wait"] - row["blocked_less_own"]) <= max(0.1, 0.02 * row["blocked_less_own"]) for row in own)
+        line += (f"; less the compute stream's own gaps {sum(row['blocked_less_own'] for row in own) / len(own):.3f} "
+                 f"({near}/{len(own)} steps within 0.1 ms or 2%)")
     waited = [row for row in rows if row.get("waited") is not None]
     if waited:
         near = sum(abs(row["wait"] - row["waited"]) <= max(0.1, 0.02 * row["waited"]) for row in waited)

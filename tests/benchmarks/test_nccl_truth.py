@@ -421,3 +421,17 @@ def test_the_compute_stream_s_own_gaps_beside_a_collective_come_off_the_rule_and
     row = per_step_blocked(acts, launches)[0]
     assert row["blocked"] == pytest.approx(0.060 + 0.500)  # five 12 us gaps beside the first collective, the wait
     assert row["less_own"] == pytest.approx(0.500)  # the wait alone: 800..1300
+
+
+def test_comm_nccl_s_summary_counts_the_steps_within_the_rule_less_the_stream_s_own_gaps():
+    """FSDP2's waiting rank: the rule as is 0.45 ms over phase-timer's 30 ms wait on one step (within 2%) and 0.30
+    over its 5 ms on the other (out); less the stream's own gaps 0.15 and 0.05 over: both within."""
+    from benchmarks.comm_nccl import blocked_line
+
+    def row(step: int, wait: float, blocked: float, less: float) -> dict:
+        return {"step": step, "wait": wait, "blocked": blocked, "truth": blocked, "step_ms": 90.0,
+                "blocked_unmatched": 0.0, "blocked_at_call_start": blocked, "blocked_less_own": less}
+
+    line = blocked_line({"case": "fsdp2", "rank": 0, "rows": [row(28, 30.0, 30.45, 30.15), row(29, 5.0, 5.3, 5.05)]})
+    assert "1/2 steps within 0.1 ms or 2% of the blocked rule" in line
+    assert line.endswith("less the compute stream's own gaps 17.600 (2/2 steps within 0.1 ms or 2%)")
