@@ -435,3 +435,23 @@ def test_comm_nccl_s_summary_counts_the_steps_within_the_rule_less_the_stream_s_
     line = blocked_line({"case": "fsdp2", "rank": 0, "rows": [row(28, 30.0, 30.45, 30.15), row(29, 5.0, 5.3, 5.05)]})
     assert "1/2 steps within 0.1 ms or 2% of the blocked rule" in line
     assert line.endswith("less the compute stream's own gaps 17.600 (2/2 steps within 0.1 ms or 2%)")
+
+
+def test_the_copies_estimate_a_b_recomputes_each_step_with_each_statistic(tmp_path):
+    """``copies_estimate_ab.py`` on a hand-made ``comm_nccl.py`` output: one bucket's samples 0.10, 0.26, 0.33 ms (the
+    run took the median, 0.26); a step that waited 5.0 ms by the rule, its span 5.3 before the copies came off, reads
+    5.04 with the median (within), 5.2 with the lowest (out); a step whose printed wait is not its span less the
+    run's estimate (a host-paced step's own correction) is not compared."""
+    from benchmarks import copies_estimate_ab
+
+    head = ("ddp_late       rank 0: 2/2 steps within 0.1 ms or 2% of the queued rule (2/2 of the strict); copies "
+            "estimate    0.260 vs profiler's own 0.1; bucket 0: queued samples [0.1, 0.26, 0.33], caught-up -")
+    row = "ddp_late 0 {} {} {} 0 0 0 0 0 0 0 0 50 50 0.01 {} 0"
+    text = "\n".join(["phase_timer tree abc", head, row.format(28, 5.04, 5.3, 5.0), row.format(29, 1.0, 5.3, 1.0)])
+    got = copies_estimate_ab.compare(text)
+    assert got == {("ddp_late", 0): {"n": 1, "median": 1, "lowest": 0, "mean": 1}}
+    path = tmp_path / "run.txt"
+    path.write_text(text)
+    lines = copies_estimate_ab.report(str(path))
+    assert lines[0].endswith("phase_timer tree abc")
+    assert lines[-1] == "  all: 1 steps; median 1, lowest 0, mean 1"

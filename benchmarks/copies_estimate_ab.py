@@ -1,0 +1,99 @@
+"""DDP's copies' estimate under other statistics, on the same steps: from ``comm_nccl.py --launches`` output files.
+
+    python benchmarks/copies_estimate_ab.py FILE [...] [--out FILE]
+
+phase-timer takes each bucket's median of its last queued samples off a synced backward's span (``run.RunComm``);
+``comm_nccl.py`` prints every bucket's queued samples and, per step, the span before the copies came off (``before
+cp``) and the blocked rule.  For each case and rank this recomputes the estimate with each statistic (the median,
+the lowest, the mean) and counts the steps whose wait (``before cp`` less the estimate, never below zero) lies
+within 0.1 ms or 2% of the rule.  Only steps whose printed wait is ``before cp`` less the run's own estimate (its
+summary's, within 5 µs) count: a host-paced step's span has its own correction (``paced.PacedSpans``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import statistics
+from typing import Callable
+
+STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "lowest": min,
+                                                         "mean": statistics.fmean}
+SAMPLES = re.compile(r"bucket (\d+): queued samples (\[[^\]]*\]|-)")
+
+
+def samples(text: str) -> dict[tuple[str, int], tuple[float, list[list[float]]]]:
+    """Each case's and rank's copies' estimate as the run took it and its buckets' queued samples (ms), from its
+    queued-rule summary line."""
+    out = {}
+    for line in text.splitlines():
+        head = re.match(r"(\S+)\s+rank (\d+): .*queued rule.*copies estimate\s+([\d.]+)", line)
+        if head and "bucket 0:" in line:
+            out[(head.group(1), int(head.group(2)))] = (float(head.group(3)), [
+                [float(v) for v in s.strip("[]").split(",")] for _, s in SAMPLES.findall(line) if s != "-"])
+    return out
+
+
+def rows(text: str) -> list[tuple[str, int, int, float, float, float]]:
+    """Each step's (case, rank, step, wait, wait before the copies came off, blocked rule) from the table."""
+    out = []
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 18 and f[1] in ("0", "1", "2", "3") and f[2].isdigit():
+            try:
+                out.append((f[0], int(f[1]), int(f[2]), float(f[3]), float(f[4]), float(f[16])))
+            except ValueError:
+                continue
+    return out
+
+
+def within(wait: float, rule: float) -> bool:
+    return abs(wait - rule) <= max(0.1, 0.02 * rule)
+
+
+def compare(text: str) -> dict[tuple[str, int], dict[str, int]]:
+    """Per case and rank: the steps compared (``n``) and, per statistic, those within 0.1 ms or 2% of the rule."""
+    buckets = samples(text)
+    out: dict[tuple[str, int], dict[str, int]] = {}
+    for case, rank, _, wait, before, rule in rows(text):
+        taken, vals = buckets.get((case, rank), (0.0, []))
+        if not vals:
+            continue
+        est = {name: sum(stat(v) for v in vals) for name, stat in STATISTICS.items()}
+        if abs(max(0.0, before - taken) - wait) > 0.005:
+            continue  # not the span less the run's estimate: a host-paced step's own correction
+        counts = out.setdefault((case, rank), {"n": 0, **{name: 0 for name in STATISTICS}})
+        counts["n"] += 1
+        for name, e in est.items():
+            counts[name] += within(max(0.0, before - e), rule)
+    return out
+
+
+def report(path: str) -> list[str]:
+    text = pathlib.Path(path).read_text()
+    first = text.splitlines()[0] if text else ""
+    lines = [f"{path}: {first}"]
+    totals = {"n": 0, **{name: 0 for name in STATISTICS}}
+    for (case, rank), counts in sorted(compare(text).items()):
+        for k, v in counts.items():
+            totals[k] += v
+        lines.append(f"  {case:14} rank {rank}: {counts['n']:2d} steps; within 0.1 ms or 2% of the blocked rule: "
+                     + ", ".join(f"{name} {counts[name]}" for name in STATISTICS))
+    lines.append(f"  all: {totals['n']} steps; " + ", ".join(f"{name} {totals[name]}" for name in STATISTICS))
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("files", nargs="+")
+    p.add_argument("--out")
+    args = p.parse_args()
+    text = "\n".join(line for path in args.files for line in report(path))
+    print(text)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
