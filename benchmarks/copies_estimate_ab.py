@@ -12,11 +12,16 @@ summary's, within 5 µs) count: a host-paced step's span has its own correction 
 
 from __future__ import annotations
 
-import argparse
+import os
 import pathlib
 import re
 import statistics
+import sys
 from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import nccl_latency  # noqa: E402
 
 STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "lowest": min,
                                                          "mean": statistics.fmean}
@@ -85,14 +90,7 @@ def report(path: str) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("files", nargs="+")
-    p.add_argument("--out")
-    args = p.parse_args()
-    text = "\n".join(line for path in args.files for line in report(path))
-    print(text)
-    if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
+    nccl_latency.main(report)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import os
 import pathlib
 import statistics
 import sys
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -110,12 +110,13 @@ def report(path: str) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(report: Callable[[str], list[str]] = report) -> None:
+    """Each file's ``report`` lines, printed and (``--out``) written: this script's, and ``copies_estimate_ab.py``'s."""
     p = argparse.ArgumentParser()
-    p.add_argument("dumps", nargs="+")
+    p.add_argument("files", nargs="+")
     p.add_argument("--out")
     args = p.parse_args()
-    text = "\n".join(line for path in args.dumps for line in report(path))
+    text = "\n".join(line for path in args.files for line in report(path))
     print(text)
     if args.out:
         pathlib.Path(args.out).write_text(text + "\n")
