@@ -6,8 +6,10 @@ phase-timer takes each bucket's median of its last queued samples off a synced b
 ``comm_nccl.py`` prints every bucket's queued samples and, per step, the span before the copies came off (``before
 cp``) and the blocked rule.  For each case and rank this recomputes the estimate with each statistic (the median,
 the lowest, the mean) and counts the steps whose wait (``before cp`` less the estimate, never below zero) lies
-within 0.1 ms or 2% of the rule.  Only steps whose printed wait is ``before cp`` less the run's own estimate (its
-summary's, within 5 µs) count: a host-paced step's span has its own correction (``paced.PacedSpans``).
+within 0.1 ms or 2% of the rule.  A case and rank whose paced path corrected any backward (``paced.PacedSpans``: its
+summary says how many) is left out: a corrected step's record already holds the host's time less the run's
+estimate, which another estimate would not move; so is a step whose printed wait is not ``before cp`` less the
+run's own estimate (within 5 µs).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ SAMPLES = re.compile(r"bucket (\d+): queued samples (\[[^\]]*\]|-)")
 
 def samples(text: str) -> dict[tuple[str, int], tuple[float, list[list[float]]]]:
     """Each case's and rank's copies' estimate as the run took it and its buckets' queued samples (ms), from its
-    queued-rule summary line."""
+    queued-rule summary line; none for a case and rank whose paced path corrected a backward (its span's record
+    holds that correction, itself the host's time less the estimate: another estimate would not move it)."""
     out = {}
     for line in text.splitlines():
         head = re.match(r"(\S+)\s+rank (\d+): .*queued rule.*copies estimate\s+([\d.]+)", line)
-        if head and "bucket 0:" in line:
+        paced = re.search(r"host-paced correction on (\d+) backwards", line)
+        if head and "bucket 0:" in line and not (paced and int(paced.group(1))):
             out[(head.group(1), int(head.group(2)))] = (float(head.group(3)), [
                 [float(v) for v in s.strip("[]").split(",")] for _, s in SAMPLES.findall(line) if s != "-"])
     return out

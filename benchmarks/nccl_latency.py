@@ -27,8 +27,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.nccl_truth import (  # noqa: E402
-    LAUNCH_LATENCY_US, OWN_GAP_QUANTILE, _clip, _minus, _overlap, _union, blocked_windows, compute_stream, own_gaps,
-    step_exposed)
+    LAUNCH_LATENCY_US, _clip, _minus, _overlap, _union, blocked_windows, compute_stream, own_gap_medians, own_gaps,
+    queued_gaps, step_exposed)
 from phase_timer.phases import COMM_PARTS  # noqa: E402
 
 
@@ -76,6 +76,24 @@ def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") 
     return rows
 
 
+def transitions(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") -> str:
+    """Each transition's queued gaps: the median with no collective beside (the part :func:`nccl_truth.own_gaps`
+    takes off), and how many gaps a profiled step had beside a collective and alone."""
+    stream = compute_stream(acts)
+    if stream is None:
+        return "-"
+    gaps = queued_gaps(acts, launches, stream, (comm,))
+    own = own_gap_medians(gaps)
+    steps = max(1, len(step_exposed(acts, (comm,))))
+    out = []
+    for move in sorted({g[2] for g in gaps}):
+        beside = sum(1 for g in gaps if g[2] == move and g[3])
+        alone = sum(1 for g in gaps if g[2] == move and not g[3])
+        med = f"median alone {own[move]:.1f} us" if move in own else "never alone"
+        out.append(f"{move[0]}->{move[1]} {med}, {beside / steps:.0f} a step beside a collective, {alone / steps:.0f} alone")
+    return "; ".join(out) or "none"
+
+
 def quantiles(values: list[float]) -> str:
     if len(values) < 10:
         return f"n={len(values)}"
@@ -105,8 +123,8 @@ def report(path: str) -> list[str]:
             for w, row in waits if w is not None]
     if near:
         lines.append(f"  {name}: phase-timer within 0.1 ms or 2% on {sum(a for a, _ in near)}/{len(near)} steps of the "
-                     f"blocked rule, {sum(b for _, b in near)}/{len(near)} of it less the stream's own gaps (each "
-                     f"transition's p{100 * OWN_GAP_QUANTILE:.0f} with no collective beside)")
+                     f"blocked rule, {sum(b for _, b in near)}/{len(near)} of it less the stream's own gaps")
+    lines.insert(1, f"  {name}: the compute stream's queued gaps by transition: {transitions(acts, launches)}")
     return lines
 
 

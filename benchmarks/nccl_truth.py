@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
+from statistics import median
 from typing import Any, Iterable, Mapping, Sequence
 
 Interval = tuple[float, float, str, str]  # start µs, end µs, name, kind ("kernel", "memcpy", "memset", "annotation")
@@ -242,30 +243,23 @@ def blocked_windows(activities: Sequence[Activity], launches: Mapping[int, float
     return windows, unmatched
 
 
-#: A queued gap no longer than this share of its transition's own gaps (the same kinds either side, no collective
-#: beside) is the device's own: :func:`own_gaps`.
-OWN_GAP_QUANTILE = 0.9
-
-
 def _kind(activity: Activity) -> str:
     return "memcpy" if activity[3] == "memcpy" else "memset" if activity[3] == "memset" else "kernel"
 
 
-def own_gaps(activities: Sequence[Activity], launches: Mapping[int, float], stream: int,
-             comm: Sequence[str] = ("nccl",), quantile: float = OWN_GAP_QUANTILE,
-             latency: float = LAUNCH_LATENCY_US) -> list[tuple[float, float]]:
-    """The compute stream's gaps between two activities that were both queued (the later launched ``latency`` µs
-    or more before the earlier ended) and no longer than their transition's own gap: the ``quantile`` of that
-    transition's queued gaps (kernel to memcpy, memcpy to kernel, ...) with no collective running beside them, on
-    the same stream.  A collective running in such a gap does not hold the stream: the gap is there without it
-    (2 x H200: a memcpy after a kernel starts 9-16 µs after it, a kernel after a memcpy 4-5 µs, a kernel after a
-    kernel 1.4-3.7 µs, the same with a collective beside or not).  Gaps of a transition never seen without a
-    collective are not among them."""
+Gap = tuple[float, float, tuple[str, str], bool]  # start µs, end µs, (kind before, kind after), a collective beside
+
+
+def queued_gaps(activities: Sequence[Activity], launches: Mapping[int, float], stream: int,
+                comm: Sequence[str] = ("nccl",), latency: float = LAUNCH_LATENCY_US) -> list[Gap]:
+    """The compute stream's gaps between two activities that were both queued (the later launched ``latency`` µs or
+    more before the earlier ended), each with its transition (the kinds either side: kernel, memcpy, memset) and
+    whether a collective ran in it."""
     own = sorted(a for a in activities
                  if a[4] == stream and a[3] not in ("annotation", "sync") and not any(c in a[2].lower() for c in comm))
     comm_iv = _union((a[0], a[1]) for a in activities
                      if a[3] not in ("annotation", "sync") and any(c in a[2].lower() for c in comm))
-    gaps: list[tuple[float, float, tuple[str, str], bool]] = []
+    gaps: list[Gap] = []
     end: float | None = None
     prev: Activity | None = None
     for act in own:
@@ -276,12 +270,30 @@ def own_gaps(activities: Sequence[Activity], launches: Mapping[int, float], stre
                 gaps.append((end, a, (_kind(prev), _kind(act)), _overlap(end, a, comm_iv) > 0))
         if end is None or b > end:
             end, prev = b, act
+    return gaps
+
+
+def own_gap_medians(gaps: Sequence[Gap]) -> dict[tuple[str, str], float]:
+    """Each transition's median gap with no collective beside (µs): the device's own time to start what follows."""
     alone: dict[tuple[str, str], list[float]] = {}
     for lo, hi, move, beside in gaps:
         if not beside:
             alone.setdefault(move, []).append(hi - lo)
-    limit = {m: sorted(v)[min(len(v) - 1, int(quantile * len(v)))] for m, v in alone.items()}
-    return [(lo, hi) for lo, hi, move, beside in gaps if beside and move in limit and hi - lo <= limit[move]]
+    return {move: median(v) for move, v in alone.items()}
+
+
+def own_gaps(activities: Sequence[Activity], launches: Mapping[int, float], stream: int,
+             comm: Sequence[str] = ("nccl",), latency: float = LAUNCH_LATENCY_US) -> list[tuple[float, float]]:
+    """The device's own part of each queued gap with a collective beside: its last ``m`` µs, where ``m`` is the
+    gap's transition's median with no collective beside (:func:`own_gap_medians`), the whole gap where it is no
+    longer.  Between two queued activities of different kinds the stream idles longer than between two kernels (2 x
+    H200: a memcpy starts ~12 µs after a kernel, a kernel ~4 µs after a memcpy, a kernel ~2 µs after a kernel, as
+    long with a collective beside as without): that time is there without the collective, and no wait holds it.
+    A wait for the collective lies before it (the stream resumes, then starts what follows): the rest of the gap
+    stays.  Gaps of a transition never seen without a collective keep all of it."""
+    gaps = queued_gaps(activities, launches, stream, comm, latency)
+    own = own_gap_medians(gaps)
+    return [(max(lo, hi - own[move]), hi) for lo, hi, move, beside in gaps if beside and move in own]
 
 
 def compute_stream(activities: Sequence[Activity], marker: str = "spin_kernel") -> int | None:
@@ -324,7 +336,7 @@ def per_step_blocked(activities: Sequence[Activity], launches: Mapping[int, floa
     windows, unmatched = blocked_windows(acts, launches, stream, comm, latency=latency)
     waits = [a[1] for a in activities if a[3] == "sync" and a[2] == "Stream Wait Event" and a[4] == stream]
     waited = blocked_windows(acts, launches, stream, comm, waits, latency)[0] if waits else None
-    gaps = own_gaps(acts, launches, stream, comm, latency=latency)
+    gaps = own_gaps(acts, launches, stream, comm, latency)
     rows = []
     for lo, hi, exposed in step_exposed(acts, comm, marker):
         blocked = _union(_clip(windows, lo, hi))

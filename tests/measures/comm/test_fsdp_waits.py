@@ -230,7 +230,20 @@ def test_only_torch_s_own_copy_out_leaves_its_wait_to_the_split_copy() -> None:
 
         torch.ops.fsdp.split_with_sizes_copy(result)
 
-    assert not _defers(theirs)
+    assert not _defers(theirs)  # not torch's module
+    torch_s = group_mod.foreach_all_gather_copy_out.__module__
+    theirs.__module__ = torch_s
+    assert _defers(theirs)  # in torch's module, its source calling the op by name
+
+    def casts_first(result, *args, **kwargs):
+        return result.all_gather_output.float()
+
+    casts_first.__module__ = torch_s
+    assert not _defers(casts_first)  # in torch's module, no split copy by name
+    ns: dict = {}
+    exec("def no_source(result):\n    return result\n", ns)  # noqa: S102 - a function with no file to read
+    ns["no_source"].__module__ = torch_s
+    assert not _defers(ns["no_source"])
 
 
 def test_a_copy_out_that_returns_without_its_split_copy_waits_warns_once_and_then_waits_at_its_start(wrapped) -> None:
