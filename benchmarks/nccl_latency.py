@@ -54,8 +54,8 @@ def latencies(acts: list[tuple], launches: dict[int, float], comm: str = "nccl")
 
 def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") -> list[dict[str, float]]:
     """Each step's blocked rule at LAUNCH_LATENCY_US and at none, the no-latency rule's part in windows of at most
-    LAUNCH_LATENCY_US, and the first less its part in the compute stream's own gaps (``nccl_truth.own_gaps``: a gap
-    between two queued activities no longer than that transition's gaps with no collective beside) (ms)."""
+    LAUNCH_LATENCY_US, and the first less its part in the compute stream's own gaps (``nccl_truth.own_gaps``: each
+    queued gap's last m µs where a collective runs beside it, m its transition's median with no collective) (ms)."""
     stream = compute_stream(acts)
     if stream is None:
         return []
