@@ -316,7 +316,9 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     probe = next(iter(getattr(timer, "_comm", None) or ()), None)
     ddp_marks = DdpSpanKernels(probe, device) if args.span_kernels and probe is not None and hasattr(probe, "_armed") \
         else None
+    paced_at: list[int] = []  # the paced path's corrected backwards before each iteration (and after the last)
     for i, tokens in enumerate(timer.loader):
+        paced_at.append(getattr(probe, "paced_steps", 0))
         if args.sample_at is not None and i == args.sample_at - 1 and probe is not None and hasattr(probe, "_schedule"):
             probe._schedule(2)  # the next synced backward after this one has its copies timed (in the trace)
         if i == max(0, first - args.prewarm) and prof is not None:
@@ -341,6 +343,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
                 for _ in range(args.eval_batches):
                     model(tokens)
             model.train()
+    paced_at.append(getattr(probe, "paced_steps", 0))
     if prof is not None:
         torch.cuda.synchronize()  # the benchmark's
         prof.stop()
@@ -395,7 +398,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
                          blocked=bl.get("blocked"), blocked_unmatched=bl.get("unmatched"), waited=bl.get("waited"),
                          blocked_at_call_start=blocked_start[k]["blocked"] if k < len(blocked_start) else None,
                          blocked_no_latency=blocked_now[k]["blocked"] if k < len(blocked_now) else None,
-                         blocked_less_own=bl.get("less_own")))
+                         blocked_less_own=bl.get("less_own"),
+                         paced=paced_at[step + 1] - paced_at[step] if step + 1 < len(paced_at) else None))
     d = timer.diagnosis
     findings = [d, *d.secondary] if d is not None else []
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
@@ -588,11 +592,12 @@ def main() -> None:
                  "device memcpy), their own time and back to back; all ms"
                  + ("; blocked: the queued rule where the compute stream has its next kernel queued (launched by the "
                     "host: from the launch call's end and the device's launch latency, nccl_truth.LAUNCH_LATENCY_US), "
-                    "not where it idles for the host" if args.launches else ""),
+                    "not where it idles for the host" if args.launches else "")
+                 + "; paced: the backwards whose span the host-paced path corrected in the step (paced.PacedSpans)",
                  f"{'case':14} {'rank':>4} {'step':>4} {'comm_wait':>9} {'before cp':>9} {'queued':>8} "
                  f"{'diff':>8} {'strict':>8} {'diff':>8} {'analyzers':>9} {'nccl':>8} {'copies':>8} {'run':>8} "
                  f"{'step':>8} {'period':>8} {'data_wait':>9}"
-                 + (f" {'blocked':>8} {'diff':>8}" if args.launches else "")]
+                 + (f" {'blocked':>8} {'diff':>8}" if args.launches else "") + f" {'paced':>6}"]
         summary = []
         blocked_summary = []
         for r in results:
@@ -611,7 +616,8 @@ def main() -> None:
                              f"{fmt(sdiff)} {fmt(row['analyzers'], 9)} "
                              f"{fmt(row['comm'])} {fmt(row['prof_copies'])} {fmt(row.get('prof_copies_run'))} {fmt(row['step_ms'])} "
                              f"{fmt(row['period'])} {fmt(row['data_wait'], 9)}"
-                             + (f" {fmt(row['blocked'])} {fmt(blocked_diff(row))}" if args.launches else ""))
+                             + (f" {fmt(row['blocked'])} {fmt(blocked_diff(row))}" if args.launches else "")
+                             + f" {'-' if row.get('paced') is None else row['paced']:>6}")
             over = sum(1 for row in r["rows"] if timed(row) and row["period"] is not None
                        and row["step_ms"] > row["period"])
             summary.append(f"{r['case']:14} rank {r['rank']}: {ok}/{n} steps within 0.1 ms or 2% of the queued rule "

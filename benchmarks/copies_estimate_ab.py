@@ -6,10 +6,10 @@ phase-timer takes each bucket's median of its last queued samples off a synced b
 ``comm_nccl.py`` prints every bucket's queued samples and, per step, the span before the copies came off (``before
 cp``) and the blocked rule.  For each case and rank this recomputes the estimate with each statistic (the median,
 the lowest, the mean) and counts the steps whose wait (``before cp`` less the estimate, never below zero) lies
-within 0.1 ms or 2% of the rule.  A case and rank whose paced path corrected any backward (``paced.PacedSpans``: its
-summary says how many) is left out: a corrected step's record already holds the host's time less the run's
-estimate, which another estimate would not move; so is a step whose printed wait is not ``before cp`` less the
-run's own estimate (within 5 µs).
+within 0.1 ms or 2% of the rule.  A step the paced path corrected (``paced.PacedSpans``: the rows' ``paced`` column)
+is left out: its record already holds the host's time less the run's estimate, which another estimate would not
+move; a table without that column leaves out every case and rank whose summary counts a correction.  So is a step
+whose printed wait is not ``before cp`` less the run's own estimate (within 5 µs).
 """
 
 from __future__ import annotations
@@ -30,28 +30,31 @@ STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.me
 SAMPLES = re.compile(r"bucket (\d+): queued samples (\[[^\]]*\]|-)")
 
 
-def samples(text: str) -> dict[tuple[str, int], tuple[float, list[list[float]]]]:
+def samples(text: str, per_step: bool = False) -> dict[tuple[str, int], tuple[float, list[list[float]]]]:
     """Each case's and rank's copies' estimate as the run took it and its buckets' queued samples (ms), from its
-    queued-rule summary line; none for a case and rank whose paced path corrected a backward (its span's record
-    holds that correction, itself the host's time less the estimate: another estimate would not move it)."""
+    queued-rule summary line; without ``per_step`` (the rows' own ``paced`` column), none for a case and rank whose
+    paced path corrected a backward (its span's record holds that correction, itself the host's time less the
+    estimate: another estimate would not move it)."""
     out = {}
     for line in text.splitlines():
         head = re.match(r"(\S+)\s+rank (\d+): .*queued rule.*copies estimate\s+([\d.]+)", line)
         paced = re.search(r"host-paced correction on (\d+) backwards", line)
-        if head and "bucket 0:" in line and not (paced and int(paced.group(1))):
+        if head and "bucket 0:" in line and (per_step or not (paced and int(paced.group(1)))):
             out[(head.group(1), int(head.group(2)))] = (float(head.group(3)), [
                 [float(v) for v in s.strip("[]").split(",")] for _, s in SAMPLES.findall(line) if s != "-"])
     return out
 
 
-def rows(text: str) -> list[tuple[str, int, int, float, float, float]]:
-    """Each step's (case, rank, step, wait, wait before the copies came off, blocked rule) from the table."""
+def rows(text: str) -> list[tuple[str, int, int, float, float, float, int | None]]:
+    """Each step's (case, rank, step, wait, wait before the copies came off, blocked rule, the backwards the paced
+    path corrected in it: None where the table has no such column) from the table."""
     out = []
     for line in text.splitlines():
         f = line.split()
         if len(f) >= 18 and f[1] in ("0", "1", "2", "3") and f[2].isdigit():
             try:
-                out.append((f[0], int(f[1]), int(f[2]), float(f[3]), float(f[4]), float(f[16])))
+                paced = int(f[18]) if len(f) > 18 and f[18].isdigit() else None
+                out.append((f[0], int(f[1]), int(f[2]), float(f[3]), float(f[4]), float(f[16]), paced))
             except ValueError:
                 continue
     return out
@@ -63,11 +66,13 @@ def within(wait: float, rule: float) -> bool:
 
 def compare(text: str) -> dict[tuple[str, int], dict[str, int]]:
     """Per case and rank: the steps compared (``n``) and, per statistic, those within 0.1 ms or 2% of the rule."""
-    buckets = samples(text)
+    steps = rows(text)
+    per_step = bool(steps) and all(row[6] is not None for row in steps)
+    buckets = samples(text, per_step)
     out: dict[tuple[str, int], dict[str, int]] = {}
-    for case, rank, _, wait, before, rule in rows(text):
+    for case, rank, _, wait, before, rule, paced in steps:
         taken, vals = buckets.get((case, rank), (0.0, []))
-        if not vals:
+        if not vals or paced:  # a step the paced path corrected: its record holds that correction
             continue
         est = {name: sum(stat(v) for v in vals) for name, stat in STATISTICS.items()}
         if abs(max(0.0, before - taken) - wait) > 0.005:

@@ -463,3 +463,10 @@ def test_the_copies_estimate_a_b_recomputes_each_step_with_each_statistic(tmp_pa
     lines = copies_estimate_ab.report(str(path))
     assert lines[0].endswith("phase_timer tree abc")
     assert lines[-1] == "  all: 1 steps; median 1, lowest 0, mean 1"
+    # the paced path corrected some backward of this rank: without the rows' paced column, the rank is left out
+    assert copies_estimate_ab.compare(text.replace(", caught-up -", ", caught-up -; host-paced correction on 1 "
+                                                   "backwards, 1.0 ms in all")) == {}
+    # with it, only the corrected step is (its record holds the correction)
+    flagged = "\n".join(["phase_timer tree abc", head + "; host-paced correction on 1 backwards",
+                          row.format(28, 5.04, 5.3, 5.0) + " 0", row.format(30, 5.04, 5.3, 5.0) + " 1"])
+    assert copies_estimate_ab.compare(flagged) == {("ddp_late", 0): {"n": 1, "median": 1, "lowest": 0, "mean": 1}}

@@ -244,6 +244,8 @@ def test_the_two_gpu_script_s_span_kernels_bracket_every_ddp_wait_on_the_cpu() -
         assert begins == ends == waits > 0 and odd == 0, r["span_kernels"]  # one pair a step whose row holds a wait
         assert 0 < at_return < ends, r["span_kernels"]  # both ends: the usual path's and a sampled backward's
         assert r["where"] == []  # no profiler on the CPU: no split of the exposed time
+        # each step's backwards the paced path corrected (none on the host clock: the host runs the work itself)
+        assert [row["paced"] for row in r["rows"]] == [0] * len(r["rows"]) and r["rows"], r["rows"]
 
 
 def test_sampling_ddp_s_copies_changes_no_gradient() -> None:
