@@ -78,19 +78,23 @@ def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") 
 
 def transitions(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") -> str:
     """Each transition's queued gaps: the median with no collective beside (the part :func:`nccl_truth.own_gaps`
-    takes off), and how many gaps a profiled step had beside a collective and alone."""
+    takes off), and how many gaps a step of the table (from the first marker on) had beside a collective and alone."""
     stream = compute_stream(acts)
     if stream is None:
         return "-"
     gaps = queued_gaps(acts, launches, stream, (comm,))
-    own = own_gap_medians(gaps)
-    steps = max(1, len(step_exposed(acts, (comm,))))
+    own = own_gap_medians(gaps)  # over the whole profile, as own_gaps takes them
+    steps = step_exposed(acts, (comm,))
+    if not steps:
+        return "-"
+    first = steps[0][0]  # the profile's steps before the first marker (a prewarm's) are no step of the table's
+    counted = [g for g in gaps if g[0] >= first]
     out = []
     for move in sorted({g[2] for g in gaps}):
-        beside = sum(1 for g in gaps if g[2] == move and g[3])
-        alone = sum(1 for g in gaps if g[2] == move and not g[3])
+        beside = sum(1 for g in counted if g[2] == move and g[3]) / len(steps)
+        alone = sum(1 for g in counted if g[2] == move and not g[3]) / len(steps)
         med = f"median alone {own[move]:.1f} us" if move in own else "never alone"
-        out.append(f"{move[0]}->{move[1]} {med}, {beside / steps:.0f} a step beside a collective, {alone / steps:.0f} alone")
+        out.append(f"{move[0]}->{move[1]} {med}, {beside:.1f} a step beside a collective, {alone:.1f} alone")
     return "; ".join(out) or "none"
 
 

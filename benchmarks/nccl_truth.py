@@ -51,7 +51,7 @@ hand (``tests/benchmarks/test_nccl_truth.py``).
   the compute stream idles for the device's own time to start what follows, longer between kinds (a memcpy after a
   kernel 4-13 µs on 2 x H200, a kernel after a kernel 1.2-2.6), as long with a collective beside as without; a wait
   for a collective lies before it.  The blocked rule counts that time whole wherever a collective runs beside it
-  (FSDP2's copy-out alternates a memcpy and a kernel: ~940 gaps a step on a rank waiting for its all-gathers);
+  (FSDP2's copy-out alternates a memcpy and a kernel: ~750 gaps a step on a rank waiting for its all-gathers);
   ``less_own`` takes the last m µs off each such gap, m its transition's median with no collective beside.
 """
 

@@ -403,10 +403,11 @@ def test_the_latency_report_reads_a_dump_s_launch_latencies_and_the_rule_with_an
 
 
 def test_the_compute_stream_s_own_gaps_beside_a_collective_come_off_the_rule_and_a_real_wait_keeps_the_rest():
-    """Kernels each followed by a memcpy, all queued at 0: with no collective beside, a memcpy starts 10, 12 or 14 us
-    after its kernel (median 12); beside a collective, the same transition's gaps of 11 and 13 us and a 500 us wait
-    for the collective.  Less the stream's own gaps, each gap beside the collective loses its last 12 us (the 11 us
-    gap all of it): 1 us of the 13 us gap and 488 us of the wait stay.  A short kernel nested inside a longer one
+    """Kernels each followed by a memcpy, all queued at 0: with no collective beside, a memcpy starts 10, 12 or 30 us
+    after its kernel (median 12, mean 17.3); beside a collective, the same transition's gaps of 11 and 13 us and a
+    500 us wait for the collective, and a kernel 5 us after a memset (a transition never seen alone).  Less the
+    stream's own gaps, each kernel-to-memcpy gap beside the collective loses its last 12 us (the 11 us gap all of
+    it): 1 us of the 13 us gap and 488 us of the wait stay, and the memset's 5 us whole.  A short kernel nested inside a longer one
     (another stream's, as the profiler may order them) does not end the gap early."""
     from benchmarks.nccl_truth import own_gap_medians, own_gaps, queued_gaps
 
@@ -414,21 +415,22 @@ def test_the_compute_stream_s_own_gaps_beside_a_collective_come_off_the_rule_and
     acts = [act(0, 1, 1, "spin_kernel"), act(20, 200, 2, NCCL, stream=COMM)]
     acts += [act(20, 70, 10), act(30, 40, 11), act(81, 90, 12, memcpy, "memcpy")]  # 11 us beside; 11 nested in 10
     acts += [act(90, 150, 13), act(163, 170, 14, memcpy, "memcpy")]  # 13 us beside
-    acts += [act(170, 350, 15), act(850, 860, 16, memcpy, "memcpy"), act(350, 850, 17, NCCL, stream=COMM)]  # the wait
+    acts += [act(170, 175, 18, "Memset (Device)", "memset"), act(180, 350, 15)]  # 5 us beside, never seen alone
+    acts += [act(850, 860, 16, memcpy, "memcpy"), act(350, 850, 17, NCCL, stream=COMM)]  # the wait
     t = 860
-    for corr, gap in zip(range(20, 26, 2), (10, 12, 14)):  # alone: each kernel right after the memcpy before it
+    for corr, gap in zip(range(20, 26, 2), (10, 12, 30)):  # alone: each kernel right after the memcpy before it
         acts += [act(t, t + 50, corr), act(t + 50 + gap, t + 60 + gap, corr + 1, memcpy, "memcpy")]
         t += 60 + gap
     acts.append(act(2000, 2001, 5, "spin_kernel"))
     launches = {a[5]: 0.0 for a in acts} | {5: 1990.0}
     stream = compute_stream(acts)
     gaps = queued_gaps(acts, launches, stream)
-    assert [(lo, hi) for lo, hi, _, beside in gaps if beside] == [(70, 81), (150, 163), (350, 850)]
+    assert [(lo, hi) for lo, hi, _, beside in gaps if beside] == [(70, 81), (150, 163), (175, 180), (350, 850)]
     assert own_gap_medians(gaps) == {("kernel", "memcpy"): 12.0}  # the marker after the last memcpy: launched late
     assert own_gaps(acts, launches, stream) == [(70, 81), (151, 163), (838, 850)]
     row = per_step_blocked(acts, launches)[0]
-    assert row["blocked"] == pytest.approx((11 + 13 + 500) / 1e3)
-    assert row["less_own"] == pytest.approx((1 + 488) / 1e3)
+    assert row["blocked"] == pytest.approx((11 + 13 + 5 + 500) / 1e3)
+    assert row["less_own"] == pytest.approx((1 + 5 + 488) / 1e3)  # the memset's gap whole: no own time known
 
 
 def test_comm_nccl_s_summary_counts_the_steps_within_the_rule_less_the_stream_s_own_gaps():
