@@ -203,7 +203,8 @@ def main() -> None:
                      f"{fmt(diff)} {fmt(t['exposed_stream'])} {fmt(sdiff)} {fmt(t['exposed'], 9)} "
                      f"{fmt(t.get('blocked'))} {fmt(bdiff)} {fmt(t['copies'])} {fmt(t['copies_run'])}")
     if prof.buckets is not None:
-        lines.append(f"{args.door}: phase-timer's copies samples, each bucket's [queued, caught-up] (ms): {prof.buckets}")
+        lines.append(f"{args.door}: phase-timer's copies samples, each bucket's [queued, caught-up] (ms): "
+                     f"{prof.buckets}")
     lines.append(f"{args.door}: {ok}/{len(truth)} steps within 0.1 ms or 2% of the queued rule ({strict_ok} of the "
                  f"strict, {blocked_ok} of the blocked; per-step values {len(series)}, profiled steps {len(truth)})")
     print("\n".join(lines), flush=True)

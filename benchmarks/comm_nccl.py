@@ -85,7 +85,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import phase_timer  # noqa: E402
 from benchmarks.nccl_truth import (  # noqa: E402
-    device_activities, device_intervals, exposed_where, launch_times, per_step, per_step_blocked)
+    device_activities, device_intervals, exposed_where, launch_times, per_step, per_step_blocked, within)
 from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.phases import COMM_PARTS, share_base, whole_phases  # noqa: E402
 
@@ -473,12 +473,12 @@ def blocked_line(r: dict) -> str:
     rule with each launch at its call's start, the rule with no launch latency, and the rule less the compute stream's
     own gaps (``nccl_truth.own_gaps``), each with its steps within."""
     rows = [row for row in r["rows"] if row.get("blocked") is not None and timed(row)]
-    ok = sum(abs(blocked_diff(row)) <= max(0.1, 0.02 * row["blocked"]) for row in rows)
+    ok = sum(within(row["wait"], row["blocked"]) for row in rows)
     worst = max((blocked_diff(row) for row in rows), key=abs, default=0.0)
     n = len(rows) or 1
     mean = {k: sum(row.get(k) or 0.0 for row in rows) / n for k in ("blocked", "truth", "blocked_unmatched",
                                                                      "blocked_at_call_start", "blocked_no_latency")}
-    near = sum(abs(row["wait"] - row["blocked_no_latency"]) <= max(0.1, 0.02 * row["blocked_no_latency"])
+    near = sum(within(row["wait"], row["blocked_no_latency"])
                for row in rows if row.get("blocked_no_latency") is not None)
     line = (f"{r['case']:14} rank {r['rank']}: {ok}/{len(rows)} steps within 0.1 ms or 2% of the blocked rule, "
             f"largest gap {worst:+.3f} ms; blocked {mean['blocked']:.3f} ms a step vs queued {mean['truth']:.3f}; in "
@@ -487,12 +487,12 @@ def blocked_line(r: dict) -> str:
             f"{len(rows)} within 0.1 ms or 2%)")
     own = [row for row in rows if row.get("blocked_less_own") is not None]
     if own:
-        near = sum(abs(row["wait"] - row["blocked_less_own"]) <= max(0.1, 0.02 * row["blocked_less_own"]) for row in own)
+        near = sum(within(row["wait"], row["blocked_less_own"]) for row in own)
         line += (f"; less the compute stream's own gaps {sum(row['blocked_less_own'] for row in own) / len(own):.3f} "
                  f"({near}/{len(own)} steps within 0.1 ms or 2%)")
     waited = [row for row in rows if row.get("waited") is not None]
     if waited:
-        near = sum(abs(row["wait"] - row["waited"]) <= max(0.1, 0.02 * row["waited"]) for row in waited)
+        near = sum(within(row["wait"], row["waited"]) for row in waited)
         line += (f"; with the compute stream's waits queued {sum(row['waited'] for row in waited) / len(waited):.3f} "
                  f"({near}/{len(waited)} steps within 0.1 ms or 2%)")
     return line

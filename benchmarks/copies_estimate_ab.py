@@ -24,6 +24,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import nccl_latency  # noqa: E402
+from benchmarks.nccl_truth import within  # noqa: E402
 
 STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "lowest": min,
                                                          "mean": statistics.fmean}
@@ -58,10 +59,6 @@ def rows(text: str) -> list[tuple[str, int, int, float, float, float, int | None
             except ValueError:
                 continue
     return out
-
-
-def within(wait: float, rule: float) -> bool:
-    return abs(wait - rule) <= max(0.1, 0.02 * rule)
 
 
 def compare(text: str) -> dict[tuple[str, int], dict[str, int]]:

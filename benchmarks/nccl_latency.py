@@ -27,8 +27,8 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.nccl_truth import (  # noqa: E402
-    LAUNCH_LATENCY_US, _clip, _minus, _overlap, _union, blocked_windows, compute_stream, own_gap_medians, own_gaps,
-    queued_gaps, step_exposed)
+    LAUNCH_LATENCY_US, _clip, _overlap, _union, blocked_windows, compute_stream, own_gap_medians, per_step_blocked,
+    queued_gaps, step_exposed, within)
 from phase_timer.phases import COMM_PARTS  # noqa: E402
 
 
@@ -62,16 +62,15 @@ def per_step(acts: list[tuple], launches: dict[int, float], comm: str = "nccl") 
     late = blocked_windows(acts, launches, stream, (comm,), latency=LAUNCH_LATENCY_US)[0]
     now = blocked_windows(acts, launches, stream, (comm,), latency=0.0)[0]
     short = [w for w in now if w[1] - w[0] <= LAUNCH_LATENCY_US]
-    mine = own_gaps(acts, launches, stream, (comm,))
+    less_own = [row["less_own"] for row in per_step_blocked(acts, launches, (comm,))]
     rows = []
-    for lo, hi, exposed in step_exposed(acts, (comm,)):
+    for k, (lo, hi, exposed) in enumerate(step_exposed(acts, (comm,))):
 
         def inside(windows: list[tuple[float, float]]) -> float:
             merged = _union(_clip(windows, lo, hi))
             return sum(_overlap(a, b, merged) for a, b in exposed) / 1e3
 
-        kept = _minus(_union(_clip(late, lo, hi)), _union(_clip(mine, lo, hi)))
-        rows.append(dict(blocked=inside(late), no_latency=inside(now), short=inside(short), less_own=inside(kept),
+        rows.append(dict(blocked=inside(late), no_latency=inside(now), short=inside(short), less_own=less_own[k],
                          short_n=sum(1 for a, b in _clip(short, lo, hi) if _overlap(a, b, exposed) > 0)))
     return rows
 
@@ -121,10 +120,9 @@ def report(path: str) -> list[str]:
         pt = "-" if wait is None else f"{wait:8.3f}"
         lines.append(f"  {name} step {d['first'] + k}: blocked {row['blocked']:8.3f} (latency {LAUNCH_LATENCY_US:g} "
                      f"us), {row['no_latency']:8.3f} (none), of it {row['short']:6.3f} in {row['short_n']} windows of "
-                     f"<= {LAUNCH_LATENCY_US:g} us; less the stream's own gaps {row['less_own']:8.3f}; phase-timer {pt}")
-    near = [(abs(w - row["blocked"]) <= max(0.1, 0.02 * row["blocked"]),
-             abs(w - row["less_own"]) <= max(0.1, 0.02 * row["less_own"]))
-            for w, row in waits if w is not None]
+                     f"<= {LAUNCH_LATENCY_US:g} us; less the stream's own gaps {row['less_own']:8.3f}; "
+                     f"phase-timer {pt}")
+    near = [(within(w, row["blocked"]), within(w, row["less_own"])) for w, row in waits if w is not None]
     if near:
         lines.append(f"  {name}: phase-timer within 0.1 ms or 2% on {sum(a for a, _ in near)}/{len(near)} steps of the "
                      f"blocked rule, {sum(b for _, b in near)}/{len(near)} of it less the stream's own gaps")

@@ -249,6 +249,11 @@ def blocked_windows(activities: Sequence[Activity], launches: Mapping[int, float
     return windows, unmatched
 
 
+def within(value: float, truth: float) -> bool:
+    """Whether ``value`` lies within 0.1 ms or 2% of ``truth`` (ms): issue 47's bound on a step's wait."""
+    return abs(value - truth) <= max(0.1, 0.02 * truth)
+
+
 def _kind(activity: Activity) -> str:
     return "memcpy" if activity[3] == "memcpy" else "memset" if activity[3] == "memset" else "kernel"
 
