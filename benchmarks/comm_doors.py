@@ -65,16 +65,31 @@ class Profiled:
         return rows
 
 
-def copies_estimate(log_dir: str) -> float | None:
-    """phase-timer's estimate of DDP's copies a synced backward (its run summary's), or None (none timed).  A step's
-    ``comm_wait`` is its span less this, never below zero: ``comm_wait + estimate`` is the span where it is positive."""
+def copies_estimate(log_dir: str) -> tuple[float | None, float | None]:
+    """phase-timer's estimates of DDP's copies a synced backward (its run summary's ``copies_ms`` and, where a step
+    waited, ``copies_waited_ms``), or None (none timed).  A step's ``comm_wait`` is its span less one of them, never
+    below zero (``run.less_copies``): :func:`span_of` undoes it where it is positive."""
     from phase_timer.outputs.run_summary import FILE_NAME
 
     for root, _dirs, files in os.walk(log_dir):
         if FILE_NAME in files:
             with open(os.path.join(root, FILE_NAME)) as fh:
-                return (json.load(fh).get("communication") or {}).get("copies_ms")
-    return None
+                block = json.load(fh).get("communication") or {}
+            return block.get("copies_ms"), block.get("copies_waited_ms")
+    return None, None
+
+
+def span_of(wait: float, copy: float | None, low: float | None) -> float | None:
+    """The span before DDP's copies came off, from a step's ``comm_wait`` (positive) and the run's two estimates:
+    ``run.less_copies`` took ``low`` where the span exceeded ``copy`` by more than ``WAITED_MS``, i.e. where the wait
+    exceeds ``copy - low + WAITED_MS``; else ``copy`` (None: no estimate)."""
+    from phase_timer.measures.comm.run import WAITED_MS
+
+    if copy is None:
+        return None
+    if low is not None and wait > copy - low + WAITED_MS:
+        return wait + low
+    return wait + copy
 
 
 def tokens(args: argparse.Namespace) -> list[torch.Tensor]:
@@ -180,14 +195,15 @@ def main() -> None:
                 for e in acc.Scalars(step_tag(part)):
                     series[e.step] = series.get(e.step, 0.0) + e.value
     steps = sorted(series)[-len(truth):] if truth else []
-    copy_ms = copies_estimate(log_dir)
+    copy_ms, copy_low_ms = copies_estimate(log_dir)
     lines = [code_line(), f"# {torch.cuda.get_device_name()}; torch {torch.__version__}; the {args.door} door under "
              f"its own DDP, world {os.environ.get('WORLD_SIZE', '1')}; GPT width {args.width} x {args.depth}, batch {args.batch} x "
              f"{args.seq} a rank; {args.steps} steps, the last {args.profiled} profiled; rank 0, each row one step",
              "queued: the union rule with the compute stream's launch gaps (<= 3 us) filled; strict: as is; blocked: "
              "the queued rule where the compute stream has its next kernel launched, from the call's end and the "
              "device's launch latency (comm_nccl.py --launches); before cp: comm_wait with phase-timer's estimate of "
-             f"DDP's copies ({fmt(copy_ms).strip()} ms a synced backward, its summary's) added back; copies, run: the "
+             f"DDP's copies ({fmt(copy_ms).strip()} ms a synced backward, {fmt(copy_low_ms).strip()} on a step that "
+             "waited: its summary's) added back; copies, run: the "
              "profiler's device-to-device memcpy of the step, their own time and back to back (ms)",
              f"{'door':10} {'step':>5} {'comm_wait':>9} {'before cp':>9} {'queued':>8} {'diff':>8} {'strict':>8} "
              f"{'diff':>8} {'analyzers':>9} {'blocked':>8} {'diff':>8} {'copies':>8} {'run':>8}"]
@@ -198,7 +214,7 @@ def main() -> None:
         ok += abs(diff) <= max(0.1, 0.02 * t["exposed_queued"])
         strict_ok += abs(sdiff) <= max(0.1, 0.02 * t["exposed_stream"])
         blocked_ok += bdiff is not None and abs(bdiff) <= max(0.1, 0.02 * t["blocked"])
-        before = None if copy_ms is None else series[s] + copy_ms
+        before = span_of(series[s], copy_ms, copy_low_ms)
         lines.append(f"{args.door:10} {s:5d} {fmt(series[s], 9)} {fmt(before, 9)} {fmt(t['exposed_queued'])} "
                      f"{fmt(diff)} {fmt(t['exposed_stream'])} {fmt(sdiff)} {fmt(t['exposed'], 9)} "
                      f"{fmt(t.get('blocked'))} {fmt(bdiff)} {fmt(t['copies'])} {fmt(t['copies_run'])}")

@@ -351,6 +351,7 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
 
     run_comm = comm_run.find(core)
     copy_ms = run_comm.copy_ms if run_comm is not None else None
+    copy_low_ms = getattr(run_comm, "copy_low_ms", None)  # where a step waited (run.less_copies)
     copy_buckets = bucket_samples(run_comm) or []
     # the host-paced spans' correction (paced.PacedSpans): backwards corrected, ms taken in all, on at the end, and
     # the spans the second question kept whole (the device still in them at the optimizer step)
@@ -405,7 +406,8 @@ def run(case: str, args: argparse.Namespace, device: torch.device) -> dict:
     straggler = next((f for f in findings if f.kind == "RANK_STRAGGLER"), None)
     phases = {p: t.mean for p, t in totals.phases.items()} if totals is not None else {}
     inside = [p for p in whole_phases(phases) if share_base(p) == "step" and p != "step"]
-    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, copy_buckets=copy_buckets, paced=paced, where=where,
+    return dict(case=case, rank=rank, rows=rows, copy_ms=copy_ms, copy_low_ms=copy_low_ms, copy_buckets=copy_buckets,
+                paced=paced, where=where,
                 span_kernels=[ddp_marks.begins, ddp_marks.ends, ddp_marks.at_return, ddp_marks.odd,
                               sum(COMM_PARTS.keys() & raw.keys() != set() for raw, _ in steps.values()), len(steps)]
                 if ddp_marks is not None else None,
@@ -508,7 +510,8 @@ def copies_text(r: dict) -> str:
 
     rows = r["rows"]
     queued = [row for row in rows if (row.get("prof_copies_queued") or 0) >= 0.95]
-    return (f"copies estimate {fmt(r['copy_ms'])} vs profiler's own {fmt(median(rows, 'prof_copies'))}, back to back "
+    waited = f" ({r['copy_low_ms']:.3f} where a step waited)" if r.get("copy_low_ms") is not None else ""
+    return (f"copies estimate {fmt(r['copy_ms'])}{waited} vs profiler's own {fmt(median(rows, 'prof_copies'))}, back to back "
             f"{fmt(median(queued, 'prof_copies_run'))} on the {len(queued)} steps they ran queued, "
             f"{fmt(median(rows, 'prof_copies_run'))} over all (ms, medians)"
             + "".join(f"; bucket {k}: queued samples {q or '-'}, caught-up {c or '-'}"

@@ -2,14 +2,16 @@
 
     python benchmarks/copies_estimate_ab.py FILE [...] [--out FILE]
 
-phase-timer takes each bucket's median of its last queued samples off a synced backward's span (``run.RunComm``);
+phase-timer takes each bucket's median of its last queued samples off a synced backward's span, and each bucket's
+quickest sample off a span that exceeds the median's sum by more than ``run.WAITED_MS`` (``run.less_copies``);
 ``comm_nccl.py`` prints every bucket's queued samples and, per step, the span before the copies came off (``before
-cp``) and the blocked rule.  For each case and rank this recomputes the estimate with each statistic (the median,
-the lowest, the mean) and counts the steps whose wait (``before cp`` less the estimate, never below zero) lies
-within 0.1 ms or 2% of the rule.  A step the paced path corrected (``paced.PacedSpans``: the rows' ``paced`` column)
+cp``) and the blocked rule.  For each case and rank this recomputes each step's wait (never below zero) with each
+statistic of the samples (the median, the lowest, the mean, and ``waited``: the median, the lowest on a step that
+waited, as ``run.less_copies``) and counts the steps within 0.1 ms or 2% of the rule.  A step the paced path corrected (``paced.PacedSpans``: the rows' ``paced`` column)
 is left out: its record already holds the host's time less the run's estimate, which another estimate would not
 move; a table without that column leaves out every case and rank whose summary counts a correction.  So is a step
-whose printed wait is not ``before cp`` less the run's own estimate (within 5 µs).
+whose printed wait is not ``before cp`` less the run's own estimate (within 5 µs; where the table prints the run's
+estimate for a step that waited, ``run.less_copies`` of the two).
 """
 
 from __future__ import annotations
@@ -25,23 +27,35 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import nccl_latency  # noqa: E402
 from benchmarks.nccl_truth import within  # noqa: E402
+from phase_timer.measures.comm.run import less_copies  # noqa: E402
 
-STATISTICS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "lowest": min,
-                                                         "mean": statistics.fmean}
+
+def _each(stat: Callable[[list[float]], float]) -> Callable[[float, list[list[float]]], float]:
+    return lambda before, vals: max(0.0, before - sum(stat(v) for v in vals))
+
+
+#: A step's wait from its span before the copies came off and its buckets' samples.
+STATISTICS: dict[str, Callable[[float, list[list[float]]], float]] = {
+    "median": _each(statistics.median), "lowest": _each(min), "mean": _each(statistics.fmean),
+    "waited": lambda before, vals: less_copies(before, sum(statistics.median(v) for v in vals),
+                                               sum(min(v) for v in vals))}
 SAMPLES = re.compile(r"bucket (\d+): queued samples (\[[^\]]*\]|-)")
 
 
-def samples(text: str, per_step: bool = False) -> dict[tuple[str, int], tuple[float, list[list[float]]]]:
-    """Each case's and rank's copies' estimate as the run took it and its buckets' queued samples (ms), from its
-    queued-rule summary line; without ``per_step`` (the rows' own ``paced`` column), none for a case and rank whose
-    paced path corrected a backward (its span's record holds that correction, itself the host's time less the
-    estimate: another estimate would not move it)."""
+def samples(text: str, per_step: bool = False) -> dict[tuple[str, int], tuple[float, float | None, list[list[float]]]]:
+    """Each case's and rank's copies' estimate as the run took it (and where a step waited: None where the table
+    does not print one) and its buckets' queued samples (ms), from its queued-rule summary line; without
+    ``per_step`` (the rows' own ``paced`` column), none for a case and rank whose paced path corrected a backward
+    (its span's record holds that correction, itself the host's time less the estimate: another estimate would not
+    move it)."""
     out = {}
     for line in text.splitlines():
-        head = re.match(r"(\S+)\s+rank (\d+): .*queued rule.*copies estimate\s+([\d.]+)", line)
+        head = re.match(r"(\S+)\s+rank (\d+): .*queued rule.*copies estimate\s+([\d.]+)"
+                        r"(?: \(([\d.]+) where a step waited\))?", line)
         paced = re.search(r"host-paced correction on (\d+) backwards", line)
         if head and "bucket 0:" in line and (per_step or not (paced and int(paced.group(1)))):
-            out[(head.group(1), int(head.group(2)))] = (float(head.group(3)), [
+            low = float(head.group(4)) if head.group(4) else None
+            out[(head.group(1), int(head.group(2)))] = (float(head.group(3)), low, [
                 [float(v) for v in s.strip("[]").split(",")] for _, s in SAMPLES.findall(line) if s != "-"])
     return out
 
@@ -68,16 +82,16 @@ def compare(text: str) -> dict[tuple[str, int], dict[str, int]]:
     buckets = samples(text, per_step)
     out: dict[tuple[str, int], dict[str, int]] = {}
     for case, rank, _, wait, before, rule, paced in steps:
-        taken, vals = buckets.get((case, rank), (0.0, []))
+        taken, low, vals = buckets.get((case, rank), (0.0, None, []))
         if not vals or paced:  # a step the paced path corrected: its record holds that correction
             continue
-        est = {name: sum(stat(v) for v in vals) for name, stat in STATISTICS.items()}
-        if abs(max(0.0, before - taken) - wait) > 0.005:
+        as_run = max(0.0, before - taken) if low is None else less_copies(before, taken, low)
+        if abs(as_run - wait) > 0.005:
             continue  # not the span less the run's estimate: a host-paced step's own correction
         counts = out.setdefault((case, rank), {"n": 0, **{name: 0 for name in STATISTICS}})
         counts["n"] += 1
-        for name, e in est.items():
-            counts[name] += within(max(0.0, before - e), rule)
+        for name, stat in STATISTICS.items():
+            counts[name] += within(stat(before, vals), rule)
     return out
 
 

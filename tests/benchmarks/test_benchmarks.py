@@ -150,12 +150,18 @@ def test_the_doors_benchmark_reads_the_copies_estimate_off_rank_zero_s_summary(t
     import json
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.comm_doors import copies_estimate
+    from benchmarks.comm_doors import copies_estimate, span_of
+    from phase_timer.measures.comm.run import less_copies
     from phase_timer.outputs.run_summary import FILE_NAME
 
-    assert copies_estimate(str(tmp_path)) is None
+    assert copies_estimate(str(tmp_path)) == (None, None)
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / FILE_NAME).write_text(json.dumps({"communication": {"copies_ms": 0.812}}))
-    assert copies_estimate(str(tmp_path)) == 0.812
+    (tmp_path / "run" / FILE_NAME).write_text(json.dumps({"communication": {"copies_ms": 0.812,
+                                                                            "copies_waited_ms": 0.7}}))
+    assert copies_estimate(str(tmp_path)) == (0.812, 0.7)
     (tmp_path / "run" / FILE_NAME).write_text(json.dumps({"communication": None}))
-    assert copies_estimate(str(tmp_path)) is None
+    assert copies_estimate(str(tmp_path)) == (None, None)
+    # span_of undoes run.less_copies wherever the wait is positive, on either side of WAITED_MS
+    for span in (0.9, 1.0, 1.061, 1.063, 1.2, 5.0):
+        assert span_of(less_copies(span, 0.812, 0.7), 0.812, 0.7) == pytest.approx(span), span
+    assert span_of(0.3, 0.812, None) == pytest.approx(1.112) and span_of(0.3, None, None) is None

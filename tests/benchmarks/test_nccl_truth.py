@@ -450,8 +450,9 @@ def test_comm_nccl_s_summary_counts_the_steps_within_the_rule_less_the_stream_s_
 def test_the_copies_estimate_a_b_recomputes_each_step_with_each_statistic(tmp_path):
     """``copies_estimate_ab.py`` on a hand-made ``comm_nccl.py`` output: one bucket's samples 0.10, 0.26, 0.33 ms (the
     run took the median, 0.26); a step that waited 5.0 ms by the rule, its span 5.3 before the copies came off, reads
-    5.04 with the median (within), 5.2 with the lowest (out); a step whose printed wait is not its span less the
-    run's estimate (a host-paced step's own correction) is not compared."""
+    5.04 with the median (within), 5.2 with the lowest (out), and 5.2 as phase-timer takes it (the span exceeds the
+    median by more than ``WAITED_MS``: the lowest); a step whose printed wait is not its span less the run's estimate
+    (a host-paced step's own correction) is not compared."""
     from benchmarks import copies_estimate_ab
 
     head = ("ddp_late       rank 0: 2/2 steps within 0.1 ms or 2% of the queued rule (2/2 of the strict); copies "
@@ -459,16 +460,23 @@ def test_the_copies_estimate_a_b_recomputes_each_step_with_each_statistic(tmp_pa
     row = "ddp_late 0 {} {} {} 0 0 0 0 0 0 0 0 50 50 0.01 {} 0"
     text = "\n".join(["phase_timer tree abc", head, row.format(28, 5.04, 5.3, 5.0), row.format(29, 1.0, 5.3, 1.0)])
     got = copies_estimate_ab.compare(text)
-    assert got == {("ddp_late", 0): {"n": 1, "median": 1, "lowest": 0, "mean": 1}}
+    assert got == {("ddp_late", 0): {"n": 1, "median": 1, "lowest": 0, "mean": 1, "waited": 0}}
     path = tmp_path / "run.txt"
     path.write_text(text)
     lines = copies_estimate_ab.report(str(path))
     assert lines[0].endswith("phase_timer tree abc")
-    assert lines[-1] == "  all: 1 steps; median 1, lowest 0, mean 1"
+    assert lines[-1] == "  all: 1 steps; median 1, lowest 0, mean 1, waited 0"
     # the paced path corrected some backward of this rank: without the rows' paced column, the rank is left out
     assert copies_estimate_ab.compare(text.replace(", caught-up -", ", caught-up -; host-paced correction on 1 "
                                                    "backwards, 1.0 ms in all")) == {}
     # with it, only the corrected step is (its record holds the correction)
     flagged = "\n".join(["phase_timer tree abc", head + "; host-paced correction on 1 backwards",
                           row.format(28, 5.04, 5.3, 5.0) + " 0", row.format(30, 5.04, 5.3, 5.0) + " 1"])
-    assert copies_estimate_ab.compare(flagged) == {("ddp_late", 0): {"n": 1, "median": 1, "lowest": 0, "mean": 1}}
+    assert copies_estimate_ab.compare(flagged) == {("ddp_late", 0): {"n": 1, "median": 1, "lowest": 0, "mean": 1,
+                                                                     "waited": 0}}
+    # a table that prints the run's estimate for a step that waited: its steps were taken so (5.3 - 0.1 = 5.2 is as
+    # run, 5.04 is not)
+    waited = head.replace("0.260 vs", "0.260 (0.100 where a step waited) vs")
+    text = "\n".join(["phase_timer tree abc", waited, row.format(28, 5.2, 5.3, 5.0), row.format(29, 5.04, 5.3, 5.0)])
+    assert copies_estimate_ab.compare(text) == {("ddp_late", 0): {"n": 1, "median": 1, "lowest": 0, "mean": 1,
+                                                                  "waited": 0}}

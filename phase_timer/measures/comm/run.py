@@ -20,6 +20,22 @@ PREFIX = "comm"
 #: DDP's copies' estimate: each bucket's median over its last COPY_KEEP samples of the copies' own time (queued, back
 #: to back, or slower than their launches: ``Copies.own``), summed over the buckets.
 COPY_KEEP = 3
+#: A step whose span exceeds the copies' estimate by more than this (ms) waited for its collectives (a late peer's):
+#: its copies ran after or beside collectives waiting, not moving data, and lose each bucket's quickest sample
+#: instead of its median (:func:`less_copies`).
+WAITED_MS = 0.25
+
+
+def less_copies(span: float, copy: float, low: float) -> float:
+    """A step's ``backward.comm_wait`` less DDP's copies, never below zero: ``copy`` (each bucket's median, summed),
+    or ``low`` (each bucket's quickest sample, summed) where the span exceeds ``copy`` by more than ``WAITED_MS``.
+
+    A bucket's copies run at two speeds on a GPU: beside collectives that move data (NCCL's kernels share the
+    device's memory and SMs: ~1.5x slower), or beside none, or beside collectives that wait for a peer.  A rank that
+    waits for a late peer runs its copies the second way, after each wait; a step that waits for nobody, the first
+    way.  Increasing in ``span`` (``low <= copy``), so sorted values stay sorted."""
+    taken = low if span > copy + WAITED_MS else copy
+    return span - taken if span > taken else 0.0
 
 
 def copy_note(run: RunComm) -> str | None:
@@ -31,8 +47,12 @@ def copy_note(run: RunComm) -> str | None:
                  "taken for them, and a step whose copies queue keeps them in backward.comm_wait")
         if not run.copy_ms and unqueued:
             return f"DDP's copies into .grad, sampled on {run.copy_samples} backwards: {paced}"
+        waited = (f"; {run.copy_low_ms:.3f} ms, each bucket's quickest sample, on a step whose span exceeds that by "
+                  f"{WAITED_MS} ms: its copies ran beside collectives waiting for a peer"
+                  if run.copy_low_ms is not None and run.copy_low_ms < run.copy_ms else "")
         return (f"DDP's copies into .grad ({run.copy_ms:.3f} ms a synced backward, timed where they run on "
-                f"{run.copy_samples} sampled backwards) are backward's and are taken off backward.comm_wait"
+                f"{run.copy_samples} sampled backwards{waited}) are backward's and are taken off "
+                "backward.comm_wait"
                 + (f"; {paced}" if unqueued else ""))
     if run.copy and run.untimed_copies:
         return ("DDP's copies into .grad are inside backward.comm_wait (a parameter without a gradient on this rank, "
@@ -104,12 +124,16 @@ class RunComm(Measure):
         #: queued before the device reached them (the copies' own time, back to back), and the others (the device
         #: caught up with the host among them: an estimate, ``Copies.ms``).
         self._copy_buckets: dict[int, list[tuple[deque[float], deque[float]]]] = {}
-        #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed).
+        #: A module's split (its id) -> its copies' estimate (ms: its buckets' medians, summed), and on a step that
+        #: waited (each bucket's quickest sample, summed).
         self._copy_module: dict[int, float] = {}
+        self._copy_low: dict[int, float] = {}
         #: DDP's copies as they run in its end-of-backward (each bucket's, from before its first copy to after
         #: its last, summed), taken off ``backward.comm_wait``: ms a synced backward (each module's
         #: buckets' medians, summed, over the modules), or None.
         self.copy_ms: float | None = None
+        #: The same where a step waited for its collectives (:func:`less_copies`): each bucket's quickest sample.
+        self.copy_low_ms: float | None = None
         self._copy_counts: dict[int, int] = {}  # a module's split (its id) -> its samples read
         #: A module whose copies are not timed (DDP read its used-parameter map among them): they stay in the wait.
         self.untimed_copies = False
@@ -143,7 +167,9 @@ class RunComm(Measure):
             # at the pace of DDP's launches, 3-5x their own on 2 x H200, which a host-paced step loses whole where
             # the paced path's questions say so (paced.PacedSpans); a bucket with no such sample adds nothing.
             self._copy_module[key] = float(sum(statistics.median(own) for own, _ in buckets if own))
+            self._copy_low[key] = float(sum(min(own) for own, _ in buckets if own))
             self.copy_ms = sum(self._copy_module.values())
+            self.copy_low_ms = sum(self._copy_low.values())
 
     def forget_copies(self, probe: Any) -> None:
         """One module's copies are untimed from now on: its samples and estimate go (those not resolved yet too)."""
@@ -153,8 +179,10 @@ class RunComm(Measure):
         self._copy_pending = deque(item for item in self._copy_pending if item[0] != key)
         self._copy_buckets.pop(key, None)
         self._copy_module.pop(key, None)
+        self._copy_low.pop(key, None)
         self._copy_counts.pop(key, None)
         self.copy_ms = sum(self._copy_module.values()) if self._copy_module else None
+        self.copy_low_ms = sum(self._copy_low.values()) if self._copy_low else None
 
     @property
     def copy_samples(self) -> int:
@@ -178,14 +206,15 @@ class RunComm(Measure):
         return self._copy_module.get(id(probe), 0.0)
 
     def take_copies(self, columns: dict[str, list[float]], comm: dict[str, float]) -> None:
-        """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, never below zero, copies or not:
-        a host-paced step's own correction may take more than its span, ``paced.PacedSpans._settle``; sorted stays
-        sorted) and off its sampled exposed wait."""
+        """Take DDP's copies off a window's ``backward.comm_wait`` (each step's, :func:`less_copies`, never below
+        zero, copies or not: a host-paced step's own correction may take more than its span,
+        ``paced.PacedSpans._settle``; sorted stays sorted) and off its sampled exposed wait."""
         self.resolve_copies()
         copy = self.copy_ms or 0.0
+        low = self.copy_low_ms or 0.0
         waits = columns.get(WAIT)
         if waits and (copy or waits[0] < 0):
-            columns[WAIT] = [v - copy if v > copy else 0.0 for v in waits]
+            columns[WAIT] = [less_copies(v, copy, low) for v in waits]
         if copy and comm.get(COMM_SAMPLES):
             comm[COMM_WAIT_MS] = max(0.0, comm[COMM_WAIT_MS] - copy * comm[COMM_SAMPLES])
 
@@ -195,8 +224,7 @@ class RunComm(Measure):
             self.resolve_copies()
         wait = ms.get(WAIT)
         if wait is not None:
-            copy = self.copy_ms or 0.0
-            ms[WAIT] = wait - copy if wait > copy else 0.0
+            ms[WAIT] = less_copies(wait, self.copy_ms or 0.0, self.copy_low_ms or 0.0)
 
     # -- the measure -------------------------------------------------------------------------
     def window(self, columns: dict[str, list[float]]) -> dict[str, float]:
@@ -224,7 +252,7 @@ class RunComm(Measure):
         out = out or {}
         return {"collectives_ms": out.get("collectives_ms"), "exposed_ms": out.get("exposed_ms"),
                 "samples": out.get("samples", 0), "hidden_share": out.get("hidden_share"), "hook": self.hook,
-                "copies_ms": self.copy_ms, "copy_samples": self.copy_samples,
+                "copies_ms": self.copy_ms, "copies_waited_ms": self.copy_low_ms, "copy_samples": self.copy_samples,
                 "copies_unqueued": self.copy_unqueued}
 
     def as_dict(self) -> dict[str, float] | None:

@@ -220,6 +220,36 @@ def test_the_copy_is_taken_off_each_step_and_never_below_zero() -> None:
     assert step == {WAIT: 0.0, "backward": 9.0}
 
 
+def test_a_step_that_waited_loses_each_bucket_s_quickest_sample() -> None:
+    """A bucket's copies run ~1.5x slower beside collectives that move data than beside collectives waiting for a
+    late peer (2 x H200: 0.065 or 0.045 ms for 12 copies): a step whose span exceeds the copies' median estimate by
+    more than ``WAITED_MS`` waited, and loses each bucket's quickest sample; one within it loses the median."""
+    from phase_timer.timing.clock import HostClock
+
+    run, probe, ms = comm.RunComm(), object(), 1_000_000
+    for slow, quick in ((0.065, 0.05), (0.045, 0.08), (0.07, 0.09)):  # two buckets, three samples each
+        run.add_copies(probe, [Copies(0, int(slow * ms), int(slow * ms), int(slow * ms), False),
+                               Copies(0, int(quick * ms), int(quick * ms), int(quick * ms), False)], HostClock())
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(0.065 + 0.08) and run.copy_low_ms == pytest.approx(0.045 + 0.05)
+    median, low = run.copy_ms, run.copy_low_ms
+    just = median + comm_run.WAITED_MS
+    columns = {WAIT: [0.1, just, just + 0.001, 5.0], "backward": [9.0] * 4}
+    run.take_copies(columns, {})
+    assert columns[WAIT] == pytest.approx([0.0, just - median, just + 0.001 - low, 5.0 - low])
+    assert columns[WAIT] == sorted(columns[WAIT])  # the window's values stay sorted
+    step = {WAIT: 5.0}
+    run.take_copy(step)
+    assert step[WAIT] == pytest.approx(5.0 - low)
+    step = {WAIT: 0.2}
+    run.take_copy(step)
+    assert step[WAIT] == pytest.approx(0.2 - median)
+    assert run.summary()["copies_waited_ms"] == pytest.approx(low)
+    assert f"{low:.3f} ms, each bucket's quickest sample" in comm_run.copy_note(run)
+    run.forget_copies(probe)
+    assert run.copy_ms is None and run.copy_low_ms is None
+
+
 def test_a_second_timer_keeps_the_split_when_the_first_closes(tmp_path) -> None:
     model = ddp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
