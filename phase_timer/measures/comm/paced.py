@@ -240,7 +240,9 @@ class PacedSpans:
             self._armed.callback = start
 
     def _own_ms(self, host_ms: float) -> float:
-        """What a span's wait can lose: the host's time in it less the module's copies (they come off every step)."""
+        """What a span's wait can lose: the host's time in it less the module's copies' median estimate (it comes off
+        every step; a step left with more than ``run.WAITED_MS`` loses each bucket's quickest sample instead, and reads
+        high by the difference: ``run.less_copies``)."""
         run = self._run
         return host_ms - (run.module_copy_ms(self) if run is not None else 0.0)
 

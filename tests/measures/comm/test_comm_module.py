@@ -245,8 +245,16 @@ def test_a_step_that_waited_loses_each_bucket_s_quickest_sample() -> None:
     run.take_copy(step)
     assert step[WAIT] == pytest.approx(0.2 - median)
     assert run.summary()["copies_waited_ms"] == pytest.approx(low)
-    assert f"{low:.3f} ms, each bucket's quickest sample" in comm_run.copy_note(run)
+    assert (f"{low:.3f} ms, each bucket's quickest sample, on a step whose span exceeds {median:.3f} by more than "
+            f"{comm_run.WAITED_MS} ms") in comm_run.copy_note(run)
+    assert comm_run.less_copies(-0.4, median, low) == 0.0  # a host-paced correction past the span: never below 0
+    second = object()  # a second module: both estimates summed over the modules, each forgotten with its own
+    run.add_copies(second, [Copies(0, int(0.03 * ms), int(0.03 * ms), int(0.03 * ms), False)], HostClock())
+    run.resolve_copies()
+    assert run.copy_ms == pytest.approx(median + 0.03) and run.copy_low_ms == pytest.approx(low + 0.03)
     run.forget_copies(probe)
+    assert run.copy_ms == pytest.approx(0.03) and run.copy_low_ms == pytest.approx(0.03)
+    run.forget_copies(second)
     assert run.copy_ms is None and run.copy_low_ms is None
 
 
