@@ -511,7 +511,8 @@ def copies_text(r: dict) -> str:
     rows = r["rows"]
     queued = [row for row in rows if (row.get("prof_copies_queued") or 0) >= 0.95]
     waited = f" ({r['copy_low_ms']:.3f} where a step waited)" if r.get("copy_low_ms") is not None else ""
-    return (f"copies estimate {fmt(r['copy_ms'])}{waited} vs profiler's own {fmt(median(rows, 'prof_copies'))}, back to back "
+    return (f"copies estimate {fmt(r['copy_ms'])}{waited} vs profiler's own {fmt(median(rows, 'prof_copies'))}, "
+            "back to back "
             f"{fmt(median(queued, 'prof_copies_run'))} on the {len(queued)} steps they ran queued, "
             f"{fmt(median(rows, 'prof_copies_run'))} over all (ms, medians)"
             + "".join(f"; bucket {k}: queued samples {q or '-'}, caught-up {c or '-'}"

@@ -7,10 +7,10 @@ quickest sample off a span that exceeds the median's sum by more than ``run.WAIT
 ``comm_nccl.py`` prints every bucket's queued samples and, per step, the span before the copies came off (``before
 cp``) and the blocked rule.  For each case and rank this recomputes each step's wait (never below zero) with each
 statistic of the samples (the median, the lowest, the mean, and ``waited``: the median, the lowest on a step that
-waited, as ``run.less_copies``) and counts the steps within 0.1 ms or 2% of the rule.  A step the paced path corrected (``paced.PacedSpans``: the rows' ``paced`` column)
-is left out: its record already holds the host's time less the run's estimate, which another estimate would not
-move; a table without that column leaves out every case and rank whose summary counts a correction.  So is a step
-whose printed wait is not ``before cp`` less the run's own estimate (within 5 µs; where the table prints the run's
+waited, as ``run.less_copies``) and counts the steps within 0.1 ms or 2% of the rule.  A step the paced path
+corrected (``paced.PacedSpans``: the rows' ``paced`` column) is left out: its record already holds the host's time
+less the run's estimate, which another estimate would not move; a table without that column leaves out every case
+and rank whose summary counts a correction.  So is a step whose printed wait is not ``before cp`` less the run's own estimate (within 5 µs; where the table prints the run's
 estimate for a step that waited, ``run.less_copies`` of the two).
 """
 
