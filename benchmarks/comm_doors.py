@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.comm_nccl import GPT, bucket_samples, fmt  # noqa: E402
 from benchmarks.nccl_truth import (  # noqa: E402
-    device_activities, device_intervals, launch_times, per_step, per_step_blocked)
+    device_activities, device_intervals, launch_times, per_step, per_step_blocked, within)
 from benchmarks.provenance import code_line  # noqa: E402
 from phase_timer.phases import COMM_PARTS
 from phase_timer.outputs.tags import step_tag  # noqa: E402
@@ -211,9 +211,9 @@ def main() -> None:
     for s, t in zip(steps, truth):
         diff, sdiff = series[s] - t["exposed_queued"], series[s] - t["exposed_stream"]
         bdiff = None if t.get("blocked") is None else series[s] - t["blocked"]
-        ok += abs(diff) <= max(0.1, 0.02 * t["exposed_queued"])
-        strict_ok += abs(sdiff) <= max(0.1, 0.02 * t["exposed_stream"])
-        blocked_ok += bdiff is not None and abs(bdiff) <= max(0.1, 0.02 * t["blocked"])
+        ok += within(series[s], t["exposed_queued"])
+        strict_ok += within(series[s], t["exposed_stream"])
+        blocked_ok += bdiff is not None and within(series[s], t["blocked"])
         before = span_of(series[s], copy_ms, copy_low_ms)
         lines.append(f"{args.door:10} {s:5d} {fmt(series[s], 9)} {fmt(before, 9)} {fmt(t['exposed_queued'])} "
                      f"{fmt(diff)} {fmt(t['exposed_stream'])} {fmt(sdiff)} {fmt(t['exposed'], 9)} "

@@ -612,8 +612,8 @@ def main() -> None:
                 sdiff = None if row["strict"] is None else row["wait"] - row["strict"]
                 if diff is not None and timed(row):
                     n += 1
-                    ok += abs(diff) <= max(0.1, 0.02 * row["truth"])
-                    strict_ok += abs(sdiff) <= max(0.1, 0.02 * row["strict"])
+                    ok += within(row["wait"], row["truth"])
+                    strict_ok += within(row["wait"], row["strict"])
                     worst = diff if abs(diff) > abs(worst) else worst
                 lines.append(f"{r['case']:14} {r['rank']:4d} {row['step']:4d} {fmt(row['wait'], 9)} "
                              f"{fmt(row['raw'], 9)} {fmt(row['truth'])} {fmt(diff)} {fmt(row['strict'])} "
